@@ -1,0 +1,179 @@
+//! The producer SDK: submit tasks and read their state.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use ax::{Client, Priority, TaskSpec};
+//! use std::time::Duration;
+//! let nats = async_nats::connect("nats://127.0.0.1:4222").await?;
+//! let ax = Client::new(nats);
+//! let accepted = ax
+//!     .submit(
+//!         "emails",
+//!         TaskSpec::new("send_welcome")
+//!             .json(&serde_json::json!({"to": "a@example.com"}))
+//!             .priority(Priority::High)
+//!             .delay(Duration::from_secs(60))
+//!             .idempotency_key("welcome:user-42"),
+//!     )
+//!     .await?;
+//! println!("task {}", accepted.id);
+//! # Ok(()) }
+//! ```
+
+use crate::names::{self, Priority};
+use crate::protocol::{BackoffRequest, SubmitAccepted, SubmitReply, SubmitRequest, WireError};
+use crate::state::{ListFilter, StateError, TaskRecord, TaskStore};
+use base64::Engine;
+use std::time::Duration;
+
+/// A task to submit: a builder over the wire [`SubmitRequest`]; unset options take the
+/// server's defaults (normal priority, 5 attempts, 30 s timeout, 1 s..10 min backoff).
+#[derive(Debug, Clone)]
+pub struct TaskSpec(SubmitRequest);
+
+impl TaskSpec {
+    /// A task named `name` with a `null` JSON payload.
+    pub fn new(name: impl Into<String>) -> TaskSpec {
+        TaskSpec(SubmitRequest {
+            name: name.into(),
+            ..SubmitRequest::default()
+        })
+    }
+    /// A JSON payload.
+    pub fn json<T: serde::Serialize>(mut self, value: &T) -> TaskSpec {
+        self.0.payload = Some(serde_json::to_value(value).expect("payload serializes to JSON"));
+        self.0.payload_base64 = None;
+        self
+    }
+    /// A binary payload.
+    pub fn bytes(mut self, payload: &[u8]) -> TaskSpec {
+        self.0.payload_base64 = Some(base64::engine::general_purpose::STANDARD.encode(payload));
+        self.0.payload = None;
+        self
+    }
+    /// Priority (default normal).
+    pub fn priority(mut self, p: Priority) -> TaskSpec {
+        self.0.priority = Some(p.as_str().to_string());
+        self
+    }
+    /// Run after `d`.
+    pub fn delay(mut self, d: Duration) -> TaskSpec {
+        self.0.delay_ms = Some(d.as_millis().min(i64::MAX as u128) as i64);
+        self
+    }
+    /// Run at an RFC 3339 time.
+    pub fn run_at(mut self, rfc3339: impl Into<String>) -> TaskSpec {
+        self.0.run_at = Some(rfc3339.into());
+        self
+    }
+    /// Business idempotency key.
+    pub fn idempotency_key(mut self, key: impl Into<String>) -> TaskSpec {
+        self.0.idempotency_key = Some(key.into());
+        self
+    }
+    /// Attempts in all (default 5).
+    pub fn max_attempts(mut self, n: u32) -> TaskSpec {
+        self.0.max_attempts = Some(i64::from(n));
+        self
+    }
+    /// Hard timeout of one attempt (default 30 s).
+    pub fn timeout(mut self, d: Duration) -> TaskSpec {
+        self.0.timeout_ms = Some(d.as_millis().min(i64::MAX as u128) as i64);
+        self
+    }
+    /// Backoff base, max and jitter fraction.
+    pub fn backoff(mut self, base: Duration, max: Duration, jitter: f64) -> TaskSpec {
+        self.0.backoff = Some(BackoffRequest {
+            base_ms: Some(base.as_millis() as i64),
+            max_ms: Some(max.as_millis() as i64),
+            jitter: Some(jitter),
+        });
+        self
+    }
+    /// Retry only these error classes.
+    pub fn retry_on<I: IntoIterator<Item = S>, S: Into<String>>(mut self, classes: I) -> Self {
+        self.0.retry_on = Some(classes.into_iter().map(Into::into).collect());
+        self
+    }
+    /// Never retry these error classes.
+    pub fn no_retry_on<I: IntoIterator<Item = S>, S: Into<String>>(mut self, classes: I) -> Self {
+        self.0.no_retry_on = Some(classes.into_iter().map(Into::into).collect());
+        self
+    }
+    /// The wire request.
+    pub fn into_request(self) -> SubmitRequest {
+        self.0
+    }
+}
+
+/// Errors of the producer client.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The server refused the task (see [`WireError::code`]).
+    #[error("submit refused: {0}")]
+    Refused(#[from] WireError),
+    /// No reply: no ax server is listening, or it timed out. The task may or may not have
+    /// been accepted; resubmit with an idempotency key to be sure.
+    #[error("submit request: {0}")]
+    Request(#[from] async_nats::RequestError),
+    /// The reply was not valid JSON of the protocol's shape.
+    #[error("bad reply: {0}")]
+    BadReply(#[from] serde_json::Error),
+    /// Reading task state failed.
+    #[error(transparent)]
+    State(#[from] StateError),
+}
+
+/// A producer handle: cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Client {
+    nats: async_nats::Client,
+}
+
+impl Client {
+    /// Wraps a connected NATS client.
+    pub fn new(nats: async_nats::Client) -> Client {
+        Client { nats }
+    }
+
+    /// Submits a task to `queue` and waits for the server's answer.
+    pub async fn submit(&self, queue: &str, task: TaskSpec) -> Result<SubmitAccepted, ClientError> {
+        let body = serde_json::to_vec(&task.0).expect("request serializes");
+        self.submit_raw(queue, body).await
+    }
+
+    /// Submits a raw JSON body (for tools and tests of the wire protocol).
+    pub async fn submit_raw(
+        &self,
+        queue: &str,
+        body: Vec<u8>,
+    ) -> Result<SubmitAccepted, ClientError> {
+        let msg = self
+            .nats
+            .request(names::submit_subject(queue), body.into())
+            .await?;
+        match serde_json::from_slice::<SubmitReply>(&msg.payload)? {
+            SubmitReply::Accepted(a) => Ok(a),
+            SubmitReply::Error { error } => Err(ClientError::Refused(error)),
+        }
+    }
+
+    async fn store(&self) -> Result<TaskStore, ClientError> {
+        Ok(TaskStore::open(&async_nats::jetstream::new(self.nats.clone())).await?)
+    }
+
+    /// The current record of a task and its revision.
+    pub async fn task(&self, id: &str) -> Result<Option<(TaskRecord, u64)>, ClientError> {
+        Ok(self.store().await?.get(id).await?)
+    }
+
+    /// A task's stored transitions, oldest first.
+    pub async fn history(&self, id: &str) -> Result<Vec<(TaskRecord, u64)>, ClientError> {
+        Ok(self.store().await?.history(id).await?)
+    }
+
+    /// Task records matching `filter`.
+    pub async fn list(&self, filter: &ListFilter) -> Result<Vec<TaskRecord>, ClientError> {
+        Ok(self.store().await?.list(filter).await?)
+    }
+}

@@ -1,0 +1,44 @@
+//! # ax — a task scheduler native to NATS JetStream
+//!
+//! Services submit tasks by request/reply on `ax.submit.<queue>`; ax admits them
+//! (validation, idempotency key, priority, bounded capacity), holds delayed ones, and puts
+//! them on JetStream subjects partitioned by priority; workers pull, run and ack. JetStream is
+//! the only source of truth: every process here holds caches it can rebuild.
+//!
+//! ## Module map
+//! | module | concept |
+//! |---|---|
+//! | [`protocol`] | submit request / reply JSON and error codes |
+//! | [`names`] | subjects, stream, bucket and consumer names, priorities |
+//! | [`task`] | a validated task and its message headers |
+//! | [`backoff`] | exponential backoff with jitter |
+//! | [`state`] | task state records in the `AX_TASKS` KV bucket |
+//! | [`streams`] | the declarative topology in `streams/` and `apply` |
+//! | [`submit`] | level-1 admission (server side) |
+//! | [`schedule`] | delayed tasks: timer index and dispatch |
+//! | [`server`] | `ax server`: admission + dispatch |
+//! | [`worker`] | the Rust worker SDK |
+//! | [`client`] | the producer SDK |
+//! | [`metrics`] | Prometheus metric names and exporter |
+//! | [`natsd`] | a local nats-server for tests, benches and the demo |
+#![warn(missing_docs, unreachable_pub, rustdoc::broken_intra_doc_links)]
+
+pub mod backoff;
+pub mod client;
+pub mod metrics;
+pub mod names;
+pub mod natsd;
+pub mod protocol;
+pub mod schedule;
+pub mod server;
+pub mod state;
+pub mod streams;
+pub mod submit;
+pub mod task;
+pub mod worker;
+
+pub use client::{Client, ClientError, TaskSpec};
+pub use names::Priority;
+pub use server::{Server, ServerBuilder, ServerError};
+pub use state::{TaskRecord, TaskState};
+pub use worker::{Task, TaskError, Worker, WorkerBuilder};

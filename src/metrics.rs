@@ -1,0 +1,93 @@
+//! Prometheus metrics (S2-11). Names are constants so docs/METRICS in README and the Grafana
+//! dashboard have one place to match; [`describe`] registers their help texts and
+//! [`install_exporter`] serves `/metrics`.
+
+use std::net::SocketAddr;
+
+/// Gauge, server: tasks admitted or due but not yet in a ready subject (admission pressure).
+pub const PENDING_DISPATCH: &str = "ax_pending_dispatch";
+/// Gauge, worker `{queue}`: busy handler slots / concurrency, 0..=1 (executor saturation).
+pub const WORKER_BUSY_RATE: &str = "ax_worker_busy_rate";
+/// Gauge, worker `{queue}`: attempts ended by timeout (hard timeout or lost heartbeat) /
+/// attempts ended, over the last 60 s (live tasks wrongly killed).
+pub const TASK_TIMEOUT_RATE: &str = "ax_task_timeout_rate";
+/// Counter, server `{queue, priority}`: tasks accepted.
+pub const SUBMITTED: &str = "ax_tasks_submitted_total";
+/// Counter, server `{queue, code}`: submit requests refused, by error code.
+pub const SUBMIT_REJECTED: &str = "ax_submit_rejected_total";
+/// Counter, server `{queue}`: submits answered with an existing task (idempotency key).
+pub const SUBMIT_DUPLICATES: &str = "ax_submit_duplicates_total";
+/// Counter, server: delayed tasks moved to their ready subject.
+pub const DELAYED_DISPATCHED: &str = "ax_delayed_dispatched_total";
+/// Gauge, server: delayed tasks this server's timer index holds.
+pub const DELAYED_TRACKED: &str = "ax_delayed_tracked";
+/// Histogram, server: seconds from a delayed task's due time to its publish to ready.
+pub const DISPATCH_LAG: &str = "ax_dispatch_lag_seconds";
+/// Counter, worker `{queue, task}`: attempts that succeeded.
+pub const SUCCEEDED: &str = "ax_tasks_succeeded_total";
+/// Counter, worker `{queue, task, class}`: attempts that failed (any reason).
+pub const FAILED: &str = "ax_tasks_failed_total";
+/// Counter, worker `{queue, task}`: failed attempts scheduled for a retry.
+pub const RETRIED: &str = "ax_tasks_retried_total";
+/// Counter, worker `{queue, task}`: tasks moved to the dead-letter stream.
+pub const DEAD: &str = "ax_tasks_dead_total";
+/// Counter, worker `{queue, kind}`: attempts ended by `hard` timeout or lost `heartbeat`.
+pub const TIMEOUTS: &str = "ax_task_timeouts_total";
+/// Counter, worker `{queue}`: results refused because another attempt took over (stale
+/// fencing token, e.g. a late ack).
+pub const STALE_RESULTS: &str = "ax_stale_results_total";
+/// Histogram, worker `{queue, task}`: handler run time in seconds.
+pub const RUN_DURATION: &str = "ax_task_run_duration_seconds";
+/// Histogram, worker `{queue}`: seconds from ready (creation or due time) to attempt start.
+pub const QUEUE_WAIT: &str = "ax_task_queue_wait_seconds";
+
+/// Registers help texts for every metric.
+pub fn describe() {
+    use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+    describe_gauge!(
+        PENDING_DISPATCH,
+        "Tasks admitted or due but not yet published to a ready subject"
+    );
+    describe_gauge!(WORKER_BUSY_RATE, "Busy handler slots / concurrency (0..1)");
+    describe_gauge!(
+        TASK_TIMEOUT_RATE,
+        "Attempts ended by timeout / attempts ended, last 60 s"
+    );
+    describe_counter!(SUBMITTED, "Tasks accepted");
+    describe_counter!(SUBMIT_REJECTED, "Submit requests refused, by code");
+    describe_counter!(SUBMIT_DUPLICATES, "Submits answered by an existing task");
+    describe_counter!(DELAYED_DISPATCHED, "Delayed tasks moved to ready");
+    describe_gauge!(DELAYED_TRACKED, "Delayed tasks in this server's timer index");
+    describe_histogram!(DISPATCH_LAG, Unit::Seconds, "Due time to ready publish");
+    describe_counter!(SUCCEEDED, "Attempts that succeeded");
+    describe_counter!(FAILED, "Attempts that failed");
+    describe_counter!(RETRIED, "Failed attempts scheduled for retry");
+    describe_counter!(DEAD, "Tasks dead-lettered");
+    describe_counter!(TIMEOUTS, "Attempts ended by hard timeout or lost heartbeat");
+    describe_counter!(STALE_RESULTS, "Results refused for a stale fencing token");
+    describe_histogram!(RUN_DURATION, Unit::Seconds, "Handler run time");
+    describe_histogram!(QUEUE_WAIT, Unit::Seconds, "Ready to attempt start");
+}
+
+/// Errors starting the exporter.
+#[derive(Debug, thiserror::Error)]
+#[error("metrics exporter on {addr}: {source}")]
+pub struct ExporterError {
+    addr: SocketAddr,
+    source: metrics_exporter_prometheus::BuildError,
+}
+
+/// Installs the global recorder and serves `http://{addr}/metrics`. Call once per process,
+/// inside a tokio runtime.
+pub fn install_exporter(addr: SocketAddr) -> Result<(), ExporterError> {
+    let buckets = [
+        0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    ];
+    metrics_exporter_prometheus::PrometheusBuilder::new()
+        .with_http_listener(addr)
+        .set_buckets(&buckets)
+        .and_then(|b| b.install())
+        .map_err(|source| ExporterError { addr, source })?;
+    describe();
+    Ok(())
+}

@@ -1,0 +1,149 @@
+//! Names on the wire: priorities, queue names, subjects, stream, bucket and consumer names.
+//!
+//! Every subject ax uses is built here, so `docs/PROTOCOL.md` has one place to match.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::str::FromStr;
+
+/// Stream holding ready tasks of one priority (`AX_READY_HIGH`, ...).
+pub const READY_STREAM_PREFIX: &str = "AX_READY_";
+/// Stream holding delayed tasks until they are due.
+pub const DELAYED_STREAM: &str = "AX_DELAYED";
+/// Stream holding dead-lettered tasks.
+pub const DEAD_STREAM: &str = "AX_DEAD";
+/// KV bucket with one record per task (its state).
+pub const TASKS_BUCKET: &str = "AX_TASKS";
+/// KV bucket mapping idempotency keys to task ids.
+pub const IDEMPOTENCY_BUCKET: &str = "AX_IDEMPOTENCY";
+/// Queue group the ax servers' request handlers join.
+pub const SERVER_QUEUE_GROUP: &str = "ax";
+
+/// Task priority. Each priority of a queue is its own bounded JetStream subject.
+#[derive(
+    Debug, Default, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Priority {
+    /// Fetched first.
+    High,
+    /// The default.
+    #[default]
+    Normal,
+    /// Fetched last, but never starved (see the worker's pick policy).
+    Low,
+}
+
+impl Priority {
+    /// All priorities, highest first.
+    pub const ALL: [Priority; 3] = [Priority::High, Priority::Normal, Priority::Low];
+
+    /// The lowercase wire name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Priority::High => "high",
+            Priority::Normal => "normal",
+            Priority::Low => "low",
+        }
+    }
+
+    /// Index into [`Priority::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// The ready stream of this priority.
+    pub fn ready_stream(self) -> String {
+        format!("{READY_STREAM_PREFIX}{}", self.as_str().to_uppercase())
+    }
+}
+
+impl fmt::Display for Priority {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// An unknown priority name.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown priority {0:?} (expected high, normal or low)")]
+pub struct UnknownPriority(pub String);
+
+impl FromStr for Priority {
+    type Err = UnknownPriority;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "high" => Ok(Priority::High),
+            "normal" => Ok(Priority::Normal),
+            "low" => Ok(Priority::Low),
+            other => Err(UnknownPriority(other.to_string())),
+        }
+    }
+}
+
+/// Checks a queue name: 1 to 64 characters of `A-Z a-z 0-9 _ -`.
+///
+/// Queue names become subject tokens and consumer names, so no dots or wildcards.
+pub fn valid_queue(name: &str) -> bool {
+    valid_token(name, 64)
+}
+
+/// Checks a name usable as one subject token: 1..=max of `A-Z a-z 0-9 _ -`.
+pub fn valid_token(name: &str, max: usize) -> bool {
+    !name.is_empty()
+        && name.len() <= max
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+/// Subject a producer sends a submit request to.
+pub fn submit_subject(queue: &str) -> String {
+    format!("ax.submit.{queue}")
+}
+
+/// Subject of ready tasks of one queue and priority.
+pub fn ready_subject(queue: &str, priority: Priority) -> String {
+    format!("ax.ready.{queue}.{priority}")
+}
+
+/// Subject of delayed tasks of one queue and priority.
+pub fn delayed_subject(queue: &str, priority: Priority) -> String {
+    format!("ax.delayed.{queue}.{priority}")
+}
+
+/// Subject of dead-lettered tasks of one queue.
+pub fn dead_subject(queue: &str) -> String {
+    format!("ax.dead.{queue}")
+}
+
+/// Durable consumer name of one queue and priority.
+pub fn consumer_name(queue: &str, priority: Priority) -> String {
+    format!("ax_{queue}_{priority}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn priorities_round_trip() {
+        for p in Priority::ALL {
+            assert_eq!(p.as_str().parse::<Priority>().unwrap(), p);
+        }
+        assert_eq!(
+            "urgent".parse::<Priority>(),
+            Err(UnknownPriority("urgent".into()))
+        );
+        assert_eq!(Priority::High.ready_stream(), "AX_READY_HIGH");
+    }
+
+    #[test]
+    fn queue_names() {
+        assert!(valid_queue("emails-eu_1"));
+        assert!(!valid_queue(""));
+        assert!(!valid_queue("a.b"));
+        assert!(!valid_queue("a*"));
+        assert!(!valid_queue(&"x".repeat(65)));
+    }
+}

@@ -1,0 +1,235 @@
+//! `ax server`: applies the topology, answers submit requests, dispatches delayed tasks.
+//!
+//! Any number of servers may run against one NATS: submit handlers share the queue group
+//! `ax`, and delayed dispatch is idempotent (message ids, CAS on records, delete by
+//! sequence), so a second server only adds redundant work, never a second run.
+
+use crate::metrics as m;
+use crate::names;
+use crate::protocol::{ErrorCode, SubmitReply};
+use crate::schedule::{ScheduleError, Scheduler};
+use crate::state::StateError;
+use crate::streams::{self, StreamsError, Topology};
+use crate::submit::Admission;
+use crate::task::Limits;
+use futures::StreamExt;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{info, warn};
+
+/// Errors that stop a server.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    /// Applying streams failed.
+    #[error(transparent)]
+    Streams(#[from] StreamsError),
+    /// Opening a bucket failed.
+    #[error(transparent)]
+    State(#[from] StateError),
+    /// The delayed-task scheduler failed.
+    #[error(transparent)]
+    Schedule(#[from] ScheduleError),
+    /// Subscribing to the submit subject failed.
+    #[error("subscribe to {subject}: {source}")]
+    Subscribe {
+        /// Subject.
+        subject: String,
+        /// Underlying error.
+        source: async_nats::SubscribeError,
+    },
+}
+
+/// Server settings. Build with [`Server::builder`].
+#[derive(Debug, Clone)]
+pub struct Server {
+    queues: Vec<String>,
+    topology: Topology,
+    limits: Limits,
+    apply_streams: bool,
+    max_inflight_submits: usize,
+    dispatch_lookahead: Duration,
+    max_inflight_dispatch: usize,
+}
+
+/// Builder for [`Server`].
+///
+/// ```
+/// let server = ax::Server::builder()
+///     .queues(["emails", "reports"])
+///     .capacity([100, 1000, 5000])
+///     .build();
+/// # let _ = server;
+/// ```
+#[derive(Debug, Clone)]
+pub struct ServerBuilder(Server);
+
+impl Default for ServerBuilder {
+    fn default() -> Self {
+        ServerBuilder(Server {
+            queues: vec!["default".to_string()],
+            topology: Topology::default(),
+            limits: Limits::default(),
+            apply_streams: true,
+            max_inflight_submits: 4096,
+            dispatch_lookahead: Duration::from_millis(200),
+            max_inflight_dispatch: 20_000,
+        })
+    }
+}
+
+impl ServerBuilder {
+    /// Queues to declare at start (default `["default"]`). Queues declared elsewhere (by
+    /// `ax streams apply --queue` or another server) are accepted too.
+    pub fn queues<I: IntoIterator<Item = S>, S: Into<String>>(mut self, queues: I) -> Self {
+        self.0.queues = queues.into_iter().map(Into::into).collect();
+        self
+    }
+    /// Stream topology (capacities, ack wait, replicas); default [`Topology::default`].
+    pub fn topology(mut self, topology: Topology) -> Self {
+        self.0.topology = topology;
+        self
+    }
+    /// Per-queue capacity of the high, normal and low ready subjects (default
+    /// 1000 / 5000 / 10000).
+    pub fn capacity(mut self, capacity: [i64; 3]) -> Self {
+        self.0.topology.capacity = capacity;
+        self
+    }
+    /// Ack wait / heartbeat timeout of the ready consumers (default 30 s).
+    pub fn ack_wait(mut self, ack_wait: Duration) -> Self {
+        self.0.topology.ack_wait = ack_wait;
+        self
+    }
+    /// Submit limits (payload size, delay, attempts, timeout); default [`Limits::default`].
+    pub fn limits(mut self, limits: Limits) -> Self {
+        self.0.limits = limits;
+        self
+    }
+    /// Apply `streams/` at start (default true).
+    pub fn apply_streams(mut self, apply: bool) -> Self {
+        self.0.apply_streams = apply;
+        self
+    }
+    /// Most submit requests handled at once (default 4096); more wait in the client buffer.
+    pub fn max_inflight_submits(mut self, n: usize) -> Self {
+        self.0.max_inflight_submits = n.max(1);
+        self
+    }
+    /// How long before its due time a delayed task is read and armed (default 200 ms).
+    pub fn dispatch_lookahead(mut self, d: Duration) -> Self {
+        self.0.dispatch_lookahead = d;
+        self
+    }
+    /// Finishes the builder.
+    pub fn build(self) -> Server {
+        self.0
+    }
+}
+
+impl Server {
+    /// A builder with the documented defaults.
+    pub fn builder() -> ServerBuilder {
+        ServerBuilder::default()
+    }
+
+    /// Runs until `shutdown` is cancelled, then stops taking requests, finishes the ones in
+    /// flight and returns.
+    pub async fn run(
+        self,
+        client: async_nats::Client,
+        shutdown: CancellationToken,
+    ) -> Result<(), ServerError> {
+        let js = async_nats::jetstream::new(client.clone());
+        if self.apply_streams {
+            for applied in streams::apply(&js, &self.topology, &self.queues).await? {
+                info!(object = %applied.object, outcome = ?applied.outcome, "topology");
+            }
+        }
+        let admission =
+            Arc::new(Admission::open(js.clone(), self.limits.clone(), &self.queues).await?);
+        let subject = "ax.submit.*".to_string();
+        let mut requests = client
+            .queue_subscribe(subject.clone(), names::SERVER_QUEUE_GROUP.to_string())
+            .await
+            .map_err(|source| ServerError::Subscribe {
+                subject: subject.clone(),
+                source,
+            })?;
+        let scheduler = Scheduler {
+            js: js.clone(),
+            tasks: admission.tasks.clone(),
+            lookahead: self.dispatch_lookahead,
+            max_inflight: self.max_inflight_dispatch,
+        };
+        let sched_token = shutdown.child_token();
+        let sched = tokio::spawn(scheduler.run(sched_token.clone()));
+        info!(queues = ?self.queues, "ax server ready");
+
+        let permits = Arc::new(Semaphore::new(self.max_inflight_submits));
+        let tracker = TaskTracker::new();
+        let mut sched = std::pin::pin!(sched);
+        let outcome = loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => break Ok(()),
+                done = &mut sched => break match done {
+                    Ok(Ok(())) => Ok(()),
+                    Ok(Err(e)) => Err(ServerError::Schedule(e)),
+                    Err(join) => panic!("scheduler panicked: {join}"),
+                },
+                msg = requests.next() => {
+                    let Some(msg) = msg else { break Ok(()) };
+                    let permit = permits.clone().acquire_owned().await.expect("never closed");
+                    let admission = admission.clone();
+                    let client = client.clone();
+                    tracker.spawn(async move {
+                        handle(&admission, &client, msg).await;
+                        drop(permit);
+                    });
+                }
+            }
+        };
+        let _ = requests.unsubscribe().await;
+        sched_token.cancel();
+        tracker.close();
+        tracker.wait().await;
+        info!("ax server stopped");
+        outcome
+    }
+}
+
+async fn handle(admission: &Admission, client: &async_nats::Client, msg: async_nats::Message) {
+    let queue = msg
+        .subject
+        .strip_prefix("ax.submit.")
+        .unwrap_or_default()
+        .to_string();
+    let reply = match admission.submit(&queue, &msg.payload).await {
+        Ok(accepted) => {
+            if !accepted.duplicate {
+                metrics::counter!(m::SUBMITTED, "queue" => queue.clone()).increment(1);
+            }
+            SubmitReply::Accepted(accepted)
+        }
+        Err(error) => {
+            let code = serde_json::to_value(error.code)
+                .ok()
+                .and_then(|v| v.as_str().map(str::to_string))
+                .unwrap_or_default();
+            metrics::counter!(m::SUBMIT_REJECTED, "queue" => queue.clone(), "code" => code)
+                .increment(1);
+            if error.code == ErrorCode::Unavailable {
+                warn!(queue = %queue, cause = %error.message, "submit failed");
+            }
+            SubmitReply::Error { error }
+        }
+    };
+    if let Some(to) = msg.reply {
+        let body = serde_json::to_vec(&reply).expect("a reply serializes");
+        if let Err(e) = client.publish(to, body.into()).await {
+            warn!(cause = %e, "could not send submit reply");
+        }
+    }
+}

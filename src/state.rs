@@ -1,0 +1,333 @@
+//! Task state records in the `AX_TASKS` KV bucket (S0-6).
+//!
+//! One key per task id; every transition is a compare-and-set on the key's revision, so two
+//! writers (a late worker and the one that took over its redelivered attempt) can never both
+//! win. The revision written when an attempt starts is that attempt's fencing token (S2-9).
+
+use crate::names::{Priority, TASKS_BUCKET};
+use crate::task::{now_ms, TaskMeta};
+use async_nats::jetstream::{self, kv};
+use futures::StreamExt;
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// Where a task is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TaskState {
+    /// Held until its due time.
+    Scheduled,
+    /// In the ready queue, waiting for a worker.
+    Pending,
+    /// A worker is running an attempt.
+    Running,
+    /// An attempt failed; waiting for its backoff before the next one.
+    Retrying,
+    /// Finished successfully.
+    Succeeded,
+    /// Failed for good (non-retryable error or attempts exhausted); in the dead-letter stream.
+    Dead,
+}
+
+impl TaskState {
+    /// True for `succeeded` and `dead`: no further transition happens.
+    pub fn is_terminal(self) -> bool {
+        matches!(self, TaskState::Succeeded | TaskState::Dead)
+    }
+
+    /// The lowercase wire name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TaskState::Scheduled => "scheduled",
+            TaskState::Pending => "pending",
+            TaskState::Running => "running",
+            TaskState::Retrying => "retrying",
+            TaskState::Succeeded => "succeeded",
+            TaskState::Dead => "dead",
+        }
+    }
+}
+
+impl fmt::Display for TaskState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for TaskState {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        serde_json::from_value(serde_json::Value::String(s.to_string()))
+            .map_err(|_| format!("unknown state {s:?}"))
+    }
+}
+
+/// The last error of a task.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorInfo {
+    /// Error class (what `retry_on` / `no_retry_on` match).
+    pub class: String,
+    /// Message.
+    pub message: String,
+}
+
+/// The stored state of one task (JSON in `AX_TASKS`, key = task id).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TaskRecord {
+    /// Task id.
+    pub id: String,
+    /// Queue.
+    pub queue: String,
+    /// Task name.
+    pub name: String,
+    /// Priority.
+    pub priority: Priority,
+    /// Current state.
+    pub state: TaskState,
+    /// Attempts started so far (0 before the first).
+    pub attempt: u32,
+    /// Attempts allowed in all.
+    pub max_attempts: u32,
+    /// Created, ms since the epoch.
+    pub created_at_ms: u64,
+    /// Last transition, ms since the epoch.
+    pub updated_at_ms: u64,
+    /// Due time of a delayed task.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_at_ms: Option<u64>,
+    /// Start of the current / last attempt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_at_ms: Option<u64>,
+    /// When the task reached `succeeded` or `dead`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finished_at_ms: Option<u64>,
+    /// When the next attempt is due, while `retrying`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_retry_at_ms: Option<u64>,
+    /// The last error.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<ErrorInfo>,
+    /// Worker that runs / ran the current attempt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub worker: Option<String>,
+    /// Business idempotency key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idempotency_key: Option<String>,
+}
+
+impl TaskRecord {
+    /// The first record of a newly accepted task.
+    pub fn new(meta: &TaskMeta) -> TaskRecord {
+        TaskRecord {
+            id: meta.id.clone(),
+            queue: meta.queue.clone(),
+            name: meta.name.clone(),
+            priority: meta.priority,
+            state: if meta.run_at_ms.is_some() {
+                TaskState::Scheduled
+            } else {
+                TaskState::Pending
+            },
+            attempt: 0,
+            max_attempts: meta.max_attempts,
+            created_at_ms: meta.created_at_ms,
+            updated_at_ms: meta.created_at_ms,
+            run_at_ms: meta.run_at_ms,
+            started_at_ms: None,
+            finished_at_ms: None,
+            next_retry_at_ms: None,
+            last_error: None,
+            worker: None,
+            idempotency_key: meta.idempotency_key.clone(),
+        }
+    }
+
+    /// Moves to `state`, stamping the update time.
+    pub fn transition(mut self, state: TaskState) -> TaskRecord {
+        self.state = state;
+        self.updated_at_ms = now_ms();
+        if state.is_terminal() {
+            self.finished_at_ms = Some(self.updated_at_ms);
+        }
+        if state != TaskState::Retrying {
+            self.next_retry_at_ms = None;
+        }
+        self
+    }
+}
+
+/// Errors of the state store.
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    /// The revision changed since it was read: another writer won (stale fencing token).
+    #[error("task {id}: stale revision {expected} (another writer changed the task)")]
+    Stale {
+        /// Task id.
+        id: String,
+        /// The revision the caller held.
+        expected: u64,
+    },
+    /// The record already exists.
+    #[error("task {0} already exists")]
+    Exists(String),
+    /// A stored record is not valid JSON of the record's shape.
+    #[error("task {id}: corrupt record: {source}")]
+    Corrupt {
+        /// Task id.
+        id: String,
+        /// Decode error.
+        source: serde_json::Error,
+    },
+    /// The broker failed or could not be reached.
+    #[error("task {id}: {op} failed: {source}")]
+    Broker {
+        /// Task id (or `*` for a listing).
+        id: String,
+        /// Operation.
+        op: &'static str,
+        /// Underlying error.
+        source: async_nats::Error,
+    },
+}
+
+/// The `AX_TASKS` bucket.
+#[derive(Clone, Debug)]
+pub struct TaskStore {
+    kv: kv::Store,
+}
+
+/// Filter for [`TaskStore::list`].
+#[derive(Debug, Clone, Default)]
+pub struct ListFilter {
+    /// Only this queue.
+    pub queue: Option<String>,
+    /// Only this state.
+    pub state: Option<TaskState>,
+    /// At most this many records (0: no limit).
+    pub limit: usize,
+}
+
+impl TaskStore {
+    /// Opens the bucket (it must exist: `ax streams apply`).
+    pub async fn open(js: &jetstream::Context) -> Result<TaskStore, StateError> {
+        let kv = js
+            .get_key_value(TASKS_BUCKET)
+            .await
+            .map_err(|e| broker("*", "open bucket", e))?;
+        Ok(TaskStore { kv })
+    }
+
+    /// Stores the first record; fails with [`StateError::Exists`] if the id is taken.
+    pub async fn create(&self, rec: &TaskRecord) -> Result<u64, StateError> {
+        let body = serde_json::to_vec(rec).expect("a record serializes");
+        self.kv
+            .create(&rec.id, body.into())
+            .await
+            .map_err(|e| match e.kind() {
+                kv::CreateErrorKind::AlreadyExists => StateError::Exists(rec.id.clone()),
+                _ => broker(&rec.id, "create", e),
+            })
+    }
+
+    /// The current record and its revision.
+    pub async fn get(&self, id: &str) -> Result<Option<(TaskRecord, u64)>, StateError> {
+        let entry = self
+            .kv
+            .entry(id)
+            .await
+            .map_err(|e| broker(id, "get", e))?;
+        match entry {
+            Some(e) if e.operation == kv::Operation::Put => {
+                let rec = serde_json::from_slice(&e.value).map_err(|source| StateError::Corrupt {
+                    id: id.to_string(),
+                    source,
+                })?;
+                Ok(Some((rec, e.revision)))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// Writes `rec` if the key is still at `revision`; returns the new revision.
+    pub async fn cas(&self, rec: &TaskRecord, revision: u64) -> Result<u64, StateError> {
+        let body = serde_json::to_vec(rec).expect("a record serializes");
+        self.kv
+            .update(&rec.id, body.into(), revision)
+            .await
+            .map_err(|e| match e.kind() {
+                kv::UpdateErrorKind::WrongLastRevision => StateError::Stale {
+                    id: rec.id.clone(),
+                    expected: revision,
+                },
+                _ => broker(&rec.id, "update", e),
+            })
+    }
+
+    /// The stored transitions of a task, oldest first (as many as the bucket's history keeps).
+    pub async fn history(&self, id: &str) -> Result<Vec<(TaskRecord, u64)>, StateError> {
+        let mut entries = self
+            .kv
+            .history(id)
+            .await
+            .map_err(|e| broker(id, "history", e))?;
+        let mut out = Vec::new();
+        while let Some(entry) = entries.next().await {
+            let entry = entry.map_err(|e| broker(id, "history", e))?;
+            if entry.operation != kv::Operation::Put {
+                continue;
+            }
+            let rec = serde_json::from_slice(&entry.value).map_err(|source| {
+                StateError::Corrupt {
+                    id: id.to_string(),
+                    source,
+                }
+            })?;
+            out.push((rec, entry.revision));
+        }
+        Ok(out)
+    }
+
+    /// Lists current records matching `filter`. This reads the whole bucket (an operator
+    /// command, never on the task path).
+    pub async fn list(&self, filter: &ListFilter) -> Result<Vec<TaskRecord>, StateError> {
+        let mut watch = self
+            .kv
+            .watch_with_history(">")
+            .await
+            .map_err(|e| broker("*", "list", e))?;
+        let mut out = Vec::new();
+        let total = self
+            .kv
+            .status()
+            .await
+            .map_err(|e| broker("*", "list", e))?
+            .values();
+        if total == 0 {
+            return Ok(out);
+        }
+        while let Some(entry) = watch.next().await {
+            let entry = entry.map_err(|e| broker("*", "list", e))?;
+            if entry.operation == kv::Operation::Put {
+                if let Ok(rec) = serde_json::from_slice::<TaskRecord>(&entry.value) {
+                    let queue_ok = filter.queue.as_ref().is_none_or(|q| *q == rec.queue);
+                    let state_ok = filter.state.is_none_or(|s| s == rec.state);
+                    if queue_ok && state_ok {
+                        out.push(rec);
+                    }
+                }
+            }
+            if entry.delta == 0 || (filter.limit > 0 && out.len() >= filter.limit) {
+                break;
+            }
+        }
+        Ok(out)
+    }
+}
+
+fn broker(id: &str, op: &'static str, e: impl Into<async_nats::Error>) -> StateError {
+    StateError::Broker {
+        id: id.to_string(),
+        op,
+        source: e.into(),
+    }
+}

@@ -1,0 +1,344 @@
+//! Declarative JetStream topology: the JSON files in `streams/`, applied idempotently.
+//!
+//! The files are the same JSON the `nats` CLI accepts (`nats stream add --config F`); they
+//! are compiled into the binary so `ax streams apply` needs no checkout. [`Topology`] holds
+//! the few settings an operator overrides (capacities, ack wait, replicas); [`apply`] creates
+//! what is missing, updates what differs, and refuses changes JetStream cannot make in place
+//! (retention, storage, a consumer's filter) with [`StreamsError::Incompatible`].
+
+use crate::names::{self, Priority};
+use async_nats::jetstream::{self, consumer, stream};
+use serde_json::Value;
+use std::time::Duration;
+
+/// The stream definitions, by file name.
+pub const STREAM_FILES: [(&str, &str); 7] = [
+    (
+        "AX_READY_HIGH.json",
+        include_str!("../streams/AX_READY_HIGH.json"),
+    ),
+    (
+        "AX_READY_NORMAL.json",
+        include_str!("../streams/AX_READY_NORMAL.json"),
+    ),
+    (
+        "AX_READY_LOW.json",
+        include_str!("../streams/AX_READY_LOW.json"),
+    ),
+    ("AX_DELAYED.json", include_str!("../streams/AX_DELAYED.json")),
+    ("AX_DEAD.json", include_str!("../streams/AX_DEAD.json")),
+    (
+        "KV_AX_TASKS.json",
+        include_str!("../streams/KV_AX_TASKS.json"),
+    ),
+    (
+        "KV_AX_IDEMPOTENCY.json",
+        include_str!("../streams/KV_AX_IDEMPOTENCY.json"),
+    ),
+];
+
+/// The ready-consumer template (`{queue}` and `{priority}` are substituted).
+pub const READY_CONSUMER_TEMPLATE: &str = include_str!("../streams/consumers/ready.json");
+
+/// Operator settings applied over the files. Defaults match the files.
+#[derive(Debug, Clone)]
+pub struct Topology {
+    /// Capacity of each queue's ready subject per priority (high, normal, low):
+    /// default 1000 / 5000 / 10000 tasks (S2-2). A full one answers `busy`.
+    pub capacity: [i64; 3],
+    /// Most delayed tasks held at once, all queues (default 1,000,000).
+    pub max_delayed: i64,
+    /// How long a delivered task may go without an ack or heartbeat before it is
+    /// redelivered (default 30 s).
+    pub ack_wait: Duration,
+    /// Most unacknowledged tasks per queue and priority across all workers (default 10,000).
+    pub max_ack_pending: i64,
+    /// Stream replicas (default 1; use 3 on a cluster).
+    pub replicas: usize,
+}
+
+impl Default for Topology {
+    fn default() -> Self {
+        Topology {
+            capacity: [1000, 5000, 10000],
+            max_delayed: 1_000_000,
+            ack_wait: Duration::from_secs(30),
+            max_ack_pending: 10_000,
+            replicas: 1,
+        }
+    }
+}
+
+/// Errors applying the topology.
+#[derive(Debug, thiserror::Error)]
+pub enum StreamsError {
+    /// A definition file is not valid.
+    #[error("definition {file}: {source}")]
+    Definition {
+        /// File name.
+        file: String,
+        /// Decode error.
+        source: serde_json::Error,
+    },
+    /// A queue name is invalid.
+    #[error("invalid queue name {0:?}: use 1..=64 of A-Z a-z 0-9 _ -")]
+    InvalidQueue(String),
+    /// The existing object differs in a field JetStream cannot change in place.
+    #[error("{object}: field {field} is {existing} on the server but {desired} in the definition; migrate it by hand (see docs/ARCHITECTURE.md)")]
+    Incompatible {
+        /// Stream or consumer.
+        object: String,
+        /// Field name.
+        field: String,
+        /// Value on the server.
+        existing: String,
+        /// Value wanted.
+        desired: String,
+    },
+    /// The broker refused or failed.
+    #[error("{object}: {source}")]
+    Broker {
+        /// Stream or consumer.
+        object: String,
+        /// Underlying error.
+        source: async_nats::Error,
+    },
+}
+
+/// What [`apply`] did to one object.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// It did not exist.
+    Created,
+    /// It existed with other settings.
+    Updated,
+    /// It already matched.
+    Unchanged,
+}
+
+/// One line of the apply report.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Applied {
+    /// `stream AX_DELAYED` or `consumer AX_READY_HIGH/ax_default_high`.
+    pub object: String,
+    /// What happened.
+    pub outcome: Outcome,
+}
+
+const STREAM_FIXED: [&str; 3] = ["retention", "storage", "name"];
+const CONSUMER_FIXED: [&str; 4] = [
+    "durable_name",
+    "filter_subject",
+    "ack_policy",
+    "deliver_policy",
+];
+
+/// The stream configs with `topology` applied.
+pub fn stream_configs(topology: &Topology) -> Result<Vec<stream::Config>, StreamsError> {
+    STREAM_FILES
+        .iter()
+        .map(|(file, text)| {
+            let mut config: stream::Config =
+                serde_json::from_str(text).map_err(|source| StreamsError::Definition {
+                    file: file.to_string(),
+                    source,
+                })?;
+            config.num_replicas = topology.replicas;
+            for p in Priority::ALL {
+                if config.name == p.ready_stream() {
+                    config.max_messages_per_subject = topology.capacity[p.index()];
+                }
+            }
+            if config.name == names::DELAYED_STREAM {
+                config.max_messages = topology.max_delayed;
+            }
+            Ok(config)
+        })
+        .collect()
+}
+
+/// The ready consumer config of one queue and priority.
+pub fn consumer_config(
+    topology: &Topology,
+    queue: &str,
+    priority: Priority,
+) -> Result<consumer::pull::Config, StreamsError> {
+    if !names::valid_queue(queue) {
+        return Err(StreamsError::InvalidQueue(queue.to_string()));
+    }
+    let text = READY_CONSUMER_TEMPLATE
+        .replace("{queue}", queue)
+        .replace("{priority}", priority.as_str());
+    let mut config: consumer::pull::Config =
+        serde_json::from_str(&text).map_err(|source| StreamsError::Definition {
+            file: "consumers/ready.json".into(),
+            source,
+        })?;
+    config.ack_wait = topology.ack_wait;
+    config.max_ack_pending = topology.max_ack_pending;
+    Ok(config)
+}
+
+/// Fields of `desired` whose values differ on the server (`existing`), ignoring fields the
+/// definition does not set.
+fn differences(desired: &Value, existing: &Value) -> Vec<(String, String, String)> {
+    let (Some(desired), Some(existing)) = (desired.as_object(), existing.as_object()) else {
+        return Vec::new();
+    };
+    desired
+        .iter()
+        .filter(|(k, v)| existing.get(*k).unwrap_or(&Value::Null) != *v)
+        .map(|(k, v)| {
+            let had = existing.get(k).cloned().unwrap_or(Value::Null);
+            (k.clone(), had.to_string(), v.to_string())
+        })
+        .collect()
+}
+
+fn check_fixed(
+    object: &str,
+    fixed: &[&str],
+    diffs: &[(String, String, String)],
+) -> Result<(), StreamsError> {
+    match diffs.iter().find(|(k, _, _)| fixed.contains(&k.as_str())) {
+        Some((field, existing, desired)) => Err(StreamsError::Incompatible {
+            object: object.to_string(),
+            field: field.clone(),
+            existing: existing.clone(),
+            desired: desired.clone(),
+        }),
+        None => Ok(()),
+    }
+}
+
+fn is_not_found(e: &jetstream::context::GetStreamError) -> bool {
+    matches!(e.kind(), jetstream::context::GetStreamErrorKind::JetStream(js)
+        if js.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND)
+}
+
+fn broker(object: &str, e: impl Into<async_nats::Error>) -> StreamsError {
+    StreamsError::Broker {
+        object: object.to_string(),
+        source: e.into(),
+    }
+}
+
+/// Creates or updates every stream, and the ready consumers of `queues`.
+pub async fn apply(
+    js: &jetstream::Context,
+    topology: &Topology,
+    queues: &[String],
+) -> Result<Vec<Applied>, StreamsError> {
+    let mut report = Vec::new();
+    for config in stream_configs(topology)? {
+        let object = format!("stream {}", config.name);
+        let desired = serde_json::to_value(&config).expect("config serializes");
+        let outcome = match js.get_stream(&config.name).await {
+            Ok(mut existing) => {
+                let info = existing.info().await.map_err(|e| broker(&object, e))?;
+                let had = serde_json::to_value(&info.config).expect("config serializes");
+                let diffs = differences(&desired, &had);
+                check_fixed(&object, &STREAM_FIXED, &diffs)?;
+                if diffs.is_empty() {
+                    Outcome::Unchanged
+                } else {
+                    js.update_stream(&config)
+                        .await
+                        .map_err(|e| broker(&object, e))?;
+                    Outcome::Updated
+                }
+            }
+            Err(e) if is_not_found(&e) => {
+                js.create_stream(config.clone())
+                    .await
+                    .map_err(|e| broker(&object, e))?;
+                Outcome::Created
+            }
+            Err(e) => return Err(broker(&object, e)),
+        };
+        report.push(Applied { object, outcome });
+    }
+    for queue in queues {
+        for p in Priority::ALL {
+            report.push(apply_consumer(js, topology, queue, p).await?);
+        }
+    }
+    Ok(report)
+}
+
+async fn apply_consumer(
+    js: &jetstream::Context,
+    topology: &Topology,
+    queue: &str,
+    priority: Priority,
+) -> Result<Applied, StreamsError> {
+    let config = consumer_config(topology, queue, priority)?;
+    let stream_name = priority.ready_stream();
+    let name = config.durable_name.clone().unwrap_or_default();
+    let object = format!("consumer {stream_name}/{name}");
+    let stream = js
+        .get_stream(&stream_name)
+        .await
+        .map_err(|e| broker(&object, e))?;
+    let desired = serde_json::to_value(&config).expect("config serializes");
+    let outcome = match stream.consumer_info(&name).await {
+        Ok(info) => {
+            let had = serde_json::to_value(&info.config).expect("config serializes");
+            let diffs = differences(&desired, &had);
+            check_fixed(&object, &CONSUMER_FIXED, &diffs)?;
+            if diffs.is_empty() {
+                Outcome::Unchanged
+            } else {
+                stream
+                    .update_consumer(config)
+                    .await
+                    .map_err(|e| broker(&object, e))?;
+                Outcome::Updated
+            }
+        }
+        Err(_) => {
+            stream
+                .create_consumer(config)
+                .await
+                .map_err(|e| broker(&object, e))?;
+            Outcome::Created
+        }
+    };
+    Ok(Applied { object, outcome })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn definitions_parse_and_take_overrides() {
+        let topology = Topology {
+            capacity: [1, 2, 3],
+            replicas: 3,
+            ..Topology::default()
+        };
+        let configs = stream_configs(&topology).unwrap();
+        assert_eq!(configs.len(), STREAM_FILES.len());
+        let high = configs.iter().find(|c| c.name == "AX_READY_HIGH").unwrap();
+        assert_eq!(high.max_messages_per_subject, 1);
+        assert!(high.discard_new_per_subject);
+        assert!(configs.iter().all(|c| c.num_replicas == 3));
+        let c = consumer_config(&topology, "emails", Priority::Low).unwrap();
+        assert_eq!(c.durable_name.as_deref(), Some("ax_emails_low"));
+        assert_eq!(c.filter_subject, "ax.ready.emails.low");
+        assert!(matches!(
+            consumer_config(&topology, "a.b", Priority::Low),
+            Err(StreamsError::InvalidQueue(_))
+        ));
+    }
+
+    #[test]
+    fn file_defaults_match_topology_defaults() {
+        let from_files: Vec<stream::Config> = STREAM_FILES
+            .iter()
+            .map(|(_, t)| serde_json::from_str(t).unwrap())
+            .collect();
+        assert_eq!(from_files, stream_configs(&Topology::default()).unwrap());
+    }
+}

@@ -1,0 +1,214 @@
+//! Level-1 admission (S2-1): validate, de-duplicate, store, answer.
+//!
+//! A request is answered "accepted" only after its message is in JetStream (a ready subject,
+//! or `AX_DELAYED` for a task with a due time) and its state record is in `AX_TASKS`. The
+//! message goes first: it is what runs the task, and a full priority subject refuses it with
+//! nothing stored (`busy`). If ax dies between the two writes, the worker (or the dispatcher)
+//! creates the missing record from the message headers, so nothing accepted is lost.
+
+use crate::names::{self, IDEMPOTENCY_BUCKET};
+use crate::protocol::{ErrorCode, SubmitAccepted, SubmitRequest, WireError};
+use crate::state::{StateError, TaskRecord, TaskState, TaskStore};
+use crate::task::{Limits, TaskMeta};
+use async_nats::jetstream::{self, context::PublishError, kv};
+use bytes::Bytes;
+use std::collections::HashSet;
+use std::sync::RwLock;
+
+/// JetStream's error code for a publish refused by a stream or per-subject limit.
+const JS_STORE_FAILED: u64 = 10077;
+
+/// True if a publish was refused because the stream or subject is full (`discard: new`).
+pub fn is_full(err: &PublishError) -> bool {
+    std::error::Error::source(err)
+        .and_then(|s| s.downcast_ref::<jetstream::Error>())
+        .is_some_and(|e| e.error_code().0 == JS_STORE_FAILED)
+}
+
+/// Publishes a task message with `Nats-Msg-Id` = task id, mapping a full subject to `busy`.
+pub(crate) async fn publish_task(
+    js: &jetstream::Context,
+    subject: String,
+    meta: &TaskMeta,
+    payload: Bytes,
+) -> Result<jetstream::publish::PublishAck, WireError> {
+    let mut headers = meta.to_headers();
+    headers.insert("Nats-Msg-Id", meta.id.as_str());
+    let publish = jetstream::message::PublishMessage::build()
+        .headers(headers)
+        .payload(payload);
+    let ack = match js.send_publish(subject.clone(), publish).await {
+        Ok(future) => future.await,
+        Err(e) => Err(e),
+    };
+    ack.map_err(|e| {
+        if is_full(&e) {
+            WireError::new(
+                ErrorCode::Busy,
+                format!("{subject} is at capacity; retry later"),
+            )
+        } else {
+            WireError::new(ErrorCode::Unavailable, format!("{subject}: {e}"))
+        }
+    })
+}
+
+/// Declared queues, looked up on the broker (a queue exists when its consumers do) and
+/// cached once seen.
+#[derive(Debug)]
+pub(crate) struct Queues {
+    known: RwLock<HashSet<String>>,
+}
+
+impl Queues {
+    pub(crate) fn new(initial: &[String]) -> Queues {
+        Queues {
+            known: RwLock::new(initial.iter().cloned().collect()),
+        }
+    }
+
+    async fn check(&self, js: &jetstream::Context, queue: &str) -> Result<(), WireError> {
+        if !names::valid_queue(queue) {
+            return Err(WireError::new(
+                ErrorCode::UnknownQueue,
+                format!("{queue:?} is not a valid queue name"),
+            ));
+        }
+        if self.known.read().expect("not poisoned").contains(queue) {
+            return Ok(());
+        }
+        let stream = names::Priority::Normal.ready_stream();
+        let consumer = names::consumer_name(queue, names::Priority::Normal);
+        let unavailable = |e: String| WireError::new(ErrorCode::Unavailable, e);
+        let stream = js
+            .get_stream(&stream)
+            .await
+            .map_err(|e| unavailable(e.to_string()))?;
+        match stream.consumer_info(&consumer).await {
+            Ok(_) => {
+                self.known
+                    .write()
+                    .expect("not poisoned")
+                    .insert(queue.to_string());
+                Ok(())
+            }
+            Err(_) => Err(WireError::new(
+                ErrorCode::UnknownQueue,
+                format!("queue {queue:?} is not declared (ax streams apply --queue {queue})"),
+            )),
+        }
+    }
+}
+
+/// The admission handler shared by all request tasks of a server.
+#[derive(Debug)]
+pub(crate) struct Admission {
+    pub(crate) js: jetstream::Context,
+    pub(crate) tasks: TaskStore,
+    pub(crate) idempotency: kv::Store,
+    pub(crate) limits: Limits,
+    pub(crate) queues: Queues,
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn state_unavailable(e: StateError) -> WireError {
+    WireError::new(ErrorCode::Unavailable, e.to_string())
+}
+
+impl Admission {
+    pub(crate) async fn open(
+        js: jetstream::Context,
+        limits: Limits,
+        queues: &[String],
+    ) -> Result<Admission, StateError> {
+        let tasks = TaskStore::open(&js).await?;
+        let idempotency =
+            js.get_key_value(IDEMPOTENCY_BUCKET)
+                .await
+                .map_err(|e| StateError::Broker {
+                    id: "*".into(),
+                    op: "open idempotency bucket",
+                    source: e.into(),
+                })?;
+        Ok(Admission {
+            js,
+            tasks,
+            idempotency,
+            limits,
+            queues: Queues::new(queues),
+        })
+    }
+
+    /// Handles one submit request for `queue`.
+    pub(crate) async fn submit(
+        &self,
+        queue: &str,
+        body: &[u8],
+    ) -> Result<SubmitAccepted, WireError> {
+        let req: SubmitRequest = serde_json::from_slice(body)
+            .map_err(|e| WireError::new(ErrorCode::BadRequest, e.to_string()))?;
+        self.queues.check(&self.js, queue).await?;
+        let (mut meta, payload) = TaskMeta::from_request(queue, req, &self.limits)?;
+        if let Some(key) = meta.idempotency_key.clone() {
+            let kv_key = format!("{queue}.{}", hex(key.as_bytes()));
+            match self
+                .idempotency
+                .create(&kv_key, Bytes::from(meta.id.clone()))
+                .await
+            {
+                Ok(_) => {}
+                Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {
+                    let first = self
+                        .idempotency
+                        .get(&kv_key)
+                        .await
+                        .map_err(|e| WireError::new(ErrorCode::Unavailable, e.to_string()))?
+                        .map(|v| String::from_utf8_lossy(&v).into_owned());
+                    if let Some(first) = first {
+                        if let Some((rec, _)) =
+                            self.tasks.get(&first).await.map_err(state_unavailable)?
+                        {
+                            metrics::counter!(crate::metrics::SUBMIT_DUPLICATES, "queue" => queue.to_string())
+                                .increment(1);
+                            return Ok(SubmitAccepted {
+                                id: first,
+                                duplicate: true,
+                                state: rec.state,
+                            });
+                        }
+                        // The first submit stored its key but died before its task: finish
+                        // it under the first id (the message id de-duplicates a re-publish).
+                        meta.id = first;
+                    }
+                }
+                Err(e) => return Err(WireError::new(ErrorCode::Unavailable, e.to_string())),
+            }
+        }
+        self.store(&meta, payload).await?;
+        Ok(SubmitAccepted {
+            id: meta.id,
+            duplicate: false,
+            state: if meta.run_at_ms.is_some() {
+                TaskState::Scheduled
+            } else {
+                TaskState::Pending
+            },
+        })
+    }
+
+    async fn store(&self, meta: &TaskMeta, payload: Bytes) -> Result<(), WireError> {
+        let subject = match meta.run_at_ms {
+            Some(_) => names::delayed_subject(&meta.queue, meta.priority),
+            None => names::ready_subject(&meta.queue, meta.priority),
+        };
+        publish_task(&self.js, subject, meta, payload).await?;
+        match self.tasks.create(&TaskRecord::new(meta)).await {
+            // Exists: a worker already picked the task up and wrote its record.
+            Ok(_) | Err(StateError::Exists(_)) => Ok(()),
+            Err(e) => Err(state_unavailable(e)),
+        }
+    }
+}

@@ -1,0 +1,222 @@
+//! Pulling: which priority to fetch from, in what batches, and how to wait when idle.
+//!
+//! **Pick policy.** Each queue has one consumer per priority. Every fetch round fills the
+//! worker's free slots: it starts with the priority chosen by smooth weighted round-robin
+//! (weights high 6 / normal 3 / low 1 by default), then fills what is left from the others
+//! in high → normal → low order. While all three have work, 6 rounds in 10 start at high,
+//! 3 at normal and 1 at low, so low priority is slowed under load but never starved; when
+//! high is empty its share goes to the rest, so no slot idles while anything is queued.
+//!
+//! **Batches, no idle waiting** (S2-6). Fetches use `no_wait` pulls of up to the free slot
+//! count, so a busy worker never blocks on an empty priority. Only when all three are empty
+//! does it long-poll all three at once (one message each, expiring after `idle_poll`): the
+//! first task to arrive starts at once and the worker returns to batch fetching.
+
+use super::attempt::{self, Shared};
+use super::rate::TimeoutRate;
+use super::{Worker, WorkerError};
+use crate::names::Priority;
+use crate::state::TaskStore;
+use async_nats::jetstream::{self, consumer::PullConsumer};
+use futures::StreamExt;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::{Notify, Semaphore};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{info, warn};
+
+/// Default pick weights of high, normal and low.
+pub const DEFAULT_WEIGHTS: [u32; 3] = [6, 3, 1];
+
+/// Smooth weighted round-robin over the three priorities.
+#[derive(Debug, Clone)]
+pub struct Picker {
+    weights: [i64; 3],
+    current: [i64; 3],
+}
+
+impl Picker {
+    /// A picker with the given weights (a zero weight is raised to 1: nothing starves).
+    pub fn new(weights: [u32; 3]) -> Picker {
+        Picker {
+            weights: weights.map(|w| i64::from(w.max(1))),
+            current: [0; 3],
+        }
+    }
+
+    /// The fetch order for the next round: the picked priority, then the others by rank.
+    pub fn order(&mut self) -> [Priority; 3] {
+        let total: i64 = self.weights.iter().sum();
+        for (c, w) in self.current.iter_mut().zip(self.weights) {
+            *c += w;
+        }
+        let first = (0..3).max_by_key(|&i| (self.current[i], -(i as i64))).unwrap();
+        self.current[first] -= total;
+        let mut order = [Priority::ALL[first]; 3];
+        let mut k = 1;
+        for p in Priority::ALL {
+            if p.index() != first {
+                order[k] = p;
+                k += 1;
+            }
+        }
+        order
+    }
+}
+
+pub(super) async fn run(
+    worker: Worker,
+    js: jetstream::Context,
+    tasks: TaskStore,
+    consumers: Vec<PullConsumer>,
+    ack_wait: Duration,
+    shutdown: CancellationToken,
+) -> Result<(), WorkerError> {
+    let slots = Arc::new(Semaphore::new(worker.concurrency));
+    let shared = Arc::new(Shared {
+        js,
+        tasks,
+        queue: worker.queue.clone(),
+        worker_id: worker.id.clone(),
+        handler: worker.handler.clone(),
+        slots: slots.clone(),
+        concurrency: worker.concurrency,
+        heartbeat: (ack_wait / 3).max(Duration::from_millis(100)),
+        shutdown: shutdown.clone(),
+        hard_stop: CancellationToken::new(),
+        rate: TimeoutRate::new(Duration::from_secs(60)),
+        tracker: TaskTracker::new(),
+    });
+    let consumers = Arc::new(consumers);
+    let polling: Arc<[AtomicBool; 3]> = Arc::new(Default::default());
+    let woken = Arc::new(Notify::new());
+    let mut picker = Picker::new(worker.weights);
+    let pollers = TaskTracker::new();
+    info!(queue = %worker.queue, concurrency = worker.concurrency, "worker started");
+
+    'outer: loop {
+        let first = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            p = slots.clone().acquire_owned() => p.expect("never closed"),
+        };
+        let mut permits = vec![first];
+        while permits.len() < worker.max_batch {
+            match slots.clone().try_acquire_owned() {
+                Ok(p) => permits.push(p),
+                Err(_) => break,
+            }
+        }
+        let mut fetched = 0usize;
+        for p in picker.order() {
+            if permits.is_empty() {
+                break;
+            }
+            let batch = consumers[p.index()]
+                .fetch()
+                .max_messages(permits.len())
+                .messages()
+                .await;
+            let mut batch = match batch {
+                Ok(b) => b,
+                Err(e) => {
+                    warn!(cause = %e, priority = %p, "fetch failed");
+                    continue;
+                }
+            };
+            while let Some(msg) = batch.next().await {
+                match msg {
+                    Ok(msg) => {
+                        fetched += 1;
+                        let permit = permits.pop();
+                        attempt::spawn(&shared, msg, permit);
+                    }
+                    Err(e) => warn!(cause = %e, priority = %p, "fetch error"),
+                }
+            }
+        }
+        drop(permits);
+        if fetched > 0 {
+            continue;
+        }
+        // Every priority is empty: long-poll all three, wake on the first arrival.
+        for p in Priority::ALL {
+            if polling[p.index()].swap(true, Ordering::SeqCst) {
+                continue;
+            }
+            let (consumers, polling, woken, shared) = (
+                consumers.clone(),
+                polling.clone(),
+                woken.clone(),
+                shared.clone(),
+            );
+            let expires = worker.idle_poll;
+            pollers.spawn(async move {
+                let batch = consumers[p.index()]
+                    .batch()
+                    .max_messages(1)
+                    .expires(expires)
+                    .messages()
+                    .await;
+                if let Ok(mut batch) = batch {
+                    while let Some(msg) = batch.next().await {
+                        if let Ok(msg) = msg {
+                            attempt::spawn(&shared, msg, None);
+                            woken.notify_one();
+                        }
+                    }
+                }
+                polling[p.index()].store(false, Ordering::SeqCst);
+            });
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => break 'outer,
+            _ = woken.notified() => {}
+            _ = tokio::time::sleep(worker.idle_poll) => {}
+        }
+    }
+
+    info!(queue = %worker.queue, "worker stopping: draining in-flight tasks");
+    pollers.close();
+    pollers.wait().await;
+    shared.tracker.close();
+    if tokio::time::timeout(worker.shutdown_grace, shared.tracker.wait())
+        .await
+        .is_err()
+    {
+        warn!(queue = %worker.queue, "shutdown grace over: aborting and handing back running tasks");
+        shared.hard_stop.cancel();
+        shared.tracker.wait().await;
+    }
+    info!(queue = %worker.queue, "worker stopped");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn weighted_first_picks() {
+        let mut picker = Picker::new(DEFAULT_WEIGHTS);
+        let mut counts = [0; 3];
+        for _ in 0..1000 {
+            let order = picker.order();
+            counts[order[0].index()] += 1;
+            // The rest follow by rank.
+            let rest: Vec<_> = order[1..].to_vec();
+            let mut sorted = rest.clone();
+            sorted.sort();
+            assert_eq!(rest, sorted);
+        }
+        assert_eq!(counts, [600, 300, 100]);
+    }
+
+    #[test]
+    fn zero_weight_never_starves() {
+        let mut picker = Picker::new([1, 0, 0]);
+        let firsts: Vec<_> = (0..3).map(|_| picker.order()[0]).collect();
+        assert!(firsts.contains(&Priority::Low));
+    }
+}

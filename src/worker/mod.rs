@@ -1,0 +1,279 @@
+//! The Rust worker SDK: pull tasks of one queue, run a handler, report the result.
+//!
+//! ```no_run
+//! # async fn demo(client: async_nats::Client) -> Result<(), ax::worker::WorkerError> {
+//! use ax::worker::{Task, TaskError, Worker};
+//! let worker = Worker::builder("emails")
+//!     .concurrency(32)
+//!     .handler(|task: Task| async move {
+//!         let to: String = task.json()?;
+//!         if to.is_empty() {
+//!             return Err(TaskError::permanent("validation", "no recipient"));
+//!         }
+//!         Ok(())
+//!     })
+//!     .build()?;
+//! worker.run(client, tokio_util::sync::CancellationToken::new()).await
+//! # }
+//! ```
+//!
+//! What the SDK guarantees (see docs/ARCHITECTURE.md for the why):
+//! - **Ack after success only** (S2-8): a task is acknowledged after its handler returned
+//!   `Ok` and the `succeeded` state was written under the attempt's fencing token.
+//! - **Retries**: a retryable error writes `retrying` and naks with the task's exponential
+//!   backoff + jitter; a non-retryable error, or the last attempt, writes `dead`, publishes a
+//!   dead letter to `ax.dead.<queue>` and terminates the message.
+//! - **Hard timeout** (S4-6): the handler future is dropped when the task's timeout passes.
+//! - **Heartbeats** (S2-7): while a task is held the SDK sends `+WPI` every ack-wait / 3;
+//!   a worker that stops (crash, SIGSTOP) has the task redelivered after the ack wait, and
+//!   its late result is refused by compare-and-set on the task record (nats-server #4786).
+//! - **Priority** (S2-6): see [`fetch`] for the pick policy.
+//! - **Shutdown**: cancel the token to stop pulling; running handlers get
+//!   [`WorkerBuilder::shutdown_grace`] to finish, then are aborted and handed back (nak).
+
+mod attempt;
+pub mod fetch;
+mod rate;
+
+use crate::names::{self, Priority};
+use crate::state::TaskStore;
+use crate::task::ContentType;
+use async_nats::jetstream::{self, consumer::PullConsumer};
+use bytes::Bytes;
+use futures::future::BoxFuture;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+/// A task as the handler sees it.
+#[derive(Debug, Clone)]
+pub struct Task {
+    /// Task id.
+    pub id: String,
+    /// Task name.
+    pub name: String,
+    /// Queue.
+    pub queue: String,
+    /// Priority.
+    pub priority: Priority,
+    /// The payload bytes (JSON text unless submitted as `payload_base64`).
+    pub payload: Bytes,
+    /// True if the payload is JSON.
+    pub is_json: bool,
+    /// This attempt, 1-based.
+    pub attempt: u32,
+    /// Attempts allowed in all.
+    pub max_attempts: u32,
+    /// Fencing token of this attempt: strictly greater than any earlier attempt's. Pass it
+    /// to systems you write to, and have them refuse writes with a smaller token (S2-9).
+    pub fencing_token: u64,
+    /// Business idempotency key, if the producer gave one.
+    pub idempotency_key: Option<String>,
+}
+
+impl Task {
+    /// Decodes the JSON payload; a decode error is a non-retryable `bad_payload`.
+    pub fn json<T: serde::de::DeserializeOwned>(&self) -> Result<T, TaskError> {
+        serde_json::from_slice(&self.payload)
+            .map_err(|e| TaskError::permanent("bad_payload", e.to_string()))
+    }
+}
+
+/// A handler's failure.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{class}: {message}")]
+pub struct TaskError {
+    /// Error class, matched against the task's `retry_on` / `no_retry_on`.
+    pub class: String,
+    /// Message, stored as the task's last error.
+    pub message: String,
+    /// Never retry, whatever the task's lists say.
+    pub permanent: bool,
+}
+
+impl TaskError {
+    /// A failure that is retried unless the task's lists refuse its class.
+    pub fn new(class: impl Into<String>, message: impl Into<String>) -> Self {
+        TaskError {
+            class: class.into(),
+            message: message.into(),
+            permanent: false,
+        }
+    }
+
+    /// A failure that is never retried.
+    pub fn permanent(class: impl Into<String>, message: impl Into<String>) -> Self {
+        TaskError {
+            permanent: true,
+            ..TaskError::new(class, message)
+        }
+    }
+}
+
+type Handler = Arc<dyn Fn(Task) -> BoxFuture<'static, Result<(), TaskError>> + Send + Sync>;
+
+/// Errors that stop a worker.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    /// No handler was set.
+    #[error("worker for queue {0}: no handler set")]
+    NoHandler(String),
+    /// The queue name is invalid.
+    #[error("invalid queue name {0:?}")]
+    InvalidQueue(String),
+    /// The queue's consumers do not exist.
+    #[error("queue {queue} is not declared (run `ax streams apply --queue {queue}`): {source}")]
+    QueueNotDeclared {
+        /// Queue.
+        queue: String,
+        /// Lookup error.
+        source: async_nats::Error,
+    },
+    /// The broker failed.
+    #[error("worker {op}: {source}")]
+    Broker {
+        /// Operation.
+        op: &'static str,
+        /// Underlying error.
+        source: async_nats::Error,
+    },
+}
+
+/// A worker for one queue. Build with [`Worker::builder`].
+pub struct Worker {
+    queue: String,
+    concurrency: usize,
+    handler: Handler,
+    id: String,
+    shutdown_grace: Duration,
+    idle_poll: Duration,
+    max_batch: usize,
+    weights: [u32; 3],
+}
+
+impl std::fmt::Debug for Worker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Worker")
+            .field("queue", &self.queue)
+            .field("concurrency", &self.concurrency)
+            .field("id", &self.id)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Builder for [`Worker`].
+pub struct WorkerBuilder {
+    worker: Worker,
+    handler_set: bool,
+}
+
+impl Worker {
+    /// A builder for a worker of `queue` with the documented defaults.
+    pub fn builder(queue: impl Into<String>) -> WorkerBuilder {
+        WorkerBuilder {
+            worker: Worker {
+                queue: queue.into(),
+                concurrency: 16,
+                handler: Arc::new(|_| {
+                    Box::pin(async { Err(TaskError::permanent("no_handler", "no handler")) })
+                }),
+                id: format!("{}-{}", std::process::id(), nuid::next()),
+                shutdown_grace: Duration::from_secs(30),
+                idle_poll: Duration::from_millis(500),
+                max_batch: 256,
+                weights: fetch::DEFAULT_WEIGHTS,
+            },
+            handler_set: false,
+        }
+    }
+
+    /// Pulls and runs tasks until `shutdown` is cancelled, then drains (see module docs).
+    pub async fn run(
+        self,
+        client: async_nats::Client,
+        shutdown: CancellationToken,
+    ) -> Result<(), WorkerError> {
+        let js = jetstream::new(client);
+        let tasks = TaskStore::open(&js)
+            .await
+            .map_err(|e| WorkerError::Broker {
+                op: "open task bucket",
+                source: e.into(),
+            })?;
+        let mut consumers: Vec<PullConsumer> = Vec::with_capacity(3);
+        for p in Priority::ALL {
+            let name = names::consumer_name(&self.queue, p);
+            let consumer = js
+                .get_consumer_from_stream(&name, &p.ready_stream())
+                .await
+                .map_err(|e| WorkerError::QueueNotDeclared {
+                    queue: self.queue.clone(),
+                    source: e.into(),
+                })?;
+            consumers.push(consumer);
+        }
+        let ack_wait = consumers[0].cached_info().config.ack_wait;
+        fetch::run(self, js, tasks, consumers, ack_wait, shutdown).await
+    }
+}
+
+impl WorkerBuilder {
+    /// Most tasks run at once by this worker (default 16).
+    pub fn concurrency(mut self, n: usize) -> Self {
+        self.worker.concurrency = n.max(1);
+        self
+    }
+    /// The handler, called once per attempt.
+    pub fn handler<F, Fut>(mut self, f: F) -> Self
+    where
+        F: Fn(Task) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<(), TaskError>> + Send + 'static,
+    {
+        self.worker.handler = Arc::new(move |task| Box::pin(f(task)));
+        self.handler_set = true;
+        self
+    }
+    /// Worker id stored in task records (default `<pid>-<nuid>`).
+    pub fn id(mut self, id: impl Into<String>) -> Self {
+        self.worker.id = id.into();
+        self
+    }
+    /// How long running handlers may finish after shutdown before they are aborted and
+    /// handed back (default 30 s).
+    pub fn shutdown_grace(mut self, d: Duration) -> Self {
+        self.worker.shutdown_grace = d;
+        self
+    }
+    /// Expiry of the long-poll pull used when every priority is empty (default 500 ms).
+    /// A task arriving while idle is delivered at once; this only bounds how stale an idle
+    /// worker's view of its concurrency can get.
+    pub fn idle_poll(mut self, d: Duration) -> Self {
+        self.worker.idle_poll = d.max(Duration::from_millis(10));
+        self
+    }
+    /// Most messages per pull request (default 256).
+    pub fn max_batch(mut self, n: usize) -> Self {
+        self.worker.max_batch = n.max(1);
+        self
+    }
+    /// Pick weights of high, normal and low (default 6 / 3 / 1), see [`fetch`].
+    pub fn weights(mut self, weights: [u32; 3]) -> Self {
+        self.worker.weights = weights;
+        self
+    }
+    /// Finishes the builder.
+    pub fn build(self) -> Result<Worker, WorkerError> {
+        if !names::valid_queue(&self.worker.queue) {
+            return Err(WorkerError::InvalidQueue(self.worker.queue));
+        }
+        if !self.handler_set {
+            return Err(WorkerError::NoHandler(self.worker.queue));
+        }
+        Ok(self.worker)
+    }
+}
+
+pub(crate) fn is_json(ct: ContentType) -> bool {
+    ct == ContentType::Json
+}
