@@ -57,7 +57,10 @@ pub fn describe() {
     describe_counter!(SUBMIT_REJECTED, "Submit requests refused, by code");
     describe_counter!(SUBMIT_DUPLICATES, "Submits answered by an existing task");
     describe_counter!(DELAYED_DISPATCHED, "Delayed tasks moved to ready");
-    describe_gauge!(DELAYED_TRACKED, "Delayed tasks in this server's timer index");
+    describe_gauge!(
+        DELAYED_TRACKED,
+        "Delayed tasks in this server's timer index"
+    );
     describe_histogram!(DISPATCH_LAG, Unit::Seconds, "Due time to ready publish");
     describe_counter!(SUCCEEDED, "Attempts that succeeded");
     describe_counter!(FAILED, "Attempts that failed");

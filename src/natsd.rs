@@ -131,8 +131,7 @@ impl LocalNats {
             let mut sent = false;
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
                 if !sent {
-                    if let Some(rest) = line.split("Listening for client connections on ").nth(1)
-                    {
+                    if let Some(rest) = line.split("Listening for client connections on ").nth(1) {
                         let port = rest.trim().rsplit(':').next().and_then(|p| p.parse().ok());
                         let _ = tx.send(port);
                         sent = true;

@@ -177,8 +177,8 @@ mod tests {
 
     #[test]
     fn unknown_fields_are_refused() {
-        let err = serde_json::from_str::<SubmitRequest>(r#"{"name":"a","max_attempt":3}"#)
-            .unwrap_err();
+        let err =
+            serde_json::from_str::<SubmitRequest>(r#"{"name":"a","max_attempt":3}"#).unwrap_err();
         assert!(err.to_string().contains("unknown field"));
     }
 }

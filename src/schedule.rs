@@ -88,9 +88,13 @@ impl Scheduler {
         let mut index: BinaryHeap<Reverse<(u64, u64)>> = BinaryHeap::new();
         let far = Duration::from_secs(3600);
         loop {
-            let wake = index.peek().map_or(Instant::now() + far, |Reverse((at, _))| {
-                instant_at(*at).checked_sub(self.lookahead).unwrap_or_else(Instant::now)
-            });
+            let wake = index
+                .peek()
+                .map_or(Instant::now() + far, |Reverse((at, _))| {
+                    instant_at(*at)
+                        .checked_sub(self.lookahead)
+                        .unwrap_or_else(Instant::now)
+                });
             tokio::select! {
                 _ = shutdown.cancelled() => break,
                 next = feed.next() => match next {

@@ -231,17 +231,14 @@ impl TaskStore {
 
     /// The current record and its revision.
     pub async fn get(&self, id: &str) -> Result<Option<(TaskRecord, u64)>, StateError> {
-        let entry = self
-            .kv
-            .entry(id)
-            .await
-            .map_err(|e| broker(id, "get", e))?;
+        let entry = self.kv.entry(id).await.map_err(|e| broker(id, "get", e))?;
         match entry {
             Some(e) if e.operation == kv::Operation::Put => {
-                let rec = serde_json::from_slice(&e.value).map_err(|source| StateError::Corrupt {
-                    id: id.to_string(),
-                    source,
-                })?;
+                let rec =
+                    serde_json::from_slice(&e.value).map_err(|source| StateError::Corrupt {
+                        id: id.to_string(),
+                        source,
+                    })?;
                 Ok(Some((rec, e.revision)))
             }
             _ => Ok(None),
@@ -276,12 +273,11 @@ impl TaskStore {
             if entry.operation != kv::Operation::Put {
                 continue;
             }
-            let rec = serde_json::from_slice(&entry.value).map_err(|source| {
-                StateError::Corrupt {
+            let rec =
+                serde_json::from_slice(&entry.value).map_err(|source| StateError::Corrupt {
                     id: id.to_string(),
                     source,
-                }
-            })?;
+                })?;
             out.push((rec, entry.revision));
         }
         Ok(out)

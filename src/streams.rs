@@ -25,7 +25,10 @@ pub const STREAM_FILES: [(&str, &str); 7] = [
         "AX_READY_LOW.json",
         include_str!("../streams/AX_READY_LOW.json"),
     ),
-    ("AX_DELAYED.json", include_str!("../streams/AX_DELAYED.json")),
+    (
+        "AX_DELAYED.json",
+        include_str!("../streams/AX_DELAYED.json"),
+    ),
     ("AX_DEAD.json", include_str!("../streams/AX_DEAD.json")),
     (
         "KV_AX_TASKS.json",

@@ -234,7 +234,10 @@ impl TaskMeta {
         let now = now_ms();
         let run_at_ms = match (req.delay_ms, req.run_at) {
             (Some(_), Some(_)) => {
-                return Err(WireError::field("delay_ms", "give delay_ms or run_at, not both"))
+                return Err(WireError::field(
+                    "delay_ms",
+                    "give delay_ms or run_at, not both",
+                ))
             }
             (Some(0), None) | (None, None) => None,
             (Some(ms), None) => {
@@ -244,7 +247,9 @@ impl TaskMeta {
             (None, Some(text)) => {
                 let at = humantime::parse_rfc3339_weak(&text)
                     .map_err(|e| WireError::field("run_at", format!("{text:?}: {e}")))?;
-                let at_ms = at.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+                let at_ms = at
+                    .duration_since(UNIX_EPOCH)
+                    .map_or(0, |d| d.as_millis() as u64);
                 if at_ms > now + limits.max_delay.as_millis() as u64 {
                     return Err(WireError::field("run_at", "is further away than max delay"));
                 }

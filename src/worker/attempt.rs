@@ -83,7 +83,7 @@ fn header_safe(text: &str) -> String {
 }
 
 enum Claim {
-    Started(TaskRecord, u64),
+    Started(Box<TaskRecord>, u64),
     Again,
     Done,
 }
@@ -107,7 +107,7 @@ async fn process(sh: &Shared, msg: &jetstream::Message, permit: Option<OwnedSema
     }
     for _ in 0..3 {
         match claim(sh, &meta, msg).await {
-            Claim::Started(rec, token) => return run(sh, &meta, msg, rec, token).await,
+            Claim::Started(rec, token) => return run(sh, &meta, msg, *rec, token).await,
             Claim::Again => continue,
             Claim::Done => return,
         }
@@ -183,7 +183,7 @@ async fn claim(sh: &Shared, meta: &TaskMeta, msg: &jetstream::Message) -> Claim 
     rec.worker = Some(sh.worker_id.clone());
     let rec = rec.transition(TaskState::Running);
     match sh.tasks.cas(&rec, rev).await {
-        Ok(token) => Claim::Started(rec, token),
+        Ok(token) => Claim::Started(Box::new(rec), token),
         Err(StateError::Stale { .. }) => Claim::Again,
         Err(e) => {
             warn!(task_id = %meta.id, cause = %e, "cannot claim attempt");
@@ -236,7 +236,10 @@ async fn run(sh: &Shared, meta: &TaskMeta, msg: &jetstream::Message, rec: TaskRe
             metrics::counter!(m::TIMEOUTS, "queue" => queue, "kind" => "hard").increment(1);
             let e = TaskError::new(
                 "timeout",
-                format!("attempt exceeded its {} ms timeout", meta.timeout.as_millis()),
+                format!(
+                    "attempt exceeded its {} ms timeout",
+                    meta.timeout.as_millis()
+                ),
             );
             fail(sh, meta, msg, rec, token, e, true).await;
         }

@@ -52,7 +52,9 @@ impl Picker {
         for (c, w) in self.current.iter_mut().zip(self.weights) {
             *c += w;
         }
-        let first = (0..3).max_by_key(|&i| (self.current[i], -(i as i64))).unwrap();
+        let first = (0..3)
+            .max_by_key(|&i| (self.current[i], -(i as i64)))
+            .unwrap();
         self.current[first] -= total;
         let mut order = [Priority::ALL[first]; 3];
         let mut k = 1;

@@ -30,14 +30,23 @@ pub(crate) fn example_worker(
     queue: &str,
     concurrency: usize,
     fail_rate: f64,
+    sleep: Option<Duration>,
+    id: Option<String>,
 ) -> Result<Worker> {
-    Ok(Worker::builder(queue)
-        .concurrency(concurrency)
+    let mut builder = Worker::builder(queue).concurrency(concurrency);
+    if let Some(id) = id {
+        builder = builder.id(id);
+    }
+    Ok(builder
         .handler(move |task: Task| async move {
-            let ms = rand::rng().random_range(50..300);
-            tokio::time::sleep(Duration::from_millis(ms)).await;
+            let pause =
+                sleep.unwrap_or_else(|| Duration::from_millis(rand::rng().random_range(50..300)));
+            tokio::time::sleep(pause).await;
             match task.name.as_str() {
-                "poison" => Err(TaskError::permanent("validation", "poison task: never retried")),
+                "poison" => Err(TaskError::permanent(
+                    "validation",
+                    "poison task: never retried",
+                )),
                 _ if rand::rng().random_bool(fail_rate.clamp(0.0, 1.0)) => Err(TaskError::new(
                     "flaky",
                     format!("simulated transient failure on attempt {}", task.attempt),
@@ -53,7 +62,11 @@ pub(crate) async fn run(args: DemoArgs, conn: &Conn) -> Result<()> {
         None
     } else {
         let server = LocalNats::start().context("starting a local nats-server")?;
-        println!("• nats-server with JetStream at {} (store {})", server.url(), server.store_dir().display());
+        println!(
+            "• nats-server with JetStream at {} (store {})",
+            server.url(),
+            server.store_dir().display()
+        );
         Some(server)
     };
     let client = match &local {
@@ -86,7 +99,9 @@ pub(crate) async fn run(args: DemoArgs, conn: &Conn) -> Result<()> {
         }
     }
     println!("• ax server up; starting a worker (concurrency 4, 25% flaky failures)");
-    let worker = tokio::spawn(example_worker("demo", 4, 0.25)?.run(client.clone(), shutdown.clone()));
+    let worker = tokio::spawn(
+        example_worker("demo", 4, 0.25, None, None)?.run(client.clone(), shutdown.clone()),
+    );
 
     let mut ids = Vec::new();
     for i in 0..args.tasks {
@@ -100,14 +115,23 @@ pub(crate) async fn run(args: DemoArgs, conn: &Conn) -> Result<()> {
             spec = spec.delay(Duration::from_millis(500 * (i as u64 % 7 + 1)));
         }
         let accepted = producer.submit("demo", spec).await?;
-        println!("  submitted {} ({priority}, {})", accepted.id, accepted.state);
+        println!(
+            "  submitted {} ({priority}, {})",
+            accepted.id, accepted.state
+        );
         ids.push(accepted.id);
     }
     let dup = producer
-        .submit("demo", TaskSpec::new("invoice").idempotency_key("invoice:2026-11"))
+        .submit(
+            "demo",
+            TaskSpec::new("invoice").idempotency_key("invoice:2026-11"),
+        )
         .await?;
     let again = producer
-        .submit("demo", TaskSpec::new("invoice").idempotency_key("invoice:2026-11"))
+        .submit(
+            "demo",
+            TaskSpec::new("invoice").idempotency_key("invoice:2026-11"),
+        )
         .await?;
     println!(
         "  idempotency: second submit of key invoice:2026-11 -> {} (duplicate: {})",
@@ -134,7 +158,13 @@ pub(crate) async fn run(args: DemoArgs, conn: &Conn) -> Result<()> {
                     .as_ref()
                     .map(|e| format!(" — last error {}: {}", e.class, e.message))
                     .unwrap_or_default();
-                println!("  {} {:<9} attempt {}{}", rec.id, rec.state.to_string(), rec.attempt, error);
+                println!(
+                    "  {} {:<9} attempt {}{}",
+                    rec.id,
+                    rec.state.to_string(),
+                    rec.attempt,
+                    error
+                );
                 last.insert(rec.id.clone(), now);
             }
         }

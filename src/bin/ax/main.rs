@@ -13,7 +13,11 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 #[derive(Parser)]
-#[command(name = "ax", version, about = "A task scheduler native to NATS JetStream")]
+#[command(
+    name = "ax",
+    version,
+    about = "A task scheduler native to NATS JetStream"
+)]
 struct Cli {
     #[command(flatten)]
     conn: Conn,
@@ -25,7 +29,12 @@ struct Cli {
 #[derive(Args)]
 struct Conn {
     /// NATS server URL(s), comma-separated.
-    #[arg(long, global = true, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
+    #[arg(
+        long,
+        global = true,
+        env = "NATS_URL",
+        default_value = "nats://127.0.0.1:4222"
+    )]
     url: String,
     /// Credentials file (JWT + nkey seed).
     #[arg(long, global = true, env = "NATS_CREDS")]
@@ -51,7 +60,10 @@ impl Conn {
     async fn connect(&self) -> Result<async_nats::Client> {
         let mut opts = async_nats::ConnectOptions::new().name("ax");
         if let Some(creds) = &self.creds {
-            opts = opts.credentials_file(creds).await.context("reading creds file")?;
+            opts = opts
+                .credentials_file(creds)
+                .await
+                .context("reading creds file")?;
         }
         match (&self.user, &self.password) {
             (Some(u), Some(p)) => opts = opts.user_and_password(u.clone(), p.clone()),
@@ -150,6 +162,12 @@ struct WorkerArgs {
     /// Share of attempts the example handler fails (retryably).
     #[arg(long, default_value_t = 0.2)]
     fail_rate: f64,
+    /// Example handler run time (default: random 50-300 ms).
+    #[arg(long, value_parser = humantime::parse_duration)]
+    sleep: Option<Duration>,
+    /// Worker id stored in task records.
+    #[arg(long)]
+    id: Option<String>,
     /// Serve Prometheus metrics here ("off" to disable).
     #[arg(long, default_value = "127.0.0.1:9465")]
     metrics_addr: String,
@@ -276,9 +294,15 @@ async fn main() -> Result<()> {
             }
             metrics_at(&args.metrics_addr)?;
             let client = cli.conn.connect().await?;
-            demo::example_worker(&args.queue, args.concurrency, args.fail_rate)?
-                .run(client, shutdown_on_signal())
-                .await?;
+            demo::example_worker(
+                &args.queue,
+                args.concurrency,
+                args.fail_rate,
+                args.sleep,
+                args.id,
+            )?
+            .run(client, shutdown_on_signal())
+            .await?;
             Ok(())
         }
         Command::Submit(args) => {
@@ -324,16 +348,30 @@ async fn main() -> Result<()> {
                     println!("{}", record_json(&rec, rev));
                 }
             } else {
-                let (rec, rev) = client.task(&id).await?.with_context(|| format!("no task {id}"))?;
+                let (rec, rev) = client
+                    .task(&id)
+                    .await?
+                    .with_context(|| format!("no task {id}"))?;
                 println!("{}", record_json(&rec, rev));
             }
             Ok(())
         }
         Command::Tasks {
-            command: TasksCommand::List { queue, state, limit },
+            command:
+                TasksCommand::List {
+                    queue,
+                    state,
+                    limit,
+                },
         } => {
             let client = Client::new(cli.conn.connect().await?);
-            let records = client.list(&ListFilter { queue, state, limit }).await?;
+            let records = client
+                .list(&ListFilter {
+                    queue,
+                    state,
+                    limit,
+                })
+                .await?;
             for rec in &records {
                 println!("{}", serde_json::to_string(rec)?);
             }
@@ -345,7 +383,11 @@ async fn main() -> Result<()> {
                 let client = cli.conn.connect().await?;
                 let js = async_nats::jetstream::new(client);
                 for applied in ax::streams::apply(&js, &args.topology(), &args.queues).await? {
-                    println!("{:<10} {}", format!("{:?}", applied.outcome).to_lowercase(), applied.object);
+                    println!(
+                        "{:<10} {}",
+                        format!("{:?}", applied.outcome).to_lowercase(),
+                        applied.object
+                    );
                 }
                 Ok(())
             }

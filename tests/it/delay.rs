@@ -1,0 +1,155 @@
+//! Delayed tasks: held durably, moved to ready once, survive a server restart.
+
+use crate::support::{eventually, Env};
+use ax::task::now_ms;
+use ax::worker::{Task, Worker};
+use ax::{TaskSpec, TaskState};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+fn recording_worker(seen: Arc<Mutex<Vec<(String, u64)>>>) -> Worker {
+    Worker::builder("q")
+        .concurrency(8)
+        .handler(move |task: Task| {
+            let seen = seen.clone();
+            async move {
+                seen.lock().unwrap().push((task.id, now_ms()));
+                Ok(())
+            }
+        })
+        .build()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delayed_task_runs_once_after_its_due_time() {
+    let env = Env::start(Env::server()).await;
+    let seen: Arc<Mutex<Vec<(String, u64)>>> = Arc::default();
+    let (stop, handle) = env.spawn_worker(recording_worker(seen.clone()));
+    let accepted = env
+        .ax
+        .submit(
+            "q",
+            TaskSpec::new("later").delay(Duration::from_millis(1500)),
+        )
+        .await
+        .unwrap();
+    assert_eq!(accepted.state, TaskState::Scheduled);
+    let rec = env.record(&accepted.id).await;
+    let due = rec.run_at_ms.expect("a due time");
+    assert_eq!(rec.state, TaskState::Scheduled);
+    assert_eq!(env.stream_len("AX_DELAYED").await, 1);
+    let done = env
+        .wait_state(&accepted.id, TaskState::Succeeded, Duration::from_secs(10))
+        .await;
+    assert_eq!(done.attempt, 1);
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 1, "ran exactly once");
+    assert!(
+        seen[0].1 >= due,
+        "ran at {} before its due time {due}",
+        seen[0].1
+    );
+    // The state history went through every transition.
+    let states: Vec<TaskState> = env
+        .ax
+        .history(&accepted.id)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|(r, _)| r.state)
+        .collect();
+    assert_eq!(
+        states,
+        [
+            TaskState::Scheduled,
+            TaskState::Pending,
+            TaskState::Running,
+            TaskState::Succeeded
+        ]
+    );
+    eventually(
+        Duration::from_secs(5),
+        "delayed message deleted",
+        || async { (env.stream_len("AX_DELAYED").await == 0).then_some(()) },
+    )
+    .await;
+    stop.cancel();
+    handle.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_at_in_the_future_is_held() {
+    let env = Env::start(Env::server()).await;
+    let at = std::time::SystemTime::now() + Duration::from_secs(2);
+    let text = humantime::format_rfc3339_millis(at).to_string();
+    let accepted = env
+        .ax
+        .submit("q", TaskSpec::new("at").run_at(text))
+        .await
+        .unwrap();
+    assert_eq!(accepted.state, TaskState::Scheduled);
+    let seen: Arc<Mutex<Vec<(String, u64)>>> = Arc::default();
+    let (stop, handle) = env.spawn_worker(recording_worker(seen.clone()));
+    let rec = env
+        .wait_state(&accepted.id, TaskState::Succeeded, Duration::from_secs(10))
+        .await;
+    assert!(seen.lock().unwrap()[0].1 >= rec.run_at_ms.unwrap());
+    stop.cancel();
+    handle.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delayed_tasks_survive_a_server_restart() {
+    let mut env = Env::start(Env::server()).await;
+    let mut ids = Vec::new();
+    for i in 0..50 {
+        let spec = TaskSpec::new("later").delay(Duration::from_millis(800 + i * 10));
+        ids.push(env.ax.submit("q", spec).await.unwrap().id);
+    }
+    env.stop_server().await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // All are due now and no server ran at their due time: nothing moved.
+    assert_eq!(env.stream_len("AX_DELAYED").await, 50);
+    env.start_server(Env::server()).await;
+    let seen: Arc<Mutex<Vec<(String, u64)>>> = Arc::default();
+    let (stop, handle) = env.spawn_worker(recording_worker(seen.clone()));
+    for id in &ids {
+        env.wait_state(id, TaskState::Succeeded, Duration::from_secs(15))
+            .await;
+    }
+    let mut ran: Vec<String> = seen.lock().unwrap().iter().map(|s| s.0.clone()).collect();
+    ran.sort();
+    ran.dedup();
+    assert_eq!(ran.len(), 50);
+    assert_eq!(seen.lock().unwrap().len(), 50, "no task ran twice");
+    stop.cancel();
+    handle.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_ready_queue_keeps_a_due_task_held() {
+    let env = Env::start(Env::server().capacity([5, 1, 5])).await;
+    let first = env.ax.submit("q", TaskSpec::new("fill")).await.unwrap();
+    let delayed = env
+        .ax
+        .submit(
+            "q",
+            TaskSpec::new("later").delay(Duration::from_millis(200)),
+        )
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    // Due, but its ready subject is full: it stays in AX_DELAYED, still scheduled.
+    assert_eq!(env.record(&delayed.id).await.state, TaskState::Scheduled);
+    assert_eq!(env.stream_len("AX_DELAYED").await, 1);
+    let seen: Arc<Mutex<Vec<(String, u64)>>> = Arc::default();
+    let (stop, handle) = env.spawn_worker(recording_worker(seen.clone()));
+    for id in [&first.id, &delayed.id] {
+        env.wait_state(id, TaskState::Succeeded, Duration::from_secs(10))
+            .await;
+    }
+    assert_eq!(seen.lock().unwrap().len(), 2);
+    stop.cancel();
+    handle.await.unwrap();
+}

@@ -1,0 +1,165 @@
+//! Real processes killed and paused: nothing accepted is lost, no late result counts.
+
+use crate::support::{eventually, Env};
+use ax::natsd::LocalNats;
+use ax::worker::{Task, Worker};
+use ax::{Client, TaskSpec, TaskState};
+use std::collections::HashMap;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+/// An `ax` child process, killed on drop.
+struct AxProc(Child);
+
+impl AxProc {
+    fn spawn(url: &str, args: &[&str]) -> AxProc {
+        let child = Command::new(env!("CARGO_BIN_EXE_ax"))
+            .args(args)
+            .args(["--metrics-addr", "off"])
+            .env("NATS_URL", url)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn ax");
+        AxProc(child)
+    }
+
+    fn signal(&self, sig: &str) {
+        let status = Command::new("kill")
+            .args([sig, &self.0.id().to_string()])
+            .status()
+            .expect("kill");
+        assert!(status.success());
+    }
+
+    fn kill9(&mut self) {
+        self.signal("-KILL");
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for AxProc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+async fn wait_ready(client: &async_nats::Client) {
+    eventually(
+        Duration::from_secs(20),
+        "ax server process to answer",
+        || async {
+            client
+                .request("ax.submit.__probe", "{\"name\":\"x\"}".into())
+                .await
+                .ok()
+        },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_killed_with_minus_9_loses_no_accepted_task() {
+    let nats = LocalNats::start().unwrap();
+    let url = nats.url();
+    let server_args = ["server", "--queue", "q", "--ack-wait", "2s"];
+    let mut server = AxProc::spawn(&url, &server_args);
+    let client = async_nats::connect(&url).await.unwrap();
+    wait_ready(&client).await;
+    let ax = Client::new(client.clone());
+    let mut ids = Vec::new();
+    for i in 0..300u64 {
+        let mut spec = TaskSpec::new("t").idempotency_key(format!("key-{i}"));
+        if i % 2 == 1 {
+            spec = spec.delay(Duration::from_millis(300 + i * 5));
+        }
+        ids.push(ax.submit("q", spec).await.unwrap().id);
+    }
+    server.kill9();
+    let _server = AxProc::spawn(&url, &server_args);
+    wait_ready(&client).await;
+    let runs: Arc<Mutex<HashMap<String, u32>>> = Arc::default();
+    let worker = Worker::builder("q")
+        .concurrency(32)
+        .handler({
+            let runs = runs.clone();
+            move |task: Task| {
+                let runs = runs.clone();
+                async move {
+                    *runs.lock().unwrap().entry(task.id).or_default() += 1;
+                    Ok(())
+                }
+            }
+        })
+        .build()
+        .unwrap();
+    let stop = CancellationToken::new();
+    let handle = tokio::spawn(worker.run(client.clone(), stop.clone()));
+    eventually(Duration::from_secs(30), "all 300 tasks to run", || async {
+        (runs.lock().unwrap().len() == ids.len()).then_some(())
+    })
+    .await;
+    for id in &ids {
+        let (rec, _) = ax.task(id).await.unwrap().unwrap();
+        assert_eq!(rec.state, TaskState::Succeeded, "{id}");
+    }
+    let doubles = runs.lock().unwrap().values().filter(|n| **n > 1).count();
+    println!(
+        "kill -9 server: submitted 300, completed {}, lost 0, duplicated {doubles}",
+        runs.lock().unwrap().len()
+    );
+    assert_eq!(doubles, 0);
+    stop.cancel();
+    handle.await.unwrap().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn paused_worker_late_result_is_refused() {
+    let env = Env::start(Env::server()).await; // ack wait 1 s
+    let a = AxProc::spawn(
+        &env.nats.url(),
+        &[
+            "worker",
+            "--example",
+            "--queue",
+            "q",
+            "--sleep",
+            "3s",
+            "--fail-rate",
+            "0",
+            "--id",
+            "A",
+            "--concurrency",
+            "1",
+        ],
+    );
+    let id = env.ax.submit("q", TaskSpec::new("t")).await.unwrap().id;
+    let rec = env
+        .wait_state(&id, TaskState::Running, Duration::from_secs(10))
+        .await;
+    assert_eq!(rec.worker.as_deref(), Some("A"));
+    a.signal("-STOP");
+    let b = Worker::builder("q")
+        .id("B")
+        .handler(|_t: Task| async { Ok(()) })
+        .build()
+        .unwrap();
+    let (stop, handle) = env.spawn_worker(b);
+    let rec = env
+        .wait_state(&id, TaskState::Succeeded, Duration::from_secs(10))
+        .await;
+    assert_eq!((rec.worker.as_deref(), rec.attempt), (Some("B"), 2));
+    let (_, revision) = env.ax.task(&id).await.unwrap().unwrap();
+    a.signal("-CONT");
+    // A wakes, its 3 s handler ends, it tries to record success with its old token.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let (after, revision_after) = env.ax.task(&id).await.unwrap().unwrap();
+    assert_eq!(revision_after, revision, "A's late result was refused");
+    assert_eq!((after.worker.as_deref(), after.attempt), (Some("B"), 2));
+    stop.cancel();
+    handle.await.unwrap();
+}

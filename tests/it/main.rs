@@ -1,0 +1,10 @@
+//! Integration tests: every test talks to a real nats-server started for it.
+//! Run with `./dev test` (it installs the pinned nats-server when none is found).
+
+mod delay;
+mod faults;
+mod retry;
+mod streams;
+mod submit;
+mod support;
+mod worker;

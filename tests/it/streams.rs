@@ -1,0 +1,60 @@
+//! `ax streams apply`: idempotent, updates what it may, refuses what it may not.
+
+use ax::natsd::LocalNats;
+use ax::streams::{apply, Outcome, StreamsError, Topology};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn apply_is_idempotent_and_refuses_incompatible_changes() {
+    let nats = LocalNats::start().unwrap();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let js = async_nats::jetstream::new(client);
+    let queues = vec!["a".to_string(), "b".to_string()];
+    let first = apply(&js, &Topology::default(), &queues).await.unwrap();
+    assert_eq!(first.len(), 7 + 6);
+    assert!(
+        first.iter().all(|a| a.outcome == Outcome::Created),
+        "{first:?}"
+    );
+    let again = apply(&js, &Topology::default(), &queues).await.unwrap();
+    assert!(
+        again.iter().all(|a| a.outcome == Outcome::Unchanged),
+        "{again:?}"
+    );
+
+    let bigger = Topology {
+        capacity: [10, 5000, 10000],
+        ..Topology::default()
+    };
+    let changed = apply(&js, &bigger, &queues).await.unwrap();
+    let updated: Vec<_> = changed
+        .iter()
+        .filter(|a| a.outcome == Outcome::Updated)
+        .map(|a| a.object.as_str())
+        .collect();
+    assert_eq!(updated, ["stream AX_READY_HIGH"]);
+    let mut high = js.get_stream("AX_READY_HIGH").await.unwrap();
+    assert_eq!(
+        high.info().await.unwrap().config.max_messages_per_subject,
+        10
+    );
+
+    // A stream with the same name but another retention cannot be changed in place.
+    js.delete_stream("AX_DEAD").await.unwrap();
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: "AX_DEAD".into(),
+        subjects: vec!["ax.dead.*".into()],
+        retention: async_nats::jetstream::stream::RetentionPolicy::Interest,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    match apply(&js, &Topology::default(), &queues).await {
+        Err(StreamsError::Incompatible { object, field, .. }) => {
+            assert_eq!(
+                (object.as_str(), field.as_str()),
+                ("stream AX_DEAD", "retention")
+            );
+        }
+        other => panic!("expected an incompatible-change error, got {other:?}"),
+    }
+}

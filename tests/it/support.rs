@@ -1,0 +1,150 @@
+//! Test environment: a real nats-server, an ax server, helpers to run workers and wait.
+
+use ax::natsd::LocalNats;
+use ax::state::TaskStore;
+use ax::worker::Worker;
+use ax::{Client, ServerBuilder, TaskRecord, TaskState};
+use std::future::Future;
+use std::time::{Duration, Instant};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+pub struct Env {
+    pub nats: LocalNats,
+    pub client: async_nats::Client,
+    pub js: async_nats::jetstream::Context,
+    pub ax: Client,
+    pub shutdown: CancellationToken,
+    server: Option<JoinHandle<Result<(), ax::ServerError>>>,
+}
+
+/// Polls `f` every 20 ms until it returns `Some`, panicking with `what` after `timeout`.
+pub async fn eventually<T, F, Fut>(timeout: Duration, what: &str, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+impl Env {
+    /// nats-server + an ax server with queue `q` (plus the builder's queues) and a short
+    /// ack wait, ready to answer.
+    pub async fn start(server: ServerBuilder) -> Env {
+        let nats = LocalNats::start().expect("nats-server starts (run ./dev test)");
+        let client = async_nats::connect(nats.url()).await.expect("connect");
+        let js = async_nats::jetstream::new(client.clone());
+        let mut env = Env {
+            nats,
+            ax: Client::new(client.clone()),
+            client,
+            js,
+            shutdown: CancellationToken::new(),
+            server: None,
+        };
+        env.start_server(server).await;
+        env
+    }
+
+    /// The builder most tests use: queue `q`, ack wait 1 s.
+    pub fn server() -> ServerBuilder {
+        ax::Server::builder()
+            .queues(["q"])
+            .ack_wait(Duration::from_secs(1))
+    }
+
+    pub async fn start_server(&mut self, server: ServerBuilder) {
+        self.shutdown = CancellationToken::new();
+        let handle = tokio::spawn(
+            server
+                .build()
+                .run(self.client.clone(), self.shutdown.clone()),
+        );
+        self.server = Some(handle);
+        // Ready when it answers a request (an unknown queue is answered too).
+        let client = self.client.clone();
+        eventually(Duration::from_secs(15), "ax server to answer", || {
+            let client = client.clone();
+            async move {
+                client
+                    .request("ax.submit.__probe", "{\"name\":\"x\"}".into())
+                    .await
+                    .ok()
+            }
+        })
+        .await;
+    }
+
+    /// Stops the ax server gracefully and waits for it.
+    pub async fn stop_server(&mut self) {
+        self.shutdown.cancel();
+        if let Some(handle) = self.server.take() {
+            handle
+                .await
+                .expect("server task")
+                .expect("server ran cleanly");
+        }
+    }
+
+    pub async fn store(&self) -> TaskStore {
+        TaskStore::open(&self.js).await.expect("task bucket")
+    }
+
+    /// Runs `worker` until the returned token is cancelled.
+    pub fn spawn_worker(&self, worker: Worker) -> (CancellationToken, JoinHandle<()>) {
+        let token = CancellationToken::new();
+        let handle = tokio::spawn({
+            let client = self.client.clone();
+            let token = token.clone();
+            async move { worker.run(client, token).await.expect("worker ran cleanly") }
+        });
+        (token, handle)
+    }
+
+    pub async fn record(&self, id: &str) -> TaskRecord {
+        self.ax
+            .task(id)
+            .await
+            .expect("read task")
+            .unwrap_or_else(|| panic!("no record for {id}"))
+            .0
+    }
+
+    /// Waits until task `id` is in `state`.
+    pub async fn wait_state(&self, id: &str, state: TaskState, timeout: Duration) -> TaskRecord {
+        let ax = self.ax.clone();
+        let what = format!("task {id} to be {state}");
+        eventually(timeout, &what, || {
+            let ax = ax.clone();
+            async move {
+                match ax.task(id).await {
+                    Ok(Some((rec, _))) if rec.state == state => Some(rec),
+                    _ => None,
+                }
+            }
+        })
+        .await
+    }
+
+    /// Messages currently stored in a stream.
+    pub async fn stream_len(&self, name: &str) -> u64 {
+        let mut stream = self.js.get_stream(name).await.expect("stream");
+        stream.info().await.expect("info").state.messages
+    }
+}
+
+impl Drop for Env {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}

@@ -1,0 +1,203 @@
+//! Worker SDK: priority pick policy, heartbeats, redelivery, graceful shutdown.
+
+use crate::support::Env;
+use ax::names::{consumer_name, Priority};
+use ax::worker::{Task, Worker};
+use ax::{TaskSpec, TaskState};
+use futures::StreamExt;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn high_priority_first_and_low_not_starved() {
+    let env = Env::start(Env::server()).await;
+    for p in [Priority::Low, Priority::Normal, Priority::High] {
+        for _ in 0..10 {
+            env.ax
+                .submit("q", TaskSpec::new(p.as_str()).priority(p))
+                .await
+                .unwrap();
+        }
+    }
+    let order: Arc<Mutex<Vec<String>>> = Arc::default();
+    let worker = Worker::builder("q")
+        .concurrency(1)
+        .max_batch(1)
+        .handler({
+            let order = order.clone();
+            move |task: Task| {
+                let order = order.clone();
+                async move {
+                    order.lock().unwrap().push(task.name);
+                    Ok(())
+                }
+            }
+        })
+        .build()
+        .unwrap();
+    let (stop, handle) = env.spawn_worker(worker);
+    crate::support::eventually(Duration::from_secs(15), "30 tasks", || async {
+        (order.lock().unwrap().len() == 30).then_some(())
+    })
+    .await;
+    stop.cancel();
+    handle.await.unwrap();
+    let order = order.lock().unwrap().clone();
+    let first10 = &order[..10];
+    let count = |name: &str| first10.iter().filter(|n| *n == name).count();
+    // Weighted round-robin 6/3/1 while all three priorities have work.
+    assert_eq!(
+        (count("high"), count("normal"), count("low")),
+        (6, 3, 1),
+        "{order:?}"
+    );
+    assert_eq!(order[0], "high");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heartbeats_keep_a_long_task_from_redelivery() {
+    // Ack wait is 1 s; the task runs 3 s.
+    let env = Env::start(Env::server()).await;
+    let runs: Arc<Mutex<u32>> = Arc::default();
+    let worker = Worker::builder("q")
+        .handler({
+            let runs = runs.clone();
+            move |_task: Task| {
+                let runs = runs.clone();
+                async move {
+                    *runs.lock().unwrap() += 1;
+                    tokio::time::sleep(Duration::from_secs(3)).await;
+                    Ok(())
+                }
+            }
+        })
+        .build()
+        .unwrap();
+    let (stop, handle) = env.spawn_worker(worker);
+    let id = env.ax.submit("q", TaskSpec::new("long")).await.unwrap().id;
+    let rec = env
+        .wait_state(&id, TaskState::Succeeded, Duration::from_secs(10))
+        .await;
+    assert_eq!(rec.attempt, 1);
+    assert_eq!(*runs.lock().unwrap(), 1);
+    stop.cancel();
+    handle.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_heartbeat_redelivers_and_counts_the_attempt() {
+    let env = Env::start(Env::server()).await;
+    let id = env.ax.submit("q", TaskSpec::new("t")).await.unwrap().id;
+    // A worker that claims the task and then dies: it fetches, writes `running`, and never
+    // acks or heartbeats again.
+    let consumer: async_nats::jetstream::consumer::PullConsumer = env
+        .js
+        .get_consumer_from_stream(&consumer_name("q", Priority::Normal), "AX_READY_NORMAL")
+        .await
+        .unwrap();
+    let mut batch = consumer.fetch().max_messages(1).messages().await.unwrap();
+    let _held = batch.next().await.unwrap().unwrap();
+    let store = env.store().await;
+    let (rec, rev) = store.get(&id).await.unwrap().unwrap();
+    let mut running = rec.transition(TaskState::Running);
+    running.attempt = 1;
+    running.worker = Some("doomed".into());
+    let dead_token = store.cas(&running, rev).await.unwrap();
+
+    let tokens: Arc<Mutex<Vec<(u32, u64)>>> = Arc::default();
+    let worker = Worker::builder("q")
+        .handler({
+            let tokens = tokens.clone();
+            move |task: Task| {
+                let tokens = tokens.clone();
+                async move {
+                    tokens
+                        .lock()
+                        .unwrap()
+                        .push((task.attempt, task.fencing_token));
+                    Ok(())
+                }
+            }
+        })
+        .build()
+        .unwrap();
+    let (stop, handle) = env.spawn_worker(worker);
+    let rec = env
+        .wait_state(&id, TaskState::Succeeded, Duration::from_secs(10))
+        .await;
+    assert_eq!(rec.attempt, 2, "the lost attempt counts");
+    assert_eq!(rec.last_error.unwrap().class, "heartbeat_timeout");
+    let tokens = tokens.lock().unwrap().clone();
+    assert_eq!(tokens.len(), 1);
+    assert!(
+        tokens[0].1 > dead_token,
+        "fencing tokens increase across attempts"
+    );
+    // The dead worker's late result is refused.
+    let mut late = running.transition(TaskState::Succeeded);
+    late.worker = Some("doomed".into());
+    assert!(matches!(
+        store.cas(&late, dead_token).await,
+        Err(ax::state::StateError::Stale { .. })
+    ));
+    stop.cancel();
+    handle.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_lets_running_tasks_finish() {
+    let env = Env::start(Env::server()).await;
+    let worker = Worker::builder("q")
+        .handler(|_t: Task| async {
+            tokio::time::sleep(Duration::from_millis(800)).await;
+            Ok(())
+        })
+        .build()
+        .unwrap();
+    let (stop, handle) = env.spawn_worker(worker);
+    let id = env.ax.submit("q", TaskSpec::new("t")).await.unwrap().id;
+    env.wait_state(&id, TaskState::Running, Duration::from_secs(5))
+        .await;
+    stop.cancel();
+    handle.await.unwrap();
+    // The worker returned only after the task finished and was acked.
+    assert_eq!(env.record(&id).await.state, TaskState::Succeeded);
+    assert_eq!(env.stream_len("AX_READY_NORMAL").await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_grace_hands_back_unfinished_tasks() {
+    let env = Env::start(Env::server()).await;
+    let slow = Worker::builder("q")
+        .shutdown_grace(Duration::from_millis(100))
+        .handler(|_t: Task| async {
+            tokio::time::sleep(Duration::from_secs(30)).await;
+            Ok(())
+        })
+        .build()
+        .unwrap();
+    let (stop, handle) = env.spawn_worker(slow);
+    let id = env.ax.submit("q", TaskSpec::new("t")).await.unwrap().id;
+    env.wait_state(&id, TaskState::Running, Duration::from_secs(5))
+        .await;
+    stop.cancel();
+    tokio::time::timeout(Duration::from_secs(5), handle)
+        .await
+        .expect("worker stops after grace")
+        .unwrap();
+    let rec = env.record(&id).await;
+    assert_eq!(rec.state, TaskState::Retrying);
+    assert_eq!(rec.last_error.unwrap().class, "shutdown");
+    // Another worker picks it up at once (handed back with a plain nak).
+    let quick = Worker::builder("q")
+        .handler(|_t: Task| async { Ok(()) })
+        .build()
+        .unwrap();
+    let (stop, handle) = env.spawn_worker(quick);
+    let rec = env
+        .wait_state(&id, TaskState::Succeeded, Duration::from_secs(3))
+        .await;
+    assert_eq!(rec.attempt, 2);
+    stop.cancel();
+    handle.await.unwrap();
+}
