@@ -1,1 +1,303 @@
-fn main() {}
+//! ax benchmarks against a raw-JetStream baseline, all on one local nats-server.
+//!
+//! Run: `./dev bench` (or `cargo bench --bench e2e` with AX_NATS_SERVER set).
+//! Settings (environment): AX_BENCH_TASKS (default 50000) tasks for the throughput runs,
+//! AX_BENCH_DELAYED (default 50000) delayed tasks, AX_BENCH_SPREAD_SECS (default 10) the
+//! window their due times are spread over, AX_BENCH_PAYLOAD (default 256) payload bytes.
+//!
+//! (a) raw JetStream: async publish (pipelined) + pull consume + ack of N messages.
+//! (b) ax end to end: submit (request/reply) → admission → ready stream → worker with a
+//!     no-op handler → state `running` / `succeeded` written → ack, for N tasks.
+//! (c) delayed-task lag: N tasks due uniformly over the spread window; lag from due time to
+//!     the ready publish (seen by a core subscriber) and to handler start.
+
+use ax::natsd::LocalNats;
+use ax::worker::{Task, Worker};
+use ax::{Client, Server, TaskSpec};
+use futures::stream::{FuturesUnordered, StreamExt};
+use std::future::IntoFuture;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tokio_util::sync::CancellationToken;
+
+fn env_or(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+fn percentiles(mut v: Vec<f64>) -> (f64, f64, f64) {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    if v.is_empty() {
+        return (f64::NAN, f64::NAN, f64::NAN);
+    }
+    let at = |q: f64| v[((v.len() as f64 - 1.0) * q).round() as usize];
+    (at(0.5), at(0.99), *v.last().unwrap())
+}
+
+fn machine() -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown cpu".into());
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    format!("{cores} cores, {cpu}")
+}
+
+async fn raw_jetstream(client: &async_nats::Client, n: usize, payload: &[u8]) -> f64 {
+    use async_nats::jetstream::{consumer, stream};
+    let js = async_nats::jetstream::new(client.clone());
+    let stream = js
+        .create_stream(stream::Config {
+            name: "RAW".into(),
+            subjects: vec!["raw.>".into()],
+            retention: stream::RetentionPolicy::WorkQueue,
+            storage: stream::StorageType::File,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let consumer: consumer::PullConsumer = stream
+        .create_consumer(consumer::pull::Config {
+            durable_name: Some("raw".into()),
+            ack_policy: consumer::AckPolicy::Explicit,
+            max_ack_pending: 10_000,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let start = Instant::now();
+    let consume = tokio::spawn(async move {
+        let mut msgs = consumer
+            .stream()
+            .max_messages_per_batch(500)
+            .messages()
+            .await
+            .unwrap();
+        let mut acked = 0;
+        while acked < n {
+            let msg = msgs.next().await.unwrap().unwrap();
+            msg.ack().await.unwrap();
+            acked += 1;
+        }
+    });
+    let payload = bytes::Bytes::copy_from_slice(payload);
+    let mut inflight = FuturesUnordered::new();
+    for _ in 0..n {
+        inflight.push(js.publish("raw.x", payload.clone()).await.unwrap().into_future());
+        if inflight.len() >= 2048 {
+            inflight.next().await.unwrap().unwrap();
+        }
+    }
+    while let Some(ack) = inflight.next().await {
+        ack.unwrap();
+    }
+    consume.await.unwrap();
+    n as f64 / start.elapsed().as_secs_f64()
+}
+
+async fn ax_end_to_end(client: &async_nats::Client, n: usize, payload: &[u8]) -> (f64, f64) {
+    let done = Arc::new(AtomicUsize::new(0));
+    let stop = CancellationToken::new();
+    let worker = Worker::builder("bench")
+        .concurrency(512)
+        .handler({
+            let done = done.clone();
+            move |_task: Task| {
+                done.fetch_add(1, Ordering::Relaxed);
+                async { Ok(()) }
+            }
+        })
+        .build()
+        .unwrap();
+    let worker = tokio::spawn(worker.run(client.clone(), stop.clone()));
+    let ax = Client::new(client.clone());
+    let value = serde_json::Value::String("x".repeat(payload.len().saturating_sub(2)));
+    let start = Instant::now();
+    let mut submits = futures::stream::iter(0..n)
+        .map(|_| {
+            let ax = ax.clone();
+            let value = value.clone();
+            async move {
+                loop {
+                    match ax.submit("bench", TaskSpec::new("noop").json(&value)).await {
+                        Ok(_) => return,
+                        Err(ax::ClientError::Refused(e)) if e.code.is_retryable() => {
+                            tokio::time::sleep(Duration::from_millis(5)).await
+                        }
+                        Err(e) => panic!("submit: {e}"),
+                    }
+                }
+            }
+        })
+        .buffer_unordered(1024);
+    let mut submitted = 0;
+    while submits.next().await.is_some() {
+        submitted += 1;
+        if submitted % 10_000 == 0 {
+            eprintln!("  ... {submitted} submitted, {} ran", done.load(Ordering::Relaxed));
+        }
+    }
+    let submit_rate = n as f64 / start.elapsed().as_secs_f64();
+    eprintln!("  ... all {n} submitted in {:?}", start.elapsed());
+    // Done when every task ran and was acked (the ready streams are empty).
+    let js = async_nats::jetstream::new(client.clone());
+    loop {
+        if done.load(Ordering::Relaxed) >= n {
+            let mut left = 0;
+            for p in ax::Priority::ALL {
+                let stream = js.get_stream(p.ready_stream()).await.unwrap();
+                let mut consumer: async_nats::jetstream::consumer::PullConsumer = stream
+                    .get_consumer(&ax::names::consumer_name("bench", p))
+                    .await
+                    .unwrap();
+                let info = consumer.info().await.unwrap();
+                left += info.num_pending + info.num_ack_pending as u64;
+            }
+            if left == 0 {
+                break;
+            }
+            eprintln!("  ... {left} still unacked");
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let rate = n as f64 / start.elapsed().as_secs_f64();
+    stop.cancel();
+    worker.await.unwrap().unwrap();
+    (rate, submit_rate)
+}
+
+async fn delayed_lag(client: &async_nats::Client, n: usize, spread: Duration, lead: Duration) {
+    let starts: Arc<Mutex<Vec<f64>>> = Arc::default();
+    let published: Arc<Mutex<Vec<f64>>> = Arc::default();
+    let mut sub = client.subscribe("ax.ready.lag.*").await.unwrap();
+    let watcher = tokio::spawn({
+        let published = published.clone();
+        async move {
+            while let Some(msg) = sub.next().await {
+                let now = now_ms();
+                if let Some(at) = msg
+                    .headers
+                    .as_ref()
+                    .and_then(|h| h.get("Ax-Run-At-Ms"))
+                    .and_then(|v| v.as_str().parse::<u64>().ok())
+                {
+                    published.lock().unwrap().push(now as f64 - at as f64);
+                }
+            }
+        }
+    });
+    let stop = CancellationToken::new();
+    let worker = Worker::builder("lag")
+        .concurrency(512)
+        .handler({
+            let starts = starts.clone();
+            move |task: Task| {
+                if let Some(at) = task.run_at_ms {
+                    starts.lock().unwrap().push(now_ms() as f64 - at as f64);
+                }
+                async { Ok(()) }
+            }
+        })
+        .build()
+        .unwrap();
+    let worker = tokio::spawn(worker.run(client.clone(), stop.clone()));
+    let ax = Client::new(client.clone());
+    let base = SystemTime::now() + lead;
+    let step = spread.as_secs_f64() / n as f64;
+    let t = Instant::now();
+    let mut submits = futures::stream::iter(0..n)
+        .map(|i| {
+            let ax = ax.clone();
+            let at = base + Duration::from_secs_f64(step * i as f64);
+            async move {
+                let text = humantime::format_rfc3339_millis(at).to_string();
+                ax.submit("lag", TaskSpec::new("tick").run_at(text))
+                    .await
+                    .unwrap();
+            }
+        })
+        .buffer_unordered(1024);
+    while submits.next().await.is_some() {}
+    let submitted_in = t.elapsed();
+    if submitted_in > lead {
+        println!("  warning: submission took {submitted_in:?}, longer than the {lead:?} lead");
+    }
+    let deadline = Instant::now() + lead + spread + Duration::from_secs(60);
+    while starts.lock().unwrap().len() < n && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.cancel();
+    worker.await.unwrap().unwrap();
+    watcher.abort();
+    let (p50, p99, max) = percentiles(published.lock().unwrap().clone());
+    println!(
+        "(c) delayed lag, {n} tasks due over {spread:?}: due -> ready publish  p50 {p50:.1} ms  p99 {p99:.1} ms  max {max:.1} ms"
+    );
+    let seen = starts.lock().unwrap().len();
+    let (p50, p99, max) = percentiles(starts.lock().unwrap().clone());
+    println!(
+        "(c) delayed lag, {n} tasks due over {spread:?}: due -> handler start  p50 {p50:.1} ms  p99 {p99:.1} ms  max {max:.1} ms  ({seen} ran)"
+    );
+}
+
+fn main() {
+    let n = env_or("AX_BENCH_TASKS", 50_000);
+    let n_delayed = env_or("AX_BENCH_DELAYED", 50_000);
+    let spread = Duration::from_secs(env_or("AX_BENCH_SPREAD_SECS", 10) as u64);
+    let payload = vec![b'x'; env_or("AX_BENCH_PAYLOAD", 256)];
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let nats = LocalNats::start().expect("nats-server (run via ./dev bench)");
+        println!("machine: {}", machine());
+        println!(
+            "nats-server: {} (file store, R1, default sync), one process for ax + clients",
+            nats.url()
+        );
+        let client = async_nats::connect(nats.url()).await.unwrap();
+        let stop = CancellationToken::new();
+        let server = tokio::spawn(
+            Server::builder()
+                .queues(["bench", "lag"])
+                .capacity([100_000, 100_000, 100_000])
+                .build()
+                .run(client.clone(), stop.clone()),
+        );
+        // Wait for the server to answer.
+        let ax = Client::new(client.clone());
+        while ax.submit("lag", TaskSpec::new("warmup")).await.is_err() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let raw = raw_jetstream(&client, n, &payload).await;
+        println!(
+            "(a) raw JetStream: {n} msgs of {} B, publish + fetch + ack: {raw:.0} msg/s",
+            payload.len()
+        );
+        let (axr, submit_rate) = ax_end_to_end(&client, n, &payload).await;
+        println!(
+            "(b) ax end to end: {n} tasks of {} B, submit -> run -> state -> ack: {axr:.0} tasks/s (submit alone {submit_rate:.0}/s)",
+            payload.len()
+        );
+        println!("ratio ax/raw: {:.2}", axr / raw);
+        let lead = Duration::from_secs_f64((2.0 * n_delayed as f64 / submit_rate).max(5.0));
+        delayed_lag(&client, n_delayed, spread, lead).await;
+        stop.cancel();
+        server.await.unwrap().unwrap();
+    });
+}

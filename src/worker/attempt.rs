@@ -212,6 +212,8 @@ async fn run(sh: &Shared, meta: &TaskMeta, msg: &jetstream::Message, rec: TaskRe
         max_attempts: meta.max_attempts,
         fencing_token: token,
         idempotency_key: meta.idempotency_key.clone(),
+        created_at_ms: meta.created_at_ms,
+        run_at_ms: meta.run_at_ms,
     };
     let started = Instant::now();
     let outcome = tokio::select! {

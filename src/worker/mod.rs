@@ -70,6 +70,10 @@ pub struct Task {
     pub fencing_token: u64,
     /// Business idempotency key, if the producer gave one.
     pub idempotency_key: Option<String>,
+    /// When the task was accepted, ms since the Unix epoch.
+    pub created_at_ms: u64,
+    /// Due time of a delayed task, ms since the Unix epoch.
+    pub run_at_ms: Option<u64>,
 }
 
 impl Task {
