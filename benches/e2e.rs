@@ -97,7 +97,12 @@ async fn raw_jetstream(client: &async_nats::Client, n: usize, payload: &[u8]) ->
     let payload = bytes::Bytes::copy_from_slice(payload);
     let mut inflight = FuturesUnordered::new();
     for _ in 0..n {
-        inflight.push(js.publish("raw.x", payload.clone()).await.unwrap().into_future());
+        inflight.push(
+            js.publish("raw.x", payload.clone())
+                .await
+                .unwrap()
+                .into_future(),
+        );
         if inflight.len() >= 2048 {
             inflight.next().await.unwrap().unwrap();
         }
@@ -148,7 +153,10 @@ async fn ax_end_to_end(client: &async_nats::Client, n: usize, payload: &[u8]) ->
     while submits.next().await.is_some() {
         submitted += 1;
         if submitted % 10_000 == 0 {
-            eprintln!("  ... {submitted} submitted, {} ran", done.load(Ordering::Relaxed));
+            eprintln!(
+                "  ... {submitted} submitted, {} ran",
+                done.load(Ordering::Relaxed)
+            );
         }
     }
     let submit_rate = n as f64 / start.elapsed().as_secs_f64();

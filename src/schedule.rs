@@ -1,29 +1,33 @@
 //! Delayed tasks: held in `AX_DELAYED`, moved to their ready subject when due (S2-5).
 //!
-//! The server keeps a timer index of `(due, stream sequence)` pairs, 16 bytes a task, built
-//! from a headers-only ordered consumer over `AX_DELAYED`: on start it replays every held
-//! task, then it follows new ones. The index is a cache: the stream is the truth, so a server
-//! killed at any line rebuilds it and loses nothing.
+//! The server keeps a timer index built from an ordered consumer over `AX_DELAYED`: on
+//! start it replays every held task, then it follows new ones. Tasks due within the
+//! *horizon* (default 30 s) are held with their message (headers + payload), so dispatching
+//! them costs no read; tasks further out are held as `(due, stream sequence)` only, 16 bytes
+//! each, and their messages are read back by sequence as they cross into the horizon. The
+//! index is a cache: the stream is the truth, so a server killed at any line rebuilds it and
+//! loses nothing.
 //!
-//! Shortly before a task is due (the look-ahead, default 200 ms) its message is read by
-//! sequence; at the due instant it is published to the ready subject with `Nats-Msg-Id` =
-//! task id, then its record moves `scheduled → pending`, then the delayed message is deleted.
-//! A crash between those steps repeats them on restart; the message id makes the re-publish
-//! a no-op within the duplicate window. A full ready subject leaves the task in `AX_DELAYED`
-//! and retries with backoff (counted in `ax_pending_dispatch`), never spinning or dropping.
+//! At the due instant a task is published to its ready subject with `Nats-Msg-Id` = task id,
+//! then its delayed message is deleted. A crash in between repeats the publish on restart;
+//! the message id makes it a no-op within the duplicate window. A full ready subject leaves
+//! the task in `AX_DELAYED` and retries with backoff (counted in `ax_pending_dispatch`),
+//! never spinning or dropping it. The record stays `scheduled` until a worker claims it
+//! (see docs/ARCHITECTURE.md for why no `pending` write is made here).
 
 use crate::metrics as m;
 use crate::names::{self, DELAYED_STREAM};
-use crate::state::{StateError, TaskRecord, TaskState, TaskStore};
 use crate::submit::publish_task;
 use crate::task::{header, now_ms, TaskMeta};
 use async_nats::jetstream::{self, consumer, stream};
+use async_nats::HeaderMap;
+use bytes::Bytes;
 use futures::StreamExt;
 use std::cmp::Reverse;
-use std::collections::BinaryHeap;
+use std::collections::{BinaryHeap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::Semaphore;
+use tokio::sync::{mpsc, Semaphore};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -46,18 +50,18 @@ pub(crate) fn instant_at(at_ms: u64) -> Instant {
     Instant::now() + Duration::from_millis(at_ms.saturating_sub(now_ms()))
 }
 
+/// A held delayed message.
+type Body = (HeaderMap, Bytes);
+
 pub(crate) struct Scheduler {
     pub(crate) js: jetstream::Context,
-    pub(crate) tasks: TaskStore,
     pub(crate) lookahead: Duration,
+    pub(crate) horizon: Duration,
     pub(crate) max_inflight: usize,
 }
 
-struct Ctx {
-    js: jetstream::Context,
-    stream: stream::Stream,
-    tasks: TaskStore,
-}
+/// Most concurrent reads of far tasks' messages as they cross into the horizon.
+const MAX_LOADS: usize = 256;
 
 impl Scheduler {
     pub(crate) async fn run(self, shutdown: CancellationToken) -> Result<(), ScheduleError> {
@@ -68,7 +72,6 @@ impl Scheduler {
             .map_err(|e| err("get stream")(e.into()))?;
         let consumer = stream
             .create_consumer(consumer::pull::OrderedConfig {
-                headers_only: true,
                 deliver_policy: consumer::DeliverPolicy::All,
                 ..Default::default()
             })
@@ -78,62 +81,93 @@ impl Scheduler {
             .messages()
             .await
             .map_err(|e| err("follow stream")(e.into()))?;
-        let ctx = Arc::new(Ctx {
-            js: self.js.clone(),
-            stream,
-            tasks: self.tasks.clone(),
-        });
+        let horizon_ms = self.horizon.as_millis() as u64;
+        let lookahead_ms = self.lookahead.as_millis() as u64;
         let inflight = Arc::new(Semaphore::new(self.max_inflight));
+        let loads = Arc::new(Semaphore::new(MAX_LOADS));
+        let (loaded_tx, mut loaded) = mpsc::channel::<(u64, u64, Option<Body>)>(MAX_LOADS);
         let tracker = TaskTracker::new();
-        let mut index: BinaryHeap<Reverse<(u64, u64)>> = BinaryHeap::new();
-        let far = Duration::from_secs(3600);
+        // Due within the horizon, message held; beyond it, only (due, sequence).
+        let mut near: BinaryHeap<Reverse<(u64, u64)>> = BinaryHeap::new();
+        let mut bodies: HashMap<u64, Body> = HashMap::new();
+        let mut far: BinaryHeap<Reverse<(u64, u64)>> = BinaryHeap::new();
+        let idle = Duration::from_secs(3600);
         loop {
-            let wake = index
+            let now = now_ms();
+            let next_dispatch = near
                 .peek()
-                .map_or(Instant::now() + far, |Reverse((at, _))| {
-                    instant_at(*at)
-                        .checked_sub(self.lookahead)
-                        .unwrap_or_else(Instant::now)
-                });
+                .map(|Reverse((at, _))| at.saturating_sub(lookahead_ms));
+            let next_load = far
+                .peek()
+                .map(|Reverse((at, _))| at.saturating_sub(horizon_ms));
+            let wake = match (next_dispatch, next_load) {
+                (None, None) => Instant::now() + idle,
+                (a, b) => instant_at(a.unwrap_or(u64::MAX).min(b.unwrap_or(u64::MAX)).max(now)),
+            };
             tokio::select! {
                 _ = shutdown.cancelled() => break,
                 next = feed.next() => match next {
                     Some(Ok(msg)) => {
                         let Ok(info) = msg.info() else { continue };
                         let seq = info.stream_sequence;
-                        match msg.headers.as_ref().and_then(|h| h.get(header::RUN_AT_MS)) {
-                            Some(at) => match at.as_str().parse::<u64>() {
-                                Ok(at) => index.push(Reverse((at, seq))),
-                                Err(_) => warn!(seq, "delayed message with a bad Ax-Run-At-Ms; left in place"),
-                            },
-                            None => warn!(seq, "delayed message without Ax-Run-At-Ms; left in place"),
+                        let at = msg.headers.as_ref()
+                            .and_then(|h| h.get(header::RUN_AT_MS))
+                            .and_then(|v| v.as_str().parse::<u64>().ok());
+                        match at {
+                            Some(at) if at <= now + horizon_ms => {
+                                let headers = msg.headers.clone().unwrap_or_default();
+                                bodies.insert(seq, (headers, msg.payload.clone()));
+                                near.push(Reverse((at, seq)));
+                            }
+                            Some(at) => far.push(Reverse((at, seq))),
+                            None => warn!(seq, "delayed message without a valid Ax-Run-At-Ms; left in place"),
                         }
                     }
                     Some(Err(e)) => warn!(cause = %e, "delayed index feed error; the ordered consumer resets itself"),
                     None => return Err(err("follow stream")("feed ended".into())),
                 },
-                _ = tokio::time::sleep_until(wake), if !index.is_empty() => {
-                    let horizon = now_ms() + self.lookahead.as_millis() as u64;
-                    while let Some(Reverse((at, seq))) = index.peek().copied() {
-                        if at > horizon {
+                Some((at, seq, body)) = loaded.recv() => {
+                    if let Some(body) = body {
+                        bodies.insert(seq, body);
+                        near.push(Reverse((at, seq)));
+                    }
+                }
+                _ = tokio::time::sleep_until(wake), if next_dispatch.is_some() || next_load.is_some() => {
+                    let now = now_ms();
+                    while let Some(Reverse((at, seq))) = far.peek().copied() {
+                        if at > now + horizon_ms {
                             break;
                         }
-                        index.pop();
+                        far.pop();
+                        let permit = loads.clone().acquire_owned().await.expect("never closed");
+                        let (stream, tx) = (stream.clone(), loaded_tx.clone());
+                        tracker.spawn(async move {
+                            let body = load(&stream, seq).await;
+                            let _ = tx.send((at, seq, body)).await;
+                            drop(permit);
+                        });
+                    }
+                    while let Some(Reverse((at, seq))) = near.peek().copied() {
+                        if at > now + lookahead_ms {
+                            break;
+                        }
+                        near.pop();
+                        let Some(body) = bodies.remove(&seq) else { continue };
                         let permit = inflight.clone().acquire_owned().await.expect("never closed");
-                        let ctx = ctx.clone();
-                        let token = shutdown.clone();
+                        let (js, token) = (self.js.clone(), shutdown.clone());
                         tracker.spawn(async move {
                             tokio::select! {
                                 _ = token.cancelled() => {}
-                                _ = dispatch(&ctx, at, seq) => {}
+                                _ = dispatch(&js, at, seq, body) => {}
                             }
                             drop(permit);
                         });
                     }
                 }
             }
-            metrics::gauge!(m::DELAYED_TRACKED)
-                .set((index.len() + self.max_inflight - inflight.available_permits()) as f64);
+            metrics::gauge!(m::DELAYED_TRACKED).set(
+                (near.len() + far.len() + self.max_inflight - inflight.available_permits()) as f64,
+            );
         }
         tracker.close();
         tracker.wait().await;
@@ -141,17 +175,22 @@ impl Scheduler {
     }
 }
 
-/// Moves one delayed task to its ready subject at its due time.
-async fn dispatch(ctx: &Ctx, at: u64, seq: u64) {
-    let msg = match ctx.stream.direct_get(seq).await {
-        Ok(msg) => msg,
+/// Reads a far task's message back by sequence; `None` if it is gone (another server moved
+/// it, or it was removed by hand).
+async fn load(stream: &stream::Stream, seq: u64) -> Option<Body> {
+    match stream.direct_get(seq).await {
+        Ok(msg) => Some((msg.headers, msg.payload)),
         Err(e) => {
-            // Gone: another server moved it, or it was removed by hand.
             debug!(seq, cause = %e, "delayed message not readable; skipped");
-            return;
+            None
         }
-    };
-    let meta = match TaskMeta::from_headers(&msg.headers) {
+    }
+}
+
+/// Moves one delayed task to its ready subject at its due time.
+async fn dispatch(js: &jetstream::Context, at: u64, seq: u64, body: Body) {
+    let (headers, payload) = body;
+    let meta = match TaskMeta::from_headers(&headers) {
         Ok(meta) => meta,
         Err(e) => {
             warn!(seq, cause = %e, "delayed message with bad headers; left in place");
@@ -164,7 +203,7 @@ async fn dispatch(ctx: &Ctx, at: u64, seq: u64) {
     let subject = names::ready_subject(&meta.queue, meta.priority);
     let mut pause = Duration::from_millis(20);
     loop {
-        match publish_task(&ctx.js, subject.clone(), &meta, msg.payload.clone()).await {
+        match publish_task(js, subject.clone(), &meta, payload.clone()).await {
             Ok(_) => break,
             Err(e) => {
                 debug!(task_id = %meta.id, cause = %e, "ready publish refused; retrying");
@@ -176,29 +215,13 @@ async fn dispatch(ctx: &Ctx, at: u64, seq: u64) {
     gauge.decrement(1.0);
     metrics::histogram!(m::DISPATCH_LAG).record(now_ms().saturating_sub(at) as f64 / 1000.0);
     metrics::counter!(m::DELAYED_DISPATCHED).increment(1);
-    if let Err(e) = mark_pending(&ctx.tasks, &meta).await {
-        warn!(task_id = %meta.id, cause = %e, "could not mark task pending; the worker will");
-    }
-    if let Err(e) = ctx.stream.delete_message(seq).await {
-        debug!(seq, cause = %e, "delayed message already gone");
-    }
-}
-
-async fn mark_pending(tasks: &TaskStore, meta: &TaskMeta) -> Result<(), StateError> {
-    match tasks.get(&meta.id).await? {
-        Some((rec, rev)) if rec.state == TaskState::Scheduled => {
-            match tasks.cas(&rec.transition(TaskState::Pending), rev).await {
-                Ok(_) | Err(StateError::Stale { .. }) => Ok(()),
-                Err(e) => Err(e),
-            }
-        }
-        Some(_) => Ok(()),
-        None => {
-            let rec = TaskRecord::new(meta).transition(TaskState::Pending);
-            match tasks.create(&rec).await {
-                Ok(_) | Err(StateError::Exists(_)) => Ok(()),
-                Err(e) => Err(e),
-            }
-        }
+    // Delete without the secure erase (overwriting the stored bytes) that
+    // `Stream::delete_message` asks for: the task lives on in the ready stream anyway.
+    let request = serde_json::json!({ "seq": seq, "no_erase": true });
+    let deleted: Result<serde_json::Value, _> = js
+        .request(format!("STREAM.MSG.DELETE.{DELAYED_STREAM}"), &request)
+        .await;
+    if let Err(e) = deleted {
+        debug!(seq, cause = %e, "delayed message not deleted; a restart re-publishes it (deduplicated)");
     }
 }

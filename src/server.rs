@@ -51,6 +51,7 @@ pub struct Server {
     apply_streams: bool,
     max_inflight_submits: usize,
     dispatch_lookahead: Duration,
+    dispatch_horizon: Duration,
     max_inflight_dispatch: usize,
 }
 
@@ -75,6 +76,7 @@ impl Default for ServerBuilder {
             apply_streams: true,
             max_inflight_submits: 4096,
             dispatch_lookahead: Duration::from_millis(200),
+            dispatch_horizon: Duration::from_secs(30),
             max_inflight_dispatch: 20_000,
         })
     }
@@ -123,6 +125,12 @@ impl ServerBuilder {
         self.0.dispatch_lookahead = d;
         self
     }
+    /// Delayed tasks due within this window are held in memory with their message; later
+    /// ones only as (due, sequence) and read back as they enter it (default 30 s).
+    pub fn dispatch_horizon(mut self, d: Duration) -> Self {
+        self.0.dispatch_horizon = d.max(self.0.dispatch_lookahead);
+        self
+    }
     /// Finishes the builder.
     pub fn build(self) -> Server {
         self.0
@@ -160,8 +168,8 @@ impl Server {
             })?;
         let scheduler = Scheduler {
             js: js.clone(),
-            tasks: admission.tasks.clone(),
             lookahead: self.dispatch_lookahead,
+            horizon: self.dispatch_horizon,
             max_inflight: self.max_inflight_dispatch,
         };
         let sched_token = shutdown.child_token();
