@@ -110,6 +110,10 @@ pub struct TaskRecord {
     /// Worker that runs / ran the current attempt.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub worker: Option<String>,
+    /// Ready-stream sequence of the message the current attempt was claimed from; tells a
+    /// redelivery of that message from a stray duplicate message of the same task.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready_seq: Option<u64>,
     /// Business idempotency key.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub idempotency_key: Option<String>,
@@ -138,6 +142,7 @@ impl TaskRecord {
             next_retry_at_ms: None,
             last_error: None,
             worker: None,
+            ready_seq: None,
             idempotency_key: meta.idempotency_key.clone(),
         }
     }

@@ -117,6 +117,7 @@ async fn process(sh: &Shared, msg: &jetstream::Message, permit: Option<OwnedSema
 
 /// Moves the record to `running` for a new attempt; the new revision is the fencing token.
 async fn claim(sh: &Shared, meta: &TaskMeta, msg: &jetstream::Message) -> Claim {
+    let seq = msg.info().map_or(0, |i| i.stream_sequence);
     let (mut rec, rev) = match sh.tasks.get(&meta.id).await {
         Ok(Some(found)) => found,
         Ok(None) => {
@@ -153,6 +154,14 @@ async fn claim(sh: &Shared, meta: &TaskMeta, msg: &jetstream::Message) -> Claim 
             publish_dead_letter_and_term(sh, meta, msg, &rec, &error).await;
             return Claim::Done;
         }
+        TaskState::Running if rec.ready_seq.is_some() && rec.ready_seq != Some(seq) => {
+            // Another message of the same task holds the running attempt: this one is a
+            // duplicate published after the dedup window (e.g. a dispatcher restarted
+            // late). Retire it without running the task twice at once.
+            warn!(task_id = %meta.id, seq, "duplicate task message retired");
+            reply(msg, AckKind::Term).await;
+            return Claim::Done;
+        }
         TaskState::Running => {
             // The attempt before this delivery stopped heartbeating (crash, pause, network).
             metrics::counter!(m::TIMEOUTS, "queue" => sh.queue.clone(), "kind" => "heartbeat")
@@ -181,6 +190,7 @@ async fn claim(sh: &Shared, meta: &TaskMeta, msg: &jetstream::Message) -> Claim 
     rec.attempt += 1;
     rec.started_at_ms = Some(now_ms());
     rec.worker = Some(sh.worker_id.clone());
+    rec.ready_seq = Some(seq);
     let rec = rec.transition(TaskState::Running);
     match sh.tasks.cas(&rec, rev).await {
         Ok(token) => Claim::Started(Box::new(rec), token),

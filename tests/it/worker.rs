@@ -201,3 +201,54 @@ async fn shutdown_grace_hands_back_unfinished_tasks() {
     stop.cancel();
     handle.await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stray_duplicate_message_does_not_run_the_task_twice() {
+    let env = Env::start(Env::server()).await;
+    let runs: Arc<Mutex<u32>> = Arc::default();
+    let worker = Worker::builder("q")
+        .handler({
+            let runs = runs.clone();
+            move |_task: Task| {
+                let runs = runs.clone();
+                async move {
+                    *runs.lock().unwrap() += 1;
+                    tokio::time::sleep(Duration::from_millis(1500)).await;
+                    Ok(())
+                }
+            }
+        })
+        .build()
+        .unwrap();
+    let (stop, handle) = env.spawn_worker(worker);
+    let id = env.ax.submit("q", TaskSpec::new("t")).await.unwrap().id;
+    env.wait_state(&id, TaskState::Running, Duration::from_secs(5))
+        .await;
+    // A second copy of the task message, as a dispatcher restarted after the duplicate
+    // window would publish it.
+    let stream = env.js.get_stream("AX_READY_NORMAL").await.unwrap();
+    let original = stream.get_raw_message(1).await.unwrap();
+    let mut headers = original.headers.clone();
+    headers.insert("Nats-Msg-Id", "another-id");
+    env.js
+        .publish_with_headers(
+            original.subject.to_string(),
+            headers,
+            original.payload.clone(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    env.wait_state(&id, TaskState::Succeeded, Duration::from_secs(10))
+        .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        *runs.lock().unwrap(),
+        1,
+        "the duplicate was retired, not run"
+    );
+    assert_eq!(env.record(&id).await.attempt, 1);
+    stop.cancel();
+    handle.await.unwrap();
+}
