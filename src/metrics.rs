@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 
 /// Gauge, server: tasks admitted or due but not yet in a ready subject (admission pressure).
 pub const PENDING_DISPATCH: &str = "ax_pending_dispatch";
-/// Gauge, worker `{queue}`: busy handler slots / concurrency, 0..=1 (executor saturation).
+/// Gauge, worker `{queue}`: handlers running / concurrency, 0..=1 (executor saturation).
 pub const WORKER_BUSY_RATE: &str = "ax_worker_busy_rate";
 /// Gauge, worker `{queue}`: attempts ended by timeout (hard timeout or lost heartbeat) /
 /// attempts ended, over the last 60 s (live tasks wrongly killed).

@@ -151,6 +151,9 @@ impl Server {
         shutdown: CancellationToken,
     ) -> Result<(), ServerError> {
         let js = async_nats::jetstream::new(client.clone());
+        // Headline gauges exist from the start, not only after their first change.
+        metrics::gauge!(m::PENDING_DISPATCH).set(0.0);
+        metrics::gauge!(m::DELAYED_TRACKED).set(0.0);
         if self.apply_streams {
             for applied in streams::apply(&js, &self.topology, &self.queues).await? {
                 info!(object = %applied.object, outcome = ?applied.outcome, "topology");

@@ -11,6 +11,7 @@ use crate::names;
 use crate::state::{ErrorInfo, StateError, TaskRecord, TaskState, TaskStore};
 use crate::task::{header, now_ms, TaskMeta};
 use async_nats::jetstream::{self, AckKind};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -27,6 +28,8 @@ pub(crate) struct Shared {
     pub(crate) handler: Handler,
     pub(crate) slots: Arc<Semaphore>,
     pub(crate) concurrency: usize,
+    /// Handlers running now (slots held by the fetcher for a pull are not busy).
+    pub(crate) running: AtomicUsize,
     pub(crate) heartbeat: Duration,
     pub(crate) shutdown: CancellationToken,
     pub(crate) hard_stop: CancellationToken,
@@ -68,8 +71,12 @@ async fn reply(msg: &jetstream::Message, kind: AckKind) {
     }
 }
 
-fn busy_gauge(sh: &Shared) {
-    let busy = sh.concurrency - sh.slots.available_permits().min(sh.concurrency);
+fn busy_gauge(sh: &Shared, change: isize) {
+    let busy = if change > 0 {
+        sh.running.fetch_add(1, Ordering::Relaxed) + 1
+    } else {
+        sh.running.fetch_sub(1, Ordering::Relaxed) - 1
+    };
     metrics::gauge!(m::WORKER_BUSY_RATE, "queue" => sh.queue.clone())
         .set(busy as f64 / sh.concurrency as f64);
 }
@@ -210,7 +217,7 @@ async fn run(sh: &Shared, meta: &TaskMeta, msg: &jetstream::Message, rec: TaskRe
         metrics::histogram!(m::QUEUE_WAIT, "queue" => queue.clone())
             .record(now_ms().saturating_sub(ready_at) as f64 / 1000.0);
     }
-    busy_gauge(sh);
+    busy_gauge(sh, 1);
     let task = Task {
         id: meta.id.clone(),
         name: meta.name.clone(),
@@ -268,7 +275,7 @@ async fn run(sh: &Shared, meta: &TaskMeta, msg: &jetstream::Message, rec: TaskRe
             }
         }
     }
-    busy_gauge(sh);
+    busy_gauge(sh, -1);
 }
 
 /// Writes `rec` under `token`, retrying a broker failure a few times. False if the token

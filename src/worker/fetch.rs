@@ -85,6 +85,7 @@ pub(super) async fn run(
         handler: worker.handler.clone(),
         slots: slots.clone(),
         concurrency: worker.concurrency,
+        running: Default::default(),
         heartbeat: (ack_wait / 3).max(Duration::from_millis(100)),
         shutdown: shutdown.clone(),
         hard_stop: CancellationToken::new(),
@@ -96,6 +97,8 @@ pub(super) async fn run(
     let woken = Arc::new(Notify::new());
     let mut picker = Picker::new(worker.weights);
     let pollers = TaskTracker::new();
+    metrics::gauge!(crate::metrics::WORKER_BUSY_RATE, "queue" => worker.queue.clone()).set(0.0);
+    metrics::gauge!(crate::metrics::TASK_TIMEOUT_RATE, "queue" => worker.queue.clone()).set(0.0);
     info!(queue = %worker.queue, concurrency = worker.concurrency, "worker started");
 
     'outer: loop {

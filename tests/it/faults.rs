@@ -15,9 +15,13 @@ struct AxProc(Child);
 
 impl AxProc {
     fn spawn(url: &str, args: &[&str]) -> AxProc {
+        Self::spawn_with_metrics(url, args, "off")
+    }
+
+    fn spawn_with_metrics(url: &str, args: &[&str], metrics: &str) -> AxProc {
         let child = Command::new(env!("CARGO_BIN_EXE_ax"))
             .args(args)
-            .args(["--metrics-addr", "off"])
+            .args(["--metrics-addr", metrics])
             .env("NATS_URL", url)
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null())
@@ -162,4 +166,87 @@ async fn paused_worker_late_result_is_refused() {
     assert_eq!((after.worker.as_deref(), after.attempt), (Some("B"), 2));
     stop.cancel();
     handle.await.unwrap();
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// GET /metrics over a plain TCP connection.
+async fn scrape(port: u16) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut conn = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    conn.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
+        .await
+        .unwrap();
+    let mut body = String::new();
+    conn.read_to_string(&mut body).await.unwrap();
+    body
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn processes_export_metrics_and_stop_cleanly_on_sigterm() {
+    let nats = LocalNats::start().unwrap();
+    let url = nats.url();
+    let (server_port, worker_port) = (free_port(), free_port());
+    let server = AxProc::spawn_with_metrics(
+        &url,
+        &["server", "--queue", "q"],
+        &format!("127.0.0.1:{server_port}"),
+    );
+    let client = async_nats::connect(&url).await.unwrap();
+    wait_ready(&client).await;
+    let mut worker = AxProc::spawn_with_metrics(
+        &url,
+        &[
+            "worker",
+            "--example",
+            "--queue",
+            "q",
+            "--sleep",
+            "1s",
+            "--fail-rate",
+            "0",
+        ],
+        &format!("127.0.0.1:{worker_port}"),
+    );
+    let ax = Client::new(client.clone());
+    let id = ax.submit("q", TaskSpec::new("t")).await.unwrap().id;
+    eventually(Duration::from_secs(10), "the task to run", || async {
+        let (rec, _) = ax.task(&id).await.ok()??;
+        (rec.state == TaskState::Running).then_some(())
+    })
+    .await;
+    let text = scrape(worker_port).await;
+    for name in [
+        "ax_worker_busy_rate{queue=\"q\"} 0.0625",
+        "ax_task_timeout_rate{queue=\"q\"}",
+        "ax_task_queue_wait_seconds_bucket",
+    ] {
+        assert!(text.contains(name), "worker metrics lack {name}:\n{text}");
+    }
+    // SIGTERM while the task runs: the worker finishes it, acks, and exits 0.
+    worker.signal("-TERM");
+    let status = tokio::task::spawn_blocking(move || worker.0.wait().unwrap())
+        .await
+        .unwrap();
+    assert!(status.success(), "worker exit: {status:?}");
+    let (rec, _) = ax.task(&id).await.unwrap().unwrap();
+    assert_eq!(rec.state, TaskState::Succeeded);
+
+    let text = scrape(server_port).await;
+    for name in [
+        "ax_pending_dispatch",
+        "ax_tasks_submitted_total",
+        "ax_delayed_tracked",
+    ] {
+        assert!(text.contains(name), "server metrics lack {name}:\n{text}");
+    }
+    drop(server);
 }
