@@ -7,9 +7,9 @@
 //! creates the missing record from the message headers, so nothing accepted is lost.
 
 use crate::names::{self, IDEMPOTENCY_BUCKET};
-use crate::protocol::{ErrorCode, SubmitAccepted, SubmitRequest, WireError};
+use crate::protocol::{ErrorCode, SubmitAccepted, WireError};
 use crate::state::{StateError, TaskRecord, TaskState, TaskStore};
-use crate::task::{Limits, TaskMeta};
+use crate::task::{decode_submit, Limits, TaskMeta};
 use async_nats::jetstream::{self, context::PublishError, kv};
 use bytes::Bytes;
 use std::collections::HashSet;
@@ -148,10 +148,8 @@ impl Admission {
         queue: &str,
         body: &[u8],
     ) -> Result<SubmitAccepted, WireError> {
-        let req: SubmitRequest = serde_json::from_slice(body)
-            .map_err(|e| WireError::new(ErrorCode::BadRequest, e.to_string()))?;
+        let (mut meta, payload) = decode_submit(queue, body, &self.limits)?;
         self.queues.check(&self.js, queue).await?;
-        let (mut meta, payload) = TaskMeta::from_request(queue, req, &self.limits)?;
         if let Some(key) = meta.idempotency_key.clone() {
             let kv_key = format!("{queue}.{}", hex(key.as_bytes()));
             match self

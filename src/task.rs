@@ -178,6 +178,18 @@ fn ms_in(field: &str, value: i64, min: u64, max: Duration) -> Result<Duration, W
     Ok(d)
 }
 
+/// Decodes and validates a submit request body for `queue`: the whole wire decoder of the
+/// submit API. Never panics; every refusal is a typed [`WireError`].
+pub fn decode_submit(
+    queue: &str,
+    body: &[u8],
+    limits: &Limits,
+) -> Result<(TaskMeta, Bytes), WireError> {
+    let req: SubmitRequest = serde_json::from_slice(body)
+        .map_err(|e| WireError::new(ErrorCode::BadRequest, e.to_string()))?;
+    TaskMeta::from_request(queue, req, limits)
+}
+
 impl TaskMeta {
     /// Validates a request for `queue` into a task with a fresh id, and its payload.
     pub fn from_request(
