@@ -127,9 +127,14 @@ impl LocalNats {
         let (tx, rx) = std::sync::mpsc::channel();
         // The log reader lives as long as the process: it drains stderr so the server never
         // blocks on a full pipe, and it ends when the process closes the pipe.
+        // AX_NATSD_LOG=1 echoes the server's log (for debugging a test).
+        let echo = std::env::var_os("AX_NATSD_LOG").is_some();
         std::thread::spawn(move || {
             let mut sent = false;
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if echo {
+                    eprintln!("nats-server: {line}");
+                }
                 if !sent {
                     if let Some(rest) = line.split("Listening for client connections on ").nth(1) {
                         let port = rest.trim().rsplit(':').next().and_then(|p| p.parse().ok());

@@ -5,6 +5,7 @@ mod decoders;
 mod delay;
 mod faults;
 mod retry;
+mod security;
 mod streams;
 mod submit;
 mod support;

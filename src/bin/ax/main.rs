@@ -146,6 +146,10 @@ struct ServerArgs {
     /// Serve Prometheus metrics here ("off" to disable).
     #[arg(long, default_value = "127.0.0.1:9464")]
     metrics_addr: String,
+    /// Do not apply the topology at start (it was applied by an admin; the server's
+    /// NATS user then needs no stream-management permissions).
+    #[arg(long)]
+    no_apply: bool,
 }
 
 #[derive(Args)]
@@ -283,6 +287,7 @@ async fn main() -> Result<()> {
             Server::builder()
                 .queues(args.topology.queues.clone())
                 .topology(args.topology.topology())
+                .apply_streams(!args.no_apply)
                 .build()
                 .run(client, shutdown_on_signal())
                 .await?;
