@@ -25,6 +25,7 @@ use bytes::Bytes;
 use futures::StreamExt;
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, Semaphore};
@@ -70,17 +71,14 @@ impl Scheduler {
             .get_stream(DELAYED_STREAM)
             .await
             .map_err(|e| err("get stream")(e.into()))?;
-        let consumer = stream
-            .create_consumer(consumer::pull::OrderedConfig {
-                deliver_policy: consumer::DeliverPolicy::All,
-                ..Default::default()
-            })
-            .await
-            .map_err(|e| err("create index consumer")(e.into()))?;
-        let mut feed = consumer
-            .messages()
-            .await
-            .map_err(|e| err("follow stream")(e.into()))?;
+        let mut feed = follow(&stream, 0).await?;
+        let mut last_seq = 0u64;
+        // An ordered consumer notices a restarted nats-server only after two missed 15 s
+        // heartbeats; watching the client's reconnect count lets the index resume within
+        // a quarter second.
+        let stats = self.js.client().statistics();
+        let mut connects = stats.connects.load(Ordering::Relaxed);
+        let mut watch = tokio::time::interval(Duration::from_millis(250));
         let horizon_ms = self.horizon.as_millis() as u64;
         let lookahead_ms = self.lookahead.as_millis() as u64;
         let inflight = Arc::new(Semaphore::new(self.max_inflight));
@@ -106,10 +104,24 @@ impl Scheduler {
             };
             tokio::select! {
                 _ = shutdown.cancelled() => break,
+                _ = watch.tick() => {
+                    let now_connects = stats.connects.load(Ordering::Relaxed);
+                    if now_connects != connects {
+                        debug!(last_seq, "reconnected: following AX_DELAYED again");
+                        match follow(&stream, last_seq + 1).await {
+                            Ok(f) => {
+                                feed = f;
+                                connects = now_connects;
+                            }
+                            Err(e) => warn!(cause = %e, "cannot follow AX_DELAYED yet; retrying"),
+                        }
+                    }
+                }
                 next = feed.next() => match next {
                     Some(Ok(msg)) => {
                         let Ok(info) = msg.info() else { continue };
                         let seq = info.stream_sequence;
+                        last_seq = last_seq.max(seq);
                         let at = msg.headers.as_ref()
                             .and_then(|h| h.get(header::RUN_AT_MS))
                             .and_then(|v| v.as_str().parse::<u64>().ok());
@@ -173,6 +185,27 @@ impl Scheduler {
         tracker.wait().await;
         Ok(())
     }
+}
+
+/// An ordered consumer over `AX_DELAYED` from `start` (0: from the first message).
+async fn follow(
+    stream: &stream::Stream,
+    start: u64,
+) -> Result<consumer::pull::Ordered, ScheduleError> {
+    let deliver_policy = match start {
+        0 => consumer::DeliverPolicy::All,
+        start_sequence => consumer::DeliverPolicy::ByStartSequence { start_sequence },
+    };
+    stream
+        .create_consumer(consumer::pull::OrderedConfig {
+            deliver_policy,
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| err("create index consumer")(e.into()))?
+        .messages()
+        .await
+        .map_err(|e| err("follow stream")(e.into()))
 }
 
 /// Reads a far task's message back by sequence; `None` if it is gone (another server moved

@@ -19,13 +19,17 @@ use crate::names::Priority;
 use crate::state::TaskStore;
 use async_nats::jetstream::{self, consumer::PullConsumer};
 use futures::StreamExt;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{Notify, Semaphore};
+use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
+
+/// Longest wait for a pull request's answer beyond its own expiry.
+const FETCH_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// Default pick weights of high, normal and low.
 pub const DEFAULT_WEIGHTS: [u32; 3] = [6, 3, 1];
@@ -93,10 +97,13 @@ pub(super) async fn run(
         tracker: TaskTracker::new(),
     });
     let consumers = Arc::new(consumers);
-    let polling: Arc<[AtomicBool; 3]> = Arc::new(Default::default());
     let woken = Arc::new(Notify::new());
     let mut picker = Picker::new(worker.weights);
-    let pollers = TaskTracker::new();
+    // Long polls by priority. A reconnect loses their pull requests on the server side:
+    // then they are aborted and sent again rather than waited out.
+    let mut polls: [Option<JoinHandle<()>>; 3] = Default::default();
+    let stats = shared.js.client().statistics();
+    let mut connects = stats.connects.load(Ordering::Relaxed);
     metrics::gauge!(crate::metrics::WORKER_BUSY_RATE, "queue" => worker.queue.clone()).set(0.0);
     metrics::gauge!(crate::metrics::TASK_TIMEOUT_RATE, "queue" => worker.queue.clone()).set(0.0);
     info!(queue = %worker.queue, concurrency = worker.concurrency, "worker started");
@@ -118,27 +125,30 @@ pub(super) async fn run(
             if permits.is_empty() {
                 break;
             }
-            let batch = consumers[p.index()]
-                .fetch()
-                .max_messages(permits.len())
-                .messages()
-                .await;
-            let mut batch = match batch {
-                Ok(b) => b,
-                Err(e) => {
-                    warn!(cause = %e, priority = %p, "fetch failed");
-                    continue;
-                }
-            };
-            while let Some(msg) = batch.next().await {
-                match msg {
-                    Ok(msg) => {
-                        fetched += 1;
-                        let permit = permits.pop();
-                        attempt::spawn(&shared, msg, permit);
+            // A pull request lost with a restarting server is never answered: bound the
+            // wait on the client side.
+            let fetch = async {
+                let mut batch = consumers[p.index()]
+                    .fetch()
+                    .max_messages(permits.len())
+                    .messages()
+                    .await?;
+                while let Some(msg) = batch.next().await {
+                    match msg {
+                        Ok(msg) => {
+                            fetched += 1;
+                            let permit = permits.pop();
+                            attempt::spawn(&shared, msg, permit);
+                        }
+                        Err(e) => warn!(cause = %e, priority = %p, "fetch error"),
                     }
-                    Err(e) => warn!(cause = %e, priority = %p, "fetch error"),
                 }
+                Ok::<(), async_nats::Error>(())
+            };
+            match tokio::time::timeout(FETCH_TIMEOUT, fetch).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => warn!(cause = %e, priority = %p, "fetch failed"),
+                Err(_) => warn!(priority = %p, "fetch unanswered; retrying"),
             }
         }
         drop(permits);
@@ -146,34 +156,38 @@ pub(super) async fn run(
             continue;
         }
         // Every priority is empty: long-poll all three, wake on the first arrival.
+        let now_connects = stats.connects.load(Ordering::Relaxed);
+        if now_connects != connects {
+            connects = now_connects;
+            for poll in polls.iter_mut().filter_map(Option::take) {
+                poll.abort();
+            }
+        }
         for p in Priority::ALL {
-            if polling[p.index()].swap(true, Ordering::SeqCst) {
+            if polls[p.index()].as_ref().is_some_and(|h| !h.is_finished()) {
                 continue;
             }
-            let (consumers, polling, woken, shared) = (
-                consumers.clone(),
-                polling.clone(),
-                woken.clone(),
-                shared.clone(),
-            );
+            let (consumers, woken, shared) = (consumers.clone(), woken.clone(), shared.clone());
             let expires = worker.idle_poll;
-            pollers.spawn(async move {
-                let batch = consumers[p.index()]
-                    .batch()
-                    .max_messages(1)
-                    .expires(expires)
-                    .messages()
-                    .await;
-                if let Ok(mut batch) = batch {
-                    while let Some(msg) = batch.next().await {
-                        if let Ok(msg) = msg {
-                            attempt::spawn(&shared, msg, None);
-                            woken.notify_one();
+            polls[p.index()] = Some(tokio::spawn(async move {
+                let poll = async {
+                    let batch = consumers[p.index()]
+                        .batch()
+                        .max_messages(1)
+                        .expires(expires)
+                        .messages()
+                        .await;
+                    if let Ok(mut batch) = batch {
+                        while let Some(msg) = batch.next().await {
+                            if let Ok(msg) = msg {
+                                attempt::spawn(&shared, msg, None);
+                                woken.notify_one();
+                            }
                         }
                     }
-                }
-                polling[p.index()].store(false, Ordering::SeqCst);
-            });
+                };
+                let _ = tokio::time::timeout(expires + FETCH_TIMEOUT, poll).await;
+            }));
         }
         tokio::select! {
             _ = shutdown.cancelled() => break 'outer,
@@ -183,8 +197,9 @@ pub(super) async fn run(
     }
 
     info!(queue = %worker.queue, "worker stopping: draining in-flight tasks");
-    pollers.close();
-    pollers.wait().await;
+    for poll in polls.into_iter().flatten() {
+        let _ = poll.await;
+    }
     shared.tracker.close();
     if tokio::time::timeout(worker.shutdown_grace, shared.tracker.wait())
         .await

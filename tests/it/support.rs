@@ -41,6 +41,11 @@ impl Env {
     /// nats-server + an ax server with queue `q` (plus the builder's queues) and a short
     /// ack wait, ready to answer.
     pub async fn start(server: ServerBuilder) -> Env {
+        // RUST_LOG=ax=debug shows the library's logs for a failing test.
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_test_writer()
+            .try_init();
         let nats = LocalNats::start().expect("nats-server starts (run ./dev test)");
         let client = async_nats::connect(nats.url()).await.expect("connect");
         let js = async_nats::jetstream::new(client.clone());
