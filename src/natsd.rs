@@ -5,6 +5,8 @@
 //! process (and removes the store) on drop. [`LocalNats::restart`] restarts it on the same
 //! port and store, for durability tests.
 //!
+//! [`LocalCluster`] starts three (or more) such servers routed into one JetStream cluster.
+//!
 //! The binary is found in this order: `$AX_NATS_SERVER`, `.tools/nats/bin/nats-server` under
 //! the crate root (where `./dev` installs the pinned version), then `nats-server` on `PATH`.
 
@@ -176,5 +178,57 @@ fn wait_for_port(port: u16, deadline: Instant) -> Result<(), NatsdError> {
 impl Drop for LocalNats {
     fn drop(&mut self) {
         self.kill();
+    }
+}
+
+/// A free loopback TCP port (bound and released; a small race is possible).
+fn free_port() -> Result<u16, NatsdError> {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .map_err(|source| NatsdError::Spawn {
+            binary: PathBuf::from("bind 127.0.0.1:0"),
+            source,
+        })
+}
+
+/// Local nats-servers routed into one JetStream cluster named `ax`.
+#[derive(Debug)]
+pub struct LocalCluster {
+    /// The nodes; kill or restart them one by one.
+    pub nodes: Vec<LocalNats>,
+}
+
+impl LocalCluster {
+    /// Starts `n` nodes (`n0`, `n1`, ...) on random loopback ports.
+    pub fn start(n: usize) -> Result<Self, NatsdError> {
+        let cluster_ports = (0..n).map(|_| free_port()).collect::<Result<Vec<_>, _>>()?;
+        let routes = cluster_ports
+            .iter()
+            .map(|p| format!("nats://127.0.0.1:{p}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        let nodes = cluster_ports
+            .iter()
+            .enumerate()
+            .map(|(i, port)| {
+                LocalNats::start_with_args(vec![
+                    "--cluster_name".into(),
+                    "ax".into(),
+                    "--server_name".into(),
+                    format!("n{i}"),
+                    "--cluster".into(),
+                    format!("nats://127.0.0.1:{port}"),
+                    "--routes".into(),
+                    routes.clone(),
+                ])
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(LocalCluster { nodes })
+    }
+
+    /// Every node's client URL.
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes.iter().map(LocalNats::url).collect()
     }
 }

@@ -1,70 +1,14 @@
 //! Real processes killed and paused: nothing accepted is lost, no late result counts.
 
+use crate::procs::{free_port, scrape, wait_ready, AxProc};
 use crate::support::{eventually, Env};
 use ax::natsd::LocalNats;
 use ax::worker::{Task, Worker};
 use ax::{Client, TaskSpec, TaskState};
 use std::collections::HashMap;
-use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
-
-/// An `ax` child process, killed on drop.
-struct AxProc(Child);
-
-impl AxProc {
-    fn spawn(url: &str, args: &[&str]) -> AxProc {
-        Self::spawn_with_metrics(url, args, "off")
-    }
-
-    fn spawn_with_metrics(url: &str, args: &[&str], metrics: &str) -> AxProc {
-        let child = Command::new(env!("CARGO_BIN_EXE_ax"))
-            .args(args)
-            .args(["--metrics-addr", metrics])
-            .env("NATS_URL", url)
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn ax");
-        AxProc(child)
-    }
-
-    fn signal(&self, sig: &str) {
-        let status = Command::new("kill")
-            .args([sig, &self.0.id().to_string()])
-            .status()
-            .expect("kill");
-        assert!(status.success());
-    }
-
-    fn kill9(&mut self) {
-        self.signal("-KILL");
-        let _ = self.0.wait();
-    }
-}
-
-impl Drop for AxProc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-async fn wait_ready(client: &async_nats::Client) {
-    eventually(
-        Duration::from_secs(20),
-        "ax server process to answer",
-        || async {
-            client
-                .request("ax.submit.__probe", "{\"name\":\"x\"}".into())
-                .await
-                .ok()
-        },
-    )
-    .await;
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn server_killed_with_minus_9_loses_no_accepted_task() {
@@ -166,28 +110,6 @@ async fn paused_worker_late_result_is_refused() {
     assert_eq!((after.worker.as_deref(), after.attempt), (Some("B"), 2));
     stop.cancel();
     handle.await.unwrap();
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// GET /metrics over a plain TCP connection.
-async fn scrape(port: u16) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut conn = tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .unwrap();
-    conn.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
-        .await
-        .unwrap();
-    let mut body = String::new();
-    conn.read_to_string(&mut body).await.unwrap();
-    body
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

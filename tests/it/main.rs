@@ -1,9 +1,11 @@
 //! Integration tests: every test talks to a real nats-server started for it.
 //! Run with `./dev test` (it installs the pinned nats-server when none is found).
 
+mod chaos;
 mod decoders;
 mod delay;
 mod faults;
+mod procs;
 mod retry;
 mod security;
 mod streams;

@@ -1,0 +1,227 @@
+//! Load with faults injected into real processes; each test prints its figures.
+
+use crate::procs::{wait_ready, AxProc};
+use crate::support::eventually;
+use ax::natsd::LocalNats;
+use ax::task::now_ms;
+use ax::worker::{Task, Worker};
+use ax::{Client, TaskSpec, TaskState};
+use futures::StreamExt;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+
+/// The longest pause between consecutive events (ms since the epoch), after the first.
+fn max_gap(mut times: Vec<u64>) -> u64 {
+    times.sort();
+    times.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_servers_killed_five_times_during_load_lose_nothing() {
+    let nats = LocalNats::start().unwrap();
+    let url = nats.url();
+    let args = ["server", "--queue", "q", "--ack-wait", "2s"];
+    let mut servers = [AxProc::spawn(&url, &args), AxProc::spawn(&url, &args)];
+    let client = async_nats::ConnectOptions::new()
+        .request_timeout(Some(Duration::from_secs(1)))
+        .connect(&url)
+        .await
+        .unwrap();
+    wait_ready(&client).await;
+
+    let runs: Arc<Mutex<HashMap<String, u32>>> = Arc::default();
+    let finished: Arc<Mutex<Vec<u64>>> = Arc::default();
+    let worker = Worker::builder("q")
+        .concurrency(64)
+        .handler({
+            let (runs, finished) = (runs.clone(), finished.clone());
+            move |task: Task| {
+                let (runs, finished) = (runs.clone(), finished.clone());
+                async move {
+                    *runs.lock().unwrap().entry(task.id).or_default() += 1;
+                    finished.lock().unwrap().push(now_ms());
+                    Ok(())
+                }
+            }
+        })
+        .build()
+        .unwrap();
+    let stop = CancellationToken::new();
+    let worker = tokio::spawn(worker.run(client.clone(), stop.clone()));
+
+    let total = 10_000usize;
+    let ax = Client::new(client.clone());
+    let producer = tokio::spawn(async move {
+        let accepted: Vec<(String, u64)> = futures::stream::iter(0..total)
+            .map(|i| {
+                let ax = ax.clone();
+                async move {
+                    let mut spec = TaskSpec::new("t").idempotency_key(format!("key-{i}"));
+                    if i % 2 == 1 {
+                        spec = spec.delay(Duration::from_millis(200 + (i % 2000) as u64));
+                    }
+                    // An unanswered submit may or may not be stored: retry with the key.
+                    loop {
+                        match ax.submit("q", spec.clone()).await {
+                            Ok(a) => return (a.id, now_ms()),
+                            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+                        }
+                    }
+                }
+            })
+            .buffer_unordered(64)
+            .collect()
+            .await;
+        accepted
+    });
+    let killer = async {
+        for k in 0..5 {
+            tokio::time::sleep(Duration::from_millis(1200)).await;
+            let i = k % 2;
+            servers[i].kill9();
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            servers[i] = AxProc::spawn(&url, &args);
+        }
+    };
+    let started = Instant::now();
+    let (accepted, ()) = tokio::join!(producer, killer);
+    let accepted = accepted.unwrap();
+    let mut ids: Vec<String> = accepted.iter().map(|a| a.0.clone()).collect();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), total, "one task per idempotency key");
+    let store = ax::state::TaskStore::open(&async_nats::jetstream::new(client.clone()))
+        .await
+        .unwrap();
+    eventually(
+        Duration::from_secs(90),
+        "every accepted task to finish",
+        || async { (runs.lock().unwrap().len() == total).then_some(()) },
+    )
+    .await;
+    let mut lost = 0;
+    for id in &ids {
+        let (rec, _) = store.get(id).await.unwrap().unwrap();
+        lost += usize::from(rec.state != TaskState::Succeeded);
+    }
+    let duplicated = runs.lock().unwrap().values().filter(|n| **n > 1).count();
+    let submit_stall = max_gap(accepted.iter().map(|a| a.1).collect());
+    let finish_stall = max_gap(finished.lock().unwrap().clone());
+    println!(
+        "kill -9 ax server x5 (2 servers) under load: submitted {total}, completed {}, lost {lost}, \
+         duplicated {duplicated}, longest pause in accepted submits {submit_stall} ms, \
+         in completions {finish_stall} ms, run took {:?}",
+        runs.lock().unwrap().len(),
+        started.elapsed()
+    );
+    assert_eq!(lost, 0);
+    assert_eq!(duplicated, 0, "no task with an idempotency key ran twice");
+    stop.cancel();
+    worker.await.unwrap().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r3_cluster_survives_losing_a_node_during_load() {
+    let mut cluster = ax::natsd::LocalCluster::start(3).unwrap();
+    let addrs: Vec<async_nats::ServerAddr> =
+        cluster.urls().iter().map(|u| u.parse().unwrap()).collect();
+    let client = async_nats::ConnectOptions::new()
+        .request_timeout(Some(Duration::from_secs(2)))
+        .connect(addrs.as_slice())
+        .await
+        .unwrap();
+    let js = async_nats::jetstream::new(client.clone());
+    let topology = ax::streams::Topology {
+        replicas: 3,
+        ack_wait: Duration::from_secs(2),
+        ..Default::default()
+    };
+    let queues = vec!["q".to_string()];
+    eventually(
+        Duration::from_secs(30),
+        "the cluster to accept R3 streams",
+        || async { ax::streams::apply(&js, &topology, &queues).await.ok() },
+    )
+    .await;
+    let stop = CancellationToken::new();
+    let server = tokio::spawn(
+        ax::Server::builder()
+            .queues(["q"])
+            .topology(topology.clone())
+            .build()
+            .run(client.clone(), stop.clone()),
+    );
+    let runs: Arc<Mutex<HashMap<String, u32>>> = Arc::default();
+    let worker = Worker::builder("q")
+        .concurrency(32)
+        .handler({
+            let runs = runs.clone();
+            move |task: Task| {
+                let runs = runs.clone();
+                async move {
+                    *runs.lock().unwrap().entry(task.id).or_default() += 1;
+                    Ok(())
+                }
+            }
+        })
+        .build()
+        .unwrap();
+    let worker = tokio::spawn(worker.run(client.clone(), stop.clone()));
+    let ax = Client::new(client.clone());
+    let total = 1500usize;
+    let producer = tokio::spawn({
+        let ax = ax.clone();
+        async move {
+            futures::stream::iter(0..total)
+                .map(|i| {
+                    let ax = ax.clone();
+                    async move {
+                        let mut spec = TaskSpec::new("t").idempotency_key(format!("key-{i}"));
+                        if i % 3 == 0 {
+                            spec = spec.delay(Duration::from_millis(500));
+                        }
+                        loop {
+                            match ax.submit("q", spec.clone()).await {
+                                Ok(a) => return a.id,
+                                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+                            }
+                        }
+                    }
+                })
+                .buffer_unordered(16)
+                .collect::<Vec<String>>()
+                .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    cluster.nodes[0].kill();
+    let killed = Instant::now();
+    let mut ids = producer.await.unwrap();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), total);
+    eventually(
+        Duration::from_secs(90),
+        "every accepted task to finish",
+        || async { (runs.lock().unwrap().len() == total).then_some(()) },
+    )
+    .await;
+    let store = ax::state::TaskStore::open(&js).await.unwrap();
+    let mut lost = 0;
+    for id in &ids {
+        let state = store.get(id).await.unwrap().map(|(r, _)| r.state);
+        lost += usize::from(state != Some(TaskState::Succeeded));
+    }
+    let duplicated = runs.lock().unwrap().values().filter(|n| **n > 1).count();
+    println!(
+        "R3 cluster, one of 3 nodes killed under load: submitted {total}, completed {}, lost {lost}, duplicated runs {duplicated}, all done {:?} after the kill",
+        runs.lock().unwrap().len(),
+        killed.elapsed()
+    );
+    assert_eq!(lost, 0);
+    stop.cancel();
+    worker.await.unwrap().unwrap();
+    server.await.unwrap().unwrap();
+}

@@ -1,0 +1,83 @@
+//! Helpers for tests that run `ax` as real child processes.
+
+use crate::support::eventually;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+/// An `ax` child process, killed on drop.
+pub struct AxProc(pub Child);
+
+impl AxProc {
+    pub fn spawn(url: &str, args: &[&str]) -> AxProc {
+        Self::spawn_with_metrics(url, args, "off")
+    }
+
+    pub fn spawn_with_metrics(url: &str, args: &[&str], metrics: &str) -> AxProc {
+        let child = Command::new(env!("CARGO_BIN_EXE_ax"))
+            .args(args)
+            .args(["--metrics-addr", metrics])
+            .env("NATS_URL", url)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn ax");
+        AxProc(child)
+    }
+
+    pub fn signal(&self, sig: &str) {
+        let status = Command::new("kill")
+            .args([sig, &self.0.id().to_string()])
+            .status()
+            .expect("kill");
+        assert!(status.success());
+    }
+
+    pub fn kill9(&mut self) {
+        self.signal("-KILL");
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for AxProc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+pub async fn wait_ready(client: &async_nats::Client) {
+    eventually(
+        Duration::from_secs(20),
+        "ax server process to answer",
+        || async {
+            client
+                .request("ax.submit.__probe", "{\"name\":\"x\"}".into())
+                .await
+                .ok()
+        },
+    )
+    .await;
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// GET /metrics over a plain TCP connection.
+pub async fn scrape(port: u16) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut conn = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    conn.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
+        .await
+        .unwrap();
+    let mut body = String::new();
+    conn.read_to_string(&mut body).await.unwrap();
+    body
+}
