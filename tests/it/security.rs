@@ -130,3 +130,135 @@ async fn each_role_has_least_privilege() {
     stop.cancel();
     server.await.unwrap().unwrap();
 }
+
+/// A CA and a server certificate for 127.0.0.1, made with the openssl command.
+fn make_certs(dir: &std::path::Path) {
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .expect("openssl is installed");
+        assert!(
+            out.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    run(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=ax test CA",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+    ]);
+    run(&[
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        "/CN=127.0.0.1",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+    ]);
+    std::fs::write(dir.join("san.ext"), "subjectAltName=IP:127.0.0.1\n").unwrap();
+    run(&[
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "1",
+        "-extfile",
+        "san.ext",
+        "-out",
+        "server.pem",
+    ]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ax_binary_connects_with_credentials_and_a_custom_ca() {
+    let dir = tempfile::tempdir().unwrap();
+    make_certs(dir.path());
+    let p = |name: &str| dir.path().join(name).display().to_string();
+    let nats = LocalNats::start_with_args(vec![
+        "--tls".into(),
+        "--tlscert".into(),
+        p("server.pem"),
+        "--tlskey".into(),
+        p("server.key"),
+        "--user".into(),
+        "ax".into(),
+        "--pass".into(),
+        "s3cret-pw".into(),
+    ])
+    .unwrap();
+    let url = nats.url();
+    // The ax server process connects over TLS, verifying the server with the custom CA.
+    let mut server = std::process::Command::new(env!("CARGO_BIN_EXE_ax"))
+        .args([
+            "server",
+            "--queue",
+            "q",
+            "--metrics-addr",
+            "off",
+            "--tls-ca",
+            &p("ca.pem"),
+            "--user",
+            "ax",
+        ])
+        .env("NATS_URL", &url)
+        .env("NATS_PASSWORD", "s3cret-pw")
+        .env("RUST_LOG", "debug")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let client =
+        async_nats::ConnectOptions::with_user_and_password("ax".into(), "s3cret-pw".into())
+            .add_root_certificates(dir.path().join("ca.pem"))
+            .require_tls(true)
+            .connect(&url)
+            .await
+            .unwrap();
+    let ax = Client::new(client);
+    let accepted = eventually(
+        Duration::from_secs(20),
+        "the TLS ax server to answer",
+        || async { ax.submit("q", TaskSpec::new("t")).await.ok() },
+    )
+    .await;
+    assert_eq!(accepted.state, TaskState::Pending);
+    // With the right password but without the CA, the certificate is refused.
+    let no_ca = std::process::Command::new(env!("CARGO_BIN_EXE_ax"))
+        .args(["streams", "apply", "--user", "ax"])
+        .env("NATS_URL", &url)
+        .env("NATS_PASSWORD", "s3cret-pw")
+        .output()
+        .unwrap();
+    assert!(!no_ca.status.success());
+    let why = String::from_utf8_lossy(&no_ca.stderr).to_lowercase();
+    assert!(why.contains("certificate") || why.contains("tls"), "{why}");
+    // The password never reaches the logs, even at debug level.
+    server.kill().unwrap();
+    let out = server.wait_with_output().unwrap();
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(log.contains("ax server ready"), "{log}");
+    assert!(!log.contains("s3cret-pw"), "password leaked into the log");
+}
