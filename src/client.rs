@@ -172,6 +172,25 @@ impl Client {
         Ok(self.store().await?.history(id).await?)
     }
 
+    /// Calls the trigger API: `op` is `put`, `apply`, `get`, `list`, `pause`, `resume`,
+    /// `delete` or `run` (docs/PROTOCOL.md §5); returns the `ok` value.
+    pub async fn trigger(
+        &self,
+        op: &str,
+        body: &serde_json::Value,
+    ) -> Result<serde_json::Value, ClientError> {
+        let payload = serde_json::to_vec(body).expect("JSON serializes");
+        let msg = self
+            .nats
+            .request(format!("{}{op}", names::TRIGGER_API_PREFIX), payload.into())
+            .await?;
+        let mut reply: serde_json::Value = serde_json::from_slice(&msg.payload)?;
+        if let Some(error) = reply.get("error") {
+            return Err(ClientError::Refused(serde_json::from_value(error.clone())?));
+        }
+        Ok(reply["ok"].take())
+    }
+
     /// Task records matching `filter`.
     pub async fn list(&self, filter: &ListFilter) -> Result<Vec<TaskRecord>, ClientError> {
         Ok(self.store().await?.list(filter).await?)

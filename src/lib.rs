@@ -35,6 +35,7 @@ pub mod state;
 pub mod streams;
 pub mod submit;
 pub mod task;
+pub mod trigger;
 pub mod worker;
 
 pub use client::{Client, ClientError, TaskSpec};

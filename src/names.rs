@@ -16,6 +16,14 @@ pub const DEAD_STREAM: &str = "AX_DEAD";
 pub const TASKS_BUCKET: &str = "AX_TASKS";
 /// KV bucket mapping idempotency keys to task ids.
 pub const IDEMPOTENCY_BUCKET: &str = "AX_IDEMPOTENCY";
+/// KV bucket of trigger definitions.
+pub const TRIGGERS_BUCKET: &str = "AX_TRIGGERS";
+/// KV bucket of trigger runtime state.
+pub const TRIGGER_STATE_BUCKET: &str = "AX_TRIGGER_STATE";
+/// KV bucket of leases (the trigger engine's leader).
+pub const LEASES_BUCKET: &str = "AX_LEASES";
+/// Subject prefix of the trigger management API: `ax.trigger.<op>`.
+pub const TRIGGER_API_PREFIX: &str = "ax.trigger.";
 /// Queue group the ax servers' request handlers join.
 pub const SERVER_QUEUE_GROUP: &str = "ax";
 

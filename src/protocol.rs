@@ -94,6 +94,10 @@ pub enum ErrorCode {
     Busy,
     /// ax could not reach JetStream; nothing is known to be stored: retry later.
     Unavailable,
+    /// No such trigger.
+    NotFound,
+    /// A manual run was refused: the trigger's previous run is still running (S0-12).
+    Running,
 }
 
 impl ErrorCode {

@@ -5,13 +5,17 @@
 //! sequence), so a second server only adds redundant work, never a second run.
 
 use crate::metrics as m;
-use crate::names;
+use crate::names::{self, TRIGGER_API_PREFIX};
 use crate::protocol::{ErrorCode, SubmitReply};
 use crate::schedule::{ScheduleError, Scheduler};
 use crate::state::StateError;
 use crate::streams::{self, StreamsError, Topology};
 use crate::submit::Admission;
 use crate::task::Limits;
+use crate::trigger::api::TriggerApi;
+use crate::trigger::clock::{Clock, SystemClock};
+use crate::trigger::engine::Engine;
+use crate::trigger::store::{TriggerStore, TriggerStoreError};
 use futures::StreamExt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -32,6 +36,9 @@ pub enum ServerError {
     /// The delayed-task scheduler failed.
     #[error(transparent)]
     Schedule(#[from] ScheduleError),
+    /// Opening the trigger buckets failed.
+    #[error(transparent)]
+    Triggers(#[from] TriggerStoreError),
     /// Subscribing to the submit subject failed.
     #[error("subscribe to {subject}: {source}")]
     Subscribe {
@@ -53,6 +60,10 @@ pub struct Server {
     dispatch_lookahead: Duration,
     dispatch_horizon: Duration,
     max_inflight_dispatch: usize,
+    triggers: bool,
+    lease_ttl: Duration,
+    clock: Arc<dyn Clock>,
+    id: String,
 }
 
 /// Builder for [`Server`].
@@ -78,6 +89,10 @@ impl Default for ServerBuilder {
             dispatch_lookahead: Duration::from_millis(200),
             dispatch_horizon: Duration::from_secs(30),
             max_inflight_dispatch: 20_000,
+            triggers: true,
+            lease_ttl: Duration::from_secs(3),
+            clock: Arc::new(SystemClock::default()),
+            id: format!("{}-{}", std::process::id(), nuid::next()),
         })
     }
 }
@@ -131,6 +146,27 @@ impl ServerBuilder {
         self.0.dispatch_horizon = d.max(self.0.dispatch_lookahead);
         self
     }
+    /// Run the trigger engine and the trigger API (default true).
+    pub fn triggers(mut self, on: bool) -> Self {
+        self.0.triggers = on;
+        self
+    }
+    /// Lease TTL of the trigger engine's leader (default 3 s): a standby takes over at most
+    /// this long after the leader dies.
+    pub fn lease_ttl(mut self, ttl: Duration) -> Self {
+        self.0.lease_ttl = ttl.max(Duration::from_millis(300));
+        self
+    }
+    /// The clock that decides when triggers are due (default: the system clock).
+    pub fn clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.0.clock = clock;
+        self
+    }
+    /// This server's id in leases (default `<pid>-<nuid>`).
+    pub fn id(mut self, id: impl Into<String>) -> Self {
+        self.0.id = id.into();
+        self
+    }
     /// Finishes the builder.
     pub fn build(self) -> Server {
         self.0
@@ -169,6 +205,35 @@ impl Server {
                 subject: subject.clone(),
                 source,
             })?;
+        let trigger_api = if self.triggers {
+            Some(Arc::new(TriggerApi {
+                admission: admission.clone(),
+                store: TriggerStore::open(&js).await?,
+                clock: self.clock.clone(),
+            }))
+        } else {
+            None
+        };
+        let api_subject = format!("{TRIGGER_API_PREFIX}*");
+        let mut api_requests = client
+            .queue_subscribe(api_subject.clone(), names::SERVER_QUEUE_GROUP.to_string())
+            .await
+            .map_err(|source| ServerError::Subscribe {
+                subject: api_subject,
+                source,
+            })?;
+        let engine_token = shutdown.child_token();
+        let engine = self.triggers.then(|| {
+            tokio::spawn(
+                Engine {
+                    admission: admission.clone(),
+                    clock: self.clock.clone(),
+                    lease_ttl: self.lease_ttl,
+                    id: self.id.clone(),
+                }
+                .run(engine_token.clone()),
+            )
+        });
         let scheduler = Scheduler {
             js: js.clone(),
             lookahead: self.dispatch_lookahead,
@@ -190,6 +255,16 @@ impl Server {
                     Ok(Err(e)) => Err(ServerError::Schedule(e)),
                     Err(join) => panic!("scheduler panicked: {join}"),
                 },
+                msg = api_requests.next(), if trigger_api.is_some() => {
+                    let Some(msg) = msg else { break Ok(()) };
+                    let permit = permits.clone().acquire_owned().await.expect("never closed");
+                    let api = trigger_api.clone().expect("checked");
+                    let client = client.clone();
+                    tracker.spawn(async move {
+                        handle_trigger_api(&api, &client, msg).await;
+                        drop(permit);
+                    });
+                }
                 msg = requests.next() => {
                     let Some(msg) = msg else { break Ok(()) };
                     let permit = permits.clone().acquire_owned().await.expect("never closed");
@@ -203,7 +278,16 @@ impl Server {
             }
         };
         let _ = requests.unsubscribe().await;
+        let _ = api_requests.unsubscribe().await;
         sched_token.cancel();
+        engine_token.cancel();
+        if let Some(engine) = engine {
+            match engine.await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => warn!(cause = %e, "trigger engine stopped with an error"),
+                Err(join) => warn!(cause = %join, "trigger engine panicked"),
+            }
+        }
         tracker.close();
         tracker.wait().await;
         info!("ax server stopped");
@@ -241,6 +325,28 @@ async fn handle(admission: &Admission, client: &async_nats::Client, msg: async_n
         let body = serde_json::to_vec(&reply).expect("a reply serializes");
         if let Err(e) = client.publish(to, body.into()).await {
             warn!(cause = %e, "could not send submit reply");
+        }
+    }
+}
+
+async fn handle_trigger_api(
+    api: &TriggerApi,
+    client: &async_nats::Client,
+    msg: async_nats::Message,
+) {
+    let op = msg
+        .subject
+        .strip_prefix(TRIGGER_API_PREFIX)
+        .unwrap_or_default()
+        .to_string();
+    let reply = match api.handle(&op, &msg.payload).await {
+        Ok(value) => serde_json::json!({ "ok": value }),
+        Err(error) => serde_json::json!({ "error": error }),
+    };
+    if let Some(to) = msg.reply {
+        let body = serde_json::to_vec(&reply).expect("a reply serializes");
+        if let Err(e) = client.publish(to, body.into()).await {
+            warn!(cause = %e, "could not send trigger API reply");
         }
     }
 }

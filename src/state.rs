@@ -117,6 +117,15 @@ pub struct TaskRecord {
     /// Business idempotency key.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub idempotency_key: Option<String>,
+    /// The trigger that created the task.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trigger: Option<String>,
+    /// Why it fired: `schedule` or `manual`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trigger_source: Option<String>,
+    /// The scheduled time the fire stands for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scheduled_at_ms: Option<u64>,
 }
 
 impl TaskRecord {
@@ -144,6 +153,9 @@ impl TaskRecord {
             worker: None,
             ready_seq: None,
             idempotency_key: meta.idempotency_key.clone(),
+            trigger: meta.lineage.as_ref().map(|l| l.trigger.clone()),
+            trigger_source: meta.lineage.as_ref().map(|l| l.source.clone()),
+            scheduled_at_ms: meta.lineage.as_ref().map(|l| l.scheduled_at_ms),
         }
     }
 

@@ -12,7 +12,7 @@ use serde_json::Value;
 use std::time::Duration;
 
 /// The stream definitions, by file name.
-pub const STREAM_FILES: [(&str, &str); 7] = [
+pub const STREAM_FILES: [(&str, &str); 10] = [
     (
         "AX_READY_HIGH.json",
         include_str!("../streams/AX_READY_HIGH.json"),
@@ -37,6 +37,18 @@ pub const STREAM_FILES: [(&str, &str); 7] = [
     (
         "KV_AX_IDEMPOTENCY.json",
         include_str!("../streams/KV_AX_IDEMPOTENCY.json"),
+    ),
+    (
+        "KV_AX_TRIGGERS.json",
+        include_str!("../streams/KV_AX_TRIGGERS.json"),
+    ),
+    (
+        "KV_AX_TRIGGER_STATE.json",
+        include_str!("../streams/KV_AX_TRIGGER_STATE.json"),
+    ),
+    (
+        "KV_AX_LEASES.json",
+        include_str!("../streams/KV_AX_LEASES.json"),
     ),
 ];
 

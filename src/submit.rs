@@ -67,7 +67,11 @@ impl Queues {
         }
     }
 
-    async fn check(&self, js: &jetstream::Context, queue: &str) -> Result<(), WireError> {
+    pub(crate) async fn check(
+        &self,
+        js: &jetstream::Context,
+        queue: &str,
+    ) -> Result<(), WireError> {
         if !names::valid_queue(queue) {
             return Err(WireError::new(
                 ErrorCode::UnknownQueue,
@@ -148,7 +152,18 @@ impl Admission {
         queue: &str,
         body: &[u8],
     ) -> Result<SubmitAccepted, WireError> {
-        let (mut meta, payload) = decode_submit(queue, body, &self.limits)?;
+        let (meta, payload) = decode_submit(queue, body, &self.limits)?;
+        self.submit_prepared(meta, payload).await
+    }
+
+    /// Admits a validated task (idempotency, store); used by submits and trigger fires.
+    pub(crate) async fn submit_prepared(
+        &self,
+        mut meta: TaskMeta,
+        payload: Bytes,
+    ) -> Result<SubmitAccepted, WireError> {
+        let queue = meta.queue.clone();
+        let queue = queue.as_str();
         self.queues.check(&self.js, queue).await?;
         if let Some(key) = meta.idempotency_key.clone() {
             let kv_key = format!("{queue}.{}", hex(key.as_bytes()));

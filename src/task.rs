@@ -45,6 +45,23 @@ pub mod header {
     pub const ERROR_MESSAGE: &str = "Ax-Error-Message";
     /// On a dead letter: the number of attempts made.
     pub const ATTEMPTS: &str = "Ax-Attempts";
+    /// The trigger that created the task.
+    pub const TRIGGER: &str = "Ax-Trigger";
+    /// Why the trigger fired: `schedule` or `manual`.
+    pub const TRIGGER_SOURCE: &str = "Ax-Trigger-Source";
+    /// The scheduled time the fire stands for, ms since the Unix epoch.
+    pub const SCHEDULED_AT_MS: &str = "Ax-Scheduled-At-Ms";
+}
+
+/// Where a trigger-made task came from: which trigger, why, for which scheduled time.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lineage {
+    /// Trigger name.
+    pub trigger: String,
+    /// `schedule` or `manual`.
+    pub source: String,
+    /// The scheduled time of the fire.
+    pub scheduled_at_ms: u64,
 }
 
 /// Bounds on submitted options; the server's are configurable, these are the defaults.
@@ -123,6 +140,8 @@ pub struct TaskMeta {
     pub run_at_ms: Option<u64>,
     /// Business idempotency key.
     pub idempotency_key: Option<String>,
+    /// Set for tasks a trigger created.
+    pub lineage: Option<Lineage>,
 }
 
 /// A header of a task message is missing or malformed.
@@ -303,6 +322,7 @@ impl TaskMeta {
             created_at_ms: now,
             run_at_ms,
             idempotency_key: req.idempotency_key,
+            lineage: None,
         };
         Ok((meta, payload))
     }
@@ -344,6 +364,14 @@ impl TaskMeta {
         }
         if let Some(key) = &self.idempotency_key {
             h.insert(header::IDEMPOTENCY_KEY, key.as_str());
+        }
+        if let Some(l) = &self.lineage {
+            h.insert(header::TRIGGER, l.trigger.as_str());
+            h.insert(header::TRIGGER_SOURCE, l.source.as_str());
+            h.insert(
+                header::SCHEDULED_AT_MS,
+                l.scheduled_at_ms.to_string().as_str(),
+            );
         }
         h
     }
@@ -399,6 +427,14 @@ impl TaskMeta {
             idempotency_key: h
                 .get(header::IDEMPOTENCY_KEY)
                 .map(|v| v.as_str().to_string()),
+            lineage: match h.get(header::TRIGGER) {
+                Some(trigger) => Some(Lineage {
+                    trigger: trigger.as_str().to_string(),
+                    source: get(h, header::TRIGGER_SOURCE)?.to_string(),
+                    scheduled_at_ms: num(h, header::SCHEDULED_AT_MS)?,
+                }),
+                None => None,
+            },
         })
     }
 }

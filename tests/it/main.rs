@@ -11,4 +11,5 @@ mod security;
 mod streams;
 mod submit;
 mod support;
+mod triggers;
 mod worker;

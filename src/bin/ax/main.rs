@@ -108,8 +108,71 @@ enum Command {
         #[command(subcommand)]
         command: StreamsCommand,
     },
+    /// Manage triggers (cron, interval, once).
+    Trigger {
+        #[command(subcommand)]
+        command: TriggerCommand,
+    },
+    /// Make the stored triggers match a YAML or JSON file (`triggers: [...]`), reporting
+    /// what changed; triggers not in the file are deleted unless --no-prune.
+    Apply {
+        /// The file.
+        #[arg(short = 'f', long)]
+        file: PathBuf,
+        /// Keep stored triggers that the file does not name.
+        #[arg(long)]
+        no_prune: bool,
+    },
     /// Run the demo: local nats-server, ax server, example worker and producer.
     Demo(demo::DemoArgs),
+}
+
+#[derive(Subcommand)]
+enum TriggerCommand {
+    /// Create or update one trigger from a YAML or JSON file.
+    Put {
+        /// The file.
+        #[arg(short = 'f', long)]
+        file: PathBuf,
+    },
+    /// Definition, state, next 5 fire times, running tasks.
+    Get {
+        /// Trigger name.
+        name: String,
+    },
+    /// All triggers with their next fire time.
+    List,
+    /// Stop firing (state is kept).
+    Pause {
+        /// Trigger name.
+        name: String,
+    },
+    /// Fire again.
+    Resume {
+        /// Trigger name.
+        name: String,
+    },
+    /// Delete the definition and state (tasks already created are not touched).
+    Delete {
+        /// Trigger name.
+        name: String,
+    },
+    /// Run now (trigger_source=manual); refused while a run is in progress unless --force.
+    Run {
+        /// Trigger name.
+        name: String,
+        /// Run even if the previous run is still running.
+        #[arg(long)]
+        force: bool,
+    },
+}
+
+/// Reads a YAML or JSON file into JSON.
+fn read_definitions(path: &std::path::Path) -> Result<serde_json::Value> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    serde_yaml::from_str(&text)
+        .with_context(|| format!("{} is not valid YAML or JSON", path.display()))
 }
 
 #[derive(Args)]
@@ -150,6 +213,9 @@ struct ServerArgs {
     /// NATS user then needs no stream-management permissions).
     #[arg(long)]
     no_apply: bool,
+    /// This server's id in the trigger engine's lease (default `<pid>-<nuid>`).
+    #[arg(long)]
+    id: Option<String>,
 }
 
 #[derive(Args)]
@@ -281,10 +347,45 @@ async fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Demo(args) => demo::run(args, &cli.conn).await,
+        Command::Trigger { command } => {
+            let client = Client::new(cli.conn.connect().await?);
+            let (op, body) = match command {
+                TriggerCommand::Put { file } => ("put", read_definitions(&file)?),
+                TriggerCommand::Get { name } => ("get", serde_json::json!({ "name": name })),
+                TriggerCommand::List => ("list", serde_json::json!({})),
+                TriggerCommand::Pause { name } => ("pause", serde_json::json!({ "name": name })),
+                TriggerCommand::Resume { name } => ("resume", serde_json::json!({ "name": name })),
+                TriggerCommand::Delete { name } => ("delete", serde_json::json!({ "name": name })),
+                TriggerCommand::Run { name, force } => {
+                    ("run", serde_json::json!({ "name": name, "force": force }))
+                }
+            };
+            let answer = client.trigger(op, &body).await?;
+            println!("{}", serde_json::to_string_pretty(&answer)?);
+            Ok(())
+        }
+        Command::Apply { file, no_prune } => {
+            let client = Client::new(cli.conn.connect().await?);
+            let mut body = read_definitions(&file)?;
+            body["prune"] = (!no_prune).into();
+            let report = client.trigger("apply", &body).await?;
+            for line in report.as_array().into_iter().flatten() {
+                println!(
+                    "{:<10} {}",
+                    line["outcome"].as_str().unwrap_or("?"),
+                    line["name"].as_str().unwrap_or("?")
+                );
+            }
+            Ok(())
+        }
         Command::Server(args) => {
             metrics_at(&args.metrics_addr)?;
             let client = cli.conn.connect().await?;
-            Server::builder()
+            let mut builder = Server::builder();
+            if let Some(id) = &args.id {
+                builder = builder.id(id.clone());
+            }
+            builder
                 .queues(args.topology.queues.clone())
                 .topology(args.topology.topology())
                 .apply_streams(!args.no_apply)

@@ -1,0 +1,397 @@
+//! The trigger engine inside `ax server`: one leader fires, the others stand by.
+//!
+//! Leadership is a lease in `AX_LEASES` (key `triggers`) held by compare-and-set and
+//! renewed every third of its TTL (default 3 s); its revision is a fencing token. The
+//! leader follows `AX_TRIGGERS` (definitions, hot-reloaded), keeps a timer heap of next fire
+//! times, and watches the task records of each trigger's latest fire on the core subject
+//! `$KV.AX_TASKS.*` to know when they finish (overlap policies, fixed-delay). A fire is:
+//! submit each template with the key `trigger:<name>:<scheduled ms>:<i>`, then
+//! compare-and-set the trigger's state. A crash in between is repaired by the next leader
+//! re-planning the same scheduled time: the keys make the re-submission a no-op.
+
+use super::clock::Clock;
+use super::model::TriggerDef;
+use super::plan::{plan, FireRecord, Source, TriggerState};
+use super::recur::Recurrence;
+use super::store::{TriggerStore, TriggerStoreError};
+use crate::names::LEASES_BUCKET;
+use crate::protocol::WireError;
+use crate::state::{TaskRecord, TaskStore};
+use crate::submit::Admission;
+use crate::task::{Lineage, TaskMeta};
+use async_nats::jetstream::kv;
+use futures::StreamExt;
+use serde::{Deserialize, Serialize};
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+/// Errors that stop the engine.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum EngineError {
+    /// A bucket could not be opened or followed.
+    #[error("trigger engine: {0}")]
+    Store(#[from] TriggerStoreError),
+    /// The broker failed.
+    #[error("trigger engine: {op}: {source}")]
+    Broker {
+        /// Operation.
+        op: &'static str,
+        /// Underlying error.
+        source: async_nats::Error,
+    },
+}
+
+fn broker(op: &'static str) -> impl FnOnce(async_nats::Error) -> EngineError {
+    move |source| EngineError::Broker { op, source }
+}
+
+#[derive(Serialize, Deserialize)]
+struct LeaseValue {
+    holder: String,
+    expires_at_ms: u64,
+}
+
+/// A lease held by compare-and-set on one KV key.
+struct Lease {
+    kv: kv::Store,
+    holder: String,
+    ttl: Duration,
+    revision: Option<u64>,
+}
+
+const LEASE_KEY: &str = "triggers";
+
+impl Lease {
+    /// Takes or renews the lease; true while held.
+    async fn hold(&mut self, now_ms: u64) -> bool {
+        let value = LeaseValue {
+            holder: self.holder.clone(),
+            expires_at_ms: now_ms + self.ttl.as_millis() as u64,
+        };
+        let body: bytes::Bytes = serde_json::to_vec(&value).expect("serializes").into();
+        let revision = match self.revision {
+            Some(rev) => Some(rev),
+            None => match self.kv.entry(LEASE_KEY).await {
+                Ok(Some(e)) if e.operation == kv::Operation::Put => {
+                    let current: Option<LeaseValue> = serde_json::from_slice(&e.value).ok();
+                    match current {
+                        Some(c) if c.holder != self.holder && c.expires_at_ms > now_ms => {
+                            return false
+                        }
+                        _ => Some(e.revision),
+                    }
+                }
+                Ok(Some(e)) => Some(e.revision),
+                Ok(None) => None,
+                Err(_) => return false,
+            },
+        };
+        let written = match revision {
+            Some(rev) => self.kv.update(LEASE_KEY, body, rev).await.ok(),
+            None => self.kv.create(LEASE_KEY, body).await.ok(),
+        };
+        self.revision = written;
+        written.is_some()
+    }
+
+    /// Gives the lease up so a standby takes over at once.
+    async fn release(&mut self) {
+        if let Some(rev) = self.revision.take() {
+            let value = LeaseValue {
+                holder: String::new(),
+                expires_at_ms: 0,
+            };
+            let body = serde_json::to_vec(&value).expect("serializes").into();
+            let _ = self.kv.update(LEASE_KEY, body, rev).await;
+        }
+    }
+}
+
+/// One trigger as the leader holds it.
+struct Held {
+    def: TriggerDef,
+    rec: Recurrence,
+    state: TriggerState,
+    revision: u64,
+    active: HashSet<String>,
+}
+
+pub(crate) struct Engine {
+    pub(crate) admission: Arc<Admission>,
+    pub(crate) clock: Arc<dyn Clock>,
+    pub(crate) lease_ttl: Duration,
+    pub(crate) id: String,
+}
+
+/// Submits one fire's tasks; returns their ids.
+pub(crate) async fn fire(
+    admission: &Admission,
+    def: &TriggerDef,
+    scheduled_ms: u64,
+    source: Source,
+    key: &str,
+) -> Result<Vec<String>, WireError> {
+    let mut ids = Vec::with_capacity(def.tasks.len());
+    for (i, template) in def.tasks.iter().enumerate() {
+        let mut req = template.clone();
+        req.idempotency_key = Some(format!("trigger:{}:{key}:{i}", def.name));
+        let queue = req.queue.clone().unwrap_or_default();
+        let (mut meta, payload) = TaskMeta::from_request(&queue, req, &admission.limits)?;
+        meta.lineage = Some(Lineage {
+            trigger: def.name.clone(),
+            source: source.as_str().to_string(),
+            scheduled_at_ms: scheduled_ms,
+        });
+        ids.push(admission.submit_prepared(meta, payload).await?.id);
+    }
+    Ok(ids)
+}
+
+/// Task ids among `ids` whose records are not finished.
+pub(crate) async fn unfinished(tasks: &TaskStore, ids: &[String]) -> HashSet<String> {
+    let mut out = HashSet::new();
+    for id in ids {
+        match tasks.get(id).await {
+            Ok(Some((rec, _))) if rec.state.is_terminal() => {}
+            // Unknown or unreadable counts as running: never fire over a task we cannot see.
+            _ => {
+                out.insert(id.clone());
+            }
+        }
+    }
+    out
+}
+
+impl Engine {
+    pub(crate) async fn run(self, shutdown: CancellationToken) -> Result<(), EngineError> {
+        let js = self.admission.js.clone();
+        let store = TriggerStore::open(&js).await?;
+        let kv = js
+            .get_key_value(LEASES_BUCKET)
+            .await
+            .map_err(|e| broker("open leases")(e.into()))?;
+        let mut lease = Lease {
+            kv,
+            holder: self.id.clone(),
+            ttl: self.lease_ttl,
+            revision: None,
+        };
+        let poll = self.lease_ttl / 3;
+        loop {
+            if lease.hold(self.clock.now_ms()).await {
+                info!(id = %self.id, "trigger engine: leader");
+                let led = self.lead(&store, &mut lease, &shutdown).await;
+                if shutdown.is_cancelled() {
+                    lease.release().await;
+                    return led;
+                }
+                if let Err(e) = led {
+                    warn!(cause = %e, "trigger engine: leadership ended with an error");
+                }
+                info!(id = %self.id, "trigger engine: standing by");
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => return Ok(()),
+                _ = tokio::time::sleep(poll) => {}
+            }
+        }
+    }
+
+    async fn lead(
+        &self,
+        store: &TriggerStore,
+        lease: &mut Lease,
+        shutdown: &CancellationToken,
+    ) -> Result<(), EngineError> {
+        let tasks = self.admission.tasks.clone();
+        let mut watch = store
+            .defs()
+            .watch_with_history(">")
+            .await
+            .map_err(|e| broker("watch definitions")(e.into()))?;
+        let mut feed = self
+            .admission
+            .js
+            .client()
+            .subscribe("$KV.AX_TASKS.*")
+            .await
+            .map_err(|e| broker("follow task records")(e.into()))?;
+        let mut held: HashMap<String, Held> = HashMap::new();
+        let mut owner: HashMap<String, String> = HashMap::new();
+        let mut wakes: BinaryHeap<Reverse<(u64, String)>> = BinaryHeap::new();
+        let mut renew = tokio::time::interval(self.lease_ttl / 3);
+        loop {
+            let now = self.clock.now_ms();
+            let sleep = wakes
+                .peek()
+                .map_or(Duration::from_secs(3600), |Reverse((at, _))| {
+                    Duration::from_millis(at.saturating_sub(now))
+                });
+            let mut due: Vec<String> = Vec::new();
+            tokio::select! {
+                _ = shutdown.cancelled() => return Ok(()),
+                _ = renew.tick() => {
+                    if !lease.hold(self.clock.now_ms()).await {
+                        warn!("trigger engine: lease lost");
+                        return Ok(());
+                    }
+                }
+                entry = watch.next() => {
+                    let Some(entry) = entry else { return Ok(()) };
+                    let entry = entry.map_err(|e| broker("watch definitions")(e.into()))?;
+                    let name = entry.key.clone();
+                    if entry.operation != kv::Operation::Put {
+                        if let Some(h) = held.remove(&name) {
+                            for id in h.active {
+                                owner.remove(&id);
+                            }
+                        }
+                        continue;
+                    }
+                    let Ok(def) = serde_json::from_slice::<TriggerDef>(&entry.value) else {
+                        warn!(trigger = %name, "stored definition does not decode; ignored");
+                        continue;
+                    };
+                    let Ok(rec) = def.validate() else {
+                        warn!(trigger = %name, "stored definition is invalid; ignored");
+                        continue;
+                    };
+                    let (state, revision) = match store.state(&name).await? {
+                        Some(found) => found,
+                        None => {
+                            let state = TriggerState { created_at_ms: self.clock.now_ms(), ..Default::default() };
+                            match store.put_state(&name, &state, None).await {
+                                Ok(rev) => (state, rev),
+                                Err(TriggerStoreError::Stale(_)) => store.state(&name).await?.expect("exists"),
+                                Err(e) => return Err(e.into()),
+                            }
+                        }
+                    };
+                    let ids = state.last_fire.as_ref().map(|f| f.task_ids.clone()).unwrap_or_default();
+                    let active = unfinished(&tasks, &ids).await;
+                    for id in &active {
+                        owner.insert(id.clone(), name.clone());
+                    }
+                    held.insert(name.clone(), Held { def, rec, state, revision, active });
+                    due.push(name);
+                }
+                msg = feed.next() => {
+                    let Some(msg) = msg else { return Ok(()) };
+                    let id = msg.subject.rsplit('.').next().unwrap_or_default();
+                    let Some(name) = owner.get(id).cloned() else { continue };
+                    let Ok(rec) = serde_json::from_slice::<TaskRecord>(&msg.payload) else { continue };
+                    if !rec.state.is_terminal() {
+                        continue;
+                    }
+                    owner.remove(id);
+                    if let Some(h) = held.get_mut(&name) {
+                        h.active.remove(id);
+                        h.state.last_result.push(rec.state.to_string());
+                        if h.active.is_empty() {
+                            h.state.last_completed_ms = Some(self.clock.now_ms());
+                            due.push(name);
+                        }
+                    }
+                }
+                _ = tokio::time::sleep(sleep), if !wakes.is_empty() => {
+                    let now = self.clock.now_ms();
+                    while let Some(Reverse((at, _))) = wakes.peek() {
+                        if *at > now {
+                            break;
+                        }
+                        let Reverse((_, name)) = wakes.pop().expect("peeked");
+                        due.push(name);
+                    }
+                }
+            }
+            due.sort();
+            due.dedup();
+            for name in due {
+                if let Some(wake) = self.step(store, &mut held, &mut owner, &name).await? {
+                    wakes.push(Reverse((wake, name)));
+                }
+            }
+        }
+    }
+
+    /// Plans one trigger, fires what is due, stores its state; returns its next wake.
+    async fn step(
+        &self,
+        store: &TriggerStore,
+        held: &mut HashMap<String, Held>,
+        owner: &mut HashMap<String, String>,
+        name: &str,
+    ) -> Result<Option<u64>, EngineError> {
+        let Some(h) = held.get_mut(name) else {
+            return Ok(None);
+        };
+        let now = self.clock.now_ms();
+        let mut p = plan(&h.def, &h.rec, &h.state, now, !h.active.is_empty());
+        let mut ids = Vec::new();
+        for &scheduled in &p.fires {
+            match fire(
+                &self.admission,
+                &h.def,
+                scheduled,
+                Source::Schedule,
+                &scheduled.to_string(),
+            )
+            .await
+            {
+                Ok(mut fired) => ids.append(&mut fired),
+                Err(e) => {
+                    // Busy or unavailable: keep the state as it was and try again shortly.
+                    warn!(trigger = %name, cause = %e, "fire not accepted; retrying in 1 s");
+                    return Ok(Some(now + 1000));
+                }
+            }
+        }
+        if let Some(&last) = p.fires.last() {
+            p.state.fires += p.fires.len() as u64;
+            p.state.last_result.clear();
+            p.state.last_completed_ms = None;
+            p.state.last_fire = Some(FireRecord {
+                scheduled_ms: last,
+                fired_at_ms: now,
+                source: Source::Schedule,
+                task_ids: ids.clone(),
+            });
+            debug!(trigger = %name, scheduled = last, tasks = ids.len(), "fired");
+        }
+        if p.state != h.state {
+            match store.put_state(name, &p.state, Some(h.revision)).await {
+                Ok(rev) => {
+                    h.revision = rev;
+                    h.state = p.state;
+                    for id in ids {
+                        owner.insert(id.clone(), name.to_string());
+                        h.active.insert(id);
+                    }
+                }
+                Err(TriggerStoreError::Stale(_)) => {
+                    // Changed elsewhere (a manual run): reload and plan again now.
+                    if let Some((state, rev)) = store.state(name).await? {
+                        let ids = state
+                            .last_fire
+                            .as_ref()
+                            .map(|f| f.task_ids.clone())
+                            .unwrap_or_default();
+                        h.active = unfinished(&self.admission.tasks, &ids).await;
+                        for id in &h.active {
+                            owner.insert(id.clone(), name.to_string());
+                        }
+                        h.state = state;
+                        h.revision = rev;
+                    }
+                    return Ok(Some(now));
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(p.next_wake_ms)
+    }
+}

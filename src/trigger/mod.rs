@@ -1,0 +1,27 @@
+//! Triggers: one place for every "run this at that time" (seed 000).
+//!
+//! | module | concept |
+//! |---|---|
+//! | [`model`] | definitions: kind, policies, task templates |
+//! | [`recur`] | `next_after` for cron (with time zones), intervals, once |
+//! | [`plan`] | what fires now: misfire, overlap, drift, clock steps — a pure function |
+//! | [`store`] | definitions and state in KV |
+//! | `engine` | the leader that fires (inside `ax server`) |
+//! | `api` | the NATS request API on `ax.trigger.<op>` |
+//!
+//! Exactly-once fires across servers: each fire submits its tasks with the idempotency key
+//! `trigger:<name>:<scheduled ms>:<template index>`, so whichever server fires a scheduled
+//! time, and however often after a crash, one task exists per template and time. A leader
+//! lease (KV compare-and-set, the revision is the fencing token) only keeps the servers from
+//! doing the same work twice.
+
+pub(crate) mod api;
+pub mod clock;
+pub(crate) mod engine;
+pub mod model;
+pub mod plan;
+pub mod recur;
+pub mod store;
+
+pub use model::{Kind, MisfirePolicy, OverlapPolicy, TriggerDef};
+pub use plan::{Source, TriggerState};

@@ -1,0 +1,415 @@
+//! Triggers end to end against a real nats-server.
+
+use crate::support::{eventually, Env};
+use ax::protocol::ErrorCode;
+use ax::state::ListFilter;
+use ax::worker::{Task, Worker};
+use ax::{ClientError, TaskRecord, TaskState};
+use serde_json::{json, Value};
+use std::sync::Arc;
+use std::time::Duration;
+
+pub fn interval(name: &str, every_ms: u64) -> Value {
+    json!({
+        "name": name, "kind": "interval", "every_ms": every_ms,
+        "tasks": [{"name": format!("{name}-task"), "queue": "q"}],
+    })
+}
+
+/// Records of tasks made by `trigger`, by scheduled time.
+pub async fn fired(env: &Env, trigger: &str) -> Vec<TaskRecord> {
+    let mut recs: Vec<TaskRecord> = env
+        .ax
+        .list(&ListFilter::default())
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|r| r.trigger.as_deref() == Some(trigger))
+        .collect();
+    recs.sort_by_key(|r| (r.scheduled_at_ms, r.created_at_ms));
+    recs
+}
+
+fn quick_worker(
+    env: &Env,
+    sleep: Duration,
+) -> (
+    tokio_util::sync::CancellationToken,
+    tokio::task::JoinHandle<()>,
+) {
+    let worker = Worker::builder("q")
+        .concurrency(8)
+        .handler(move |_t: Task| async move {
+            tokio::time::sleep(sleep).await;
+            Ok(())
+        })
+        .build()
+        .unwrap();
+    env.spawn_worker(worker)
+}
+
+fn refused(r: Result<Value, ClientError>) -> ax::protocol::WireError {
+    match r {
+        Err(ClientError::Refused(e)) => e,
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fixed_rate_interval_fires_on_its_grid() {
+    let env = Env::start(Env::server()).await;
+    let (stop, handle) = quick_worker(&env, Duration::ZERO);
+    let put = env
+        .ax
+        .trigger("put", &interval("tick", 1000))
+        .await
+        .unwrap();
+    assert_eq!(put["outcome"], "created");
+    let recs = eventually(Duration::from_secs(10), "three fires", || async {
+        let recs = fired(&env, "tick").await;
+        (recs.len() >= 3).then_some(recs)
+    })
+    .await;
+    let times: Vec<u64> = recs.iter().map(|r| r.scheduled_at_ms.unwrap()).collect();
+    for pair in times.windows(2) {
+        assert_eq!(pair[1] - pair[0], 1000, "consecutive, no drift: {times:?}");
+    }
+    for r in &recs {
+        assert_eq!(r.trigger_source.as_deref(), Some("schedule"));
+        assert!(r.created_at_ms >= r.scheduled_at_ms.unwrap(), "never early");
+    }
+    let described = env
+        .ax
+        .trigger("get", &json!({"name": "tick"}))
+        .await
+        .unwrap();
+    assert_eq!(described["next"].as_array().unwrap().len(), 5);
+    assert!(described["state"]["fires"].as_u64().unwrap() >= 3);
+    stop.cancel();
+    handle.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cron_with_seconds_and_once_fire() {
+    let env = Env::start(Env::server()).await;
+    let (stop, handle) = quick_worker(&env, Duration::ZERO);
+    env.ax
+        .trigger("put", &json!({
+            "name": "every-second", "kind": "cron", "expr": "* * * * * *", "tz": "Europe/Berlin",
+            "tasks": [{"name": "c", "queue": "q", "payload": {"x": 1}, "priority": "high"}],
+        }))
+        .await
+        .unwrap();
+    let at = humantime::format_rfc3339_millis(
+        std::time::SystemTime::now() + Duration::from_millis(1500),
+    )
+    .to_string();
+    env.ax
+        .trigger("put", &json!({"name": "one-shot", "kind": "once", "at": at, "tasks": [{"name": "o", "queue": "q"}]}))
+        .await
+        .unwrap();
+    let recs = eventually(Duration::from_secs(10), "cron fires", || async {
+        let recs = fired(&env, "every-second").await;
+        (recs.len() >= 2).then_some(recs)
+    })
+    .await;
+    assert!(recs.iter().all(|r| r.scheduled_at_ms.unwrap() % 1000 == 0));
+    assert_eq!(recs[0].priority, ax::Priority::High);
+    eventually(
+        Duration::from_secs(10),
+        "the once trigger to fire",
+        || async { (fired(&env, "one-shot").await.len() == 1).then_some(()) },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(fired(&env, "one-shot").await.len(), 1, "once means once");
+    stop.cancel();
+    handle.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_definitions_are_refused_and_store_nothing() {
+    let env = Env::start(Env::server()).await;
+    let cases = [
+        (
+            json!({"name": "a", "kind": "cron", "expr": "61 * * * *", "tasks": [{"name": "t", "queue": "q"}]}),
+            ErrorCode::InvalidField,
+            Some("expr"),
+        ),
+        (
+            json!({"name": "a", "kind": "cron", "expr": "* * * * *", "tz": "Mars/Base", "tasks": [{"name": "t", "queue": "q"}]}),
+            ErrorCode::InvalidField,
+            Some("tz"),
+        ),
+        (
+            json!({"name": "a", "kind": "interval", "every_ms": 500, "tasks": [{"name": "t", "queue": "q"}]}),
+            ErrorCode::InvalidField,
+            Some("every_ms"),
+        ),
+        (
+            json!({"name": "a", "kind": "interval", "every_ms": 5000, "tasks": [{"name": "t", "queue": "nope"}]}),
+            ErrorCode::UnknownQueue,
+            None,
+        ),
+        (
+            json!({"name": "a", "kind": "interval", "every_ms": 5000, "tasks": []}),
+            ErrorCode::InvalidField,
+            Some("tasks"),
+        ),
+        (
+            json!({"name": "a b", "kind": "once", "at": "2030-01-01T00:00:00Z", "tasks": [{"name": "t", "queue": "q"}]}),
+            ErrorCode::InvalidField,
+            Some("name"),
+        ),
+        (
+            json!({"name": "a", "kind": "weekly", "tasks": [{"name": "t", "queue": "q"}]}),
+            ErrorCode::BadRequest,
+            None,
+        ),
+        (
+            json!({"name": "a", "kind": "interval", "every_ms": 5000, "overlaps": "skip", "tasks": [{"name": "t", "queue": "q"}]}),
+            ErrorCode::BadRequest,
+            None,
+        ),
+    ];
+    for (def, code, field) in cases {
+        let e = refused(env.ax.trigger("put", &def).await);
+        assert_eq!((e.code, e.field.as_deref()), (code, field), "{def}");
+    }
+    assert_eq!(env.ax.trigger("list", &json!({})).await.unwrap(), json!([]));
+    let e = refused(env.ax.trigger("run", &json!({"name": "ghost"})).await);
+    assert_eq!(e.code, ErrorCode::NotFound);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn manual_runs_respect_the_running_instance() {
+    let env = Env::start(Env::server()).await;
+    let (stop, handle) = quick_worker(&env, Duration::from_millis(1500));
+    env.ax
+        .trigger("put", &interval("report", 3_600_000))
+        .await
+        .unwrap();
+    let first = env
+        .ax
+        .trigger("run", &json!({"name": "report"}))
+        .await
+        .unwrap();
+    let id = first["task_ids"][0].as_str().unwrap().to_string();
+    env.wait_state(&id, TaskState::Running, Duration::from_secs(5))
+        .await;
+    let e = refused(env.ax.trigger("run", &json!({"name": "report"})).await);
+    assert_eq!(e.code, ErrorCode::Running);
+    assert!(e.message.contains(&id), "{}", e.message);
+    let forced = env
+        .ax
+        .trigger("run", &json!({"name": "report", "force": true}))
+        .await
+        .unwrap();
+    assert_eq!(forced["forced"], true);
+    let rec = env.record(&id).await;
+    assert_eq!(rec.trigger_source.as_deref(), Some("manual"));
+    assert_eq!(fired(&env, "report").await.len(), 2);
+    stop.cancel();
+    handle.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overlap_skip_and_buffer_one_with_a_slow_handler() {
+    let env = Env::start(Env::server()).await;
+    // Each run takes 2.5 s; the trigger fires every second.
+    let (stop, handle) = quick_worker(&env, Duration::from_millis(2500));
+    let mut skip = interval("skipper", 1000);
+    skip["overlap"] = json!("skip");
+    let buffer = interval("buffered", 1000);
+    env.ax.trigger("put", &skip).await.unwrap();
+    env.ax.trigger("put", &buffer).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(6500)).await;
+    let skipped = fired(&env, "skipper").await;
+    let buffered = fired(&env, "buffered").await;
+    // Never two runs at once: each fire starts after the previous one finished.
+    for recs in [&skipped, &buffered] {
+        for pair in recs.windows(2) {
+            let prev_end = pair[0].finished_at_ms.unwrap_or(u64::MAX);
+            assert!(
+                pair[1].created_at_ms >= prev_end,
+                "overlapping runs: {pair:?}"
+            );
+        }
+    }
+    assert!((2..=3).contains(&skipped.len()), "skip: {}", skipped.len());
+    // buffer_one fires right after the overrun: well within a second of the finish.
+    for pair in buffered.windows(2) {
+        let gap = pair[1].created_at_ms - pair[0].finished_at_ms.unwrap();
+        assert!(gap < 1000, "buffered fire came {gap} ms after the finish");
+    }
+    let state = env
+        .ax
+        .trigger("get", &json!({"name": "skipper"}))
+        .await
+        .unwrap()["state"]
+        .clone();
+    assert!(state["skipped"].as_u64().unwrap() >= 2, "{state}");
+    stop.cancel();
+    handle.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fixed_delay_counts_from_completion() {
+    let env = Env::start(Env::server()).await;
+    let (stop, handle) = quick_worker(&env, Duration::from_millis(700));
+    let mut def = interval("paced", 1000);
+    def["mode"] = json!("fixed_delay");
+    env.ax.trigger("put", &def).await.unwrap();
+    let recs = eventually(Duration::from_secs(12), "three paced fires", || async {
+        let recs = fired(&env, "paced").await;
+        (recs.len() >= 3 && recs[2].state == TaskState::Succeeded).then_some(recs)
+    })
+    .await;
+    for pair in recs.windows(2) {
+        let from_finish =
+            pair[1].scheduled_at_ms.unwrap() as i64 - pair[0].finished_at_ms.unwrap() as i64;
+        assert!(
+            (900..=1500).contains(&from_finish),
+            "next fire {from_finish} ms after completion"
+        );
+    }
+    stop.cancel();
+    handle.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn misfire_after_an_outage_fires_once() {
+    let mut env = Env::start(Env::server()).await;
+    let (stop, handle) = quick_worker(&env, Duration::ZERO);
+    let mut def = interval("nightly", 1000);
+    def["grace_ms"] = json!(300);
+    env.ax.trigger("put", &def).await.unwrap();
+    eventually(Duration::from_secs(5), "a first fire", || async {
+        (!fired(&env, "nightly").await.is_empty()).then_some(())
+    })
+    .await;
+    env.stop_server().await;
+    let down_from = fired(&env, "nightly")
+        .await
+        .last()
+        .unwrap()
+        .scheduled_at_ms
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(4200)).await;
+    let up_at = ax::task::now_ms();
+    env.start_server(Env::server()).await;
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let recs = fired(&env, "nightly").await;
+    let catch_up: Vec<u64> = recs
+        .iter()
+        .filter_map(|r| r.scheduled_at_ms)
+        .filter(|t| *t > down_from && *t <= up_at)
+        .collect();
+    // About four scheduled times passed while down: one fire for all of them.
+    assert_eq!(catch_up.len(), 1, "{catch_up:?}");
+    assert!(
+        catch_up[0] + 1000 > up_at,
+        "scheduled at the latest missed time"
+    );
+    let state = env
+        .ax
+        .trigger("get", &json!({"name": "nightly"}))
+        .await
+        .unwrap()["state"]
+        .clone();
+    assert!(state["skipped"].as_u64().unwrap() >= 3, "{state}");
+    stop.cancel();
+    handle.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pause_resume_and_apply_with_hot_reload() {
+    let env = Env::start(Env::server()).await;
+    let file = json!({"triggers": [interval("a", 1000), interval("b", 3_600_000)]});
+    let report = env.ax.trigger("apply", &file).await.unwrap();
+    assert_eq!(
+        report,
+        json!([{"name": "a", "outcome": "created"}, {"name": "b", "outcome": "created"}])
+    );
+    let again = env.ax.trigger("apply", &file).await.unwrap();
+    assert_eq!(
+        again,
+        json!([{"name": "a", "outcome": "unchanged"}, {"name": "b", "outcome": "unchanged"}])
+    );
+    env.ax
+        .trigger("pause", &json!({"name": "a"}))
+        .await
+        .unwrap();
+    let paused_at = fired(&env, "a").await.len();
+    tokio::time::sleep(Duration::from_millis(2200)).await;
+    assert!(
+        fired(&env, "a").await.len() <= paused_at + 1,
+        "paused triggers do not fire"
+    );
+    // A changed file: `b` becomes a 1 s interval, `a` is removed; the server picks both up.
+    let changed = json!({"triggers": [interval("b", 1000)]});
+    let report = env.ax.trigger("apply", &changed).await.unwrap();
+    assert_eq!(
+        report,
+        json!([{"name": "b", "outcome": "updated"}, {"name": "a", "outcome": "deleted"}])
+    );
+    eventually(
+        Duration::from_secs(6),
+        "the updated trigger to fire",
+        || async { (fired(&env, "b").await.len() >= 2).then_some(()) },
+    )
+    .await;
+    // An invalid file changes nothing.
+    let bad = json!({"triggers": [interval("c", 1000), interval("d", 10)]});
+    let e = refused(env.ax.trigger("apply", &bad).await);
+    assert_eq!(e.field.as_deref(), Some("triggers[1].every_ms"));
+    let names: Vec<String> = env
+        .ax
+        .trigger("list", &json!({}))
+        .await
+        .unwrap()
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["name"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(names, ["b"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wall_clock_steps_neither_refire_nor_flood() {
+    let clock = Arc::new(ax::trigger::clock::SystemClock::default());
+    let env = Env::start(Env::server().clock(clock.clone())).await;
+    let (stop, handle) = quick_worker(&env, Duration::ZERO);
+    env.ax
+        .trigger("put", &interval("steady", 1000))
+        .await
+        .unwrap();
+    eventually(Duration::from_secs(5), "two fires", || async {
+        (fired(&env, "steady").await.len() >= 2).then_some(())
+    })
+    .await;
+    let seen = |recs: &[TaskRecord]| {
+        recs.iter()
+            .map(|r| r.scheduled_at_ms.unwrap())
+            .collect::<Vec<_>>()
+    };
+    // Step back 10 s: no scheduled time fires twice.
+    clock.step(-10_000);
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let after_back = seen(&fired(&env, "steady").await);
+    let mut unique = after_back.clone();
+    unique.dedup();
+    assert_eq!(unique, after_back, "a scheduled time fired twice");
+    // Forward one hour: one catch-up fire, not 3,600.
+    let n = after_back.len();
+    clock.step(3_600_000 + 10_000);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let after_forward = fired(&env, "steady").await.len();
+    assert!(
+        (n + 1..=n + 3).contains(&after_forward),
+        "{n} -> {after_forward}"
+    );
+    stop.cancel();
+    handle.await.unwrap();
+}
