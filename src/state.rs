@@ -318,21 +318,37 @@ impl TaskStore {
         if total == 0 {
             return Ok(out);
         }
+        // A key written while we read arrives again (its newer revision): keep the newest.
+        let mut at: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
+        let mut slots: Vec<Option<TaskRecord>> = Vec::new();
+        let mut found = 0usize;
         while let Some(entry) = watch.next().await {
             let entry = entry.map_err(|e| broker("*", "list", e))?;
-            if entry.operation == kv::Operation::Put {
-                if let Ok(rec) = serde_json::from_slice::<TaskRecord>(&entry.value) {
-                    let queue_ok = filter.queue.as_ref().is_none_or(|q| *q == rec.queue);
-                    let state_ok = filter.state.is_none_or(|s| s == rec.state);
-                    if queue_ok && state_ok {
-                        out.push(rec);
-                    }
+            let rec = match entry.operation {
+                kv::Operation::Put => serde_json::from_slice::<TaskRecord>(&entry.value).ok(),
+                _ => None,
+            };
+            let keep = rec.filter(|rec| {
+                filter.queue.as_ref().is_none_or(|q| *q == rec.queue)
+                    && filter.state.is_none_or(|s| s == rec.state)
+            });
+            let added = usize::from(keep.is_some());
+            match at.get(&entry.key) {
+                Some(&i) => {
+                    found = found + added - usize::from(slots[i].is_some());
+                    slots[i] = keep;
+                }
+                None => {
+                    found += added;
+                    at.insert(entry.key.clone(), slots.len());
+                    slots.push(keep);
                 }
             }
-            if entry.delta == 0 || (filter.limit > 0 && out.len() >= filter.limit) {
+            if entry.delta == 0 || (filter.limit > 0 && found >= filter.limit) {
                 break;
             }
         }
+        out.extend(slots.into_iter().flatten());
         Ok(out)
     }
 }

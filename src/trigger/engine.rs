@@ -310,32 +310,90 @@ impl Engine {
             }
             due.sort();
             due.dedup();
+            // Plan each due trigger, then fire and store them concurrently.
+            let now = self.clock.now_ms();
+            let mut jobs = Vec::new();
             for name in due {
-                if let Some(wake) = self.step(store, &mut held, &mut owner, &name).await? {
+                let Some(h) = held.get(&name) else { continue };
+                let p = plan(&h.def, &h.rec, &h.state, now, !h.active.is_empty());
+                if p.fires.is_empty() && p.state == h.state {
+                    if let Some(wake) = p.next_wake_ms {
+                        wakes.push(Reverse((wake, name)));
+                    }
+                    continue;
+                }
+                jobs.push(Job {
+                    name,
+                    def: h.def.clone(),
+                    plan: p,
+                    revision: h.revision,
+                });
+            }
+            let outcomes: Vec<(String, Outcome)> = futures::stream::iter(jobs)
+                .map(|job| async move {
+                    let name = job.name.clone();
+                    (name, self.execute(store, job, now).await)
+                })
+                .buffer_unordered(MAX_CONCURRENT_FIRES)
+                .collect()
+                .await;
+            for (name, outcome) in outcomes {
+                let Some(h) = held.get_mut(&name) else {
+                    continue;
+                };
+                let wake = match outcome {
+                    Outcome::Stored {
+                        state,
+                        revision,
+                        ids,
+                        next_wake_ms,
+                    } => {
+                        h.state = state;
+                        h.revision = revision;
+                        for id in ids {
+                            owner.insert(id.clone(), name.clone());
+                            h.active.insert(id);
+                        }
+                        next_wake_ms
+                    }
+                    Outcome::Retry => Some(now + 1000),
+                    Outcome::Stale(Some((state, revision))) => {
+                        let ids = state
+                            .last_fire
+                            .as_ref()
+                            .map(|f| f.task_ids.clone())
+                            .unwrap_or_default();
+                        h.active = unfinished(&tasks, &ids).await;
+                        for id in &h.active {
+                            owner.insert(id.clone(), name.clone());
+                        }
+                        h.state = state;
+                        h.revision = revision;
+                        Some(now)
+                    }
+                    Outcome::Stale(None) => None,
+                    Outcome::Failed(e) => return Err(e),
+                };
+                if let Some(wake) = wake {
                     wakes.push(Reverse((wake, name)));
                 }
             }
         }
     }
 
-    /// Plans one trigger, fires what is due, stores its state; returns its next wake.
-    async fn step(
-        &self,
-        store: &TriggerStore,
-        held: &mut HashMap<String, Held>,
-        owner: &mut HashMap<String, String>,
-        name: &str,
-    ) -> Result<Option<u64>, EngineError> {
-        let Some(h) = held.get_mut(name) else {
-            return Ok(None);
-        };
-        let now = self.clock.now_ms();
-        let mut p = plan(&h.def, &h.rec, &h.state, now, !h.active.is_empty());
+    /// Fires a planned trigger and stores its new state.
+    async fn execute(&self, store: &TriggerStore, job: Job, now: u64) -> Outcome {
+        let Job {
+            name,
+            def,
+            mut plan,
+            revision,
+        } = job;
         let mut ids = Vec::new();
-        for &scheduled in &p.fires {
+        for &scheduled in &plan.fires {
             match fire(
                 &self.admission,
-                &h.def,
+                &def,
                 scheduled,
                 Source::Schedule,
                 &scheduled.to_string(),
@@ -346,15 +404,15 @@ impl Engine {
                 Err(e) => {
                     // Busy or unavailable: keep the state as it was and try again shortly.
                     warn!(trigger = %name, cause = %e, "fire not accepted; retrying in 1 s");
-                    return Ok(Some(now + 1000));
+                    return Outcome::Retry;
                 }
             }
         }
-        if let Some(&last) = p.fires.last() {
-            p.state.fires += p.fires.len() as u64;
-            p.state.last_result.clear();
-            p.state.last_completed_ms = None;
-            p.state.last_fire = Some(FireRecord {
+        if let Some(&last) = plan.fires.last() {
+            plan.state.fires += plan.fires.len() as u64;
+            plan.state.last_result.clear();
+            plan.state.last_completed_ms = None;
+            plan.state.last_fire = Some(FireRecord {
                 scheduled_ms: last,
                 fired_at_ms: now,
                 source: Source::Schedule,
@@ -362,36 +420,43 @@ impl Engine {
             });
             debug!(trigger = %name, scheduled = last, tasks = ids.len(), "fired");
         }
-        if p.state != h.state {
-            match store.put_state(name, &p.state, Some(h.revision)).await {
-                Ok(rev) => {
-                    h.revision = rev;
-                    h.state = p.state;
-                    for id in ids {
-                        owner.insert(id.clone(), name.to_string());
-                        h.active.insert(id);
-                    }
-                }
-                Err(TriggerStoreError::Stale(_)) => {
-                    // Changed elsewhere (a manual run): reload and plan again now.
-                    if let Some((state, rev)) = store.state(name).await? {
-                        let ids = state
-                            .last_fire
-                            .as_ref()
-                            .map(|f| f.task_ids.clone())
-                            .unwrap_or_default();
-                        h.active = unfinished(&self.admission.tasks, &ids).await;
-                        for id in &h.active {
-                            owner.insert(id.clone(), name.to_string());
-                        }
-                        h.state = state;
-                        h.revision = rev;
-                    }
-                    return Ok(Some(now));
-                }
-                Err(e) => return Err(e.into()),
-            }
+        match store.put_state(&name, &plan.state, Some(revision)).await {
+            Ok(revision) => Outcome::Stored {
+                state: plan.state,
+                revision,
+                ids,
+                next_wake_ms: plan.next_wake_ms,
+            },
+            // Changed elsewhere (a manual run): reload and plan again now.
+            Err(TriggerStoreError::Stale(_)) => match store.state(&name).await {
+                Ok(found) => Outcome::Stale(found),
+                Err(e) => Outcome::Failed(e.into()),
+            },
+            Err(e) => Outcome::Failed(e.into()),
         }
-        Ok(p.next_wake_ms)
     }
+}
+
+/// Most triggers fired at once by the leader.
+const MAX_CONCURRENT_FIRES: usize = 512;
+
+/// A planned trigger to fire and store.
+struct Job {
+    name: String,
+    def: TriggerDef,
+    plan: super::plan::Plan,
+    revision: u64,
+}
+
+/// What firing one trigger came to.
+enum Outcome {
+    Stored {
+        state: TriggerState,
+        revision: u64,
+        ids: Vec<String>,
+        next_wake_ms: Option<u64>,
+    },
+    Retry,
+    Stale(Option<(TriggerState, u64)>),
+    Failed(EngineError),
 }
