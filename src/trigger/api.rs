@@ -276,8 +276,7 @@ impl TriggerApi {
                 ));
             }
             let now = self.clock.now_ms();
-            let key = format!("manual:{now}:{}", nuid::next());
-            let task_ids = fire(&self.admission, &def, now, Source::Manual, &key).await?;
+            let task_ids = fire(&self.admission, &def, now, Source::Manual).await?;
             state.fires += 1;
             state.last_result.clear();
             state.last_completed_ms = None;

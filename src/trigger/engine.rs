@@ -5,9 +5,10 @@
 //! leader follows `AX_TRIGGERS` (definitions, hot-reloaded), keeps a timer heap of next fire
 //! times, and watches the task records of each trigger's latest fire on the core subject
 //! `$KV.AX_TASKS.*` to know when they finish (overlap policies, fixed-delay). A fire is:
-//! submit each template with the key `trigger:<name>:<scheduled ms>:<i>`, then
-//! compare-and-set the trigger's state. A crash in between is repaired by the next leader
-//! re-planning the same scheduled time: the keys make the re-submission a no-op.
+//! submit each template as task `tr-<scheduled ms>-<i>-<name>`, then compare-and-set the
+//! trigger's state. A crash in between is repaired by the next leader re-planning the same
+//! scheduled time: the same task ids make the re-submission a no-op (the message id within
+//! the 2-minute window, the record's create-if-absent after it).
 
 use super::clock::Clock;
 use super::model::TriggerDef;
@@ -127,20 +128,28 @@ pub(crate) struct Engine {
     pub(crate) id: String,
 }
 
-/// Submits one fire's tasks; returns their ids.
+/// The task id of template `i` of a scheduled fire: the same for every server and every
+/// retry, so the record's create-if-absent (and the message id) de-duplicate the fire.
+pub(crate) fn scheduled_task_id(trigger: &str, scheduled_ms: u64, i: usize) -> String {
+    format!("tr-{scheduled_ms}-{i}-{trigger}")
+}
+
+/// Submits one fire's tasks; returns their ids. Scheduled fires get deterministic ids;
+/// manual runs get fresh ones.
 pub(crate) async fn fire(
     admission: &Admission,
     def: &TriggerDef,
     scheduled_ms: u64,
     source: Source,
-    key: &str,
 ) -> Result<Vec<String>, WireError> {
     let mut ids = Vec::with_capacity(def.tasks.len());
     for (i, template) in def.tasks.iter().enumerate() {
-        let mut req = template.clone();
-        req.idempotency_key = Some(format!("trigger:{}:{key}:{i}", def.name));
+        let req = template.clone();
         let queue = req.queue.clone().unwrap_or_default();
         let (mut meta, payload) = TaskMeta::from_request(&queue, req, &admission.limits)?;
+        if source == Source::Schedule {
+            meta.id = scheduled_task_id(&def.name, scheduled_ms, i);
+        }
         meta.lineage = Some(Lineage {
             trigger: def.name.clone(),
             source: source.as_str().to_string(),
@@ -224,6 +233,12 @@ impl Engine {
         let mut owner: HashMap<String, String> = HashMap::new();
         let mut wakes: BinaryHeap<Reverse<(u64, String)>> = BinaryHeap::new();
         let mut renew = tokio::time::interval(self.lease_ttl / 3);
+        // Fires run as tasks so the timer loop never waits on the broker; a trigger is not
+        // planned again while its fire is in flight (`recheck` remembers it was due).
+        let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel::<(String, Outcome)>();
+        let fire_slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_FIRES));
+        let mut in_flight: HashSet<String> = HashSet::new();
+        let mut recheck: HashSet<String> = HashSet::new();
         loop {
             let now = self.clock.now_ms();
             let sleep = wakes
@@ -297,6 +312,18 @@ impl Engine {
                         }
                     }
                 }
+                Some((name, outcome)) = done_rx.recv() => {
+                    in_flight.remove(&name);
+                    if let Some(h) = held.get_mut(&name) {
+                        let wake = self.apply(h, &mut owner, &name, outcome).await?;
+                        if let Some(wake) = wake {
+                            wakes.push(Reverse((wake, name.clone())));
+                        }
+                    }
+                    if recheck.remove(&name) {
+                        due.push(name);
+                    }
+                }
                 _ = tokio::time::sleep(sleep), if !wakes.is_empty() => {
                     let now = self.clock.now_ms();
                     while let Some(Reverse((at, _))) = wakes.peek() {
@@ -314,6 +341,10 @@ impl Engine {
             let now = self.clock.now_ms();
             let mut jobs = Vec::new();
             for name in due {
+                if in_flight.contains(&name) {
+                    recheck.insert(name);
+                    continue;
+                }
                 let Some(h) = held.get(&name) else { continue };
                 let p = plan(&h.def, &h.rec, &h.state, now, !h.active.is_empty());
                 if p.fires.is_empty() && p.state == h.state {
@@ -329,111 +360,123 @@ impl Engine {
                     revision: h.revision,
                 });
             }
-            let outcomes: Vec<(String, Outcome)> = futures::stream::iter(jobs)
-                .map(|job| async move {
+            for job in jobs {
+                in_flight.insert(job.name.clone());
+                let permit = fire_slots
+                    .clone()
+                    .acquire_owned()
+                    .await
+                    .expect("never closed");
+                let (admission, store, done) =
+                    (self.admission.clone(), store.clone(), done_tx.clone());
+                tokio::spawn(async move {
                     let name = job.name.clone();
-                    (name, self.execute(store, job, now).await)
-                })
-                .buffer_unordered(MAX_CONCURRENT_FIRES)
-                .collect()
-                .await;
-            for (name, outcome) in outcomes {
-                let Some(h) = held.get_mut(&name) else {
-                    continue;
-                };
-                let wake = match outcome {
-                    Outcome::Stored {
-                        state,
-                        revision,
-                        ids,
-                        next_wake_ms,
-                    } => {
-                        h.state = state;
-                        h.revision = revision;
-                        for id in ids {
-                            owner.insert(id.clone(), name.clone());
-                            h.active.insert(id);
-                        }
-                        next_wake_ms
-                    }
-                    Outcome::Retry => Some(now + 1000),
-                    Outcome::Stale(Some((state, revision))) => {
-                        let ids = state
-                            .last_fire
-                            .as_ref()
-                            .map(|f| f.task_ids.clone())
-                            .unwrap_or_default();
-                        h.active = unfinished(&tasks, &ids).await;
-                        for id in &h.active {
-                            owner.insert(id.clone(), name.clone());
-                        }
-                        h.state = state;
-                        h.revision = revision;
-                        Some(now)
-                    }
-                    Outcome::Stale(None) => None,
-                    Outcome::Failed(e) => return Err(e),
-                };
-                if let Some(wake) = wake {
-                    wakes.push(Reverse((wake, name)));
-                }
+                    let outcome = execute(&admission, &store, job, now).await;
+                    drop(permit);
+                    let _ = done.send((name, outcome));
+                });
             }
         }
     }
 
-    /// Fires a planned trigger and stores its new state.
-    async fn execute(&self, store: &TriggerStore, job: Job, now: u64) -> Outcome {
-        let Job {
-            name,
-            def,
-            mut plan,
-            revision,
-        } = job;
-        let mut ids = Vec::new();
-        for &scheduled in &plan.fires {
-            match fire(
-                &self.admission,
-                &def,
-                scheduled,
-                Source::Schedule,
-                &scheduled.to_string(),
-            )
-            .await
-            {
-                Ok(mut fired) => ids.append(&mut fired),
-                Err(e) => {
-                    // Busy or unavailable: keep the state as it was and try again shortly.
-                    warn!(trigger = %name, cause = %e, "fire not accepted; retrying in 1 s");
-                    return Outcome::Retry;
-                }
-            }
-        }
-        if let Some(&last) = plan.fires.last() {
-            plan.state.fires += plan.fires.len() as u64;
-            plan.state.last_result.clear();
-            plan.state.last_completed_ms = None;
-            plan.state.last_fire = Some(FireRecord {
-                scheduled_ms: last,
-                fired_at_ms: now,
-                source: Source::Schedule,
-                task_ids: ids.clone(),
-            });
-            debug!(trigger = %name, scheduled = last, tasks = ids.len(), "fired");
-        }
-        match store.put_state(&name, &plan.state, Some(revision)).await {
-            Ok(revision) => Outcome::Stored {
-                state: plan.state,
+    /// Applies a fire's outcome to the held trigger; returns its next wake.
+    async fn apply(
+        &self,
+        h: &mut Held,
+        owner: &mut HashMap<String, String>,
+        name: &str,
+        outcome: Outcome,
+    ) -> Result<Option<u64>, EngineError> {
+        let now = self.clock.now_ms();
+        Ok(match outcome {
+            Outcome::Stored {
+                state,
                 revision,
                 ids,
-                next_wake_ms: plan.next_wake_ms,
-            },
-            // Changed elsewhere (a manual run): reload and plan again now.
-            Err(TriggerStoreError::Stale(_)) => match store.state(&name).await {
-                Ok(found) => Outcome::Stale(found),
-                Err(e) => Outcome::Failed(e.into()),
-            },
-            Err(e) => Outcome::Failed(e.into()),
+                next_wake_ms,
+            } => {
+                h.state = state;
+                h.revision = revision;
+                if !ids.is_empty() {
+                    // Only the latest fire's tasks decide overlap and fixed-delay.
+                    for old in h.active.drain() {
+                        owner.remove(&old);
+                    }
+                    for id in ids {
+                        owner.insert(id.clone(), name.to_string());
+                        h.active.insert(id);
+                    }
+                }
+                next_wake_ms
+            }
+            Outcome::Retry => Some(now + 1000),
+            Outcome::Stale(Some((state, revision))) => {
+                let ids = state
+                    .last_fire
+                    .as_ref()
+                    .map(|f| f.task_ids.clone())
+                    .unwrap_or_default();
+                for old in h.active.drain() {
+                    owner.remove(&old);
+                }
+                h.active = unfinished(&self.admission.tasks, &ids).await;
+                for id in &h.active {
+                    owner.insert(id.clone(), name.to_string());
+                }
+                h.state = state;
+                h.revision = revision;
+                Some(now)
+            }
+            Outcome::Stale(None) => None,
+            Outcome::Failed(e) => return Err(e),
+        })
+    }
+}
+
+/// Fires a planned trigger and stores its new state.
+async fn execute(admission: &Admission, store: &TriggerStore, job: Job, now: u64) -> Outcome {
+    let Job {
+        name,
+        def,
+        mut plan,
+        revision,
+    } = job;
+    let mut ids = Vec::new();
+    for &scheduled in &plan.fires {
+        match fire(admission, &def, scheduled, Source::Schedule).await {
+            Ok(mut fired) => ids.append(&mut fired),
+            Err(e) => {
+                // Busy or unavailable: keep the state as it was and try again shortly.
+                warn!(trigger = %name, cause = %e, "fire not accepted; retrying in 1 s");
+                return Outcome::Retry;
+            }
         }
+    }
+    if let Some(&last) = plan.fires.last() {
+        plan.state.fires += plan.fires.len() as u64;
+        plan.state.last_result.clear();
+        plan.state.last_completed_ms = None;
+        plan.state.last_fire = Some(FireRecord {
+            scheduled_ms: last,
+            fired_at_ms: now,
+            source: Source::Schedule,
+            task_ids: ids.clone(),
+        });
+        debug!(trigger = %name, scheduled = last, tasks = ids.len(), "fired");
+    }
+    match store.put_state(&name, &plan.state, Some(revision)).await {
+        Ok(revision) => Outcome::Stored {
+            state: plan.state,
+            revision,
+            ids,
+            next_wake_ms: plan.next_wake_ms,
+        },
+        // Changed elsewhere (a manual run): reload and plan again now.
+        Err(TriggerStoreError::Stale(_)) => match store.state(&name).await {
+            Ok(found) => Outcome::Stale(found),
+            Err(e) => Outcome::Failed(e.into()),
+        },
+        Err(e) => Outcome::Failed(e.into()),
     }
 }
 

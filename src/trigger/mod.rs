@@ -9,9 +9,10 @@
 //! | `engine` | the leader that fires (inside `ax server`) |
 //! | `api` | the NATS request API on `ax.trigger.<op>` |
 //!
-//! Exactly-once fires across servers: each fire submits its tasks with the idempotency key
-//! `trigger:<name>:<scheduled ms>:<template index>`, so whichever server fires a scheduled
-//! time, and however often after a crash, one task exists per template and time. A leader
+//! Exactly-once fires across servers: a scheduled fire's task ids are derived from the
+//! trigger, the scheduled time and the template index (`tr-<ms>-<i>-<name>`), so whichever
+//! server fires a scheduled time, and however often after a crash, one task exists per
+//! template and time. A leader
 //! lease (KV compare-and-set, the revision is the fencing token) only keeps the servers from
 //! doing the same work twice.
 

@@ -267,7 +267,7 @@ async fn trigger_leader_killed_fires_each_scheduled_time_exactly_once() {
         Some(value["holder"].as_str()?.to_string())
     };
     let mut kills = Vec::new();
-    let mut current = eventually(Duration::from_secs(10), "a leader", || leader()).await;
+    let mut current = eventually(Duration::from_secs(10), "a leader", &leader).await;
     for _ in 0..2 {
         tokio::time::sleep(Duration::from_secs(3)).await;
         servers.get_mut(&current).unwrap().kill9();

@@ -413,3 +413,44 @@ async fn wall_clock_steps_neither_refire_nor_flood() {
     stop.cancel();
     handle.await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cli_applies_a_yaml_file() {
+    let env = Env::start(Env::server().queues(["q", "default"])).await;
+    let file = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/triggers.yaml");
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_ax"))
+            .args(args)
+            .env("NATS_URL", env.nats.url())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let report = run(&["apply", "-f", file]);
+    assert_eq!(
+        report.lines().collect::<Vec<_>>(),
+        ["created    nightly-report", "created    heartbeat"]
+    );
+    let report = run(&["apply", "-f", file]);
+    assert!(
+        report.lines().all(|l| l.starts_with("unchanged")),
+        "{report}"
+    );
+    let described: Value =
+        serde_json::from_str(&run(&["trigger", "get", "nightly-report"])).unwrap();
+    let next = described["next"].as_array().unwrap();
+    assert_eq!(next.len(), 5);
+    // 02:00 in Berlin is 00:00 or 01:00 UTC depending on DST.
+    assert!(
+        next.iter().all(|t| {
+            let t = t.as_str().unwrap();
+            t.contains("T00:00:00") || t.contains("T01:00:00")
+        }),
+        "{next:?}"
+    );
+}

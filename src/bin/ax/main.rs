@@ -181,7 +181,7 @@ struct TopologyArgs {
     #[arg(long = "queue", default_value = "default")]
     queues: Vec<String>,
     /// Capacity of each queue's high / normal / low ready subject.
-    #[arg(long, value_delimiter = ',', num_args = 3, default_values_t = [1000i64, 5000, 10000])]
+    #[arg(long, value_delimiter = ',', default_values_t = [1000i64, 5000, 10000])]
     capacity: Vec<i64>,
     /// Redeliver a task held this long without ack or heartbeat.
     #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
@@ -192,13 +192,19 @@ struct TopologyArgs {
 }
 
 impl TopologyArgs {
-    fn topology(&self) -> Topology {
-        Topology {
-            capacity: [self.capacity[0], self.capacity[1], self.capacity[2]],
+    fn topology(&self) -> Result<Topology> {
+        let [high, normal, low] = self.capacity[..] else {
+            bail!("--capacity takes three numbers: high,normal,low");
+        };
+        if high < 1 || normal < 1 || low < 1 {
+            bail!("--capacity values must be at least 1");
+        }
+        Ok(Topology {
+            capacity: [high, normal, low],
             ack_wait: self.ack_wait,
             replicas: self.replicas,
             ..Topology::default()
-        }
+        })
     }
 }
 
@@ -387,7 +393,7 @@ async fn main() -> Result<()> {
             }
             builder
                 .queues(args.topology.queues.clone())
-                .topology(args.topology.topology())
+                .topology(args.topology.topology()?)
                 .apply_streams(!args.no_apply)
                 .build()
                 .run(client, shutdown_on_signal())
@@ -488,7 +494,7 @@ async fn main() -> Result<()> {
             StreamsCommand::Apply(args) => {
                 let client = cli.conn.connect().await?;
                 let js = async_nats::jetstream::new(client);
-                for applied in ax::streams::apply(&js, &args.topology(), &args.queues).await? {
+                for applied in ax::streams::apply(&js, &args.topology()?, &args.queues).await? {
                     println!(
                         "{:<10} {}",
                         format!("{:?}", applied.outcome).to_lowercase(),
@@ -498,7 +504,7 @@ async fn main() -> Result<()> {
                 Ok(())
             }
             StreamsCommand::Print(args) => {
-                for config in ax::streams::stream_configs(&args.topology())? {
+                for config in ax::streams::stream_configs(&args.topology()?)? {
                     println!("{}", serde_json::to_string(&config)?);
                 }
                 Ok(())
