@@ -15,6 +15,7 @@ use crate::task::Limits;
 use crate::trigger::api::TriggerApi;
 use crate::trigger::clock::{Clock, SystemClock};
 use crate::trigger::engine::Engine;
+use crate::trigger::events::EventRouter;
 use crate::trigger::store::{TriggerStore, TriggerStoreError};
 use futures::StreamExt;
 use std::sync::Arc;
@@ -234,6 +235,15 @@ impl Server {
                 .run(engine_token.clone()),
             )
         });
+        let events = if self.triggers {
+            let router = EventRouter {
+                admission: admission.clone(),
+                store: TriggerStore::open(&js).await?,
+            };
+            Some(tokio::spawn(router.run(engine_token.clone())))
+        } else {
+            None
+        };
         let scheduler = Scheduler {
             js: js.clone(),
             lookahead: self.dispatch_lookahead,
@@ -281,6 +291,9 @@ impl Server {
         let _ = api_requests.unsubscribe().await;
         sched_token.cancel();
         engine_token.cancel();
+        if let Some(events) = events {
+            let _ = events.await;
+        }
         if let Some(engine) = engine {
             match engine.await {
                 Ok(Ok(())) => {}

@@ -276,7 +276,7 @@ impl TriggerApi {
                 ));
             }
             let now = self.clock.now_ms();
-            let task_ids = fire(&self.admission, &def, now, Source::Manual).await?;
+            let task_ids = fire(&self.admission, &def, now, Source::Manual, None).await?;
             state.fires += 1;
             state.last_result.clear();
             state.last_completed_ms = None;

@@ -135,20 +135,46 @@ pub(crate) fn scheduled_task_id(trigger: &str, scheduled_ms: u64, i: usize) -> S
 }
 
 /// Submits one fire's tasks; returns their ids. Scheduled fires get deterministic ids;
-/// manual runs get fresh ones.
+/// event fires take the event's `Nats-Msg-Id` into theirs when it has one (so a re-sent
+/// event is one fire); manual runs get fresh ids. An event's body becomes the payload of
+/// templates without one (JSON if it parses, bytes otherwise).
 pub(crate) async fn fire(
     admission: &Admission,
     def: &TriggerDef,
     scheduled_ms: u64,
     source: Source,
+    event: Option<&async_nats::Message>,
 ) -> Result<Vec<String>, WireError> {
     let mut ids = Vec::with_capacity(def.tasks.len());
+    let event_id = event
+        .and_then(|m| m.headers.as_ref())
+        .and_then(|h| h.get("Nats-Msg-Id"))
+        .map(|v| {
+            v.as_str()
+                .bytes()
+                .map(|b| format!("{b:02x}"))
+                .collect::<String>()
+        });
     for (i, template) in def.tasks.iter().enumerate() {
-        let req = template.clone();
+        let mut req = template.clone();
+        if let Some(msg) = event {
+            if req.payload.is_none() && req.payload_base64.is_none() {
+                match serde_json::from_slice::<serde_json::Value>(&msg.payload) {
+                    Ok(v) => req.payload = Some(v),
+                    Err(_) => {
+                        use base64::Engine as _;
+                        req.payload_base64 =
+                            Some(base64::engine::general_purpose::STANDARD.encode(&msg.payload));
+                    }
+                }
+            }
+        }
         let queue = req.queue.clone().unwrap_or_default();
         let (mut meta, payload) = TaskMeta::from_request(&queue, req, &admission.limits)?;
-        if source == Source::Schedule {
-            meta.id = scheduled_task_id(&def.name, scheduled_ms, i);
+        match (source, &event_id) {
+            (Source::Schedule, _) => meta.id = scheduled_task_id(&def.name, scheduled_ms, i),
+            (Source::Event, Some(eid)) => meta.id = format!("ev-{eid}-{i}-{}", def.name),
+            _ => {}
         }
         meta.lineage = Some(Lineage {
             trigger: def.name.clone(),
@@ -443,7 +469,7 @@ async fn execute(admission: &Admission, store: &TriggerStore, job: Job, now: u64
     } = job;
     let mut ids = Vec::new();
     for &scheduled in &plan.fires {
-        match fire(admission, &def, scheduled, Source::Schedule).await {
+        match fire(admission, &def, scheduled, Source::Schedule, None).await {
             Ok(mut fired) => ids.append(&mut fired),
             Err(e) => {
                 // Busy or unavailable: keep the state as it was and try again shortly.

@@ -8,6 +8,7 @@
 //! | [`store`] | definitions and state in KV |
 //! | `engine` | the leader that fires (inside `ax server`) |
 //! | `api` | the NATS request API on `ax.trigger.<op>` |
+//! | `events` | event triggers: a subject whose messages start fires |
 //!
 //! Exactly-once fires across servers: a scheduled fire's task ids are derived from the
 //! trigger, the scheduled time and the template index (`tr-<ms>-<i>-<name>`), so whichever
@@ -19,6 +20,7 @@
 pub(crate) mod api;
 pub mod clock;
 pub(crate) mod engine;
+pub(crate) mod events;
 pub mod model;
 pub mod plan;
 pub mod recur;

@@ -39,6 +39,12 @@ pub enum Kind {
         /// The time.
         at: String,
     },
+    /// Every message on a NATS subject starts a fire (S4-3); the message body becomes the
+    /// payload of templates that have none.
+    Event {
+        /// The subject (wildcards allowed; not under `ax.` or `$`).
+        subject: String,
+    },
 }
 
 fn utc() -> String {
@@ -149,9 +155,10 @@ impl TriggerDef {
             Some("cron") => &["expr", "tz"],
             Some("interval") => &["every_ms", "mode", "start_at"],
             Some("once") => &["at"],
+            Some("event") => &["subject"],
             Some(other) => {
                 return Err(bad(format!(
-                    "unknown kind {other:?} (expected cron, interval or once)"
+                    "unknown kind {other:?} (expected cron, interval, once or event)"
                 )))
             }
             None => return Err(bad("missing field `kind`".into())),

@@ -19,6 +19,8 @@ pub enum Source {
     Schedule,
     /// `ax trigger run` / the run API.
     Manual,
+    /// A message on the trigger's subject.
+    Event,
 }
 
 impl Source {
@@ -27,6 +29,7 @@ impl Source {
         match self {
             Source::Schedule => "schedule",
             Source::Manual => "manual",
+            Source::Event => "event",
         }
     }
 }

@@ -40,6 +40,8 @@ pub enum Recurrence {
         /// The time.
         at_ms: u64,
     },
+    /// No times: fires come from messages.
+    Event,
 }
 
 fn rfc3339_ms(field: &str, text: &str) -> Result<u64, WireError> {
@@ -103,6 +105,20 @@ impl Recurrence {
             Kind::Once { at } => Ok(Recurrence::Once {
                 at_ms: rfc3339_ms("at", at)?,
             }),
+            Kind::Event { subject } => {
+                let tokens_ok = !subject.is_empty()
+                    && subject.len() <= 256
+                    && subject.split('.').all(|t| {
+                        !t.is_empty() && !t.chars().any(|c| c.is_whitespace() || c.is_control())
+                    });
+                if !tokens_ok || subject.starts_with("ax.") || subject.starts_with('$') {
+                    return Err(WireError::field(
+                        "subject",
+                        format!("{subject:?} is not a valid subject outside ax.> and $…"),
+                    ));
+                }
+                Ok(Recurrence::Event)
+            }
         }
     }
 
@@ -131,6 +147,7 @@ impl Recurrence {
                 (next > after_ms).then_some(next)
             }
             Recurrence::Once { at_ms } => (*at_ms > after_ms).then_some(*at_ms),
+            Recurrence::Event => None,
         }
     }
 

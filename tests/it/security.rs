@@ -121,6 +121,29 @@ async fn each_role_has_least_privilege() {
     assert!(wjs.create_stream("EVIL").await.is_err());
     assert!(wjs.delete_stream("AX_READY_NORMAL").await.is_err());
 
+    // Triggers are managed by the admin only, and fire under the server's permissions.
+    let def = serde_json::json!({"name": "tick", "kind": "interval", "every_ms": 1000,
+        "tasks": [{"name": "t", "queue": "default"}]});
+    assert!(producer.trigger("put", &def).await.is_err());
+    assert!(
+        Client::new(connect(&url, "worker-default", "pw-worker").await.unwrap())
+            .trigger("put", &def)
+            .await
+            .is_err()
+    );
+    admin_view.trigger("put", &def).await.unwrap();
+    eventually(
+        Duration::from_secs(10),
+        "a trigger task to finish",
+        || async {
+            let recs = admin_view.list(&Default::default()).await.ok()?;
+            recs.iter()
+                .any(|r| r.trigger.as_deref() == Some("tick") && r.state == TaskState::Succeeded)
+                .then_some(())
+        },
+    )
+    .await;
+
     // The server cannot change the topology either.
     let sjs = async_nats::jetstream::new(connect(&url, "ax-server", "pw-server").await.unwrap());
     assert!(sjs.delete_stream("AX_DEAD").await.is_err());
@@ -227,7 +250,8 @@ async fn the_ax_binary_connects_with_credentials_and_a_custom_ca() {
         .env("NATS_PASSWORD", "s3cret-pw")
         .env("RUST_LOG", "debug")
         .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
+        // A file, not a pipe: nobody drains a pipe while the test runs.
+        .stderr(std::fs::File::create(dir.path().join("server.log")).unwrap())
         .spawn()
         .unwrap();
     let client =
@@ -257,8 +281,8 @@ async fn the_ax_binary_connects_with_credentials_and_a_custom_ca() {
     assert!(why.contains("certificate") || why.contains("tls"), "{why}");
     // The password never reaches the logs, even at debug level.
     server.kill().unwrap();
-    let out = server.wait_with_output().unwrap();
-    let log = String::from_utf8_lossy(&out.stderr);
+    server.wait().unwrap();
+    let log = std::fs::read_to_string(dir.path().join("server.log")).unwrap();
     assert!(log.contains("ax server ready"), "{log}");
     assert!(!log.contains("s3cret-pw"), "password leaked into the log");
 }

@@ -454,3 +454,69 @@ async fn cli_applies_a_yaml_file() {
         "{next:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn event_trigger_turns_messages_into_tasks() {
+    let env = Env::start(Env::server()).await;
+    let payloads: Arc<std::sync::Mutex<Vec<Value>>> = Arc::default();
+    let worker = Worker::builder("q")
+        .handler({
+            let payloads = payloads.clone();
+            move |task: Task| {
+                let payloads = payloads.clone();
+                async move {
+                    payloads.lock().unwrap().push(task.json()?);
+                    Ok(())
+                }
+            }
+        })
+        .build()
+        .unwrap();
+    let (stop, handle) = env.spawn_worker(worker);
+    env.ax
+        .trigger(
+            "put",
+            &json!({"name": "on-order", "kind": "event", "subject": "orders.created",
+            "tasks": [{"name": "process_order", "queue": "q"}]}),
+        )
+        .await
+        .unwrap();
+    let send = |id: &'static str| {
+        let client = env.client.clone();
+        async move {
+            let mut headers = async_nats::HeaderMap::new();
+            headers.insert("Nats-Msg-Id", id);
+            let reply = client
+                .request_with_headers("orders.created", headers, r#"{"order":42}"#.into())
+                .await
+                .ok()?;
+            let v: Value = serde_json::from_slice(&reply.payload).ok()?;
+            Some(v["ok"]["task_ids"][0].as_str()?.to_string())
+        }
+    };
+    let first = eventually(
+        Duration::from_secs(10),
+        "the event trigger to answer",
+        || send("order-42"),
+    )
+    .await;
+    let again = send("order-42").await.unwrap();
+    assert_eq!(first, again, "a re-sent event is the same fire");
+    let rec = env
+        .wait_state(&first, TaskState::Succeeded, Duration::from_secs(10))
+        .await;
+    assert_eq!(rec.trigger_source.as_deref(), Some("event"));
+    assert_eq!(payloads.lock().unwrap()[0], json!({"order": 42}));
+    let e = refused(
+        env.ax
+            .trigger(
+                "put",
+                &json!({"name": "bad", "kind": "event", "subject": "ax.submit.q",
+        "tasks": [{"name": "t", "queue": "q"}]}),
+            )
+            .await,
+    );
+    assert_eq!(e.field.as_deref(), Some("subject"));
+    stop.cancel();
+    handle.await.unwrap();
+}
