@@ -32,15 +32,17 @@ async fn two_servers_killed_five_times_during_load_lose_nothing() {
     wait_ready(&client).await;
 
     let runs: Arc<Mutex<HashMap<String, u32>>> = Arc::default();
+    let ticks: Arc<Mutex<HashMap<String, u32>>> = Arc::default();
     let finished: Arc<Mutex<Vec<u64>>> = Arc::default();
     let worker = Worker::builder("q")
         .concurrency(64)
         .handler({
-            let (runs, finished) = (runs.clone(), finished.clone());
+            let (runs, ticks, finished) = (runs.clone(), ticks.clone(), finished.clone());
             move |task: Task| {
-                let (runs, finished) = (runs.clone(), finished.clone());
+                let (runs, ticks, finished) = (runs.clone(), ticks.clone(), finished.clone());
                 async move {
-                    *runs.lock().unwrap().entry(task.id).or_default() += 1;
+                    let map = if task.name == "tick" { ticks } else { runs };
+                    *map.lock().unwrap().entry(task.id).or_default() += 1;
                     finished.lock().unwrap().push(now_ms());
                     Ok(())
                 }
@@ -48,6 +50,13 @@ async fn two_servers_killed_five_times_during_load_lose_nothing() {
         })
         .build()
         .unwrap();
+    // Three triggers fire every second through the whole run.
+    let admin = Client::new(client.clone());
+    for t in 0..3 {
+        let def = serde_json::json!({"name": format!("load{t}"), "kind": "interval", "every_ms": 1000,
+            "overlap": "allow", "tasks": [{"name": "tick", "queue": "q"}]});
+        admin.trigger("put", &def).await.unwrap();
+    }
     let stop = CancellationToken::new();
     let worker = tokio::spawn(worker.run(client.clone(), stop.clone()));
 
@@ -107,12 +116,33 @@ async fn two_servers_killed_five_times_during_load_lose_nothing() {
         lost += usize::from(rec.state != TaskState::Succeeded);
     }
     let duplicated = runs.lock().unwrap().values().filter(|n| **n > 1).count();
+    // Trigger fires: each scheduled time once, none missing, across the kills.
+    let records = store_list(&client).await;
+    let mut fires = Vec::new();
+    for t in 0..3 {
+        let name = format!("load{t}");
+        let mut times: Vec<u64> = records
+            .iter()
+            .filter(|r| r.trigger.as_deref() == Some(name.as_str()))
+            .filter_map(|r| r.scheduled_at_ms)
+            .collect();
+        times.sort();
+        let n = times.len();
+        times.dedup();
+        assert_eq!(times.len(), n, "{name}: a scheduled time fired twice");
+        for pair in times.windows(2) {
+            assert_eq!(pair[1] - pair[0], 1000, "{name}: a fire was lost");
+        }
+        fires.push(n);
+    }
+    let tick_doubles = ticks.lock().unwrap().values().filter(|n| **n > 1).count();
+    assert_eq!(tick_doubles, 0, "a trigger task ran twice");
     let submit_stall = max_gap(accepted.iter().map(|a| a.1).collect());
     let finish_stall = max_gap(finished.lock().unwrap().clone());
     println!(
         "kill -9 ax server x5 (2 servers) under load: submitted {total}, completed {}, lost {lost}, \
          duplicated {duplicated}, longest pause in accepted submits {submit_stall} ms, \
-         in completions {finish_stall} ms, run took {:?}",
+         in completions {finish_stall} ms, run took {:?}; trigger fires {fires:?}, each scheduled time once, no gap",
         runs.lock().unwrap().len(),
         started.elapsed()
     );
@@ -319,4 +349,11 @@ async fn trigger_leader_killed_fires_each_scheduled_time_exactly_once() {
     );
     stop.cancel();
     worker.await.unwrap().unwrap();
+}
+
+async fn store_list(client: &async_nats::Client) -> Vec<ax::TaskRecord> {
+    Client::new(client.clone())
+        .list(&ax::state::ListFilter::default())
+        .await
+        .unwrap()
 }
