@@ -18,6 +18,7 @@
 //! | [`schedule`] | delayed tasks: timer index and dispatch |
 //! | [`server`] | `ax server`: admission + dispatch |
 //! | [`worker`] | the Rust worker SDK |
+//! | [`trigger`] | cron / interval / once / event triggers, their engine and API |
 //! | [`client`] | the producer SDK |
 //! | [`metrics`] | Prometheus metric names and exporter |
 //! | [`natsd`] | a local nats-server for tests, benches and the demo |
