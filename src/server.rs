@@ -292,7 +292,11 @@ impl Server {
         sched_token.cancel();
         engine_token.cancel();
         if let Some(events) = events {
-            let _ = events.await;
+            match events.await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => warn!(cause = %e, "event triggers stopped with an error"),
+                Err(join) => warn!(cause = %join, "event triggers panicked"),
+            }
         }
         if let Some(engine) = engine {
             match engine.await {

@@ -44,7 +44,14 @@ impl EventRouter {
             tokio::select! {
                 _ = shutdown.cancelled() => break,
                 entry = watch.next() => {
-                    let Some(Ok(entry)) = entry else { break };
+                    let entry = match entry {
+                        Some(Ok(entry)) => entry,
+                        Some(Err(e)) => {
+                            warn!(cause = %e, "event triggers: definition watch failed; event subjects no longer follow changes");
+                            break;
+                        }
+                        None => break,
+                    };
                     let def = (entry.operation == kv::Operation::Put)
                         .then(|| serde_json::from_slice::<TriggerDef>(&entry.value).ok())
                         .flatten()
@@ -63,6 +70,9 @@ impl EventRouter {
                     }
                 }
             }
+        }
+        if !shutdown.is_cancelled() {
+            shutdown.cancelled().await;
         }
         for (_, (_, task)) in served {
             task.abort();

@@ -138,6 +138,14 @@ pub(crate) async fn run(args: DemoArgs, conn: &Conn) -> Result<()> {
         again.id, again.duplicate
     );
     ids.push(dup.id);
+    let tick = serde_json::json!({
+        "name": "demo-tick", "kind": "interval", "every_ms": 2000, "overlap": "skip",
+        "tasks": [{"name": "tick", "queue": "demo"}],
+    });
+    producer.trigger("put", &tick).await?;
+    println!(
+        "  trigger demo-tick: an interval trigger firing every 2 s (ax trigger get demo-tick)"
+    );
 
     let mut last: HashMap<String, (TaskState, u32)> = HashMap::new();
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -185,6 +193,13 @@ pub(crate) async fn run(args: DemoArgs, conn: &Conn) -> Result<()> {
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
+    let tick = producer
+        .trigger("get", &serde_json::json!({ "name": "demo-tick" }))
+        .await?;
+    println!(
+        "• trigger demo-tick fired {} time(s); next fires {}",
+        tick["state"]["fires"], tick["next"]
+    );
     shutdown.cancel();
     worker.await??;
     server.await??;
