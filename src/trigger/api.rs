@@ -119,6 +119,9 @@ impl TriggerApi {
                     "get" => self.describe(&req.name).await,
                     "pause" | "resume" => {
                         let (mut def, _) = self.def_of(&req.name).await?;
+                        if op == "resume" && !def.enabled {
+                            self.skip_paused_times(&req.name).await?;
+                        }
                         def.enabled = op == "resume";
                         self.put(def).await?;
                         Ok(json!({ "name": req.name, "enabled": op == "resume" }))
@@ -157,6 +160,28 @@ impl TriggerApi {
                 None,
             ),
         })
+    }
+
+    /// Marks the times that passed while a trigger was paused as handled, so resuming does
+    /// not fire them as missed.
+    async fn skip_paused_times(&self, name: &str) -> Result<(), WireError> {
+        for _ in 0..3 {
+            let (mut state, rev) = self.state_of(name).await?;
+            let now = self.clock.now_ms();
+            if state.last_scheduled_ms.is_some_and(|t| t >= now) {
+                return Ok(());
+            }
+            state.last_scheduled_ms = Some(now);
+            match self.store.put_state(name, &state, rev).await {
+                Ok(_) => return Ok(()),
+                Err(TriggerStoreError::Stale(_)) => continue,
+                Err(e) => return Err(unavailable(e)),
+            }
+        }
+        Err(WireError::new(
+            ErrorCode::Unavailable,
+            "trigger state kept changing; retry",
+        ))
     }
 
     /// Validates and stores a definition; `created`, `updated` or `unchanged`.

@@ -341,10 +341,33 @@ async fn pause_resume_and_apply_with_hot_reload() {
         .await
         .unwrap();
     let paused_at = fired(&env, "a").await.len();
+    let paused_ms = ax::task::now_ms();
     tokio::time::sleep(Duration::from_millis(2200)).await;
     assert!(
         fired(&env, "a").await.len() <= paused_at + 1,
         "paused triggers do not fire"
+    );
+    // Resuming does not make up the times that passed while paused.
+    env.ax
+        .trigger("resume", &json!({"name": "a"}))
+        .await
+        .unwrap();
+    let resumed_ms = ax::task::now_ms();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let during: Vec<u64> = fired(&env, "a")
+        .await
+        .iter()
+        .filter(|r| r.created_at_ms >= resumed_ms)
+        .filter_map(|r| r.scheduled_at_ms)
+        .filter(|t| *t > paused_ms + 1000 && *t < resumed_ms)
+        .collect();
+    assert!(
+        during.is_empty(),
+        "fired paused times on resume: {during:?}"
+    );
+    assert!(
+        fired(&env, "a").await.len() > paused_at,
+        "fires again after resume"
     );
     // A changed file: `b` becomes a 1 s interval, `a` is removed; the server picks both up.
     let changed = json!({"triggers": [interval("b", 1000)]});
