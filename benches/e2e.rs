@@ -11,38 +11,18 @@
 //! (c) delayed-task lag: N tasks due uniformly over the spread window; lag from due time to
 //!     the ready publish (seen by a core subscriber) and to handler start.
 
+mod common;
+
 use ax::natsd::LocalNats;
 use ax::worker::{Task, Worker};
 use ax::{Client, Server, TaskSpec};
+use common::*;
 use futures::stream::{FuturesUnordered, StreamExt};
 use std::future::IntoFuture;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime};
 use tokio_util::sync::CancellationToken;
-
-fn env_or(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as u64
-}
-
-fn percentiles(mut v: Vec<f64>) -> (f64, f64, f64) {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    if v.is_empty() {
-        return (f64::NAN, f64::NAN, f64::NAN);
-    }
-    let at = |q: f64| v[((v.len() as f64 - 1.0) * q).round() as usize];
-    (at(0.5), at(0.99), *v.last().unwrap())
-}
 
 fn machine() -> String {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")

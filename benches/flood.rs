@@ -5,34 +5,18 @@
 //! capacities (1000 / 5000 / 10000 per queue) and a no-op worker draining the queue, then
 //! floods submits and samples the server's resident memory (VmRSS) every 100 ms.
 
+mod common;
+
 use ax::natsd::LocalNats;
 use ax::worker::{Task, Worker};
 use ax::{Client, ClientError, Priority, TaskSpec};
+use common::*;
 use futures::StreamExt;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
-
-fn env_or(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-fn rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1).map(str::to_string))
-        })
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
-}
 
 fn main() {
     let n = env_or("AX_FLOOD_TASKS", 1_000_000);
@@ -67,14 +51,14 @@ fn main() {
             .build()
             .unwrap();
         let worker = tokio::spawn(worker.run(client.clone(), stop.clone()));
-        let before = rss_kib(pid);
+        let before = usage(pid).1;
         let peak = Arc::new(AtomicU64::new(before));
         let done = Arc::new(AtomicBool::new(false));
         let sampler = tokio::spawn({
             let (peak, done) = (peak.clone(), done.clone());
             async move {
                 while !done.load(Ordering::Relaxed) {
-                    peak.fetch_max(rss_kib(pid), Ordering::Relaxed);
+                    peak.fetch_max(usage(pid).1, Ordering::Relaxed);
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
             }
@@ -107,14 +91,14 @@ fn main() {
             if sent % 100_000 == 0 {
                 eprintln!(
                     "  ... {sent} submits, server RSS {} MiB",
-                    rss_kib(pid) / 1024
+                    usage(pid).1 / 1024
                 );
             }
         }
         let elapsed = start.elapsed();
         done.store(true, Ordering::Relaxed);
         sampler.await.unwrap();
-        let after = rss_kib(pid);
+        let after = usage(pid).1;
         println!(
             "flood: {n} submits, {inflight} in flight, in {elapsed:.1?} ({:.0}/s)",
             n as f64 / elapsed.as_secs_f64()

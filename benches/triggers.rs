@@ -8,63 +8,17 @@
 //! triggers use `overlap: allow`), so the figures are the scheduler's alone. The server's
 //! CPU time and RSS are read from /proc.
 
+mod common;
+
 use ax::natsd::LocalNats;
 use ax::Client;
+use common::*;
 use futures::StreamExt;
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
-
-fn env_or(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as u64
-}
+use std::time::{Duration, UNIX_EPOCH};
 
 /// (CPU seconds, RSS MiB) of a process.
-fn usage(pid: u32) -> (f64, u64) {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let fields: Vec<&str> = stat
-        .rsplit(')')
-        .next()
-        .unwrap_or("")
-        .split_whitespace()
-        .collect();
-    let ticks: f64 = fields
-        .get(11)
-        .and_then(|v| v.parse::<f64>().ok())
-        .unwrap_or(0.0)
-        + fields
-            .get(12)
-            .and_then(|v| v.parse::<f64>().ok())
-            .unwrap_or(0.0);
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let rss = status
-        .lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse::<u64>().ok())
-        .unwrap_or(0);
-    (ticks / 100.0, rss / 1024)
-}
-
-fn percentiles(mut v: Vec<f64>) -> (f64, f64, f64) {
-    if v.is_empty() {
-        return (f64::NAN, f64::NAN, f64::NAN);
-    }
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    let at = |q: f64| v[((v.len() as f64 - 1.0) * q).round() as usize];
-    (at(0.5), at(0.99), *v.last().unwrap())
-}
-
 fn main() {
     let n = env_or("AX_BENCH_TRIGGERS", 10_000);
     let secs = env_or("AX_BENCH_TRIGGER_SECS", 60) as u64;
@@ -139,12 +93,13 @@ fn main() {
         let wall0 = std::time::Instant::now();
         while now_ms() < end + 5000 {
             tokio::time::sleep(Duration::from_secs(1)).await;
-            let (_, rss) = usage(pid);
+            let rss = usage(pid).1 / 1024;
             peak_rss = peak_rss.max(rss);
             let seen = lags.lock().unwrap().len();
             eprintln!("  ... {:>3} s: {seen} fires seen, server RSS {rss} MiB", wall0.elapsed().as_secs());
         }
         let (cpu1, rss) = usage(pid);
+        let rss = rss / 1024;
         collector.abort();
         let expected = n as u64 * secs;
         let lags = lags.lock().unwrap().clone();

@@ -1,7 +1,7 @@
 //! Load with faults injected into real processes; each test prints its figures.
 
 use crate::procs::{wait_ready, AxProc};
-use crate::support::eventually;
+use crate::support::{counting_worker, eventually};
 use ax::natsd::LocalNats;
 use ax::task::now_ms;
 use ax::worker::{Task, Worker};
@@ -183,21 +183,7 @@ async fn r3_cluster_survives_losing_a_node_during_load() {
             .build()
             .run(client.clone(), stop.clone()),
     );
-    let runs: Arc<Mutex<HashMap<String, u32>>> = Arc::default();
-    let worker = Worker::builder("q")
-        .concurrency(32)
-        .handler({
-            let runs = runs.clone();
-            move |task: Task| {
-                let runs = runs.clone();
-                async move {
-                    *runs.lock().unwrap().entry(task.id).or_default() += 1;
-                    Ok(())
-                }
-            }
-        })
-        .build()
-        .unwrap();
+    let (worker, runs) = counting_worker(32);
     let worker = tokio::spawn(worker.run(client.clone(), stop.clone()));
     let ax = Client::new(client.clone());
     let total = 1500usize;

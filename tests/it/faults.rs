@@ -1,12 +1,10 @@
 //! Real processes killed and paused: nothing accepted is lost, no late result counts.
 
 use crate::procs::{free_port, scrape, wait_ready, AxProc};
-use crate::support::{eventually, Env};
+use crate::support::{counting_worker, eventually, Env};
 use ax::natsd::LocalNats;
 use ax::worker::{Task, Worker};
 use ax::{Client, TaskSpec, TaskState};
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
@@ -30,21 +28,7 @@ async fn server_killed_with_minus_9_loses_no_accepted_task() {
     server.kill9();
     let _server = AxProc::spawn(&url, &server_args);
     wait_ready(&client).await;
-    let runs: Arc<Mutex<HashMap<String, u32>>> = Arc::default();
-    let worker = Worker::builder("q")
-        .concurrency(32)
-        .handler({
-            let runs = runs.clone();
-            move |task: Task| {
-                let runs = runs.clone();
-                async move {
-                    *runs.lock().unwrap().entry(task.id).or_default() += 1;
-                    Ok(())
-                }
-            }
-        })
-        .build()
-        .unwrap();
+    let (worker, runs) = counting_worker(32);
     let stop = CancellationToken::new();
     let handle = tokio::spawn(worker.run(client.clone(), stop.clone()));
     eventually(Duration::from_secs(30), "all 300 tasks to run", || async {
@@ -237,21 +221,7 @@ async fn worker_killed_mid_task_is_redelivered_and_counted() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_restart_during_load_loses_no_acknowledged_submission() {
     let mut env = Env::start(Env::server()).await;
-    let runs: Arc<Mutex<HashMap<String, u32>>> = Arc::default();
-    let worker = Worker::builder("q")
-        .concurrency(32)
-        .handler({
-            let runs = runs.clone();
-            move |task: Task| {
-                let runs = runs.clone();
-                async move {
-                    *runs.lock().unwrap().entry(task.id).or_default() += 1;
-                    Ok(())
-                }
-            }
-        })
-        .build()
-        .unwrap();
+    let (worker, runs) = counting_worker(32);
     let (stop, handle) = env.spawn_worker(worker);
     let producer = Client::new(
         async_nats::ConnectOptions::new()

@@ -2,9 +2,11 @@
 
 use ax::natsd::LocalNats;
 use ax::state::TaskStore;
-use ax::worker::Worker;
+use ax::worker::{Task, Worker};
 use ax::{Client, ServerBuilder, TaskRecord, TaskState};
+use std::collections::HashMap;
 use std::future::Future;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -152,4 +154,27 @@ impl Drop for Env {
     fn drop(&mut self) {
         self.shutdown.cancel();
     }
+}
+
+/// Runs per task id, filled by [`counting_worker`].
+pub type Runs = Arc<Mutex<HashMap<String, u32>>>;
+
+/// A worker for queue `q` with a no-op handler that counts runs per task id.
+pub fn counting_worker(concurrency: usize) -> (Worker, Runs) {
+    let runs: Runs = Arc::default();
+    let worker = Worker::builder("q")
+        .concurrency(concurrency)
+        .handler({
+            let runs = runs.clone();
+            move |task: Task| {
+                let runs = runs.clone();
+                async move {
+                    *runs.lock().unwrap().entry(task.id).or_default() += 1;
+                    Ok(())
+                }
+            }
+        })
+        .build()
+        .unwrap();
+    (worker, runs)
 }
