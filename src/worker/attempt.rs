@@ -364,24 +364,7 @@ async fn publish_dead_letter_and_term(
     headers.insert(header::ERROR_CLASS, header_safe(&error.class).as_str());
     headers.insert(header::ERROR_MESSAGE, header_safe(&error.message).as_str());
     headers.insert(header::ATTEMPTS, rec.attempt.to_string().as_str());
-    let publish = jetstream::message::PublishMessage::build()
-        .headers(headers)
-        .payload(msg.payload.clone());
-    let sent = match sh
-        .js
-        .send_publish(names::dead_subject(&meta.queue), publish)
-        .await
-    {
-        Ok(ack) => ack.await.map(|_| ()),
-        Err(e) => Err(e),
-    };
-    match sent {
-        Ok(()) => reply(msg, AckKind::Term).await,
-        Err(e) => {
-            warn!(task_id = %meta.id, cause = %e, "dead letter not stored; will retry on redelivery");
-            reply(msg, AckKind::Nak(Some(BROKER_RETRY))).await;
-        }
-    }
+    dead_letter_and_term(sh, &meta.queue, msg, headers).await;
 }
 
 /// A message on a ready subject that is not a task ax can read: dead-letter it as is.
@@ -390,21 +373,33 @@ async fn reject_malformed(sh: &Shared, msg: &jetstream::Message, why: &str) {
     let mut headers = msg.headers.clone().unwrap_or_default();
     headers.insert(header::ERROR_CLASS, "bad_message");
     headers.insert(header::ERROR_MESSAGE, header_safe(why).as_str());
+    dead_letter_and_term(sh, &sh.queue, msg, headers).await;
+}
+
+/// Stores the delivery's payload in `AX_DEAD` with `headers`, then Terms the delivery; if
+/// the dead letter is not acknowledged, naks it instead so a redelivery tries again.
+async fn dead_letter_and_term(
+    sh: &Shared,
+    queue: &str,
+    msg: &jetstream::Message,
+    headers: async_nats::HeaderMap,
+) {
     let publish = jetstream::message::PublishMessage::build()
         .headers(headers)
         .payload(msg.payload.clone());
-    let stored = match sh
+    let sent = match sh
         .js
-        .send_publish(names::dead_subject(&sh.queue), publish)
+        .send_publish(names::dead_subject(queue), publish)
         .await
     {
-        Ok(ack) => ack.await.is_ok(),
-        Err(_) => false,
+        Ok(ack) => ack.await.map(|_| ()),
+        Err(e) => Err(e),
     };
-    let kind = if stored {
-        AckKind::Term
-    } else {
-        AckKind::Nak(Some(BROKER_RETRY))
-    };
-    reply(msg, kind).await;
+    match sent {
+        Ok(()) => reply(msg, AckKind::Term).await,
+        Err(e) => {
+            warn!(subject = %msg.subject, cause = %e, "dead letter not stored; will retry on redelivery");
+            reply(msg, AckKind::Nak(Some(BROKER_RETRY))).await;
+        }
+    }
 }

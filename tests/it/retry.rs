@@ -188,3 +188,42 @@ async fn hard_timeout_aborts_the_handler() {
     stop.cancel();
     handle.await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_ready_message_is_dead_lettered_not_retried() {
+    let env = Env::start(Env::server()).await;
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(header::ID, "not-a-task");
+    env.js
+        .publish_with_headers("ax.ready.q.normal", headers, "garbage".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let ran = Arc::new(AtomicBool::new(false));
+    let worker = Worker::builder("q")
+        .handler({
+            let ran = ran.clone();
+            move |_t: Task| {
+                let ran = ran.clone();
+                async move {
+                    ran.store(true, Ordering::SeqCst);
+                    Ok(())
+                }
+            }
+        })
+        .build()
+        .unwrap();
+    let (stop, handle) = env.spawn_worker(worker);
+    let h = dead_letter(&env, "not-a-task").await;
+    assert_eq!(h.get(header::ERROR_CLASS).unwrap().as_str(), "bad_message");
+    crate::support::eventually(
+        Duration::from_secs(5),
+        "the message to leave the queue",
+        || async { (env.stream_len("AX_READY_NORMAL").await == 0).then_some(()) },
+    )
+    .await;
+    assert!(!ran.load(Ordering::SeqCst), "the handler never saw it");
+    stop.cancel();
+    handle.await.unwrap();
+}
