@@ -255,6 +255,12 @@ impl Engine {
             .subscribe("$KV.AX_TASKS.*")
             .await
             .map_err(|e| broker("follow task records")(e.into()))?;
+        // State written by others (a manual run on another server) is taken in at once.
+        let mut state_watch = store
+            .states()
+            .watch_all()
+            .await
+            .map_err(|e| broker("watch trigger state")(e.into()))?;
         let mut held: HashMap<String, Held> = HashMap::new();
         let mut owner: HashMap<String, String> = HashMap::new();
         let mut wakes: BinaryHeap<Reverse<(u64, String)>> = BinaryHeap::new();
@@ -318,6 +324,31 @@ impl Engine {
                         owner.insert(id.clone(), name.clone());
                     }
                     held.insert(name.clone(), Held { def, rec, state, revision, active });
+                    due.push(name);
+                }
+                entry = state_watch.next() => {
+                    let Some(entry) = entry else { return Ok(()) };
+                    let entry = entry.map_err(|e| broker("watch trigger state")(e.into()))?;
+                    let name = entry.key.clone();
+                    // Our own writes are in flight until their outcome is applied.
+                    if entry.operation != kv::Operation::Put || in_flight.contains(&name) {
+                        continue;
+                    }
+                    let Some(h) = held.get_mut(&name) else { continue };
+                    if entry.revision <= h.revision {
+                        continue;
+                    }
+                    let Ok(state) = serde_json::from_slice::<TriggerState>(&entry.value) else { continue };
+                    let ids = state.last_fire.as_ref().map(|f| f.task_ids.clone()).unwrap_or_default();
+                    for old in h.active.drain() {
+                        owner.remove(&old);
+                    }
+                    h.active = unfinished(&tasks, &ids).await;
+                    for id in &h.active {
+                        owner.insert(id.clone(), name.clone());
+                    }
+                    h.state = state;
+                    h.revision = entry.revision;
                     due.push(name);
                 }
                 msg = feed.next() => {

@@ -111,6 +111,11 @@ impl TriggerStore {
         &self.defs
     }
 
+    /// The state bucket (the engine watches it for manual runs made elsewhere).
+    pub fn states(&self) -> &kv::Store {
+        &self.states
+    }
+
     /// A definition and its revision.
     pub async fn def(&self, name: &str) -> Result<Option<(TriggerDef, u64)>, TriggerStoreError> {
         get(&self.defs, name).await

@@ -556,3 +556,32 @@ async fn event_trigger_turns_messages_into_tasks() {
     stop.cancel();
     handle.await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_manual_run_counts_as_the_running_fire() {
+    let env = Env::start(Env::server()).await;
+    let (stop, handle) = quick_worker(&env, Duration::from_millis(3000));
+    let mut def = interval("guarded", 1000);
+    def["overlap"] = json!("skip");
+    env.ax.trigger("put", &def).await.unwrap();
+    let manual = env
+        .ax
+        .trigger("run", &json!({"name": "guarded"}))
+        .await
+        .unwrap();
+    let id = manual["task_ids"][0].as_str().unwrap().to_string();
+    env.wait_state(&id, TaskState::Running, Duration::from_secs(5))
+        .await;
+    tokio::time::sleep(Duration::from_millis(2200)).await;
+    let scheduled: Vec<TaskRecord> = fired(&env, "guarded")
+        .await
+        .into_iter()
+        .filter(|r| r.trigger_source.as_deref() == Some("schedule"))
+        .collect();
+    assert!(
+        scheduled.is_empty(),
+        "a scheduled fire overlapped the manual run: {scheduled:?}"
+    );
+    stop.cancel();
+    handle.await.unwrap();
+}
