@@ -118,23 +118,9 @@ async fn two_servers_killed_five_times_during_load_lose_nothing() {
     let duplicated = runs.lock().unwrap().values().filter(|n| **n > 1).count();
     // Trigger fires: each scheduled time once, none missing, across the kills.
     let records = store_list(&client).await;
-    let mut fires = Vec::new();
-    for t in 0..3 {
-        let name = format!("load{t}");
-        let mut times: Vec<u64> = records
-            .iter()
-            .filter(|r| r.trigger.as_deref() == Some(name.as_str()))
-            .filter_map(|r| r.scheduled_at_ms)
-            .collect();
-        times.sort();
-        let n = times.len();
-        times.dedup();
-        assert_eq!(times.len(), n, "{name}: a scheduled time fired twice");
-        for pair in times.windows(2) {
-            assert_eq!(pair[1] - pair[0], 1000, "{name}: a fire was lost");
-        }
-        fires.push(n);
-    }
+    let fires: Vec<usize> = (0..3)
+        .map(|t| fired_once_each_second(&records, &format!("load{t}")))
+        .collect();
     let tick_doubles = ticks.lock().unwrap().values().filter(|n| **n > 1).count();
     assert_eq!(tick_doubles, 0, "a trigger task ran twice");
     let submit_stall = max_gap(accepted.iter().map(|a| a.1).collect());
@@ -305,36 +291,38 @@ async fn trigger_leader_killed_fires_each_scheduled_time_exactly_once() {
     }
     tokio::time::sleep(Duration::from_secs(6)).await;
     let records = ax.list(&ax::state::ListFilter::default()).await.unwrap();
-    let mut report = Vec::new();
-    for t in 0..triggers {
-        let name = format!("t{t}");
-        let mut times: Vec<u64> = records
-            .iter()
-            .filter(|r| r.trigger.as_deref() == Some(name.as_str()))
-            .filter_map(|r| r.scheduled_at_ms)
-            .collect();
-        times.sort();
-        let fires = times.len();
-        let mut unique = times.clone();
-        unique.dedup();
-        assert_eq!(unique.len(), fires, "{name}: a scheduled time fired twice");
-        // Consecutive scheduled times, one second apart: none lost across the failovers.
-        for pair in unique.windows(2) {
-            assert_eq!(
-                pair[1] - pair[0],
-                1000,
-                "{name}: lost fire between {} and {}",
-                pair[0],
-                pair[1]
-            );
-        }
-        report.push(fires);
-    }
+    let report: Vec<usize> = (0..triggers)
+        .map(|t| fired_once_each_second(&records, &format!("t{t}")))
+        .collect();
     println!(
         "trigger failover: leader killed (-9) twice ({kills:?}); fires per trigger {report:?}, each scheduled time exactly once, no gaps"
     );
     stop.cancel();
     worker.await.unwrap().unwrap();
+}
+
+/// Checks that trigger `name` (a 1 s interval) fired each scheduled time once, with no
+/// gap between the first and the last; returns how many times it fired.
+fn fired_once_each_second(records: &[ax::TaskRecord], name: &str) -> usize {
+    let mut times: Vec<u64> = records
+        .iter()
+        .filter(|r| r.trigger.as_deref() == Some(name))
+        .filter_map(|r| r.scheduled_at_ms)
+        .collect();
+    times.sort();
+    let fires = times.len();
+    times.dedup();
+    assert_eq!(times.len(), fires, "{name}: a scheduled time fired twice");
+    for pair in times.windows(2) {
+        assert_eq!(
+            pair[1] - pair[0],
+            1000,
+            "{name}: lost fire between {} and {}",
+            pair[0],
+            pair[1]
+        );
+    }
+    fires
 }
 
 async fn store_list(client: &async_nats::Client) -> Vec<ax::TaskRecord> {
