@@ -8,7 +8,9 @@
 //! ## Module map
 //! | module | concept |
 //! |---|---|
-//! | [`protocol`] | submit request / reply JSON and error codes |
+//! | [`error`] | error codes on the wire, header-text validation (a leaf) |
+//! | [`time`] | ms since the epoch, strict RFC 3339 (a leaf) |
+//! | [`protocol`] | submit request / reply JSON |
 //! | [`names`] | subjects, stream, bucket and consumer names, priorities |
 //! | [`task`] | a validated task and its message headers |
 //! | [`backoff`] | exponential backoff with jitter |
@@ -26,16 +28,19 @@
 
 pub mod backoff;
 pub mod client;
+pub mod error;
 pub mod metrics;
 pub mod names;
 pub mod natsd;
 pub mod protocol;
+mod retry;
 pub mod schedule;
 pub mod server;
 pub mod state;
 pub mod streams;
 pub mod submit;
 pub mod task;
+pub mod time;
 pub mod trigger;
 pub mod worker;
 

@@ -2,6 +2,7 @@
 //!
 //! `docs/PROTOCOL.md` describes the same JSON; the tests in this module pin the field names.
 
+pub use crate::error::{ErrorCode, WireError};
 use crate::state::TaskState;
 use serde::{Deserialize, Serialize};
 
@@ -76,68 +77,6 @@ pub struct SubmitAccepted {
     /// `pending` (in the ready queue) or `scheduled` (held until due); for a duplicate, the
     /// state the first task had when it was looked up.
     pub state: TaskState,
-}
-
-/// Machine-readable error codes of the submit API.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ErrorCode {
-    /// The body is not valid JSON of the request's shape (wrong type, unknown field, ...).
-    BadRequest,
-    /// A field has a value outside its range or format; `field` names it.
-    InvalidField,
-    /// The payload is larger than the server's limit.
-    PayloadTooLarge,
-    /// No such queue is declared.
-    UnknownQueue,
-    /// The priority's bounded capacity is full: retry later. Nothing was stored.
-    Busy,
-    /// ax could not reach JetStream; nothing is known to be stored: retry later.
-    Unavailable,
-    /// No such trigger.
-    NotFound,
-    /// A manual run was refused: the trigger's previous run is still running (S0-12).
-    Running,
-}
-
-impl ErrorCode {
-    /// True if the same request may succeed when sent again later.
-    pub fn is_retryable(self) -> bool {
-        matches!(self, ErrorCode::Busy | ErrorCode::Unavailable)
-    }
-}
-
-/// A typed error reply.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
-#[error("{code:?}: {message}")]
-pub struct WireError {
-    /// What went wrong.
-    pub code: ErrorCode,
-    /// Human-readable detail.
-    pub message: String,
-    /// The request field at fault, for `invalid_field`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub field: Option<String>,
-}
-
-impl WireError {
-    /// An error without a field.
-    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
-        WireError {
-            code,
-            message: message.into(),
-            field: None,
-        }
-    }
-
-    /// An `invalid_field` error.
-    pub fn field(field: &str, message: impl Into<String>) -> Self {
-        WireError {
-            code: ErrorCode::InvalidField,
-            message: message.into(),
-            field: Some(field.to_string()),
-        }
-    }
 }
 
 /// The reply body: either accepted or `{"error": {...}}`.

@@ -45,11 +45,7 @@ pub enum Recurrence {
 }
 
 fn rfc3339_ms(field: &str, text: &str) -> Result<u64, WireError> {
-    let at = humantime::parse_rfc3339_weak(text)
-        .map_err(|e| WireError::field(field, format!("{text:?}: {e}")))?;
-    Ok(at
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64))
+    crate::time::parse_rfc3339_ms(text).map_err(|e| WireError::field(field, e.to_string()))
 }
 
 impl Recurrence {

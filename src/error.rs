@@ -1,0 +1,133 @@
+//! Errors on the wire: the codes every request API answers with, and [`WireError`].
+//!
+//! A leaf module: validation anywhere in the crate returns a [`WireError`] naming the code
+//! and, for `invalid_field`, the field, without depending on the request types.
+
+use serde::{Deserialize, Serialize};
+
+/// Machine-readable error codes of the submit API.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    /// The body is not valid JSON of the request's shape (wrong type, unknown field, ...).
+    BadRequest,
+    /// A field has a value outside its range or format; `field` names it.
+    InvalidField,
+    /// The payload is larger than the server's limit.
+    PayloadTooLarge,
+    /// No such queue is declared.
+    UnknownQueue,
+    /// The priority's bounded capacity is full: retry later. Nothing was stored.
+    Busy,
+    /// ax could not reach JetStream; nothing is known to be stored: retry later.
+    Unavailable,
+    /// No such trigger.
+    NotFound,
+    /// A manual run was refused: the trigger's previous run is still running (S0-12).
+    Running,
+}
+
+impl ErrorCode {
+    /// The snake_case wire name (also the `code` label of metrics).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorCode::BadRequest => "bad_request",
+            ErrorCode::InvalidField => "invalid_field",
+            ErrorCode::PayloadTooLarge => "payload_too_large",
+            ErrorCode::UnknownQueue => "unknown_queue",
+            ErrorCode::Busy => "busy",
+            ErrorCode::Unavailable => "unavailable",
+            ErrorCode::NotFound => "not_found",
+            ErrorCode::Running => "running",
+        }
+    }
+
+    /// True if the same request may succeed when sent again later.
+    pub fn is_retryable(self) -> bool {
+        matches!(self, ErrorCode::Busy | ErrorCode::Unavailable)
+    }
+}
+
+/// A typed error reply.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[error("{code:?}: {message}")]
+pub struct WireError {
+    /// What went wrong.
+    pub code: ErrorCode,
+    /// Human-readable detail.
+    pub message: String,
+    /// The request field at fault, for `invalid_field`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub field: Option<String>,
+}
+
+impl WireError {
+    /// An error without a field.
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        WireError {
+            code,
+            message: message.into(),
+            field: None,
+        }
+    }
+
+    /// An `invalid_field` error.
+    pub fn field(field: &str, message: impl Into<String>) -> Self {
+        WireError {
+            code: ErrorCode::InvalidField,
+            message: message.into(),
+            field: Some(field.to_string()),
+        }
+    }
+}
+
+/// Checks a string that travels in a message header (idempotency key, names, error
+/// classes, trigger fields): 1..=`max` bytes, no control characters (a line break would
+/// end the header block), no leading or trailing whitespace (header values are trimmed on
+/// the wire, so the value read back would differ).
+pub fn check_header_text(field: &str, value: &str, max: usize) -> Result<(), WireError> {
+    if value.is_empty() || value.len() > max {
+        return Err(WireError::field(field, format!("must be 1..={max} bytes")));
+    }
+    if value.chars().any(char::is_control) {
+        return Err(WireError::field(
+            field,
+            "must not contain control characters (line breaks, tabs, ...)",
+        ));
+    }
+    if value.trim() != value {
+        return Err(WireError::field(
+            field,
+            "must not start or end with whitespace",
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_text() {
+        assert!(check_header_text("k", "user-7:2026-11-29 ok", 256).is_ok());
+        assert!(check_header_text("k", "ünïcødé ✓", 256).is_ok());
+        for bad in [
+            "",
+            "a\r\nb",
+            "a\n",
+            "tab\there",
+            "nul\0",
+            " lead",
+            "trail ",
+            "x".repeat(257).as_str(),
+        ] {
+            let e = check_header_text("k", bad, 256).unwrap_err();
+            assert_eq!(
+                (e.code, e.field.as_deref()),
+                (ErrorCode::InvalidField, Some("k")),
+                "{bad:?}"
+            );
+        }
+    }
+}
