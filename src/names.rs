@@ -105,6 +105,30 @@ pub fn valid_token(name: &str, max: usize) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }
 
+/// A fresh task id of `queue`: `<queue>.<nuid>`.
+///
+/// Every task id starts with its queue as the first dot-separated token. The id is also
+/// the task's key in `AX_TASKS` (subject `$KV.AX_TASKS.<queue>.<rest>`), so NATS
+/// permissions can scope a worker's record reads and writes to its own queues.
+pub fn new_task_id(queue: &str) -> String {
+    format!("{queue}.{}", nuid::next())
+}
+
+/// The queue a task id belongs to, if `id` is a well-formed task id: `<queue>.<rest>` where
+/// `rest` is 1..=255 of `A-Z a-z 0-9 _ - . = /`, not starting or ending with a dot.
+pub fn queue_of_task_id(id: &str) -> Option<&str> {
+    let (queue, rest) = id.split_once('.')?;
+    let rest_ok = !rest.is_empty()
+        && rest.len() <= 255
+        && !rest.starts_with('.')
+        && !rest.ends_with('.')
+        && !rest.contains("..")
+        && rest
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"_-.=/".contains(&b));
+    (valid_queue(queue) && rest_ok).then_some(queue)
+}
+
 /// Subject a producer sends a submit request to.
 pub fn submit_subject(queue: &str) -> String {
     format!("ax.submit.{queue}")
@@ -144,6 +168,18 @@ mod tests {
             Err(UnknownPriority("urgent".into()))
         );
         assert_eq!(Priority::High.ready_stream(), "AX_READY_HIGH");
+    }
+
+    #[test]
+    fn task_ids_carry_their_queue() {
+        let id = new_task_id("emails");
+        assert_eq!(queue_of_task_id(&id), Some("emails"));
+        assert_eq!(queue_of_task_id("q.tr.nightly.1764400000000.0"), Some("q"));
+        for bad in [
+            "nodot", "a..b", "q.", "q.x.", "q.a b", "q.a*", "a.b.c..d", ".x",
+        ] {
+            assert_eq!(queue_of_task_id(bad), None, "{bad}");
+        }
     }
 
     #[test]

@@ -5,7 +5,7 @@
 //! win. The revision written when an attempt starts is that attempt's fencing token (S2-9).
 
 use crate::names::{Priority, TASKS_BUCKET};
-use crate::task::{now_ms, TaskMeta};
+use crate::time::now_ms;
 use async_nats::jetstream::{self, kv};
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
@@ -126,43 +126,24 @@ pub struct TaskRecord {
     /// The scheduled time the fire stands for.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scheduled_at_ms: Option<u64>,
+    /// Fields this version does not know, kept as they were so that a newer writer's
+    /// fields survive this one's writes (docs/PROTOCOL.md §3).
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, serde_json::Value>,
 }
 
 impl TaskRecord {
-    /// The first record of a newly accepted task.
-    pub fn new(meta: &TaskMeta) -> TaskRecord {
-        TaskRecord {
-            id: meta.id.clone(),
-            queue: meta.queue.clone(),
-            name: meta.name.clone(),
-            priority: meta.priority,
-            state: if meta.run_at_ms.is_some() {
-                TaskState::Scheduled
-            } else {
-                TaskState::Pending
-            },
-            attempt: 0,
-            max_attempts: meta.max_attempts,
-            created_at_ms: meta.created_at_ms,
-            updated_at_ms: meta.created_at_ms,
-            run_at_ms: meta.run_at_ms,
-            started_at_ms: None,
-            finished_at_ms: None,
-            next_retry_at_ms: None,
-            last_error: None,
-            worker: None,
-            ready_seq: None,
-            idempotency_key: meta.idempotency_key.clone(),
-            trigger: meta.lineage.as_ref().map(|l| l.trigger.clone()),
-            trigger_source: meta.lineage.as_ref().map(|l| l.source.clone()),
-            scheduled_at_ms: meta.lineage.as_ref().map(|l| l.scheduled_at_ms),
-        }
+    /// Moves to `state`, stamping the update time with now.
+    pub fn transition(self, state: TaskState) -> TaskRecord {
+        self.transition_at(state, now_ms())
     }
 
-    /// Moves to `state`, stamping the update time.
-    pub fn transition(mut self, state: TaskState) -> TaskRecord {
+    /// Moves to `state` at `now_ms`: sets `updated_at_ms`; `finished_at_ms` on reaching
+    /// `succeeded` or `dead`; clears `next_retry_at_ms` unless the new state is
+    /// `retrying`. Every other field is kept (`last_error` stays the latest failure).
+    pub fn transition_at(mut self, state: TaskState, now_ms: u64) -> TaskRecord {
         self.state = state;
-        self.updated_at_ms = now_ms();
+        self.updated_at_ms = now_ms;
         if state.is_terminal() {
             self.finished_at_ms = Some(self.updated_at_ms);
         }
@@ -275,6 +256,12 @@ impl TaskStore {
                 },
                 _ => broker(&rec.id, "update", e),
             })
+    }
+
+    /// A live feed of every write to a trigger task's record (keys `*.tr.>`), from now on,
+    /// delivered by an ordered consumer (no message is lost to a slow reader).
+    pub async fn watch_trigger_tasks(&self) -> Result<kv::Watch, kv::WatchError> {
+        self.kv.watch("*.tr.>").await
     }
 
     /// The stored transitions of a task, oldest first (as many as the bucket's history keeps).

@@ -4,12 +4,15 @@
 //! [`SubmitRequest`] into a validated task or a typed [`WireError`] naming the field.
 
 use crate::backoff::Backoff;
+use crate::error::check_header_text;
 use crate::names::{self, Priority};
 use crate::protocol::{ErrorCode, SubmitRequest, WireError};
+use crate::state::{TaskRecord, TaskState};
+use crate::time::{now_ms, parse_rfc3339_ms};
 use async_nats::HeaderMap;
 use base64::Engine;
 use bytes::Bytes;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 /// Header names of task messages (see docs/PROTOCOL.md).
 pub mod header {
@@ -154,13 +157,6 @@ pub struct HeaderError {
     pub problem: &'static str,
 }
 
-/// Milliseconds since the Unix epoch, now.
-pub fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
-}
-
 fn valid_class(class: &str) -> bool {
     !class.is_empty()
         && class.len() <= 64
@@ -210,6 +206,37 @@ pub fn decode_submit(
 }
 
 impl TaskMeta {
+    /// The first record of a newly accepted task (`scheduled` if it has a due time).
+    pub fn record(&self) -> TaskRecord {
+        TaskRecord {
+            id: self.id.clone(),
+            queue: self.queue.clone(),
+            name: self.name.clone(),
+            priority: self.priority,
+            state: if self.run_at_ms.is_some() {
+                TaskState::Scheduled
+            } else {
+                TaskState::Pending
+            },
+            attempt: 0,
+            max_attempts: self.max_attempts,
+            created_at_ms: self.created_at_ms,
+            updated_at_ms: self.created_at_ms,
+            run_at_ms: self.run_at_ms,
+            started_at_ms: None,
+            finished_at_ms: None,
+            next_retry_at_ms: None,
+            last_error: None,
+            worker: None,
+            ready_seq: None,
+            idempotency_key: self.idempotency_key.clone(),
+            trigger: self.lineage.as_ref().map(|l| l.trigger.clone()),
+            trigger_source: self.lineage.as_ref().map(|l| l.source.clone()),
+            scheduled_at_ms: self.lineage.as_ref().map(|l| l.scheduled_at_ms),
+            extra: Default::default(),
+        }
+    }
+
     /// Validates a request for `queue` into a task with a fresh id, and its payload.
     pub fn from_request(
         queue: &str,
@@ -276,11 +303,8 @@ impl TaskMeta {
                 Some(now + d.as_millis() as u64)
             }
             (None, Some(text)) => {
-                let at = humantime::parse_rfc3339_weak(&text)
-                    .map_err(|e| WireError::field("run_at", format!("{text:?}: {e}")))?;
-                let at_ms = at
-                    .duration_since(UNIX_EPOCH)
-                    .map_or(0, |d| d.as_millis() as u64);
+                let at_ms = parse_rfc3339_ms(&text)
+                    .map_err(|e| WireError::field("run_at", e.to_string()))?;
                 if at_ms > now + limits.max_delay.as_millis() as u64 {
                     return Err(WireError::field("run_at", "is further away than max delay"));
                 }
@@ -304,12 +328,10 @@ impl TaskMeta {
         };
         let backoff = Backoff::from_request(req.backoff.unwrap_or_default())?;
         if let Some(key) = &req.idempotency_key {
-            if key.is_empty() || key.len() > 256 {
-                return Err(WireError::field("idempotency_key", "must be 1..=256 bytes"));
-            }
+            check_header_text("idempotency_key", key, 256)?;
         }
         let meta = TaskMeta {
-            id: nuid::next().to_string(),
+            id: names::new_task_id(queue),
             queue: queue.to_string(),
             name: req.name,
             priority,
@@ -411,9 +433,23 @@ impl TaskMeta {
             Some(_) => Some(num(h, header::RUN_AT_MS)?),
             None => None,
         };
+        let queue = get(h, header::QUEUE)?;
+        if !names::valid_queue(queue) {
+            return Err(HeaderError {
+                header: header::QUEUE,
+                problem: "not a valid queue name",
+            });
+        }
+        let id = get(h, header::ID)?;
+        if names::queue_of_task_id(id) != Some(queue) {
+            return Err(HeaderError {
+                header: header::ID,
+                problem: "not a task id of the message's queue (<queue>.<key>)",
+            });
+        }
         Ok(TaskMeta {
-            id: get(h, header::ID)?.to_string(),
-            queue: get(h, header::QUEUE)?.to_string(),
+            id: id.to_string(),
+            queue: queue.to_string(),
             name: get(h, header::NAME)?.to_string(),
             priority,
             max_attempts: num(h, header::MAX_ATTEMPTS)?,

@@ -5,19 +5,26 @@ use crate::support::eventually;
 use ax::natsd::LocalNats;
 use ax::worker::{Task, Worker};
 use ax::{Client, TaskSpec, TaskState};
+use futures::StreamExt;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 fn auth_server() -> (LocalNats, tempfile::TempDir) {
+    auth_server_with(|text| text)
+}
+
+/// nats-server with deploy/nats-auth.conf, edited by `edit`.
+fn auth_server_with(edit: impl FnOnce(String) -> String) -> (LocalNats, tempfile::TempDir) {
     let text = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/deploy/nats-auth.conf"
     ))
-    .unwrap()
-    .replace("$AX_ADMIN_PASSWORD", "\"pw-admin\"")
-    .replace("$AX_SERVER_PASSWORD", "\"pw-server\"")
-    .replace("$AX_PRODUCER_PASSWORD", "\"pw-producer\"")
-    .replace("$AX_WORKER_PASSWORD", "\"pw-worker\"");
+    .unwrap();
+    let text = edit(text)
+        .replace("$AX_ADMIN_PASSWORD", "\"pw-admin\"")
+        .replace("$AX_SERVER_PASSWORD", "\"pw-server\"")
+        .replace("$AX_PRODUCER_PASSWORD", "\"pw-producer\"")
+        .replace("$AX_WORKER_PASSWORD", "\"pw-worker\"");
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("auth.conf");
     std::fs::write(&path, text).unwrap();
@@ -25,12 +32,14 @@ fn auth_server() -> (LocalNats, tempfile::TempDir) {
     (nats, dir)
 }
 
+/// Connects as `user`, with that user's own inbox prefix (`_INBOX.<user>`).
 async fn connect(
     url: &str,
     user: &str,
     password: &str,
 ) -> Result<async_nats::Client, async_nats::ConnectError> {
     async_nats::ConnectOptions::with_user_and_password(user.into(), password.into())
+        .custom_inbox_prefix(format!("_INBOX.{user}"))
         .request_timeout(Some(Duration::from_secs(2)))
         .connect(url)
         .await
@@ -104,15 +113,73 @@ async fn each_role_has_least_privilege() {
         )
         .await;
     }
-    // ... but cannot read another queue, submit, or manage streams.
+    // ... but cannot touch the record of a task in another queue: neither mark it
+    // `succeeded` (its real worker would then ack it unrun) nor read it.
+    let foreign = admin_view
+        .submit("reports", TaskSpec::new("t"))
+        .await
+        .unwrap();
+    let wkv = async_nats::jetstream::new(worker_conn.clone())
+        .get_key_value("AX_TASKS")
+        .await
+        .unwrap();
+    let forged = br#"{"state":"succeeded"}"#.to_vec();
+    assert!(
+        wkv.put(&foreign.id, forged.into()).await.is_err(),
+        "worker-default rewrote a task record of queue reports"
+    );
+    assert!(
+        wkv.get(&foreign.id)
+            .await
+            .map(|v| v.is_some())
+            .unwrap_or(false)
+            == false,
+        "worker-default read a task record of queue reports"
+    );
+    assert_eq!(
+        admin_view.task(&foreign.id).await.unwrap().unwrap().0.state,
+        TaskState::Pending
+    );
+    // A producer cannot listen in on other users' replies (task records, payloads).
+    let snoop_conn = connect(&url, "producer", "pw-producer").await.unwrap();
+    let mut snoop = snoop_conn.subscribe("_INBOX.>").await.unwrap();
+    let snooped_submit = admin_view
+        .submit("default", TaskSpec::new("t"))
+        .await
+        .unwrap();
+    eventually(
+        Duration::from_secs(10),
+        "the worker to finish the task",
+        || async {
+            let (rec, _) = admin_view.task(&snooped_submit.id).await.ok()??;
+            (rec.state == TaskState::Succeeded).then_some(())
+        },
+    )
+    .await;
+    let heard = tokio::time::timeout(Duration::from_millis(500), snoop.next()).await;
+    assert!(
+        !matches!(heard, Ok(Some(_))),
+        "the producer read a reply meant for another user: {:?}",
+        heard.ok().flatten().map(|m| m.subject)
+    );
+    // ... and cannot read another queue, submit, or manage streams.
+    // A worker of another queue on this user's connection waits (it cannot see the
+    // queue) and never runs the queue's task.
     let other = Worker::builder("reports")
         .handler(|_t: Task| async { Ok(()) })
         .build()
         .unwrap();
-    assert!(other
-        .run(worker_conn.clone(), CancellationToken::new())
-        .await
-        .is_err());
+    let ostop = CancellationToken::new();
+    let oh = tokio::spawn(other.run(worker_conn.clone(), ostop.clone()));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(!oh.is_finished());
+    assert_eq!(
+        admin_view.task(&foreign.id).await.unwrap().unwrap().0.state,
+        TaskState::Pending,
+        "worker-default ran a task of queue reports"
+    );
+    ostop.cancel();
+    oh.await.unwrap().unwrap();
     assert!(Client::new(worker_conn.clone())
         .submit("default", TaskSpec::new("t"))
         .await
@@ -285,4 +352,91 @@ async fn the_ax_binary_connects_with_credentials_and_a_custom_ca() {
     let log = std::fs::read_to_string(dir.path().join("server.log")).unwrap();
     assert!(log.contains("ax server ready"), "{log}");
     assert!(!log.contains("s3cret-pw"), "password leaked into the log");
+}
+
+/// Defect 7.1.6: a failure to look up a queue is `unavailable` (retry), not
+/// `unknown_queue` (give up); a task whose message is stored but whose record write failed
+/// is accepted, and runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transient_failures_get_retryable_codes_and_stored_tasks_are_accepted() {
+    let (nats, _dir) = auth_server_with(|text| {
+        let marker = "{ user: ax-server, password: $AX_SERVER_PASSWORD, permissions: {\n          publish: {";
+        assert!(text.contains(marker), "auth config layout changed");
+        text.replace(
+            marker,
+            &format!("{marker} deny: [\"$KV.AX_TASKS.>\", \"$JS.API.CONSUMER.INFO.AX_READY_NORMAL.ax_reports_normal\"],"),
+        )
+    });
+    let url = nats.url();
+    let admin = connect(&url, "admin", "pw-admin").await.unwrap();
+    let queues = vec!["default".to_string(), "reports".to_string()];
+    ax::streams::apply(
+        &async_nats::jetstream::new(admin.clone()),
+        &Default::default(),
+        &queues,
+    )
+    .await
+    .unwrap();
+    let stop = CancellationToken::new();
+    let server = tokio::spawn(
+        ax::Server::builder()
+            .queues(["default"])
+            .apply_streams(false)
+            .build()
+            .run(
+                connect(&url, "ax-server", "pw-server").await.unwrap(),
+                stop.clone(),
+            ),
+    );
+    let producer = Client::new(
+        async_nats::ConnectOptions::with_user_and_password("producer".into(), "pw-producer".into())
+            .custom_inbox_prefix("_INBOX.producer")
+            .request_timeout(Some(Duration::from_secs(20)))
+            .connect(&url)
+            .await
+            .unwrap(),
+    );
+    let accepted = eventually(
+        Duration::from_secs(30),
+        "a submit to be answered",
+        || async {
+            match producer.submit("default", TaskSpec::new("t")).await {
+                Ok(a) => Some(Ok(a)),
+                Err(ax::ClientError::Refused(e)) => Some(Err(e)),
+                Err(_) => None,
+            }
+        },
+    )
+    .await
+    .expect("stored in its ready subject, so accepted although the record write failed");
+    // The worker writes the missing record and runs the task.
+    let worker = Worker::builder("default")
+        .handler(|_t: Task| async { Ok(()) })
+        .build()
+        .unwrap();
+    let wstop = CancellationToken::new();
+    let wh = tokio::spawn(worker.run(
+        connect(&url, "worker-default", "pw-worker").await.unwrap(),
+        wstop.clone(),
+    ));
+    let admin_view = Client::new(admin);
+    eventually(
+        Duration::from_secs(20),
+        "the accepted task to run",
+        || async {
+            let (rec, _) = admin_view.task(&accepted.id).await.ok()??;
+            (rec.state == TaskState::Succeeded).then_some(())
+        },
+    )
+    .await;
+    match producer.submit("reports", TaskSpec::new("t")).await {
+        Err(ax::ClientError::Refused(e)) => {
+            assert_eq!(e.code, ax::protocol::ErrorCode::Unavailable, "{e}")
+        }
+        other => panic!("expected unavailable, got {other:?}"),
+    }
+    wstop.cancel();
+    wh.await.unwrap().unwrap();
+    stop.cancel();
+    server.await.unwrap().unwrap();
 }

@@ -221,3 +221,122 @@ async fn full_priority_answers_busy_and_drops_nothing() {
     stop.cancel();
     handle.await.unwrap();
 }
+
+/// Defect 7.1.2: a line break (or any control character) in a string that becomes a
+/// header is an `invalid_field` answer, every time, and stores nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn control_characters_in_header_fields_are_refused() {
+    let env = Env::start(Env::server()).await;
+    let bodies = [
+        (
+            r#"{"name":"a","idempotency_key":"k\r\nX-Evil: 1"}"#,
+            "idempotency_key",
+        ),
+        (r#"{"name":"a","idempotency_key":"k\n"}"#, "idempotency_key"),
+        (
+            r#"{"name":"a","idempotency_key":"tab\there"}"#,
+            "idempotency_key",
+        ),
+        (
+            r#"{"name":"a","idempotency_key":" padded "}"#,
+            "idempotency_key",
+        ),
+        (r#"{"name":"a\r\n"}"#, "name"),
+    ];
+    for (body, field) in bodies {
+        // Twice: the retry the protocol recommends gets the same answer.
+        for _ in 0..2 {
+            let err = refused(env.ax.submit_raw("q", body.as_bytes().to_vec()).await);
+            assert_eq!(
+                (err.code, err.field.as_deref()),
+                (ErrorCode::InvalidField, Some(field)),
+                "{body}"
+            );
+        }
+    }
+    for stream in ["KV_AX_IDEMPOTENCY", "KV_AX_TASKS", "AX_READY_NORMAL"] {
+        assert_eq!(env.stream_len(stream).await, 0, "{stream} stored something");
+    }
+    // The server still serves.
+    env.ax
+        .submit("q", TaskSpec::new("fine").idempotency_key("ok key"))
+        .await
+        .unwrap();
+}
+
+/// Defect 7.1.3: RFC 3339 times with any offset, `Z` and fractions are read exactly; a
+/// space for `T` or a missing offset are refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_at_with_offsets_is_exact_and_loose_forms_are_refused() {
+    let env = Env::start(Env::server()).await;
+    let due_ms = (ax::time::now_ms() / 1000 + 3600) * 1000; // a whole second, 1 h ahead
+    let utc = chrono_like(due_ms, 0, "");
+    let cases = [
+        (utc.clone(), due_ms),
+        (chrono_like(due_ms, 60, ""), due_ms),
+        (chrono_like(due_ms, -330, ""), due_ms),
+        (chrono_like(due_ms, 60, ".25"), due_ms + 250),
+        (chrono_like(due_ms, 120, ".250000"), due_ms + 250),
+    ];
+    for (text, want) in cases {
+        let accepted = env
+            .ax
+            .submit("q", TaskSpec::new("at").run_at(text.clone()))
+            .await
+            .unwrap_or_else(|e| panic!("{text}: {e}"));
+        let rec = env.record(&accepted.id).await;
+        assert_eq!(rec.run_at_ms, Some(want), "{text}");
+    }
+    let loose = [
+        utc.replace('T', " "),
+        utc.trim_end_matches('Z').to_string(),
+        "2026-11-29T20:03:54+0100".to_string(),
+        "tomorrow".to_string(),
+    ];
+    for text in loose {
+        let err = refused(
+            env.ax
+                .submit("q", TaskSpec::new("at").run_at(text.clone()))
+                .await,
+        );
+        assert_eq!(
+            (err.code, err.field.as_deref()),
+            (ErrorCode::InvalidField, Some("run_at")),
+            "{text}"
+        );
+    }
+}
+
+/// `ms` (UTC) written in RFC 3339 at a UTC offset of `offset_min` minutes, with `frac`
+/// appended to the seconds.
+pub fn chrono_like(ms: u64, offset_min: i64, frac: &str) -> String {
+    let local = ms as i64 / 1000 + offset_min * 60;
+    let days = local.div_euclid(86_400);
+    let secs = local.rem_euclid(86_400);
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    let zone = if offset_min == 0 && frac.is_empty() {
+        "Z".to_string()
+    } else {
+        let sign = if offset_min < 0 { '-' } else { '+' };
+        format!(
+            "{sign}{:02}:{:02}",
+            offset_min.abs() / 60,
+            offset_min.abs() % 60
+        )
+    };
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}{frac}{zone}",
+        secs / 3600,
+        secs % 3600 / 60,
+        secs % 60
+    )
+}

@@ -54,6 +54,10 @@ struct Conn {
     /// CA certificate (PEM) to verify the server's TLS certificate.
     #[arg(long, global = true, env = "NATS_CA")]
     tls_ca: Option<PathBuf>,
+    /// Inbox prefix for replies, e.g. `_INBOX.worker-emails` under a least-privilege
+    /// config where each user may only subscribe to its own prefix.
+    #[arg(long, global = true, env = "NATS_INBOX_PREFIX")]
+    inbox_prefix: Option<String>,
 }
 
 impl Conn {
@@ -78,6 +82,9 @@ impl Conn {
         }
         if let Some(ca) = &self.tls_ca {
             opts = opts.add_root_certificates(ca.clone()).require_tls(true);
+        }
+        if let Some(prefix) = &self.inbox_prefix {
+            opts = opts.custom_inbox_prefix(prefix);
         }
         opts.connect(self.url.as_str())
             .await
