@@ -17,6 +17,12 @@ pub const SUBMITTED: &str = "ax_tasks_submitted_total";
 pub const SUBMIT_REJECTED: &str = "ax_submit_rejected_total";
 /// Counter, server `{queue}`: submits answered with an existing task (idempotency key).
 pub const SUBMIT_DUPLICATES: &str = "ax_submit_duplicates_total";
+/// Counter, server `{api}`: requests whose handler panicked (a bug), answered
+/// `unavailable`; `api` is `submit`, `trigger` or `event`.
+pub const REQUEST_PANICS: &str = "ax_request_panics_total";
+/// Counter, server `{queue}`: accepted tasks whose record could not be written at
+/// admission (the worker writes it when it claims the task).
+pub const RECORD_DEFERRED: &str = "ax_record_write_deferred_total";
 /// Counter, server: delayed tasks moved to their ready subject.
 pub const DELAYED_DISPATCHED: &str = "ax_delayed_dispatched_total";
 /// Gauge, server: delayed tasks this server's timer index holds.
@@ -56,6 +62,14 @@ pub fn describe() {
     describe_counter!(SUBMITTED, "Tasks accepted");
     describe_counter!(SUBMIT_REJECTED, "Submit requests refused, by code");
     describe_counter!(SUBMIT_DUPLICATES, "Submits answered by an existing task");
+    describe_counter!(
+        REQUEST_PANICS,
+        "Request handlers that panicked (bugs), by API"
+    );
+    describe_counter!(
+        RECORD_DEFERRED,
+        "Accepted tasks whose record is left for the worker to write"
+    );
     describe_counter!(DELAYED_DISPATCHED, "Delayed tasks moved to ready");
     describe_gauge!(
         DELAYED_TRACKED,

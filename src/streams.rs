@@ -5,6 +5,11 @@
 //! the few settings an operator overrides (capacities, ack wait, replicas); [`apply`] creates
 //! what is missing, updates what differs, and refuses changes JetStream cannot make in place
 //! (retention, storage, a consumer's filter) with [`StreamsError::Incompatible`].
+//!
+//! `ax streams apply` is the one way to change an existing object. A server calls
+//! [`ensure`] instead: it creates what is missing and never changes what exists, so a
+//! server restarted with default flags cannot undo an operator's `--ack-wait 5m`; an object
+//! that differs from the server's flags is reported ([`Outcome::Kept`]) and logged.
 
 use crate::names::{self, Priority};
 use async_nats::jetstream::{self, consumer, stream};
@@ -120,15 +125,28 @@ pub enum StreamsError {
     },
 }
 
-/// What [`apply`] did to one object.
+/// What [`apply`] or [`ensure`] did to one object.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
     /// It did not exist.
     Created,
-    /// It existed with other settings.
+    /// It existed with other settings and was changed ([`apply`]).
     Updated,
     /// It already matched.
     Unchanged,
+    /// It exists with other settings and was left as it is ([`ensure`]).
+    Kept,
+}
+
+/// A field whose value on the server differs from the definition.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Difference {
+    /// Field name, as in the JSON definition.
+    pub field: String,
+    /// Value on the server (JSON).
+    pub existing: String,
+    /// Value wanted (JSON).
+    pub desired: String,
 }
 
 /// One line of the apply report.
@@ -138,6 +156,15 @@ pub struct Applied {
     pub object: String,
     /// What happened.
     pub outcome: Outcome,
+    /// Fields that differed (changed by `Updated`, left by `Kept`).
+    pub differences: Vec<Difference>,
+}
+
+/// Whether existing objects that differ are changed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Apply,
+    Ensure,
 }
 
 const STREAM_FIXED: [&str; 3] = ["retention", "storage", "name"];
@@ -196,7 +223,7 @@ pub fn consumer_config(
 
 /// Fields of `desired` whose values differ on the server (`existing`), ignoring fields the
 /// definition does not set.
-fn differences(desired: &Value, existing: &Value) -> Vec<(String, String, String)> {
+fn differences(desired: &Value, existing: &Value) -> Vec<Difference> {
     let (Some(desired), Some(existing)) = (desired.as_object(), existing.as_object()) else {
         return Vec::new();
     };
@@ -205,24 +232,33 @@ fn differences(desired: &Value, existing: &Value) -> Vec<(String, String, String
         .filter(|(k, v)| existing.get(*k).unwrap_or(&Value::Null) != *v)
         .map(|(k, v)| {
             let had = existing.get(k).cloned().unwrap_or(Value::Null);
-            (k.clone(), had.to_string(), v.to_string())
+            Difference {
+                field: k.clone(),
+                existing: had.to_string(),
+                desired: v.to_string(),
+            }
         })
         .collect()
 }
 
-fn check_fixed(
-    object: &str,
-    fixed: &[&str],
-    diffs: &[(String, String, String)],
-) -> Result<(), StreamsError> {
-    match diffs.iter().find(|(k, _, _)| fixed.contains(&k.as_str())) {
-        Some((field, existing, desired)) => Err(StreamsError::Incompatible {
+fn check_fixed(object: &str, fixed: &[&str], diffs: &[Difference]) -> Result<(), StreamsError> {
+    match diffs.iter().find(|d| fixed.contains(&d.field.as_str())) {
+        Some(d) => Err(StreamsError::Incompatible {
             object: object.to_string(),
-            field: field.clone(),
-            existing: existing.clone(),
-            desired: desired.clone(),
+            field: d.field.clone(),
+            existing: d.existing.clone(),
+            desired: d.desired.clone(),
         }),
         None => Ok(()),
+    }
+}
+
+/// What to do with an existing object whose fields differ.
+fn settle(mode: Mode, diffs: &[Difference]) -> Outcome {
+    match (diffs.is_empty(), mode) {
+        (true, _) => Outcome::Unchanged,
+        (false, Mode::Apply) => Outcome::Updated,
+        (false, Mode::Ensure) => Outcome::Kept,
     }
 }
 
@@ -238,54 +274,120 @@ fn broker(object: &str, e: impl Into<async_nats::Error>) -> StreamsError {
     }
 }
 
-/// Creates or updates every stream, and the ready consumers of `queues`.
+/// Creates or updates every stream, and the ready consumers of `queues` (`ax streams
+/// apply`).
 pub async fn apply(
     js: &jetstream::Context,
     topology: &Topology,
     queues: &[String],
 ) -> Result<Vec<Applied>, StreamsError> {
+    reconcile(js, topology, queues, Mode::Apply).await
+}
+
+/// Creates every missing stream and ready consumer of `queues`; leaves existing ones as
+/// they are, reporting fields that differ as [`Outcome::Kept`] (what a server does at
+/// start).
+pub async fn ensure(
+    js: &jetstream::Context,
+    topology: &Topology,
+    queues: &[String],
+) -> Result<Vec<Applied>, StreamsError> {
+    reconcile(js, topology, queues, Mode::Ensure).await
+}
+
+async fn reconcile(
+    js: &jetstream::Context,
+    topology: &Topology,
+    queues: &[String],
+    mode: Mode,
+) -> Result<Vec<Applied>, StreamsError> {
     let mut report = Vec::new();
     for config in stream_configs(topology)? {
         let object = format!("stream {}", config.name);
         let desired = serde_json::to_value(&config).expect("config serializes");
-        let outcome = match js.get_stream(&config.name).await {
+        let (outcome, differences) = match js.get_stream(&config.name).await {
             Ok(mut existing) => {
                 let info = existing.info().await.map_err(|e| broker(&object, e))?;
                 let had = serde_json::to_value(&info.config).expect("config serializes");
                 let diffs = differences(&desired, &had);
-                check_fixed(&object, &STREAM_FIXED, &diffs)?;
-                if diffs.is_empty() {
-                    Outcome::Unchanged
-                } else {
+                let outcome = settle(mode, &diffs);
+                if outcome == Outcome::Updated {
+                    check_fixed(&object, &STREAM_FIXED, &diffs)?;
                     js.update_stream(&config)
                         .await
                         .map_err(|e| broker(&object, e))?;
-                    Outcome::Updated
                 }
+                (outcome, diffs)
             }
             Err(e) if is_not_found(&e) => {
                 js.create_stream(config.clone())
                     .await
                     .map_err(|e| broker(&object, e))?;
-                Outcome::Created
+                (Outcome::Created, Vec::new())
             }
             Err(e) => return Err(broker(&object, e)),
         };
-        report.push(Applied { object, outcome });
+        report.push(Applied {
+            object,
+            outcome,
+            differences,
+        });
     }
     for queue in queues {
         for p in Priority::ALL {
-            report.push(apply_consumer(js, topology, queue, p).await?);
+            report.push(reconcile_consumer(js, topology, queue, p, mode).await?);
         }
     }
     Ok(report)
 }
 
-async fn apply_consumer(
+/// What is missing for a server or worker of `queues` to run: streams, buckets and ready
+/// consumers, by name; empty when everything is there.
+pub async fn missing(
+    js: &jetstream::Context,
+    queues: &[String],
+) -> Result<Vec<String>, StreamsError> {
+    let mut out = Vec::new();
+    for (file, _) in STREAM_FILES {
+        let name = file.trim_end_matches(".json");
+        match js.get_stream(name).await {
+            Ok(_) => {}
+            Err(e) if is_not_found(&e) => out.push(format!("stream {name}")),
+            Err(e) => return Err(broker(&format!("stream {name}"), e)),
+        }
+    }
+    for queue in queues {
+        for p in Priority::ALL {
+            let stream = p.ready_stream();
+            let name = names::consumer_name(queue, p);
+            let object = format!("consumer {stream}/{name}");
+            let Ok(stream) = js.get_stream(&stream).await else {
+                continue; // reported above
+            };
+            match stream.consumer_info(&name).await {
+                Ok(_) => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        jetstream::context::ConsumerInfoErrorKind::NotFound
+                            | jetstream::context::ConsumerInfoErrorKind::StreamNotFound
+                    ) =>
+                {
+                    out.push(object)
+                }
+                Err(e) => return Err(broker(&object, e)),
+            }
+        }
+    }
+    Ok(out)
+}
+
+async fn reconcile_consumer(
     js: &jetstream::Context,
     topology: &Topology,
     queue: &str,
     priority: Priority,
+    mode: Mode,
 ) -> Result<Applied, StreamsError> {
     let config = consumer_config(topology, queue, priority)?;
     let stream_name = priority.ready_stream();
@@ -296,30 +398,34 @@ async fn apply_consumer(
         .await
         .map_err(|e| broker(&object, e))?;
     let desired = serde_json::to_value(&config).expect("config serializes");
-    let outcome = match stream.consumer_info(&name).await {
+    let (outcome, differences) = match stream.consumer_info(&name).await {
         Ok(info) => {
             let had = serde_json::to_value(&info.config).expect("config serializes");
             let diffs = differences(&desired, &had);
-            check_fixed(&object, &CONSUMER_FIXED, &diffs)?;
-            if diffs.is_empty() {
-                Outcome::Unchanged
-            } else {
+            let outcome = settle(mode, &diffs);
+            if outcome == Outcome::Updated {
+                check_fixed(&object, &CONSUMER_FIXED, &diffs)?;
                 stream
                     .update_consumer(config)
                     .await
                     .map_err(|e| broker(&object, e))?;
-                Outcome::Updated
             }
+            (outcome, diffs)
         }
-        Err(_) => {
+        Err(e) if e.kind() == jetstream::context::ConsumerInfoErrorKind::NotFound => {
             stream
                 .create_consumer(config)
                 .await
                 .map_err(|e| broker(&object, e))?;
-            Outcome::Created
+            (Outcome::Created, Vec::new())
         }
+        Err(e) => return Err(broker(&object, e)),
     };
-    Ok(Applied { object, outcome })
+    Ok(Applied {
+        object,
+        outcome,
+        differences,
+    })
 }
 
 #[cfg(test)]

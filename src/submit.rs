@@ -8,12 +8,13 @@
 
 use crate::names::{self, IDEMPOTENCY_BUCKET};
 use crate::protocol::{ErrorCode, SubmitAccepted, WireError};
-use crate::state::{StateError, TaskRecord, TaskState, TaskStore};
+use crate::state::{StateError, TaskState, TaskStore};
 use crate::task::{decode_submit, Limits, TaskMeta};
 use async_nats::jetstream::{self, context::PublishError, kv};
 use bytes::Bytes;
 use std::collections::HashSet;
 use std::sync::RwLock;
+use tracing::warn;
 
 /// JetStream's error code for a publish refused by a stream or per-subject limit.
 const JS_STORE_FAILED: u64 = 10077;
@@ -67,6 +68,18 @@ impl Queues {
         }
     }
 
+    /// The queue as a metric label if it is declared (seen by this server), else
+    /// `_unknown`: requests to made-up queues must not create metric series.
+    pub(crate) fn label(&self, queue: &str) -> String {
+        if self.known.read().expect("not poisoned").contains(queue) {
+            queue.to_string()
+        } else {
+            "_unknown".to_string()
+        }
+    }
+
+    /// `Ok` if `queue` is declared; `unknown_queue` only when the broker says its consumer
+    /// or stream does not exist, `unavailable` when it could not be asked (retry).
     pub(crate) async fn check(
         &self,
         js: &jetstream::Context,
@@ -81,13 +94,33 @@ impl Queues {
         if self.known.read().expect("not poisoned").contains(queue) {
             return Ok(());
         }
+        let undeclared = || {
+            WireError::new(
+                ErrorCode::UnknownQueue,
+                format!("queue {queue:?} is not declared (ax streams apply --queue {queue})"),
+            )
+        };
+        let unavailable = |e: String| {
+            WireError::new(
+                ErrorCode::Unavailable,
+                format!("cannot look up queue {queue:?}: {e}"),
+            )
+        };
         let stream = names::Priority::Normal.ready_stream();
         let consumer = names::consumer_name(queue, names::Priority::Normal);
-        let unavailable = |e: String| WireError::new(ErrorCode::Unavailable, e);
-        let stream = js
-            .get_stream(&stream)
-            .await
-            .map_err(|e| unavailable(e.to_string()))?;
+        let stream = match js.get_stream(&stream).await {
+            Ok(stream) => stream,
+            Err(e) => {
+                return Err(match e.kind() {
+                    jetstream::context::GetStreamErrorKind::JetStream(js)
+                        if js.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND =>
+                    {
+                        undeclared()
+                    }
+                    _ => unavailable(e.to_string()),
+                })
+            }
+        };
         match stream.consumer_info(&consumer).await {
             Ok(_) => {
                 self.known
@@ -96,10 +129,11 @@ impl Queues {
                     .insert(queue.to_string());
                 Ok(())
             }
-            Err(_) => Err(WireError::new(
-                ErrorCode::UnknownQueue,
-                format!("queue {queue:?} is not declared (ax streams apply --queue {queue})"),
-            )),
+            Err(e) => Err(match e.kind() {
+                jetstream::context::ConsumerInfoErrorKind::NotFound
+                | jetstream::context::ConsumerInfoErrorKind::StreamNotFound => undeclared(),
+                _ => unavailable(e.to_string()),
+            }),
         }
     }
 }
@@ -165,6 +199,8 @@ impl Admission {
         let queue = meta.queue.clone();
         let queue = queue.as_str();
         self.queues.check(&self.js, queue).await?;
+        // The key this submit created, so a definite refusal can release it.
+        let mut claimed: Option<(String, u64)> = None;
         if let Some(key) = meta.idempotency_key.clone() {
             let kv_key = format!("{queue}.{}", hex(key.as_bytes()));
             match self
@@ -172,7 +208,7 @@ impl Admission {
                 .create(&kv_key, Bytes::from(meta.id.clone()))
                 .await
             {
-                Ok(_) => {}
+                Ok(revision) => claimed = Some((kv_key, revision)),
                 Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {
                     let first = self
                         .idempotency
@@ -200,7 +236,21 @@ impl Admission {
                 Err(e) => return Err(WireError::new(ErrorCode::Unavailable, e.to_string())),
             }
         }
-        self.store(&meta, payload).await?;
+        if let Err(e) = self.store(&meta, payload).await {
+            if let (ErrorCode::Busy, Some((kv_key, revision))) = (e.code, claimed) {
+                // Nothing was stored: release the key, so a refused submit leaves nothing
+                // behind. If that fails, a retry with the key finishes this task under its
+                // id, which is safe too.
+                if let Err(release) = self
+                    .idempotency
+                    .delete_expect_revision(&kv_key, Some(revision))
+                    .await
+                {
+                    warn!(key = %kv_key, cause = %release, "could not release the idempotency key of a refused submit");
+                }
+            }
+            return Err(e);
+        }
         Ok(SubmitAccepted {
             id: meta.id,
             duplicate: false,
@@ -218,10 +268,18 @@ impl Admission {
             None => names::ready_subject(&meta.queue, meta.priority),
         };
         publish_task(&self.js, subject, meta, payload).await?;
-        match self.tasks.create(&TaskRecord::new(meta)).await {
+        match self.tasks.create(&meta.record()).await {
             // Exists: a worker already picked the task up and wrote its record.
             Ok(_) | Err(StateError::Exists(_)) => Ok(()),
-            Err(e) => Err(state_unavailable(e)),
+            // The task is stored and will run: it is accepted. Answering `unavailable`
+            // would make a producer without an idempotency key submit it twice. The worker
+            // that claims it writes the record from the message headers.
+            Err(e) => {
+                warn!(task_id = %meta.id, cause = %e, "task stored but its record not written; the worker will write it");
+                metrics::counter!(crate::metrics::RECORD_DEFERRED, "queue" => meta.queue.clone())
+                    .increment(1);
+                Ok(())
+            }
         }
     }
 }

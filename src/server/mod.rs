@@ -6,10 +6,10 @@
 
 use crate::metrics as m;
 use crate::names::{self, TRIGGER_API_PREFIX};
-use crate::protocol::{ErrorCode, SubmitReply};
+use crate::retry;
 use crate::schedule::{ScheduleError, Scheduler};
 use crate::state::StateError;
-use crate::streams::{self, StreamsError, Topology};
+use crate::streams::{self, Outcome, StreamsError, Topology};
 use crate::submit::Admission;
 use crate::task::Limits;
 use crate::trigger::api::TriggerApi;
@@ -25,9 +25,14 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
+mod handle;
+
 /// Errors that stop a server.
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
+    /// A part of the server panicked (a bug): the message says which.
+    #[error("ax server: {0}")]
+    Panicked(String),
     /// Applying streams failed.
     #[error(transparent)]
     Streams(#[from] StreamsError),
@@ -62,6 +67,8 @@ pub struct Server {
     dispatch_horizon: Duration,
     max_inflight_dispatch: usize,
     triggers: bool,
+    trigger_engine: bool,
+    max_held_bytes: usize,
     lease_ttl: Duration,
     clock: Arc<dyn Clock>,
     id: String,
@@ -91,6 +98,8 @@ impl Default for ServerBuilder {
             dispatch_horizon: Duration::from_secs(30),
             max_inflight_dispatch: 20_000,
             triggers: true,
+            trigger_engine: true,
+            max_held_bytes: 64 << 20,
             lease_ttl: Duration::from_secs(3),
             clock: Arc::new(SystemClock::default()),
             id: format!("{}-{}", std::process::id(), nuid::next()),
@@ -152,6 +161,20 @@ impl ServerBuilder {
         self.0.triggers = on;
         self
     }
+    /// Take part in the trigger engine's leader election and fire triggers (default true).
+    /// Off, the server still answers the trigger API and serves event triggers; another
+    /// server fires scheduled triggers.
+    pub fn trigger_engine(mut self, on: bool) -> Self {
+        self.0.trigger_engine = on;
+        self
+    }
+    /// Most payload and header bytes of delayed tasks held in memory ahead of their due
+    /// time (default 64 MiB). Tasks beyond it are kept as (due, sequence) and read back
+    /// when due, so this bounds memory, not how many tasks may wait.
+    pub fn max_held_bytes(mut self, bytes: usize) -> Self {
+        self.0.max_held_bytes = bytes;
+        self
+    }
     /// Lease TTL of the trigger engine's leader (default 3 s): a standby takes over at most
     /// this long after the leader dies.
     pub fn lease_ttl(mut self, ttl: Duration) -> Self {
@@ -182,6 +205,12 @@ impl Server {
 
     /// Runs until `shutdown` is cancelled, then stops taking requests, finishes the ones in
     /// flight and returns.
+    ///
+    /// At start the server creates whatever part of the topology is missing (never changing
+    /// an existing stream or consumer: `ax streams apply` does that), or with
+    /// [`ServerBuilder::apply_streams`]`(false)` waits until an admin has applied it. It
+    /// waits for NATS and JetStream with backoff and one log line, so it may be started
+    /// before them.
     pub async fn run(
         self,
         client: async_nats::Client,
@@ -191,10 +220,8 @@ impl Server {
         // Headline gauges exist from the start, not only after their first change.
         metrics::gauge!(m::PENDING_DISPATCH).set(0.0);
         metrics::gauge!(m::DELAYED_TRACKED).set(0.0);
-        if self.apply_streams {
-            for applied in streams::apply(&js, &self.topology, &self.queues).await? {
-                info!(object = %applied.object, outcome = ?applied.outcome, "topology");
-            }
+        if !self.prepare_topology(&js, &shutdown).await? {
+            return Ok(()); // shut down while waiting
         }
         let admission =
             Arc::new(Admission::open(js.clone(), self.limits.clone(), &self.queues).await?);
@@ -224,7 +251,7 @@ impl Server {
                 source,
             })?;
         let engine_token = shutdown.child_token();
-        let engine = self.triggers.then(|| {
+        let engine = (self.triggers && self.trigger_engine).then(|| {
             tokio::spawn(
                 Engine {
                     admission: admission.clone(),
@@ -249,6 +276,7 @@ impl Server {
             lookahead: self.dispatch_lookahead,
             horizon: self.dispatch_horizon,
             max_inflight: self.max_inflight_dispatch,
+            max_held_bytes: self.max_held_bytes,
         };
         let sched_token = shutdown.child_token();
         let sched = tokio::spawn(scheduler.run(sched_token.clone()));
@@ -257,31 +285,31 @@ impl Server {
         let permits = Arc::new(Semaphore::new(self.max_inflight_submits));
         let tracker = TaskTracker::new();
         let mut sched = std::pin::pin!(sched);
-        let outcome = loop {
+        let outcome = 'serve: loop {
+            // A free handler slot first, so the request arms below never wait on one.
+            let permit = tokio::select! {
+                _ = shutdown.cancelled() => break Ok(()),
+                done = &mut sched => break 'serve scheduler_ended(done),
+                p = permits.clone().acquire_owned() => p.expect("never closed"),
+            };
             tokio::select! {
                 _ = shutdown.cancelled() => break Ok(()),
-                done = &mut sched => break match done {
-                    Ok(Ok(())) => Ok(()),
-                    Ok(Err(e)) => Err(ServerError::Schedule(e)),
-                    Err(join) => panic!("scheduler panicked: {join}"),
-                },
+                done = &mut sched => break scheduler_ended(done),
                 msg = api_requests.next(), if trigger_api.is_some() => {
                     let Some(msg) = msg else { break Ok(()) };
-                    let permit = permits.clone().acquire_owned().await.expect("never closed");
                     let api = trigger_api.clone().expect("checked");
                     let client = client.clone();
                     tracker.spawn(async move {
-                        handle_trigger_api(&api, &client, msg).await;
+                        handle::trigger_api(&api, &client, msg).await;
                         drop(permit);
                     });
                 }
                 msg = requests.next() => {
                     let Some(msg) = msg else { break Ok(()) };
-                    let permit = permits.clone().acquire_owned().await.expect("never closed");
                     let admission = admission.clone();
                     let client = client.clone();
                     tracker.spawn(async move {
-                        handle(&admission, &client, msg).await;
+                        handle::submit(&admission, &client, msg).await;
                         drop(permit);
                     });
                 }
@@ -310,60 +338,65 @@ impl Server {
         info!("ax server stopped");
         outcome
     }
-}
 
-async fn handle(admission: &Admission, client: &async_nats::Client, msg: async_nats::Message) {
-    let queue = msg
-        .subject
-        .strip_prefix("ax.submit.")
-        .unwrap_or_default()
-        .to_string();
-    let reply = match admission.submit(&queue, &msg.payload).await {
-        Ok(accepted) => {
-            if !accepted.duplicate {
-                metrics::counter!(m::SUBMITTED, "queue" => queue.clone()).increment(1);
+    /// Creates what is missing of the topology, or waits for it; false if `shutdown` came
+    /// first.
+    async fn prepare_topology(
+        &self,
+        js: &async_nats::jetstream::Context,
+        shutdown: &CancellationToken,
+    ) -> Result<bool, ServerError> {
+        // What cannot get better by waiting fails at once.
+        streams::stream_configs(&self.topology)?;
+        if let Some(bad) = self.queues.iter().find(|q| !names::valid_queue(q)) {
+            return Err(StreamsError::InvalidQueue(bad.clone()).into());
+        }
+        if !self.apply_streams {
+            let queues = &self.queues;
+            let ready = retry::until_ok(
+                "the JetStream topology (apply it with `ax streams apply`)",
+                shutdown,
+                || async move {
+                    match streams::missing(js, queues).await {
+                        Ok(missing) if missing.is_empty() => Ok(()),
+                        Ok(missing) => Err(format!("missing {}", missing.join(", "))),
+                        Err(e) => Err(e.to_string()),
+                    }
+                },
+            )
+            .await;
+            return Ok(ready.is_some());
+        }
+        let report = retry::until_ok("NATS JetStream, to create the topology", shutdown, || {
+            streams::ensure(js, &self.topology, &self.queues)
+        })
+        .await;
+        let Some(report) = report else {
+            return Ok(false);
+        };
+        for applied in report {
+            match applied.outcome {
+                Outcome::Created => info!(object = %applied.object, "topology: created"),
+                Outcome::Kept => {
+                    for d in &applied.differences {
+                        warn!(object = %applied.object, field = %d.field, on_server = %d.existing,
+                            this_server = %d.desired,
+                            "topology differs from this server's settings; kept as it is (change it with `ax streams apply`)");
+                    }
+                }
+                Outcome::Unchanged | Outcome::Updated => {}
             }
-            SubmitReply::Accepted(accepted)
         }
-        Err(error) => {
-            let code = serde_json::to_value(error.code)
-                .ok()
-                .and_then(|v| v.as_str().map(str::to_string))
-                .unwrap_or_default();
-            metrics::counter!(m::SUBMIT_REJECTED, "queue" => queue.clone(), "code" => code)
-                .increment(1);
-            if error.code == ErrorCode::Unavailable {
-                warn!(queue = %queue, cause = %error.message, "submit failed");
-            }
-            SubmitReply::Error { error }
-        }
-    };
-    if let Some(to) = msg.reply {
-        let body = serde_json::to_vec(&reply).expect("a reply serializes");
-        if let Err(e) = client.publish(to, body.into()).await {
-            warn!(cause = %e, "could not send submit reply");
-        }
+        Ok(true)
     }
 }
 
-async fn handle_trigger_api(
-    api: &TriggerApi,
-    client: &async_nats::Client,
-    msg: async_nats::Message,
-) {
-    let op = msg
-        .subject
-        .strip_prefix(TRIGGER_API_PREFIX)
-        .unwrap_or_default()
-        .to_string();
-    let reply = match api.handle(&op, &msg.payload).await {
-        Ok(value) => serde_json::json!({ "ok": value }),
-        Err(error) => serde_json::json!({ "error": error }),
-    };
-    if let Some(to) = msg.reply {
-        let body = serde_json::to_vec(&reply).expect("a reply serializes");
-        if let Err(e) = client.publish(to, body.into()).await {
-            warn!(cause = %e, "could not send trigger API reply");
-        }
+fn scheduler_ended(
+    done: Result<Result<(), ScheduleError>, tokio::task::JoinError>,
+) -> Result<(), ServerError> {
+    match done {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(ServerError::Schedule(e)),
+        Err(join) => Err(ServerError::Panicked(join.to_string())),
     }
 }

@@ -58,3 +58,34 @@ async fn apply_is_idempotent_and_refuses_incompatible_changes() {
         other => panic!("expected an incompatible-change error, got {other:?}"),
     }
 }
+
+/// Defect 7.1.7: a server restarted with default flags keeps what the operator set; only
+/// `ax streams apply` changes an existing stream or consumer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_server_keeps_operator_settings() {
+    let mut env = crate::support::Env::start(
+        ax::Server::builder()
+            .queues(["q"])
+            .ack_wait(std::time::Duration::from_secs(300))
+            .capacity([7, 5000, 10000]),
+    )
+    .await;
+    env.stop_server().await;
+    env.start_server(ax::Server::builder().queues(["q"])).await;
+    let stream = env.js.get_stream("AX_READY_NORMAL").await.unwrap();
+    let consumer = stream.consumer_info("ax_q_normal").await.unwrap();
+    assert_eq!(
+        consumer.config.ack_wait,
+        std::time::Duration::from_secs(300)
+    );
+    let mut high = env.js.get_stream("AX_READY_HIGH").await.unwrap();
+    assert_eq!(
+        high.info().await.unwrap().config.max_messages_per_subject,
+        7
+    );
+    // A queue the server has not seen yet is still created.
+    env.stop_server().await;
+    env.start_server(ax::Server::builder().queues(["q", "fresh"]))
+        .await;
+    assert!(stream.consumer_info("ax_fresh_normal").await.is_ok());
+}

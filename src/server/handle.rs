@@ -1,0 +1,102 @@
+//! One request: decode, act, answer. A request path never takes the process down: a panic
+//! (a bug) is caught here, answered `unavailable` and counted in
+//! `ax_request_panics_total{api}`.
+
+use crate::metrics as m;
+use crate::protocol::{ErrorCode, SubmitReply, WireError};
+use crate::submit::Admission;
+use crate::trigger::api::TriggerApi;
+use futures::FutureExt;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use tracing::{error, warn};
+
+/// Runs `work`; a panic becomes an `unavailable` answer and a counted, logged bug.
+pub(crate) async fn guarded<T>(
+    api: &'static str,
+    work: impl Future<Output = Result<T, WireError>>,
+) -> Result<T, WireError> {
+    match AssertUnwindSafe(work).catch_unwind().await {
+        Ok(result) => result,
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            error!(api, cause = %what, "request handler panicked (a bug); answered unavailable");
+            metrics::counter!(m::REQUEST_PANICS, "api" => api).increment(1);
+            Err(WireError::new(
+                ErrorCode::Unavailable,
+                "internal error while handling the request; retry later",
+            ))
+        }
+    }
+}
+
+async fn answer(client: &async_nats::Client, msg: &async_nats::Message, body: Vec<u8>) {
+    if let Some(to) = &msg.reply {
+        if let Err(e) = client.publish(to.clone(), body.into()).await {
+            warn!(cause = %e, "could not send a reply");
+        }
+    }
+}
+
+pub(crate) async fn submit(
+    admission: &Admission,
+    client: &async_nats::Client,
+    msg: async_nats::Message,
+) {
+    let queue = msg
+        .subject
+        .strip_prefix("ax.submit.")
+        .unwrap_or_default()
+        .to_string();
+    let result = guarded("submit", admission.submit(&queue, &msg.payload)).await;
+    // Labels name declared queues only: a request to a made-up queue creates no series.
+    let label = admission.queues.label(&queue);
+    let reply = match result {
+        Ok(accepted) => {
+            if !accepted.duplicate {
+                metrics::counter!(m::SUBMITTED, "queue" => label).increment(1);
+            }
+            SubmitReply::Accepted(accepted)
+        }
+        Err(error) => {
+            metrics::counter!(m::SUBMIT_REJECTED, "queue" => label, "code" => error.code.as_str())
+                .increment(1);
+            if error.code == ErrorCode::Unavailable {
+                warn!(queue = %queue, cause = %error.message, "submit failed");
+            }
+            SubmitReply::Error { error }
+        }
+    };
+    answer(
+        client,
+        &msg,
+        serde_json::to_vec(&reply).expect("a reply serializes"),
+    )
+    .await;
+}
+
+pub(crate) async fn trigger_api(
+    api: &TriggerApi,
+    client: &async_nats::Client,
+    msg: async_nats::Message,
+) {
+    let op = msg
+        .subject
+        .strip_prefix(crate::names::TRIGGER_API_PREFIX)
+        .unwrap_or_default()
+        .to_string();
+    let reply = match guarded("trigger", api.handle(&op, &msg.payload)).await {
+        Ok(value) => serde_json::json!({ "ok": value }),
+        Err(error) => serde_json::json!({ "error": error }),
+    };
+    answer(
+        client,
+        &msg,
+        serde_json::to_vec(&reply).expect("a reply serializes"),
+    )
+    .await;
+}
