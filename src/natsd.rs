@@ -42,6 +42,7 @@ pub struct LocalNats {
     store: tempfile::TempDir,
     port: u16,
     extra_args: Vec<String>,
+    jetstream: bool,
 }
 
 /// Locates the nats-server binary (see the module docs for the search order).
@@ -82,6 +83,7 @@ impl LocalNats {
             store,
             port: 0,
             extra_args,
+            jetstream: true,
         };
         server.spawn(None)?;
         Ok(server)
@@ -108,14 +110,28 @@ impl LocalNats {
     /// Kills and starts the server again on the same port with the same store.
     pub fn restart(&mut self) -> Result<(), NatsdError> {
         self.kill();
+        self.jetstream = true;
+        let port = self.port;
+        self.spawn(Some(port))
+    }
+
+    /// Kills and starts the server again on the same port with JetStream off: clients
+    /// connect, but every JetStream request fails at once (until [`LocalNats::restart`]).
+    pub fn restart_without_jetstream(&mut self) -> Result<(), NatsdError> {
+        self.kill();
+        self.jetstream = false;
         let port = self.port;
         self.spawn(Some(port))
     }
 
     fn spawn(&mut self, port: Option<u16>) -> Result<(), NatsdError> {
         let port_arg = port.map_or("-1".to_string(), |p| p.to_string());
-        let mut child = Command::new(&self.binary)
-            .args(["-js", "-a", "127.0.0.1", "-p", &port_arg, "-sd"])
+        let mut command = Command::new(&self.binary);
+        if self.jetstream {
+            command.arg("-js");
+        }
+        let mut child = command
+            .args(["-a", "127.0.0.1", "-p", &port_arg, "-sd"])
             .arg(self.store.path())
             .args(&self.extra_args)
             .stdout(Stdio::null())

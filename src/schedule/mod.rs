@@ -18,21 +18,19 @@
 use crate::metrics as m;
 use crate::names::{self, DELAYED_STREAM};
 use crate::submit::publish_task;
-use crate::task::{header, now_ms, TaskMeta};
+use crate::task::{header, TaskMeta};
+use crate::time::now_ms;
 use async_nats::jetstream::{self, consumer, stream};
-use async_nats::HeaderMap;
-use bytes::Bytes;
 use futures::StreamExt;
-use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
+use index::{Body, Due, Index};
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::{mpsc, Semaphore};
+use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
 use tracing::{debug, warn};
+
+mod index;
 
 /// Errors of the scheduler loop.
 #[derive(Debug, thiserror::Error)]
@@ -51,18 +49,33 @@ pub(crate) fn instant_at(at_ms: u64) -> Instant {
     Instant::now() + Duration::from_millis(at_ms.saturating_sub(now_ms()))
 }
 
-/// A held delayed message.
-type Body = (HeaderMap, Bytes);
-
 pub(crate) struct Scheduler {
     pub(crate) js: jetstream::Context,
     pub(crate) lookahead: Duration,
     pub(crate) horizon: Duration,
     pub(crate) max_inflight: usize,
+    pub(crate) max_held_bytes: usize,
 }
 
-/// Most concurrent reads of far tasks' messages as they cross into the horizon.
+/// Most concurrent read-aheads of delayed messages.
 const MAX_LOADS: usize = 256;
+
+/// How one dispatch ended.
+enum Outcome {
+    /// Published to `subject` (and the delayed message deleted).
+    Done { subject: String },
+    /// The delayed message is gone: another server moved it, or it was removed by hand.
+    Gone,
+    /// Not dispatchable (bad headers): left in the stream, dropped from the index.
+    Bad,
+    /// Publish refused or failed, or the read failed: park under `group`.
+    Refused {
+        group: String,
+        due: u64,
+        seq: u64,
+        body: Option<Body>,
+    },
+}
 
 impl Scheduler {
     pub(crate) async fn run(self, shutdown: CancellationToken) -> Result<(), ScheduleError> {
@@ -81,27 +94,47 @@ impl Scheduler {
         let mut watch = tokio::time::interval(Duration::from_millis(250));
         let horizon_ms = self.horizon.as_millis() as u64;
         let lookahead_ms = self.lookahead.as_millis() as u64;
-        let inflight = Arc::new(Semaphore::new(self.max_inflight));
-        let loads = Arc::new(Semaphore::new(MAX_LOADS));
-        let (loaded_tx, mut loaded) = mpsc::channel::<(u64, u64, Option<Body>)>(MAX_LOADS);
-        let tracker = TaskTracker::new();
-        // Due within the horizon, message held; beyond it, only (due, sequence).
-        let mut near: BinaryHeap<Reverse<(u64, u64)>> = BinaryHeap::new();
-        let mut bodies: HashMap<u64, Body> = HashMap::new();
-        let mut far: BinaryHeap<Reverse<(u64, u64)>> = BinaryHeap::new();
-        let idle = Duration::from_secs(3600);
+        let mut index = Index::new(self.max_held_bytes);
+        let mut dispatching: JoinSet<(Option<String>, Outcome)> = JoinSet::new();
+        let mut loads: JoinSet<(u64, Option<Body>)> = JoinSet::new();
         loop {
+            // Start what there is room for; nothing below waits for room.
             let now = now_ms();
-            let next_dispatch = near
-                .peek()
-                .map(|Reverse((at, _))| at.saturating_sub(lookahead_ms));
-            let next_load = far
-                .peek()
-                .map(|Reverse((at, _))| at.saturating_sub(horizon_ms));
-            let wake = match (next_dispatch, next_load) {
-                (None, None) => Instant::now() + idle,
-                (a, b) => instant_at(a.unwrap_or(u64::MAX).min(b.unwrap_or(u64::MAX)).max(now)),
-            };
+            let free = self.max_inflight.saturating_sub(dispatching.len());
+            let mut due = index.probes(Instant::now());
+            due.truncate(free);
+            let more = free - due.len();
+            due.extend(index.take_due(now + lookahead_ms, more));
+            for d in due {
+                let (js, stream, token) = (self.js.clone(), stream.clone(), shutdown.clone());
+                dispatching.spawn(async move {
+                    let probe_of = d.probe_of.clone();
+                    tokio::select! {
+                        _ = token.cancelled() => (probe_of, Outcome::Gone),
+                        out = dispatch(&js, &stream, d) => (probe_of, out),
+                    }
+                });
+            }
+            let room = MAX_LOADS.saturating_sub(loads.len());
+            for seq in index.to_load(now + horizon_ms, room) {
+                let stream = stream.clone();
+                loads.spawn(async move { (seq, load(&stream, seq).await.ok().flatten()) });
+            }
+            metrics::gauge!(m::PENDING_DISPATCH).set((index.parked() + dispatching.len()) as f64);
+            metrics::gauge!(m::DELAYED_TRACKED).set((index.len() + dispatching.len()) as f64);
+
+            let mut wake: Option<Instant> = index.next_probe();
+            if dispatching.len() < self.max_inflight {
+                if let Some(at) = index.next_due() {
+                    wake = earliest(wake, instant_at(at.saturating_sub(lookahead_ms)));
+                }
+            }
+            if loads.len() < MAX_LOADS {
+                if let Some(at) = index.next_load_due() {
+                    wake = earliest(wake, instant_at(at.saturating_sub(horizon_ms)));
+                }
+            }
+            let sleep = wake.unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
             tokio::select! {
                 _ = shutdown.cancelled() => break,
                 _ = watch.tick() => {
@@ -121,70 +154,59 @@ impl Scheduler {
                     Some(Ok(msg)) => {
                         let Ok(info) = msg.info() else { continue };
                         let seq = info.stream_sequence;
-                        last_seq = last_seq.max(seq);
+                        if seq <= last_seq {
+                            continue; // seen before a re-follow
+                        }
+                        last_seq = seq;
                         let at = msg.headers.as_ref()
                             .and_then(|h| h.get(header::RUN_AT_MS))
                             .and_then(|v| v.as_str().parse::<u64>().ok());
                         match at {
-                            Some(at) if at <= now + horizon_ms => {
-                                let headers = msg.headers.clone().unwrap_or_default();
-                                bodies.insert(seq, (headers, msg.payload.clone()));
-                                near.push(Reverse((at, seq)));
+                            Some(at) => {
+                                let body = (msg.headers.clone().unwrap_or_default(), msg.payload.clone());
+                                index.add(at, seq, Some(body), now_ms(), horizon_ms);
                             }
-                            Some(at) => far.push(Reverse((at, seq))),
                             None => warn!(seq, "delayed message without a valid Ax-Run-At-Ms; left in place"),
                         }
                     }
                     Some(Err(e)) => warn!(cause = %e, "delayed index feed error; the ordered consumer resets itself"),
                     None => return Err(err("follow stream")("feed ended".into())),
                 },
-                Some((at, seq, body)) = loaded.recv() => {
-                    if let Some(body) = body {
-                        bodies.insert(seq, body);
-                        near.push(Reverse((at, seq)));
-                    }
-                }
-                _ = tokio::time::sleep_until(wake), if next_dispatch.is_some() || next_load.is_some() => {
-                    let now = now_ms();
-                    while let Some(Reverse((at, seq))) = far.peek().copied() {
-                        if at > now + horizon_ms {
-                            break;
-                        }
-                        far.pop();
-                        let permit = loads.clone().acquire_owned().await.expect("never closed");
-                        let (stream, tx) = (stream.clone(), loaded_tx.clone());
-                        tracker.spawn(async move {
-                            let body = load(&stream, seq).await;
-                            let _ = tx.send((at, seq, body)).await;
-                            drop(permit);
-                        });
-                    }
-                    while let Some(Reverse((at, seq))) = near.peek().copied() {
-                        if at > now + lookahead_ms {
-                            break;
-                        }
-                        near.pop();
-                        let Some(body) = bodies.remove(&seq) else { continue };
-                        let permit = inflight.clone().acquire_owned().await.expect("never closed");
-                        let (js, token) = (self.js.clone(), shutdown.clone());
-                        tracker.spawn(async move {
-                            tokio::select! {
-                                _ = token.cancelled() => {}
-                                _ = dispatch(&js, at, seq, body) => {}
+                Some(done) = dispatching.join_next(), if !dispatching.is_empty() => {
+                    let Ok((probe_of, outcome)) = done else { continue };
+                    match outcome {
+                        Outcome::Done { subject } => {
+                            index.unpark(&subject);
+                            if let Some(group) = probe_of {
+                                index.unpark(&group);
                             }
-                            drop(permit);
-                        });
+                        }
+                        Outcome::Refused { group, due, seq, body } => {
+                            index.park(group, due, seq, body, Instant::now());
+                        }
+                        Outcome::Gone | Outcome::Bad => {
+                            if let Some(group) = probe_of {
+                                index.unpark(&group);
+                            }
+                        }
                     }
                 }
+                Some(done) = loads.join_next(), if !loads.is_empty() => {
+                    if let Ok((seq, body)) = done {
+                        index.loaded(seq, body);
+                    }
+                }
+                _ = tokio::time::sleep_until(sleep) => {}
             }
-            metrics::gauge!(m::DELAYED_TRACKED).set(
-                (near.len() + far.len() + self.max_inflight - inflight.available_permits()) as f64,
-            );
         }
-        tracker.close();
-        tracker.wait().await;
+        dispatching.shutdown().await;
+        loads.shutdown().await;
         Ok(())
     }
+}
+
+fn earliest(a: Option<Instant>, b: Instant) -> Option<Instant> {
+    Some(a.map_or(b, |a| a.min(b)))
 }
 
 /// An ordered consumer over `AX_DELAYED` from `start` (0: from the first message).
@@ -208,45 +230,56 @@ async fn follow(
         .map_err(|e| err("follow stream")(e.into()))
 }
 
-/// Reads a far task's message back by sequence; `None` if it is gone (another server moved
-/// it, or it was removed by hand).
-async fn load(stream: &stream::Stream, seq: u64) -> Option<Body> {
+/// Reads a delayed message back by sequence: `Ok(None)` if it is gone (another server
+/// moved it, or it was removed by hand), `Err` if the broker could not answer.
+async fn load(stream: &stream::Stream, seq: u64) -> Result<Option<Body>, String> {
     match stream.direct_get(seq).await {
-        Ok(msg) => Some((msg.headers, msg.payload)),
+        Ok(msg) => Ok(Some((msg.headers, msg.payload))),
+        Err(e) if e.kind() == stream::DirectGetErrorKind::NotFound => Ok(None),
         Err(e) => {
-            debug!(seq, cause = %e, "delayed message not readable; skipped");
-            None
+            debug!(seq, cause = %e, "delayed message not readable now");
+            Err(e.to_string())
         }
     }
 }
 
 /// Moves one delayed task to its ready subject at its due time.
-async fn dispatch(js: &jetstream::Context, at: u64, seq: u64, body: Body) {
-    let (headers, payload) = body;
+async fn dispatch(js: &jetstream::Context, stream: &stream::Stream, d: Due) -> Outcome {
+    let Due { due, seq, body, .. } = d;
+    tokio::time::sleep_until(instant_at(due)).await;
+    let (headers, payload) = match body {
+        Some(body) => body,
+        None => match load(stream, seq).await {
+            Ok(Some(body)) => body,
+            Ok(None) => return Outcome::Gone,
+            Err(_) => {
+                return Outcome::Refused {
+                    group: "(read)".into(),
+                    due,
+                    seq,
+                    body: None,
+                }
+            }
+        },
+    };
     let meta = match TaskMeta::from_headers(&headers) {
         Ok(meta) => meta,
         Err(e) => {
             warn!(seq, cause = %e, "delayed message with bad headers; left in place");
-            return;
+            return Outcome::Bad;
         }
     };
-    tokio::time::sleep_until(instant_at(at)).await;
-    let gauge = metrics::gauge!(m::PENDING_DISPATCH);
-    gauge.increment(1.0);
     let subject = names::ready_subject(&meta.queue, meta.priority);
-    let mut pause = Duration::from_millis(20);
-    loop {
-        match publish_task(js, subject.clone(), &meta, payload.clone()).await {
-            Ok(_) => break,
-            Err(e) => {
-                debug!(task_id = %meta.id, cause = %e, "ready publish refused; retrying");
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(Duration::from_secs(2));
-            }
-        }
+    if let Err(e) = publish_task(js, subject.clone(), &meta, payload.clone()).await {
+        debug!(task_id = %meta.id, cause = %e, "ready publish refused; parked");
+        return Outcome::Refused {
+            group: subject,
+            due,
+            seq,
+            body: Some((headers, payload)),
+        };
     }
-    gauge.decrement(1.0);
-    metrics::histogram!(m::DISPATCH_LAG).record(now_ms().saturating_sub(at) as f64 / 1000.0);
+    metrics::histogram!(m::DISPATCH_LAG).record(now_ms().saturating_sub(due) as f64 / 1000.0);
     metrics::counter!(m::DELAYED_DISPATCHED).increment(1);
     // Delete without the secure erase (overwriting the stored bytes) that
     // `Stream::delete_message` asks for: the task lives on in the ready stream anyway.
@@ -257,4 +290,5 @@ async fn dispatch(js: &jetstream::Context, at: u64, seq: u64, body: Body) {
     if let Err(e) = deleted {
         debug!(seq, cause = %e, "delayed message not deleted; a restart re-publishes it (deduplicated)");
     }
+    Outcome::Done { subject }
 }

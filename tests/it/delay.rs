@@ -1,7 +1,7 @@
 //! Delayed tasks: held durably, moved to ready once, survive a server restart.
 
 use crate::support::{eventually, Env};
-use ax::task::now_ms;
+use ax::time::now_ms;
 use ax::worker::{Task, Worker};
 use ax::{TaskSpec, TaskState};
 use std::sync::{Arc, Mutex};
@@ -174,4 +174,92 @@ async fn tasks_beyond_the_horizon_are_read_back_when_near() {
     assert_eq!(seen.lock().unwrap().len(), 20);
     stop.cancel();
     handle.await.unwrap();
+}
+
+/// Defect 7.1.1: a burst of delayed tasks at one due time beyond the horizon, and a second
+/// burst submitted while the first is being read back, all reach ready.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bursts_beyond_the_horizon_all_reach_ready() {
+    let env = Env::start(
+        Env::server()
+            .capacity([1000, 20_000, 1000])
+            .dispatch_horizon(Duration::from_secs(1)),
+    )
+    .await;
+    // Count every task published to a ready subject (what a worker would see).
+    let mut ready = env.client.subscribe("ax.ready.q.*").await.unwrap();
+    let arrived: Arc<Mutex<std::collections::HashSet<String>>> = Arc::default();
+    let counter = tokio::spawn({
+        let arrived = arrived.clone();
+        async move {
+            use futures::StreamExt;
+            while let Some(msg) = ready.next().await {
+                if let Some(id) = msg
+                    .headers
+                    .as_ref()
+                    .and_then(|h| h.get(ax::task::header::ID))
+                {
+                    arrived.lock().unwrap().insert(id.to_string());
+                }
+            }
+        }
+    });
+    let rfc = |at: std::time::SystemTime| humantime::format_rfc3339_millis(at).to_string();
+    let submit_burst = |n: usize, at: String| {
+        let ax = env.ax.clone();
+        async move {
+            use futures::StreamExt;
+            futures::stream::iter(0..n)
+                .map(|_| {
+                    let (ax, at) = (ax.clone(), at.clone());
+                    async move {
+                        ax.submit("q", TaskSpec::new("burst").run_at(at))
+                            .await
+                            .unwrap()
+                            .id
+                    }
+                })
+                .buffer_unordered(128)
+                .collect::<Vec<String>>()
+                .await
+        }
+    };
+    let start = std::time::SystemTime::now();
+    let first_due = start + Duration::from_secs(6);
+    let mut ids = submit_burst(3000, rfc(first_due)).await;
+    // The first burst crosses into the horizon at due - 1 s and is being read back: submit
+    // the second burst then, due a little later.
+    let loading = first_due - Duration::from_millis(800);
+    if let Ok(wait) = loading.duration_since(std::time::SystemTime::now()) {
+        tokio::time::sleep(wait).await;
+    }
+    let second_due = std::time::SystemTime::now() + Duration::from_secs(3);
+    ids.extend(submit_burst(2000, rfc(second_due)).await);
+    let total = ids.len();
+    let last_due = now_ms().max(
+        second_due
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64,
+    );
+    eventually(
+        Duration::from_secs(30),
+        "every delayed task to reach its ready subject",
+        || async {
+            let n = arrived.lock().unwrap().len();
+            (n == total).then_some(())
+        },
+    )
+    .await;
+    println!(
+        "delayed bursts: {total} tasks reached ready {} ms after the last due time",
+        now_ms().saturating_sub(last_due)
+    );
+    for id in &ids {
+        assert!(
+            arrived.lock().unwrap().contains(id),
+            "{id} never reached ready"
+        );
+    }
+    counter.abort();
 }
