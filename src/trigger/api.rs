@@ -2,7 +2,7 @@
 //! `{"ok": …}` or `{"error": {"code", "message", "field"}}` (docs/PROTOCOL.md §5).
 
 use super::clock::Clock;
-use super::engine::{fire, unfinished};
+use super::fire::{fire, manual_tag, tracked_ids as tracked, unfinished};
 use super::model::TriggerDef;
 use super::plan::{FireRecord, Source, TriggerState};
 use super::recur::Recurrence;
@@ -12,6 +12,9 @@ use crate::submit::Admission;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use std::sync::Arc;
+
+/// Most compare-and-set attempts to record a manual run in a changing trigger state.
+const MAX_RECORD_ATTEMPTS: usize = 50;
 
 pub(crate) struct TriggerApi {
     pub(crate) admission: Arc<Admission>,
@@ -48,8 +51,7 @@ fn unavailable(e: TriggerStoreError) -> WireError {
 }
 
 fn rfc3339(ms: u64) -> String {
-    humantime::format_rfc3339_millis(std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms))
-        .to_string()
+    crate::time::format_rfc3339_ms(ms)
 }
 
 /// The next `n` fire times from `now` (ignoring overlap, which depends on running tasks).
@@ -261,15 +263,11 @@ impl TriggerApi {
         let (def, _) = self.def_of(name).await?;
         let (state, _) = self.state_of(name).await?;
         let rec = def.validate()?;
-        let ids = state
-            .last_fire
-            .as_ref()
-            .map(|f| f.task_ids.clone())
-            .unwrap_or_default();
-        let running: Vec<String> = unfinished(&self.admission.tasks, &ids)
+        let mut running: Vec<String> = unfinished(&self.admission.tasks, tracked(&state))
             .await
             .into_iter()
             .collect();
+        running.sort();
         Ok(json!({
             "definition": def,
             "state": state,
@@ -278,31 +276,48 @@ impl TriggerApi {
         }))
     }
 
-    /// A manual run (S0-12): refused while the previous run is running, unless `force`.
+    /// A manual run (S0-12): refused while an earlier fire's tasks are unfinished, unless
+    /// `force`. One request is one fire: its task ids are chosen once, the tasks submitted
+    /// once, and a state that changed meanwhile gets the fire merged in, never fired again.
     async fn run(&self, name: &str, force: bool) -> Result<Value, WireError> {
         let (def, _) = self.def_of(name).await?;
-        for _ in 0..3 {
-            let (mut state, rev) = self.state_of(name).await?;
-            let ids = state
-                .last_fire
-                .as_ref()
-                .map(|f| f.task_ids.clone())
-                .unwrap_or_default();
-            let running = unfinished(&self.admission.tasks, &ids).await;
-            if !running.is_empty() && !force {
-                let mut running: Vec<String> = running.into_iter().collect();
-                running.sort();
-                return Err(WireError::new(
-                    ErrorCode::Running,
-                    format!(
-                        "trigger {name} is running (tasks {}); pass force to run anyway",
-                        running.join(", ")
-                    ),
-                ));
+        let (state, rev) = self.state_of(name).await?;
+        let known: Vec<String> = tracked(&state).cloned().collect();
+        let running = unfinished(&self.admission.tasks, known.iter()).await;
+        if !running.is_empty() && !force {
+            let mut running: Vec<String> = running.into_iter().collect();
+            running.sort();
+            return Err(WireError::new(
+                ErrorCode::Running,
+                format!(
+                    "trigger {name} is running (tasks {}); pass force to run anyway",
+                    running.join(", ")
+                ),
+            ));
+        }
+        let finished: Vec<&String> = known.iter().filter(|id| !running.contains(*id)).collect();
+        let now = self.clock.now_ms();
+        let task_ids = fire(
+            &self.admission,
+            &def,
+            now,
+            Source::Manual,
+            &manual_tag(),
+            None,
+        )
+        .await?;
+        let forced = force && !running.is_empty();
+        let (mut state, mut rev) = (state, rev);
+        for attempt in 0..MAX_RECORD_ATTEMPTS {
+            if attempt > 0 {
+                // Many runs at once: spread the retries out.
+                let ms = rand::random_range(1..=20u64);
+                tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
             }
-            let now = self.clock.now_ms();
-            let task_ids = fire(&self.admission, &def, now, Source::Manual, None).await?;
             state.fires += 1;
+            state.manual += 1;
+            state.active.retain(|id| !finished.contains(&id));
+            state.active.extend(task_ids.iter().cloned());
             state.last_result.clear();
             state.last_completed_ms = None;
             state.last_fire = Some(FireRecord {
@@ -312,18 +327,18 @@ impl TriggerApi {
                 task_ids: task_ids.clone(),
             });
             match self.store.put_state(name, &state, rev).await {
-                Ok(_) => {
-                    return Ok(
-                        json!({ "task_ids": task_ids, "forced": force && !running.is_empty() }),
-                    )
+                Ok(_) => return Ok(json!({ "task_ids": task_ids, "forced": forced })),
+                Err(TriggerStoreError::Stale(_)) => {
+                    // Changed meanwhile: record this same fire into what is stored now.
+                    (state, rev) = self.state_of(name).await?;
                 }
-                Err(TriggerStoreError::Stale(_)) => continue,
-                Err(e) => return Err(unavailable(e)),
+                Err(e) => {
+                    tracing::warn!(trigger = %name, cause = %e, "manual run made but not recorded in the trigger state");
+                    return Ok(json!({ "task_ids": task_ids, "forced": forced }));
+                }
             }
         }
-        Err(WireError::new(
-            ErrorCode::Unavailable,
-            "trigger state kept changing; retry",
-        ))
+        tracing::warn!(trigger = %name, "trigger state kept changing; manual run made but not recorded");
+        Ok(json!({ "task_ids": task_ids, "forced": forced }))
     }
 }

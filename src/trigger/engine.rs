@@ -1,32 +1,39 @@
 //! The trigger engine inside `ax server`: one leader fires, the others stand by.
 //!
-//! Leadership is a lease in `AX_LEASES` (key `triggers`) held by compare-and-set and
-//! renewed every third of its TTL (default 3 s); its revision is a fencing token. The
-//! leader follows `AX_TRIGGERS` (definitions, hot-reloaded), keeps a timer heap of next fire
-//! times, and watches the task records of each trigger's latest fire on the core subject
-//! `$KV.AX_TASKS.*` to know when they finish (overlap policies, fixed-delay). A fire is:
-//! submit each template as task `tr-<scheduled ms>-<i>-<name>`, then compare-and-set the
-//! trigger's state. A crash in between is repaired by the next leader re-planning the same
-//! scheduled time: the same task ids make the re-submission a no-op (the message id within
-//! the 2-minute window, the record's create-if-absent after it).
+//! Leadership is the lease in `AX_LEASES` (see `lease`); its revision is the leader's
+//! fencing token, stored in every trigger state the leader writes. The leader follows
+//! `AX_TRIGGERS` (definitions, hot-reloaded) and `AX_TRIGGER_STATE` (manual runs made
+//! through any server), keeps a timer heap of next fire times, and follows the records of
+//! trigger tasks with a KV watch on `AX_TASKS` keys `*.tr.>` (an ordered consumer: no
+//! message is dropped, whatever the load) to know when they finish (overlap policies,
+//! fixed-delay). Completion tracking is recoverable: on every (re)load of a trigger, and at
+//! most every few seconds while a trigger waits on unfinished tasks, the unfinished ids are
+//! re-checked against their records.
+//!
+//! A fire is: submit each template as task `<queue>.tr.<trigger>.<scheduled ms>.<i>`, then
+//! compare-and-set the trigger's state. A crash in between is repaired by the next leader
+//! re-planning the same scheduled time: the same task ids make the re-submission a no-op
+//! (the message id within the 2-minute window, the record's create-if-absent after it). If
+//! the state changed meanwhile (a manual run), the fire is merged into the new state, never
+//! re-planned, so a fired time is never recorded as skipped.
 
 use super::clock::Clock;
+use super::fire::{fire, scheduled_tag, tracked_ids, trigger_of_task, unfinished};
+use super::lease::Lease;
 use super::model::TriggerDef;
-use super::plan::{plan, FireRecord, Source, TriggerState};
+use super::plan::{plan, FireRecord, Plan, Source, TriggerState};
 use super::recur::Recurrence;
 use super::store::{TriggerStore, TriggerStoreError};
 use crate::names::LEASES_BUCKET;
-use crate::protocol::WireError;
-use crate::state::{TaskRecord, TaskStore};
+use crate::state::TaskRecord;
 use crate::submit::Admission;
-use crate::task::{Lineage, TaskMeta};
 use async_nats::jetstream::kv;
 use futures::StreamExt;
-use serde::{Deserialize, Serialize};
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
@@ -50,67 +57,14 @@ fn broker(op: &'static str) -> impl FnOnce(async_nats::Error) -> EngineError {
     move |source| EngineError::Broker { op, source }
 }
 
-#[derive(Serialize, Deserialize)]
-struct LeaseValue {
-    holder: String,
-    expires_at_ms: u64,
-}
+/// How often, at most, a trigger waiting on unfinished tasks re-checks their records.
+const RECHECK: Duration = Duration::from_secs(3);
 
-/// A lease held by compare-and-set on one KV key.
-struct Lease {
-    kv: kv::Store,
-    holder: String,
-    ttl: Duration,
-    revision: Option<u64>,
-}
+/// Most triggers fired at once by the leader.
+const MAX_CONCURRENT_FIRES: usize = 512;
 
-const LEASE_KEY: &str = "triggers";
-
-impl Lease {
-    /// Takes or renews the lease; true while held.
-    async fn hold(&mut self, now_ms: u64) -> bool {
-        let value = LeaseValue {
-            holder: self.holder.clone(),
-            expires_at_ms: now_ms + self.ttl.as_millis() as u64,
-        };
-        let body: bytes::Bytes = serde_json::to_vec(&value).expect("serializes").into();
-        let revision = match self.revision {
-            Some(rev) => Some(rev),
-            None => match self.kv.entry(LEASE_KEY).await {
-                Ok(Some(e)) if e.operation == kv::Operation::Put => {
-                    let current: Option<LeaseValue> = serde_json::from_slice(&e.value).ok();
-                    match current {
-                        Some(c) if c.holder != self.holder && c.expires_at_ms > now_ms => {
-                            return false
-                        }
-                        _ => Some(e.revision),
-                    }
-                }
-                Ok(Some(e)) => Some(e.revision),
-                Ok(None) => None,
-                Err(_) => return false,
-            },
-        };
-        let written = match revision {
-            Some(rev) => self.kv.update(LEASE_KEY, body, rev).await.ok(),
-            None => self.kv.create(LEASE_KEY, body).await.ok(),
-        };
-        self.revision = written;
-        written.is_some()
-    }
-
-    /// Gives the lease up so a standby takes over at once.
-    async fn release(&mut self) {
-        if let Some(rev) = self.revision.take() {
-            let value = LeaseValue {
-                holder: String::new(),
-                expires_at_ms: 0,
-            };
-            let body = serde_json::to_vec(&value).expect("serializes").into();
-            let _ = self.kv.update(LEASE_KEY, body, rev).await;
-        }
-    }
-}
+/// Most attempts to record a fire into a state that keeps changing.
+const MERGE_ATTEMPTS: usize = 10;
 
 /// One trigger as the leader holds it.
 struct Held {
@@ -118,7 +72,22 @@ struct Held {
     rec: Recurrence,
     state: TriggerState,
     revision: u64,
+    /// Task ids of its fires not yet seen finished.
     active: HashSet<String>,
+    /// Completions seen while a fire was in flight, before its ids were known.
+    early_done: HashSet<String>,
+    /// When `active` was last checked against the records (`None`: it must be).
+    checked_at: Option<Instant>,
+}
+
+impl Held {
+    /// True if planning this trigger depends on whether its tasks still run.
+    fn waits_on_tasks(&self) -> bool {
+        !self.active.is_empty()
+            && (self.rec.is_fixed_delay()
+                || self.def.overlap != super::model::OverlapPolicy::Allow
+                || self.state.buffered_ms.is_some())
+    }
 }
 
 pub(crate) struct Engine {
@@ -128,77 +97,10 @@ pub(crate) struct Engine {
     pub(crate) id: String,
 }
 
-/// The task id of template `i` of a scheduled fire: the same for every server and every
-/// retry, so the record's create-if-absent (and the message id) de-duplicate the fire.
-pub(crate) fn scheduled_task_id(trigger: &str, scheduled_ms: u64, i: usize) -> String {
-    format!("tr-{scheduled_ms}-{i}-{trigger}")
-}
-
-/// Submits one fire's tasks; returns their ids. Scheduled fires get deterministic ids;
-/// event fires take the event's `Nats-Msg-Id` into theirs when it has one (so a re-sent
-/// event is one fire); manual runs get fresh ids. An event's body becomes the payload of
-/// templates without one (JSON if it parses, bytes otherwise).
-pub(crate) async fn fire(
-    admission: &Admission,
-    def: &TriggerDef,
-    scheduled_ms: u64,
-    source: Source,
-    event: Option<&async_nats::Message>,
-) -> Result<Vec<String>, WireError> {
-    let mut ids = Vec::with_capacity(def.tasks.len());
-    let event_id = event
-        .and_then(|m| m.headers.as_ref())
-        .and_then(|h| h.get("Nats-Msg-Id"))
-        .map(|v| {
-            v.as_str()
-                .bytes()
-                .map(|b| format!("{b:02x}"))
-                .collect::<String>()
-        });
-    for (i, template) in def.tasks.iter().enumerate() {
-        let mut req = template.clone();
-        if let Some(msg) = event {
-            if req.payload.is_none() && req.payload_base64.is_none() {
-                match serde_json::from_slice::<serde_json::Value>(&msg.payload) {
-                    Ok(v) => req.payload = Some(v),
-                    Err(_) => {
-                        use base64::Engine as _;
-                        req.payload_base64 =
-                            Some(base64::engine::general_purpose::STANDARD.encode(&msg.payload));
-                    }
-                }
-            }
-        }
-        let queue = req.queue.clone().unwrap_or_default();
-        let (mut meta, payload) = TaskMeta::from_request(&queue, req, &admission.limits)?;
-        match (source, &event_id) {
-            (Source::Schedule, _) => meta.id = scheduled_task_id(&def.name, scheduled_ms, i),
-            (Source::Event, Some(eid)) => meta.id = format!("ev-{eid}-{i}-{}", def.name),
-            _ => {}
-        }
-        meta.lineage = Some(Lineage {
-            trigger: def.name.clone(),
-            source: source.as_str().to_string(),
-            scheduled_at_ms: scheduled_ms,
-        });
-        ids.push(admission.submit_prepared(meta, payload).await?.id);
-    }
-    Ok(ids)
-}
-
-/// Task ids among `ids` whose records are not finished.
-pub(crate) async fn unfinished(tasks: &TaskStore, ids: &[String]) -> HashSet<String> {
-    let mut out = HashSet::new();
-    for id in ids {
-        match tasks.get(id).await {
-            Ok(Some((rec, _))) if rec.state.is_terminal() => {}
-            // Unknown or unreadable counts as running: never fire over a task we cannot see.
-            _ => {
-                out.insert(id.clone());
-            }
-        }
-    }
-    out
+/// Why leading stopped.
+enum Stop {
+    Shutdown,
+    StepDown(&'static str),
 }
 
 impl Engine {
@@ -209,23 +111,24 @@ impl Engine {
             .get_key_value(LEASES_BUCKET)
             .await
             .map_err(|e| broker("open leases")(e.into()))?;
-        let mut lease = Lease {
-            kv,
-            holder: self.id.clone(),
-            ttl: self.lease_ttl,
-            revision: None,
-        };
+        let mut lease = Lease::new(kv, self.id.clone(), self.lease_ttl);
         let poll = self.lease_ttl / 3;
         loop {
-            if lease.hold(self.clock.now_ms()).await {
-                info!(id = %self.id, "trigger engine: leader");
-                let led = self.lead(&store, &mut lease, &shutdown).await;
-                if shutdown.is_cancelled() {
-                    lease.release().await;
-                    return led;
-                }
-                if let Err(e) = led {
-                    warn!(cause = %e, "trigger engine: leadership ended with an error");
+            if lease.hold().await {
+                let token = lease.token().unwrap_or_default();
+                info!(id = %self.id, token, "trigger engine: leader");
+                match self.lead(&store, &mut lease, &shutdown).await {
+                    Ok(Stop::Shutdown) => {
+                        lease.release().await;
+                        return Ok(());
+                    }
+                    Ok(Stop::StepDown(why)) => {
+                        warn!(id = %self.id, why, "trigger engine: stepping down")
+                    }
+                    Err(e) => {
+                        warn!(cause = %e, "trigger engine: leadership ended with an error");
+                        lease.release().await;
+                    }
                 }
                 info!(id = %self.id, "trigger engine: standing by");
             }
@@ -236,25 +139,62 @@ impl Engine {
         }
     }
 
+    /// Loads a trigger's state (creating it if missing) and re-checks its unfinished tasks.
+    async fn load(
+        &self,
+        store: &TriggerStore,
+        def: TriggerDef,
+        rec: Recurrence,
+    ) -> Result<Held, EngineError> {
+        let name = def.name.clone();
+        let (state, revision) = match store.state(&name).await? {
+            Some(found) => found,
+            None => {
+                let state = TriggerState {
+                    created_at_ms: self.clock.now_ms(),
+                    ..Default::default()
+                };
+                match store.put_state(&name, &state, None).await {
+                    Ok(rev) => (state, rev),
+                    Err(TriggerStoreError::Stale(_)) => store
+                        .state(&name)
+                        .await?
+                        .ok_or_else(|| TriggerStoreError::Stale(name.clone()))?,
+                    Err(e) => return Err(e.into()),
+                }
+            }
+        };
+        let active = unfinished(&self.admission.tasks, tracked_ids(&state)).await;
+        Ok(Held {
+            def,
+            rec,
+            state,
+            revision,
+            active,
+            early_done: HashSet::new(),
+            checked_at: Some(Instant::now()),
+        })
+    }
+
     async fn lead(
         &self,
         store: &TriggerStore,
         lease: &mut Lease,
         shutdown: &CancellationToken,
-    ) -> Result<(), EngineError> {
-        let tasks = self.admission.tasks.clone();
+    ) -> Result<Stop, EngineError> {
+        let token = lease.token().unwrap_or_default();
         let mut watch = store
             .defs()
             .watch_with_history(">")
             .await
             .map_err(|e| broker("watch definitions")(e.into()))?;
-        let mut feed = self
+        // Every write to a trigger task's record, delivered by an ordered consumer.
+        let mut completions = self
             .admission
-            .js
-            .client()
-            .subscribe("$KV.AX_TASKS.*")
+            .tasks
+            .watch_trigger_tasks()
             .await
-            .map_err(|e| broker("follow task records")(e.into()))?;
+            .map_err(|e| broker("follow trigger task records")(e.into()))?;
         // State written by others (a manual run on another server) is taken in at once.
         let mut state_watch = store
             .states()
@@ -262,7 +202,6 @@ impl Engine {
             .await
             .map_err(|e| broker("watch trigger state")(e.into()))?;
         let mut held: HashMap<String, Held> = HashMap::new();
-        let mut owner: HashMap<String, String> = HashMap::new();
         let mut wakes: BinaryHeap<Reverse<(u64, String)>> = BinaryHeap::new();
         let mut renew = tokio::time::interval(self.lease_ttl / 3);
         // Fires run as tasks so the timer loop never waits on the broker; a trigger is not
@@ -280,23 +219,18 @@ impl Engine {
                 });
             let mut due: Vec<String> = Vec::new();
             tokio::select! {
-                _ = shutdown.cancelled() => return Ok(()),
+                _ = shutdown.cancelled() => return Ok(Stop::Shutdown),
                 _ = renew.tick() => {
-                    if !lease.hold(self.clock.now_ms()).await {
-                        warn!("trigger engine: lease lost");
-                        return Ok(());
+                    if !lease.hold().await {
+                        return Ok(Stop::StepDown("lease lost"));
                     }
                 }
                 entry = watch.next() => {
-                    let Some(entry) = entry else { return Ok(()) };
+                    let Some(entry) = entry else { return Ok(Stop::StepDown("definition watch ended")) };
                     let entry = entry.map_err(|e| broker("watch definitions")(e.into()))?;
                     let name = entry.key.clone();
                     if entry.operation != kv::Operation::Put {
-                        if let Some(h) = held.remove(&name) {
-                            for id in h.active {
-                                owner.remove(&id);
-                            }
-                        }
+                        held.remove(&name);
                         continue;
                     }
                     let Ok(def) = serde_json::from_slice::<TriggerDef>(&entry.value) else {
@@ -307,27 +241,15 @@ impl Engine {
                         warn!(trigger = %name, "stored definition is invalid; ignored");
                         continue;
                     };
-                    let (state, revision) = match store.state(&name).await? {
-                        Some(found) => found,
-                        None => {
-                            let state = TriggerState { created_at_ms: self.clock.now_ms(), ..Default::default() };
-                            match store.put_state(&name, &state, None).await {
-                                Ok(rev) => (state, rev),
-                                Err(TriggerStoreError::Stale(_)) => store.state(&name).await?.expect("exists"),
-                                Err(e) => return Err(e.into()),
-                            }
-                        }
-                    };
-                    let ids = state.last_fire.as_ref().map(|f| f.task_ids.clone()).unwrap_or_default();
-                    let active = unfinished(&tasks, &ids).await;
-                    for id in &active {
-                        owner.insert(id.clone(), name.clone());
+                    let h = self.load(store, def, rec).await?;
+                    if h.state.leader > token {
+                        return Ok(Stop::StepDown("a newer leader wrote trigger state"));
                     }
-                    held.insert(name.clone(), Held { def, rec, state, revision, active });
+                    held.insert(name.clone(), h);
                     due.push(name);
                 }
                 entry = state_watch.next() => {
-                    let Some(entry) = entry else { return Ok(()) };
+                    let Some(entry) = entry else { return Ok(Stop::StepDown("state watch ended")) };
                     let entry = entry.map_err(|e| broker("watch trigger state")(e.into()))?;
                     let name = entry.key.clone();
                     // Our own writes are in flight until their outcome is applied.
@@ -339,42 +261,48 @@ impl Engine {
                         continue;
                     }
                     let Ok(state) = serde_json::from_slice::<TriggerState>(&entry.value) else { continue };
-                    let ids = state.last_fire.as_ref().map(|f| f.task_ids.clone()).unwrap_or_default();
-                    for old in h.active.drain() {
-                        owner.remove(&old);
+                    if state.leader > token {
+                        return Ok(Stop::StepDown("a newer leader wrote trigger state"));
                     }
-                    h.active = unfinished(&tasks, &ids).await;
-                    for id in &h.active {
-                        owner.insert(id.clone(), name.clone());
-                    }
+                    h.active = unfinished(&self.admission.tasks, tracked_ids(&state)).await;
+                    h.checked_at = Some(Instant::now());
                     h.state = state;
                     h.revision = entry.revision;
                     due.push(name);
                 }
-                msg = feed.next() => {
-                    let Some(msg) = msg else { return Ok(()) };
-                    let id = msg.subject.rsplit('.').next().unwrap_or_default();
-                    let Some(name) = owner.get(id).cloned() else { continue };
-                    let Ok(rec) = serde_json::from_slice::<TaskRecord>(&msg.payload) else { continue };
-                    if !rec.state.is_terminal() {
+                entry = completions.next() => {
+                    let Some(entry) = entry else { return Ok(Stop::StepDown("task record watch ended")) };
+                    let entry = entry.map_err(|e| broker("follow trigger task records")(e.into()))?;
+                    let Some(name) = trigger_of_task(&entry.key) else { continue };
+                    let Some(h) = held.get_mut(name) else { continue };
+                    let finished = entry.operation == kv::Operation::Put
+                        && serde_json::from_slice::<TaskRecord>(&entry.value)
+                            .is_ok_and(|r| r.state.is_terminal());
+                    if !finished {
                         continue;
                     }
-                    owner.remove(id);
-                    if let Some(h) = held.get_mut(&name) {
-                        h.active.remove(id);
-                        h.state.last_result.push(rec.state.to_string());
+                    let id = entry.key.clone();
+                    if h.active.remove(&id) {
+                        if let Ok(rec) = serde_json::from_slice::<TaskRecord>(&entry.value) {
+                            h.state.last_result.push(rec.state.to_string());
+                        }
                         if h.active.is_empty() {
                             h.state.last_completed_ms = Some(self.clock.now_ms());
-                            due.push(name);
+                            due.push(name.to_string());
                         }
+                    } else if in_flight.contains(name) {
+                        // Finished before its fire's outcome registered it.
+                        h.early_done.insert(id);
                     }
                 }
                 Some((name, outcome)) = done_rx.recv() => {
                     in_flight.remove(&name);
                     if let Some(h) = held.get_mut(&name) {
-                        let wake = self.apply(h, &mut owner, &name, outcome).await?;
-                        if let Some(wake) = wake {
-                            wakes.push(Reverse((wake, name.clone())));
+                        match self.apply(h, outcome, token) {
+                            Applied::Wake(Some(wake)) => wakes.push(Reverse((wake, name.clone()))),
+                            Applied::Wake(None) => {}
+                            Applied::StepDown(why) => return Ok(Stop::StepDown(why)),
+                            Applied::Failed(e) => return Err(e),
                         }
                     }
                     if recheck.remove(&name) {
@@ -392,20 +320,40 @@ impl Engine {
                     }
                 }
             }
+            if !lease.valid() {
+                return Ok(Stop::StepDown("lease not renewed within its TTL"));
+            }
             due.sort();
             due.dedup();
             // Plan each due trigger, then fire and store them concurrently.
-            let now = self.clock.now_ms();
             let mut jobs = Vec::new();
             for name in due {
                 if in_flight.contains(&name) {
                     recheck.insert(name);
                     continue;
                 }
-                let Some(h) = held.get(&name) else { continue };
+                let Some(h) = held.get_mut(&name) else {
+                    continue;
+                };
+                if h.waits_on_tasks() && h.checked_at.is_none_or(|at| at.elapsed() >= RECHECK) {
+                    // Recover completions no feed delivered (belt and braces).
+                    let still = unfinished(&self.admission.tasks, h.active.iter()).await;
+                    if still.len() < h.active.len() && still.is_empty() {
+                        h.state.last_completed_ms = Some(self.clock.now_ms());
+                    }
+                    h.active = still;
+                    h.checked_at = Some(Instant::now());
+                }
+                let now = self.clock.now_ms();
                 let p = plan(&h.def, &h.rec, &h.state, now, !h.active.is_empty());
                 if p.fires.is_empty() && p.state == h.state {
-                    if let Some(wake) = p.next_wake_ms {
+                    let mut wake = p.next_wake_ms;
+                    if h.waits_on_tasks() {
+                        // Look at the records again in a while, whatever the feed says.
+                        let again = now + RECHECK.as_millis() as u64;
+                        wake = Some(wake.map_or(again, |w| w.min(again)));
+                    }
+                    if let Some(wake) = wake {
                         wakes.push(Reverse((wake, name)));
                     }
                     continue;
@@ -415,20 +363,27 @@ impl Engine {
                     def: h.def.clone(),
                     plan: p,
                     revision: h.revision,
+                    active: h.active.iter().cloned().collect(),
+                    token,
+                    now,
                 });
             }
             for job in jobs {
                 in_flight.insert(job.name.clone());
-                let permit = fire_slots
-                    .clone()
-                    .acquire_owned()
-                    .await
-                    .expect("never closed");
+                let permit = match fire_slots.clone().try_acquire_owned() {
+                    Ok(p) => p,
+                    Err(_) => {
+                        // All fire slots busy: try again when one finishes.
+                        in_flight.remove(&job.name);
+                        recheck.insert(job.name);
+                        continue;
+                    }
+                };
                 let (admission, store, done) =
                     (self.admission.clone(), store.clone(), done_tx.clone());
                 tokio::spawn(async move {
                     let name = job.name.clone();
-                    let outcome = execute(&admission, &store, job, now).await;
+                    let outcome = execute(&admission, &store, job).await;
                     drop(permit);
                     let _ = done.send((name, outcome));
                 });
@@ -436,16 +391,10 @@ impl Engine {
         }
     }
 
-    /// Applies a fire's outcome to the held trigger; returns its next wake.
-    async fn apply(
-        &self,
-        h: &mut Held,
-        owner: &mut HashMap<String, String>,
-        name: &str,
-        outcome: Outcome,
-    ) -> Result<Option<u64>, EngineError> {
+    /// Applies a fire's outcome to the held trigger.
+    fn apply(&self, h: &mut Held, outcome: Outcome, token: u64) -> Applied {
         let now = self.clock.now_ms();
-        Ok(match outcome {
+        match outcome {
             Outcome::Stored {
                 state,
                 revision,
@@ -454,98 +403,54 @@ impl Engine {
             } => {
                 h.state = state;
                 h.revision = revision;
-                if !ids.is_empty() {
-                    // Only the latest fire's tasks decide overlap and fixed-delay.
-                    for old in h.active.drain() {
-                        owner.remove(&old);
-                    }
-                    for id in ids {
-                        owner.insert(id.clone(), name.to_string());
+                for id in ids {
+                    if !h.early_done.remove(&id) {
                         h.active.insert(id);
                     }
                 }
-                next_wake_ms
-            }
-            Outcome::Retry => Some(now + 1000),
-            Outcome::Stale(Some((state, revision))) => {
-                let ids = state
-                    .last_fire
-                    .as_ref()
-                    .map(|f| f.task_ids.clone())
-                    .unwrap_or_default();
-                for old in h.active.drain() {
-                    owner.remove(&old);
+                h.early_done.clear();
+                if h.active.is_empty() && h.state.last_completed_ms.is_none() {
+                    // Every task of the fire finished before it was recorded.
+                    h.state.last_completed_ms = Some(now);
                 }
-                h.active = unfinished(&self.admission.tasks, &ids).await;
-                for id in &h.active {
-                    owner.insert(id.clone(), name.to_string());
+                let mut wake = next_wake_ms;
+                if h.waits_on_tasks() {
+                    let again = now + RECHECK.as_millis() as u64;
+                    wake = Some(wake.map_or(again, |w| w.min(again)));
+                }
+                if h.active.is_empty() && (h.rec.is_fixed_delay() || h.state.buffered_ms.is_some())
+                {
+                    wake = Some(now);
+                }
+                Applied::Wake(wake)
+            }
+            Outcome::Retry => Applied::Wake(Some(now + 1000)),
+            Outcome::Reload(state, revision) => {
+                if state.leader > token {
+                    return Applied::StepDown("a newer leader wrote trigger state");
                 }
                 h.state = state;
                 h.revision = revision;
-                Some(now)
+                h.checked_at = None;
+                h.active.extend(h.state.active.iter().cloned());
+                Applied::Wake(Some(now))
             }
-            Outcome::Stale(None) => None,
-            Outcome::Failed(e) => return Err(e),
-        })
-    }
-}
-
-/// Fires a planned trigger and stores its new state.
-async fn execute(admission: &Admission, store: &TriggerStore, job: Job, now: u64) -> Outcome {
-    let Job {
-        name,
-        def,
-        mut plan,
-        revision,
-    } = job;
-    let mut ids = Vec::new();
-    for &scheduled in &plan.fires {
-        match fire(admission, &def, scheduled, Source::Schedule, None).await {
-            Ok(mut fired) => ids.append(&mut fired),
-            Err(e) => {
-                // Busy or unavailable: keep the state as it was and try again shortly.
-                warn!(trigger = %name, cause = %e, "fire not accepted; retrying in 1 s");
-                return Outcome::Retry;
-            }
+            Outcome::StepDown => Applied::StepDown("a newer leader wrote trigger state"),
+            Outcome::Failed(e) => Applied::Failed(e),
         }
     }
-    if let Some(&last) = plan.fires.last() {
-        plan.state.fires += plan.fires.len() as u64;
-        plan.state.last_result.clear();
-        plan.state.last_completed_ms = None;
-        plan.state.last_fire = Some(FireRecord {
-            scheduled_ms: last,
-            fired_at_ms: now,
-            source: Source::Schedule,
-            task_ids: ids.clone(),
-        });
-        debug!(trigger = %name, scheduled = last, tasks = ids.len(), "fired");
-    }
-    match store.put_state(&name, &plan.state, Some(revision)).await {
-        Ok(revision) => Outcome::Stored {
-            state: plan.state,
-            revision,
-            ids,
-            next_wake_ms: plan.next_wake_ms,
-        },
-        // Changed elsewhere (a manual run): reload and plan again now.
-        Err(TriggerStoreError::Stale(_)) => match store.state(&name).await {
-            Ok(found) => Outcome::Stale(found),
-            Err(e) => Outcome::Failed(e.into()),
-        },
-        Err(e) => Outcome::Failed(e.into()),
-    }
 }
-
-/// Most triggers fired at once by the leader.
-const MAX_CONCURRENT_FIRES: usize = 512;
 
 /// A planned trigger to fire and store.
 struct Job {
     name: String,
     def: TriggerDef,
-    plan: super::plan::Plan,
+    plan: Plan,
     revision: u64,
+    /// Its unfinished task ids when planned.
+    active: Vec<String>,
+    token: u64,
+    now: u64,
 }
 
 /// What firing one trigger came to.
@@ -556,7 +461,172 @@ enum Outcome {
         ids: Vec<String>,
         next_wake_ms: Option<u64>,
     },
+    /// A fire was refused (busy, unavailable): nothing recorded, try again shortly.
     Retry,
-    Stale(Option<(TriggerState, u64)>),
+    /// Nothing was fired and the state changed elsewhere: plan again from this state.
+    Reload(TriggerState, u64),
+    /// A newer leader wrote the state.
+    StepDown,
     Failed(EngineError),
+}
+
+enum Applied {
+    Wake(Option<u64>),
+    StepDown(&'static str),
+    Failed(EngineError),
+}
+
+/// Fires a planned trigger and stores its new state.
+async fn execute(admission: &Admission, store: &TriggerStore, job: Job) -> Outcome {
+    let Job {
+        name,
+        def,
+        plan,
+        revision,
+        active,
+        token,
+        now,
+    } = job;
+    let mut ids = Vec::new();
+    for &scheduled in &plan.fires {
+        let tag = scheduled_tag(scheduled);
+        match fire(admission, &def, scheduled, Source::Schedule, &tag, None).await {
+            Ok(mut fired) => ids.append(&mut fired),
+            Err(e) => {
+                // Busy or unavailable: keep the state as it was and try again shortly.
+                warn!(trigger = %name, cause = %e, "fire not accepted; retrying in 1 s");
+                return Outcome::Retry;
+            }
+        }
+    }
+    let mut state = plan.state.clone();
+    state.leader = token;
+    state.active = active;
+    record_fires(&mut state, &plan.fires, &ids, now);
+    if !plan.fires.is_empty() {
+        debug!(trigger = %name, scheduled = ?plan.fires.last(), tasks = ids.len(), "fired");
+    }
+    let mut revision = revision;
+    let base = plan.state;
+    for _ in 0..MERGE_ATTEMPTS {
+        match store.put_state(&name, &state, Some(revision)).await {
+            Ok(revision) => {
+                return Outcome::Stored {
+                    state,
+                    revision,
+                    ids,
+                    next_wake_ms: plan.next_wake_ms,
+                }
+            }
+            Err(TriggerStoreError::Stale(_)) => {}
+            Err(e) => return Outcome::Failed(e.into()),
+        }
+        // Changed elsewhere (a manual run, or a newer leader).
+        let (current, rev) = match store.state(&name).await {
+            Ok(Some(found)) => found,
+            Ok(None) => return Outcome::Retry, // deleted meanwhile
+            Err(e) => return Outcome::Failed(e.into()),
+        };
+        if current.leader > token {
+            return Outcome::StepDown;
+        }
+        if plan.fires.is_empty() {
+            // Nothing fired: plan again from what is stored.
+            return Outcome::Reload(current, rev);
+        }
+        // Something fired: record it into the current state, never re-plan it.
+        state = merge_fire(&base, &state, current, token);
+        revision = rev;
+    }
+    warn!(trigger = %name, "trigger state kept changing; fire made but not recorded");
+    Outcome::Retry
+}
+
+/// Records fires `scheduled` (tasks `ids`) in `state`.
+fn record_fires(state: &mut TriggerState, scheduled: &[u64], ids: &[String], now: u64) {
+    let Some(&last) = scheduled.last() else {
+        return;
+    };
+    state.fires += scheduled.len() as u64;
+    state.last_result.clear();
+    state.last_completed_ms = None;
+    state.last_fire = Some(FireRecord {
+        scheduled_ms: last,
+        fired_at_ms: now,
+        source: Source::Schedule,
+        task_ids: ids.to_vec(),
+    });
+    state.active.extend(ids.iter().cloned());
+}
+
+/// `ours` was planned from `base`; `current` is what is stored now. Applies our changes
+/// (scheduled times handled, counters, the buffered fire, our fire) to `current`.
+fn merge_fire(
+    base: &TriggerState,
+    ours: &TriggerState,
+    mut current: TriggerState,
+    token: u64,
+) -> TriggerState {
+    current.last_scheduled_ms = current.last_scheduled_ms.max(ours.last_scheduled_ms);
+    current.skipped += ours.skipped.saturating_sub(base.skipped);
+    current.fires += ours.fires.saturating_sub(base.fires);
+    current.buffered_ms = ours.buffered_ms;
+    for id in &ours.active {
+        if !current.active.contains(id) {
+            current.active.push(id.clone());
+        }
+    }
+    if let Some(fire) = &ours.last_fire {
+        let newer = current
+            .last_fire
+            .as_ref()
+            .is_none_or(|f| f.fired_at_ms <= fire.fired_at_ms);
+        if newer {
+            current.last_fire = Some(fire.clone());
+            current.last_result.clear();
+            current.last_completed_ms = None;
+        }
+    }
+    current.leader = token;
+    current
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_fire_merges_into_a_state_changed_by_a_manual_run() {
+        let base = TriggerState {
+            created_at_ms: 0,
+            last_scheduled_ms: Some(1000),
+            fires: 1,
+            skipped: 2,
+            ..Default::default()
+        };
+        let mut ours = base.clone();
+        ours.last_scheduled_ms = Some(2000);
+        record_fires(&mut ours, &[2000], &["q.tr.t.2000.0".into()], 2001);
+        let mut current = base.clone();
+        current.fires += 1;
+        current.manual += 1;
+        current.active = vec!["q.tr.t.mX.0".into()];
+        current.last_fire = Some(FireRecord {
+            scheduled_ms: 1500,
+            fired_at_ms: 1500,
+            source: Source::Manual,
+            task_ids: vec!["q.tr.t.mX.0".into()],
+        });
+        let merged = merge_fire(&base, &ours, current, 7);
+        assert_eq!(merged.fires, 3, "the manual run and our fire");
+        assert_eq!(merged.manual, 1);
+        assert_eq!(merged.skipped, 2);
+        assert_eq!(merged.last_scheduled_ms, Some(2000));
+        assert_eq!(
+            merged.active,
+            vec!["q.tr.t.mX.0".to_string(), "q.tr.t.2000.0".to_string()]
+        );
+        assert_eq!(merged.last_fire.unwrap().scheduled_ms, 2000);
+        assert_eq!(merged.leader, 7);
+    }
 }

@@ -6,12 +6,13 @@
 //! `Nats-Msg-Id` header so a retried event is the same fire. For events that must survive
 //! ax being down entirely, capture the subject in a stream and re-publish from there.
 
-use super::engine::{fire, EngineError};
+use super::engine::EngineError;
+use super::fire::fire;
 use super::model::{Kind, TriggerDef};
 use super::plan::Source;
 use super::store::TriggerStore;
 use crate::submit::Admission;
-use crate::task::now_ms;
+use crate::time::now_ms;
 use async_nats::jetstream::kv;
 use futures::StreamExt;
 use std::collections::HashMap;
@@ -97,7 +98,11 @@ async fn serve(admission: Arc<Admission>, def: TriggerDef) {
         }
     };
     while let Some(msg) = sub.next().await {
-        let answer = match fire(&admission, &def, now_ms(), Source::Event, Some(&msg)).await {
+        let fired = match super::fire::event_tag(&msg) {
+            Ok(tag) => fire(&admission, &def, now_ms(), Source::Event, &tag, Some(&msg)).await,
+            Err(e) => Err(e),
+        };
+        let answer = match fired {
             Ok(ids) => {
                 debug!(trigger = %def.name, tasks = ids.len(), "event fired");
                 serde_json::json!({ "ok": { "task_ids": ids } })

@@ -67,10 +67,22 @@ pub struct TriggerState {
     /// Final states of the latest finished fire's tasks (`succeeded` / `dead`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub last_result: Vec<String>,
-    /// Fires made.
+    /// Fires made (scheduled and manual).
     pub fires: u64,
+    /// Of those, manual runs.
+    #[serde(default)]
+    pub manual: u64,
     /// Scheduled times not fired (misfire `skip`, overlap `skip`, dropped catch-ups).
     pub skipped: u64,
+    /// Tasks of this trigger's fires not yet seen finished (scheduled and manual fires): the
+    /// overlap policies and fixed-delay wait for these. A reader re-checks them against
+    /// their records, so a completion missed by any feed is recovered.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub active: Vec<String>,
+    /// Fencing token (lease revision) of the engine leader that last wrote this state; an
+    /// engine holding an older token steps down instead of writing.
+    #[serde(default)]
+    pub leader: u64,
 }
 
 /// What to do now.

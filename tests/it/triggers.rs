@@ -301,7 +301,7 @@ async fn misfire_after_an_outage_fires_once() {
         .scheduled_at_ms
         .unwrap();
     tokio::time::sleep(Duration::from_millis(4200)).await;
-    let up_at = ax::task::now_ms();
+    let up_at = ax::time::now_ms();
     env.start_server(Env::server()).await;
     tokio::time::sleep(Duration::from_millis(600)).await;
     let recs = fired(&env, "nightly").await;
@@ -354,7 +354,7 @@ async fn pause_resume_and_apply_with_hot_reload() {
         .await
         .unwrap();
     let paused_at = fired(&env, "a").await.len();
-    let paused_ms = ax::task::now_ms();
+    let paused_ms = ax::time::now_ms();
     tokio::time::sleep(Duration::from_millis(2200)).await;
     assert!(
         fired(&env, "a").await.len() <= paused_at + 1,
@@ -365,7 +365,7 @@ async fn pause_resume_and_apply_with_hot_reload() {
         .trigger("resume", &json!({"name": "a"}))
         .await
         .unwrap();
-    let resumed_ms = ax::task::now_ms();
+    let resumed_ms = ax::time::now_ms();
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let during: Vec<u64> = fired(&env, "a")
         .await
@@ -584,4 +584,189 @@ async fn a_manual_run_counts_as_the_running_fire() {
     );
     stop.cancel();
     handle.await.unwrap();
+}
+
+/// Defect 7.1.4: one manual-run request is one fire, even when runs race each other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_manual_runs_fire_once_each() {
+    let env = Env::start(Env::server()).await;
+    env.ax
+        .trigger("put", &interval("manual", 3_600_000))
+        .await
+        .unwrap();
+    let runs = futures::future::join_all((0..12).map(|_| {
+        let ax = env.ax.clone();
+        async move {
+            ax.trigger("run", &json!({"name": "manual", "force": true}))
+                .await
+        }
+    }))
+    .await;
+    let mut answered: Vec<String> = Vec::new();
+    for run in runs {
+        if let Ok(ok) = run {
+            answered.push(ok["task_ids"][0].as_str().unwrap().to_string());
+        }
+    }
+    assert!(!answered.is_empty(), "no manual run succeeded");
+    let made: Vec<String> = fired(&env, "manual")
+        .await
+        .into_iter()
+        .map(|r| r.id)
+        .collect();
+    answered.sort();
+    let mut made_sorted = made.clone();
+    made_sorted.sort();
+    assert_eq!(
+        made_sorted, answered,
+        "each answered run made exactly its own task, nothing more"
+    );
+    let state = env
+        .ax
+        .trigger("get", &json!({"name": "manual"}))
+        .await
+        .unwrap()["state"]
+        .clone();
+    assert_eq!(
+        state["fires"].as_u64().unwrap() as usize,
+        answered.len(),
+        "{state}"
+    );
+}
+
+/// Defect 7.1.3, triggers: `once` at a time with a UTC offset.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn once_at_an_offset_time_fires_at_that_instant() {
+    let env = Env::start(Env::server()).await;
+    let (stop, handle) = quick_worker(&env, Duration::ZERO);
+    let at_ms = (ax::time::now_ms() / 1000 + 3) * 1000;
+    let at = crate::submit::chrono_like(at_ms, 120, "");
+    env.ax
+        .trigger(
+            "put",
+            &json!({"name": "offset", "kind": "once", "at": at, "tasks": [{"name": "o", "queue": "q"}]}),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{at}: {e}"));
+    let recs = eventually(
+        Duration::from_secs(10),
+        "the once trigger to fire",
+        || async {
+            let recs = fired(&env, "offset").await;
+            (!recs.is_empty()).then_some(recs)
+        },
+    )
+    .await;
+    assert_eq!(recs[0].scheduled_at_ms, Some(at_ms));
+    stop.cancel();
+    handle.await.unwrap();
+}
+
+/// Defect 7.1.5: with fast tasks on a busy machine every overlap policy and fixed-delay
+/// keep firing: at least 60 fires each, the last one near the end of the run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_overlap_policy_keeps_firing_on_a_busy_machine() {
+    let env = Env::start(Env::server()).await;
+    let (stop, handle) = quick_worker(&env, Duration::ZERO);
+    let mut defs = Vec::new();
+    for overlap in ["buffer_one", "skip", "allow"] {
+        let mut def = interval(&format!("busy-{}", overlap.replace('_', "-")), 1000);
+        def["overlap"] = json!(overlap);
+        defs.push(def);
+    }
+    let mut paced = interval("busy-fixed-delay", 1000);
+    paced["mode"] = json!("fixed_delay");
+    defs.push(paced);
+    // Two busy loops beside ax, as a loaded production host has.
+    let spin = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let spinners: Vec<_> = (0..2)
+        .map(|_| {
+            let spin = spin.clone();
+            std::thread::spawn(move || {
+                let mut x = 0u64;
+                while spin.load(std::sync::atomic::Ordering::Relaxed) {
+                    x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
+                    std::hint::black_box(x);
+                }
+            })
+        })
+        .collect();
+    for def in &defs {
+        env.ax.trigger("put", def).await.unwrap();
+    }
+    let started = ax::time::now_ms();
+    let need = 60;
+    let result = tokio::time::timeout(Duration::from_secs(150), async {
+        loop {
+            let mut done = true;
+            for def in &defs {
+                done &= fired(&env, def["name"].as_str().unwrap()).await.len() >= need;
+            }
+            if done {
+                break;
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    })
+    .await;
+    spin.store(false, std::sync::atomic::Ordering::Relaxed);
+    for s in spinners {
+        s.join().unwrap();
+    }
+    let mut report = Vec::new();
+    for def in &defs {
+        let name = def["name"].as_str().unwrap();
+        let recs = fired(&env, name).await;
+        let last = recs
+            .iter()
+            .filter_map(|r| r.scheduled_at_ms)
+            .max()
+            .unwrap_or(0);
+        report.push(format!(
+            "{name}: {} fires, last {} ms ago",
+            recs.len(),
+            ax::time::now_ms().saturating_sub(last)
+        ));
+    }
+    println!(
+        "busy machine, {} s: {report:?}",
+        (ax::time::now_ms() - started) / 1000
+    );
+    assert!(result.is_ok(), "a trigger stalled: {report:?}");
+    stop.cancel();
+    handle.await.unwrap();
+}
+
+/// Defect 7.1.9 (lease): a standby whose wall clock runs an hour ahead does not take the
+/// lease from a live leader (lease expiry is judged by the standby's own monotonic clock,
+/// never by comparing wall clocks of two hosts).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_with_a_clock_ahead_leaves_a_live_leader_alone() {
+    let env = Env::start(Env::server().id("A")).await;
+    let leases = env.js.get_key_value("AX_LEASES").await.unwrap();
+    let holder = || async {
+        let entry = leases.get("triggers").await.ok()??;
+        let v: Value = serde_json::from_slice(&entry).ok()?;
+        Some(v["holder"].as_str()?.to_string())
+    };
+    eventually(Duration::from_secs(10), "A to lead", || async {
+        (holder().await.as_deref() == Some("A")).then_some(())
+    })
+    .await;
+    let ahead = Arc::new(ax::trigger::clock::SystemClock::default());
+    ahead.step(3_600_000);
+    let stop_b = tokio_util::sync::CancellationToken::new();
+    let b = tokio::spawn(
+        Env::server()
+            .id("B")
+            .clock(ahead)
+            .build()
+            .run(env.client.clone(), stop_b.clone()),
+    );
+    for _ in 0..40 {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(holder().await.as_deref(), Some("A"), "B took a live lease");
+    }
+    stop_b.cancel();
+    b.await.unwrap().unwrap();
 }
