@@ -2,17 +2,23 @@
 //!
 //! Every state write is a compare-and-set on the record revision this delivery read or
 //! wrote, so a delivery that was overtaken (its worker paused past the ack wait and the
-//! task went to another worker) has its result refused and does not ack.
+//! task went to another worker) has its result refused and does not ack. What the claim
+//! does is decided by the pure [`claim::decide`](super::claim::decide).
 
+use super::claim::{decide, Decision, Delivery};
+use super::labels::Labels;
 use super::rate::TimeoutRate;
 use super::{is_json, Handler, Task, TaskError};
 use crate::metrics as m;
 use crate::names;
 use crate::state::{ErrorInfo, StateError, TaskRecord, TaskState, TaskStore};
-use crate::task::{header, now_ms, TaskMeta};
+use crate::task::{header, TaskMeta};
+use crate::time::now_ms;
 use async_nats::jetstream::{self, AckKind};
+use futures::FutureExt;
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
@@ -31,14 +37,29 @@ pub(crate) struct Shared {
     /// Handlers running now (slots held by the fetcher for a pull are not busy).
     pub(crate) running: AtomicUsize,
     pub(crate) heartbeat: Duration,
+    pub(crate) ack_wait: Duration,
     pub(crate) shutdown: CancellationToken,
     pub(crate) hard_stop: CancellationToken,
     pub(crate) rate: TimeoutRate,
     pub(crate) tracker: TaskTracker,
+    pub(crate) labels: Labels,
 }
 
 /// Retry pause when the broker cannot be reached for a state read or write.
 const BROKER_RETRY: Duration = Duration::from_secs(1);
+
+/// When the broker last confirmed this delivery is ours (a heartbeat it acknowledged, or
+/// the delivery itself): JetStream redelivers it one ack wait after that.
+struct Held(Mutex<Instant>);
+
+impl Held {
+    fn confirmed(&self) {
+        *self.0.lock().expect("not poisoned") = Instant::now();
+    }
+    fn since(&self) -> Duration {
+        self.0.lock().expect("not poisoned").elapsed()
+    }
+}
 
 /// Runs one delivery in the worker's tracker; `permit` is its handler slot if already taken.
 pub(crate) fn spawn(
@@ -48,19 +69,28 @@ pub(crate) fn spawn(
 ) {
     let sh = shared.clone();
     shared.tracker.spawn(async move {
+        let held = Held(Mutex::new(Instant::now()));
+        let work = AssertUnwindSafe(process(&sh, &msg, permit, &held)).catch_unwind();
         tokio::select! {
-            _ = heartbeat(&msg, sh.heartbeat) => {}
-            _ = process(&sh, &msg, permit) => {}
+            _ = heartbeat(&msg, sh.heartbeat, &held) => {}
+            done = work => if done.is_err() {
+                // A bug in the SDK: hand the delivery back rather than hold it until the
+                // ack wait.
+                error!(subject = %msg.subject, "worker panicked while processing a delivery; handed back");
+                reply(&msg, AckKind::Nak(Some(BROKER_RETRY))).await;
+            },
         }
     });
 }
 
-/// Sends `+WPI` (AckProgress) every `every` for as long as the delivery is held.
-async fn heartbeat(msg: &jetstream::Message, every: Duration) {
+/// Sends `+WPI` (AckProgress) every `every` for as long as the delivery is held, asking
+/// the broker to confirm each.
+async fn heartbeat(msg: &jetstream::Message, every: Duration, held: &Held) {
     loop {
         tokio::time::sleep(every).await;
-        if let Err(e) = msg.ack_with(AckKind::Progress).await {
-            debug!(cause = %e, "heartbeat failed");
+        match msg.double_ack_with(AckKind::Progress).await {
+            Ok(()) => held.confirmed(),
+            Err(e) => debug!(cause = %e, "heartbeat not confirmed"),
         }
     }
 }
@@ -71,33 +101,57 @@ async fn reply(msg: &jetstream::Message, kind: AckKind) {
     }
 }
 
-fn busy_gauge(sh: &Shared, change: isize) {
-    let busy = if change > 0 {
-        sh.running.fetch_add(1, Ordering::Relaxed) + 1
-    } else {
-        sh.running.fetch_sub(1, Ordering::Relaxed) - 1
-    };
+/// Counts a running handler in `ax_worker_busy_rate` for as long as it lives, whatever
+/// way the handler ends (a panic included).
+struct Busy<'a>(&'a Shared);
+
+impl<'a> Busy<'a> {
+    fn start(sh: &'a Shared) -> Busy<'a> {
+        let busy = sh.running.fetch_add(1, Ordering::Relaxed) + 1;
+        set_busy(sh, busy);
+        Busy(sh)
+    }
+}
+
+impl Drop for Busy<'_> {
+    fn drop(&mut self) {
+        let busy = self.0.running.fetch_sub(1, Ordering::Relaxed) - 1;
+        set_busy(self.0, busy);
+    }
+}
+
+fn set_busy(sh: &Shared, busy: usize) {
     metrics::gauge!(m::WORKER_BUSY_RATE, "queue" => sh.queue.clone())
         .set(busy as f64 / sh.concurrency as f64);
 }
 
-/// Header values may not hold line breaks; keep error text readable and bounded.
-fn header_safe(text: &str) -> String {
-    text.chars()
+/// Header values may not hold line breaks; keep error text readable and bounded: control
+/// characters become spaces, surrounding whitespace is trimmed (header values are trimmed
+/// on the wire), at most 1024 characters.
+pub(crate) fn header_safe(text: &str) -> String {
+    let clean: String = text
+        .chars()
         .map(|c| if c.is_control() { ' ' } else { c })
         .take(1024)
-        .collect()
+        .collect();
+    clean.trim().to_string()
 }
 
-enum Claim {
-    Started(Box<TaskRecord>, u64),
-    Again,
-    Done,
-}
-
-async fn process(sh: &Shared, msg: &jetstream::Message, permit: Option<OwnedSemaphorePermit>) {
+async fn process(
+    sh: &Shared,
+    msg: &jetstream::Message,
+    permit: Option<OwnedSemaphorePermit>,
+    held: &Held,
+) {
     let meta = match msg.headers.as_ref().map(TaskMeta::from_headers) {
-        Some(Ok(meta)) => meta,
+        Some(Ok(meta)) if meta.queue == sh.queue => meta,
+        Some(Ok(meta)) => {
+            let why = format!(
+                "task of queue {} on a subject of queue {}",
+                meta.queue, sh.queue
+            );
+            return reject_malformed(sh, msg, &why).await;
+        }
         Some(Err(e)) => return reject_malformed(sh, msg, &e.to_string()).await,
         None => return reject_malformed(sh, msg, "no headers").await,
     };
@@ -112,9 +166,11 @@ async fn process(sh: &Shared, msg: &jetstream::Message, permit: Option<OwnedSema
         // Fetched but not started: hand it back untouched (no attempt is counted).
         return reply(msg, AckKind::Nak(None)).await;
     }
-    for _ in 0..3 {
+    // A revision conflict means another writer moved the record: read it again and decide
+    // anew. A few in a row only happen under contention; then hand the delivery back.
+    for _ in 0..5 {
         match claim(sh, &meta, msg).await {
-            Claim::Started(rec, token) => return run(sh, &meta, msg, *rec, token).await,
+            Claim::Started(rec, token) => return run(sh, &meta, msg, *rec, token, held).await,
             Claim::Again => continue,
             Claim::Done => return,
         }
@@ -122,102 +178,109 @@ async fn process(sh: &Shared, msg: &jetstream::Message, permit: Option<OwnedSema
     reply(msg, AckKind::Nak(Some(BROKER_RETRY))).await;
 }
 
-/// Moves the record to `running` for a new attempt; the new revision is the fencing token.
+enum Claim {
+    Started(Box<TaskRecord>, u64),
+    Again,
+    Done,
+}
+
+/// Reads the record and carries out [`decide`]'s decision.
 async fn claim(sh: &Shared, meta: &TaskMeta, msg: &jetstream::Message) -> Claim {
-    let seq = msg.info().map_or(0, |i| i.stream_sequence);
-    let (mut rec, rev) = match sh.tasks.get(&meta.id).await {
-        Ok(Some(found)) => found,
-        Ok(None) => {
-            // Accepted, but the submitter died before writing the record: write it now.
-            let rec = TaskRecord::new(meta).transition(TaskState::Pending);
-            match sh.tasks.create(&rec).await {
-                Ok(rev) => (rec, rev),
-                Err(StateError::Exists(_)) => return Claim::Again,
-                Err(e) => {
-                    warn!(task_id = %meta.id, cause = %e, "cannot create record");
-                    reply(msg, AckKind::Nak(Some(BROKER_RETRY))).await;
-                    return Claim::Done;
-                }
-            }
-        }
+    let delivery = Delivery {
+        seq: msg.info().map_or(0, |i| i.stream_sequence),
+        worker: &sh.worker_id,
+        now_ms: now_ms(),
+    };
+    let found = match sh.tasks.get(&meta.id).await {
+        Ok(found) => found,
         Err(e) => {
             warn!(task_id = %meta.id, cause = %e, "cannot read record");
             reply(msg, AckKind::Nak(Some(BROKER_RETRY))).await;
             return Claim::Done;
         }
     };
-    match rec.state {
-        TaskState::Succeeded => {
-            // A duplicate delivery of a finished task (e.g. its ack was lost).
+    let revision = found.as_ref().map_or(0, |(_, rev)| *rev);
+    match decide(found.as_ref().map(|(rec, _)| rec), meta, delivery) {
+        Decision::Create(rec) => match sh.tasks.create(&rec).await {
+            Ok(_) | Err(StateError::Exists(_)) => Claim::Again,
+            Err(e) => {
+                warn!(task_id = %meta.id, cause = %e, "cannot create record");
+                reply(msg, AckKind::Nak(Some(BROKER_RETRY))).await;
+                Claim::Done
+            }
+        },
+        Decision::AckDuplicate => {
             reply(msg, AckKind::Ack).await;
-            return Claim::Done;
-        }
-        TaskState::Dead => {
-            // Dead was written but the dead letter or the Term may be missing.
-            let error = rec.last_error.clone().unwrap_or(ErrorInfo {
-                class: "dead".into(),
-                message: String::new(),
-            });
-            publish_dead_letter_and_term(sh, meta, msg, &rec, &error).await;
-            return Claim::Done;
-        }
-        TaskState::Running if rec.ready_seq.is_some() && rec.ready_seq != Some(seq) => {
-            // Another message of the same task holds the running attempt: this one is a
-            // duplicate published after the dedup window (e.g. a dispatcher restarted
-            // late). Retire it without running the task twice at once.
-            warn!(task_id = %meta.id, seq, "duplicate task message retired");
-            reply(msg, AckKind::Term).await;
-            return Claim::Done;
-        }
-        TaskState::Running => {
-            // The attempt before this delivery stopped heartbeating (crash, pause, network).
-            metrics::counter!(m::TIMEOUTS, "queue" => sh.queue.clone(), "kind" => "heartbeat")
-                .increment(1);
-            metrics::gauge!(m::TASK_TIMEOUT_RATE, "queue" => sh.queue.clone())
-                .set(sh.rate.record(true));
-            rec.last_error = Some(ErrorInfo {
-                class: "heartbeat_timeout".into(),
-                message: format!(
-                    "attempt {} on worker {} stopped heartbeating",
-                    rec.attempt,
-                    rec.worker.as_deref().unwrap_or("?")
-                ),
-            });
-        }
-        _ => {}
-    }
-    if rec.attempt >= meta.max_attempts {
-        let error = rec.last_error.clone().unwrap_or(ErrorInfo {
-            class: "attempts_exhausted".into(),
-            message: format!("{} attempts made", rec.attempt),
-        });
-        finish_dead(sh, meta, msg, rec, rev, error).await;
-        return Claim::Done;
-    }
-    rec.attempt += 1;
-    rec.started_at_ms = Some(now_ms());
-    rec.worker = Some(sh.worker_id.clone());
-    rec.ready_seq = Some(seq);
-    let rec = rec.transition(TaskState::Running);
-    match sh.tasks.cas(&rec, rev).await {
-        Ok(token) => Claim::Started(Box::new(rec), token),
-        Err(StateError::Stale { .. }) => Claim::Again,
-        Err(e) => {
-            warn!(task_id = %meta.id, cause = %e, "cannot claim attempt");
-            reply(msg, AckKind::Nak(Some(BROKER_RETRY))).await;
             Claim::Done
         }
+        Decision::FinishDead(error) => {
+            let rec = found.map(|(rec, _)| rec).expect("dead implies a record");
+            publish_dead_letter_and_term(sh, meta, msg, &rec, &error).await;
+            Claim::Done
+        }
+        Decision::RetireStray => {
+            warn!(task_id = %meta.id, seq = delivery.seq, "duplicate task message retired");
+            reply(msg, AckKind::Term).await;
+            Claim::Done
+        }
+        Decision::Dead(dead) => {
+            count_lost_heartbeat(sh, found.as_ref().map(|(r, _)| r));
+            match sh.tasks.cas(&dead, revision).await {
+                Ok(_) => {
+                    let error = dead.last_error.clone().expect("dead has an error");
+                    dead_written(sh, meta, &dead, &error);
+                    publish_dead_letter_and_term(sh, meta, msg, &dead, &error).await;
+                    Claim::Done
+                }
+                Err(StateError::Stale { .. }) => Claim::Again,
+                Err(e) => {
+                    warn!(task_id = %meta.id, cause = %e, "cannot write dead");
+                    reply(msg, AckKind::Nak(Some(BROKER_RETRY))).await;
+                    Claim::Done
+                }
+            }
+        }
+        Decision::Start { rec, lost } => match sh.tasks.cas(&rec, revision).await {
+            Ok(token) => {
+                if lost {
+                    count_lost_heartbeat(sh, None);
+                }
+                Claim::Started(rec, token)
+            }
+            Err(StateError::Stale { .. }) => Claim::Again,
+            Err(e) => {
+                warn!(task_id = %meta.id, cause = %e, "cannot claim attempt");
+                reply(msg, AckKind::Nak(Some(BROKER_RETRY))).await;
+                Claim::Done
+            }
+        },
     }
 }
 
-async fn run(sh: &Shared, meta: &TaskMeta, msg: &jetstream::Message, rec: TaskRecord, token: u64) {
+/// The attempt before this delivery stopped heartbeating (crash, pause, network).
+fn count_lost_heartbeat(sh: &Shared, running: Option<&TaskRecord>) {
+    if running.is_some_and(|r| r.state != TaskState::Running) {
+        return;
+    }
+    metrics::counter!(m::TIMEOUTS, "queue" => sh.queue.clone(), "kind" => "heartbeat").increment(1);
+    metrics::gauge!(m::TASK_TIMEOUT_RATE, "queue" => sh.queue.clone()).set(sh.rate.record(true));
+}
+
+async fn run(
+    sh: &Shared,
+    meta: &TaskMeta,
+    msg: &jetstream::Message,
+    rec: TaskRecord,
+    token: u64,
+    held: &Held,
+) {
     let queue = sh.queue.clone();
+    let task_label = sh.labels.task(&meta.name);
     if rec.attempt == 1 {
         let ready_at = meta.run_at_ms.unwrap_or(meta.created_at_ms);
         metrics::histogram!(m::QUEUE_WAIT, "queue" => queue.clone())
             .record(now_ms().saturating_sub(ready_at) as f64 / 1000.0);
     }
-    busy_gauge(sh, 1);
     let task = Task {
         id: meta.id.clone(),
         name: meta.name.clone(),
@@ -233,24 +296,38 @@ async fn run(sh: &Shared, meta: &TaskMeta, msg: &jetstream::Message, rec: TaskRe
         run_at_ms: meta.run_at_ms,
     };
     let started = Instant::now();
-    let outcome = tokio::select! {
-        r = tokio::time::timeout(meta.timeout, (sh.handler)(task)) => Some(r),
-        _ = sh.hard_stop.cancelled() => None,
+    let outcome = {
+        let _busy = Busy::start(sh);
+        let handler = AssertUnwindSafe((sh.handler)(task)).catch_unwind();
+        tokio::select! {
+            r = tokio::time::timeout(meta.timeout, handler) => Some(r),
+            _ = sh.hard_stop.cancelled() => None,
+        }
     };
-    metrics::histogram!(m::RUN_DURATION, "queue" => queue.clone(), "task" => meta.name.clone())
+    metrics::histogram!(m::RUN_DURATION, "queue" => queue.clone(), "task" => task_label.clone())
         .record(started.elapsed().as_secs_f64());
     match outcome {
-        Some(Ok(Ok(()))) => {
+        Some(Ok(Ok(Ok(())))) => {
             metrics::gauge!(m::TASK_TIMEOUT_RATE, "queue" => queue.clone())
                 .set(sh.rate.record(false));
             let done = rec.transition(TaskState::Succeeded);
-            if write(sh, &done, token).await {
-                metrics::counter!(m::SUCCEEDED, "queue" => queue, "task" => meta.name.clone())
+            if write(sh, &done, token, held).await {
+                metrics::counter!(m::SUCCEEDED, "queue" => queue, "task" => task_label)
                     .increment(1);
                 reply(msg, AckKind::Ack).await;
             }
         }
-        Some(Ok(Err(e))) => fail(sh, meta, msg, rec, token, e, false).await,
+        Some(Ok(Ok(Err(e)))) => fail(sh, meta, msg, rec, token, e, false, held).await,
+        Some(Ok(Err(panic))) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "handler panicked".into());
+            warn!(task_id = %meta.id, cause = %what, "handler panicked; the attempt failed");
+            let e = TaskError::new("panic", what);
+            fail(sh, meta, msg, rec, token, e, false, held).await;
+        }
         Some(Err(_elapsed)) => {
             metrics::counter!(m::TIMEOUTS, "queue" => queue, "kind" => "hard").increment(1);
             let e = TaskError::new(
@@ -260,7 +337,7 @@ async fn run(sh: &Shared, meta: &TaskMeta, msg: &jetstream::Message, rec: TaskRe
                     meta.timeout.as_millis()
                 ),
             );
-            fail(sh, meta, msg, rec, token, e, true).await;
+            fail(sh, meta, msg, rec, token, e, true, held).await;
         }
         None => {
             // Shutdown grace is over: hand the task back for another worker.
@@ -270,19 +347,22 @@ async fn run(sh: &Shared, meta: &TaskMeta, msg: &jetstream::Message, rec: TaskRe
                 message: "worker shut down during the attempt".into(),
             });
             back.next_retry_at_ms = Some(now_ms());
-            if write(sh, &back, token).await {
+            if write(sh, &back, token, held).await {
                 reply(msg, AckKind::Nak(None)).await;
             }
         }
     }
-    busy_gauge(sh, -1);
 }
 
-/// Writes `rec` under `token`, retrying a broker failure a few times. False if the token
-/// is stale (another attempt took over: the result is refused) or the broker stayed down
-/// (the delivery is left to be redelivered).
-async fn write(sh: &Shared, rec: &TaskRecord, token: u64) -> bool {
-    for _ in 0..3 {
+/// Writes `rec` under `token`. A broker failure is retried with backoff for as long as the
+/// delivery is still ours: until an ack wait (less one heartbeat) has passed since the
+/// broker last confirmed a heartbeat, so a broker outage shorter than that does not run a
+/// finished task again. False if the token is stale (another attempt took over: the result
+/// is refused) or the delivery was lost meanwhile (it will be redelivered).
+async fn write(sh: &Shared, rec: &TaskRecord, token: u64, held: &Held) -> bool {
+    let keep_trying = sh.ack_wait.saturating_sub(sh.heartbeat);
+    let mut pause = Duration::from_millis(100);
+    loop {
         match sh.tasks.cas(rec, token).await {
             Ok(_) => return true,
             Err(StateError::Stale { .. }) => {
@@ -291,15 +371,21 @@ async fn write(sh: &Shared, rec: &TaskRecord, token: u64) -> bool {
                     "result refused: another attempt took over (stale fencing token)");
                 return false;
             }
-            Err(e) => {
+            Err(e) if held.since() < keep_trying => {
                 warn!(task_id = %rec.id, cause = %e, "state write failed; retrying");
-                tokio::time::sleep(BROKER_RETRY).await;
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(BROKER_RETRY);
+            }
+            Err(e) => {
+                warn!(task_id = %rec.id, cause = %e,
+                    "state write failed for longer than the ack wait allows; the task will be redelivered");
+                return false;
             }
         }
     }
-    false
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn fail(
     sh: &Shared,
     meta: &TaskMeta,
@@ -308,9 +394,11 @@ async fn fail(
     token: u64,
     e: TaskError,
     timed_out: bool,
+    held: &Held,
 ) {
     let queue = sh.queue.clone();
-    metrics::counter!(m::FAILED, "queue" => queue.clone(), "task" => meta.name.clone(), "class" => e.class.clone())
+    let task_label = sh.labels.task(&meta.name);
+    metrics::counter!(m::FAILED, "queue" => queue.clone(), "task" => task_label.clone(), "class" => sh.labels.class(&e.class))
         .increment(1);
     metrics::gauge!(m::TASK_TIMEOUT_RATE, "queue" => queue.clone()).set(sh.rate.record(timed_out));
     let error = ErrorInfo {
@@ -319,36 +407,30 @@ async fn fail(
     };
     let retry = !e.permanent && meta.retryable(&e.class) && rec.attempt < meta.max_attempts;
     if !retry {
-        return finish_dead(sh, meta, msg, rec, token, error).await;
+        let mut dead = rec.transition(TaskState::Dead);
+        dead.last_error = Some(error.clone());
+        if write(sh, &dead, token, held).await {
+            dead_written(sh, meta, &dead, &error);
+            publish_dead_letter_and_term(sh, meta, msg, &dead, &error).await;
+        }
+        return;
     }
     let delay = meta.backoff.delay(rec.attempt);
     let mut next = rec.transition(TaskState::Retrying);
     next.last_error = Some(error);
     next.next_retry_at_ms = Some(now_ms() + delay.as_millis() as u64);
-    if write(sh, &next, token).await {
-        metrics::counter!(m::RETRIED, "queue" => queue, "task" => meta.name.clone()).increment(1);
+    if write(sh, &next, token, held).await {
+        metrics::counter!(m::RETRIED, "queue" => queue, "task" => task_label).increment(1);
         debug!(task_id = %meta.id, attempt = next.attempt, ?delay, "retry scheduled");
         reply(msg, AckKind::Nak(Some(delay))).await;
     }
 }
 
-async fn finish_dead(
-    sh: &Shared,
-    meta: &TaskMeta,
-    msg: &jetstream::Message,
-    rec: TaskRecord,
-    token: u64,
-    error: ErrorInfo,
-) {
-    let mut dead = rec.transition(TaskState::Dead);
-    dead.last_error = Some(error.clone());
-    if write(sh, &dead, token).await {
-        metrics::counter!(m::DEAD, "queue" => sh.queue.clone(), "task" => meta.name.clone())
-            .increment(1);
-        error!(task_id = %meta.id, queue = %meta.queue, class = %error.class,
-            cause = %error.message, attempts = dead.attempt, "task dead");
-        publish_dead_letter_and_term(sh, meta, msg, &dead, &error).await;
-    }
+fn dead_written(sh: &Shared, meta: &TaskMeta, dead: &TaskRecord, error: &ErrorInfo) {
+    metrics::counter!(m::DEAD, "queue" => sh.queue.clone(), "task" => sh.labels.task(&meta.name))
+        .increment(1);
+    error!(task_id = %meta.id, queue = %meta.queue, class = %error.class,
+        cause = %error.message, attempts = dead.attempt, "task dead");
 }
 
 /// Publishes the dead letter (idempotent by message id), then terminates the delivery.
@@ -361,7 +443,11 @@ async fn publish_dead_letter_and_term(
 ) {
     let mut headers = meta.to_headers();
     headers.insert("Nats-Msg-Id", meta.id.as_str());
-    headers.insert(header::ERROR_CLASS, header_safe(&error.class).as_str());
+    let class = match header_safe(&error.class) {
+        c if c.is_empty() => "unknown".to_string(),
+        c => c,
+    };
+    headers.insert(header::ERROR_CLASS, class.as_str());
     headers.insert(header::ERROR_MESSAGE, header_safe(&error.message).as_str());
     headers.insert(header::ATTEMPTS, rec.attempt.to_string().as_str());
     dead_letter_and_term(sh, &meta.queue, msg, headers).await;

@@ -91,6 +91,8 @@ pub(super) async fn run(
         concurrency: worker.concurrency,
         running: Default::default(),
         heartbeat: (ack_wait / 3).max(Duration::from_millis(100)),
+        ack_wait,
+        labels: Default::default(),
         shutdown: shutdown.clone(),
         hard_stop: CancellationToken::new(),
         rate: TimeoutRate::new(Duration::from_secs(60)),

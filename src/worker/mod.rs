@@ -32,7 +32,9 @@
 //!   [`WorkerBuilder::shutdown_grace`] to finish, then are aborted and handed back (nak).
 
 mod attempt;
+mod claim;
 pub mod fetch;
+mod labels;
 mod rate;
 
 use crate::names::{self, Priority};
@@ -134,6 +136,9 @@ pub enum WorkerError {
         /// Lookup error.
         source: async_nats::Error,
     },
+    /// Opening the task bucket failed.
+    #[error(transparent)]
+    State(#[from] crate::state::StateError),
     /// The broker failed.
     #[error("worker {op}: {source}")]
     Broker {
@@ -193,30 +198,44 @@ impl Worker {
     }
 
     /// Pulls and runs tasks until `shutdown` is cancelled, then drains (see module docs).
+    ///
+    /// A worker may start before NATS, JetStream or any ax server: until its queue's
+    /// consumers and the task bucket exist it waits, retrying with backoff, and says so in
+    /// one log line. It learns the ack wait from its consumers.
     pub async fn run(
         self,
         client: async_nats::Client,
         shutdown: CancellationToken,
     ) -> Result<(), WorkerError> {
         let js = jetstream::new(client);
-        let tasks = TaskStore::open(&js)
-            .await
-            .map_err(|e| WorkerError::Broker {
-                op: "open task bucket",
-                source: e.into(),
-            })?;
-        let mut consumers: Vec<PullConsumer> = Vec::with_capacity(3);
-        for p in Priority::ALL {
-            let name = names::consumer_name(&self.queue, p);
-            let consumer = js
-                .get_consumer_from_stream(&name, &p.ready_stream())
-                .await
-                .map_err(|e| WorkerError::QueueNotDeclared {
-                    queue: self.queue.clone(),
-                    source: e.into(),
-                })?;
-            consumers.push(consumer);
-        }
+        let what = format!(
+            "queue {q} to be declared (by an ax server, or `ax streams apply --queue {q}`)",
+            q = self.queue
+        );
+        let queue = self.queue.clone();
+        let ready = crate::retry::until_ok(&what, &shutdown, || {
+            let (js, queue) = (js.clone(), queue.clone());
+            async move {
+                let tasks = TaskStore::open(&js).await?;
+                let mut consumers: Vec<PullConsumer> = Vec::with_capacity(3);
+                for p in Priority::ALL {
+                    let name = names::consumer_name(&queue, p);
+                    let consumer = js
+                        .get_consumer_from_stream(&name, &p.ready_stream())
+                        .await
+                        .map_err(|e| WorkerError::QueueNotDeclared {
+                            queue: queue.clone(),
+                            source: e.into(),
+                        })?;
+                    consumers.push(consumer);
+                }
+                Ok::<_, WorkerError>((tasks, consumers))
+            }
+        })
+        .await;
+        let Some((tasks, consumers)) = ready else {
+            return Ok(()); // shut down while waiting
+        };
         let ack_wait = consumers[0].cached_info().config.ack_wait;
         fetch::run(self, js, tasks, consumers, ack_wait, shutdown).await
     }

@@ -3,7 +3,7 @@
 use crate::procs::{wait_ready, AxProc};
 use crate::support::{counting_worker, eventually};
 use ax::natsd::LocalNats;
-use ax::task::now_ms;
+use ax::time::now_ms;
 use ax::worker::{Task, Worker};
 use ax::{Client, TaskSpec, TaskState};
 use futures::StreamExt;

@@ -5,6 +5,7 @@ use crate::support::{counting_worker, eventually, Env};
 use ax::natsd::LocalNats;
 use ax::worker::{Task, Worker};
 use ax::{Client, TaskSpec, TaskState};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
@@ -288,4 +289,161 @@ async fn nats_restart_during_load_loses_no_acknowledged_submission() {
     );
     stop.cancel();
     handle.await.unwrap();
+}
+
+/// Defect 7.1.9 (result write): JetStream unavailable for 18 s while a finished attempt
+/// writes its result does not run the task again: the worker keeps trying (and
+/// heartbeating) until JetStream is back, as long as the ack wait (40 s here) allows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_jetstream_outage_during_the_result_write_does_not_rerun_the_task() {
+    let mut env = Env::start(Env::server().ack_wait(Duration::from_secs(40))).await;
+    let runs = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let (started_tx, mut started_rx) = tokio::sync::mpsc::unbounded_channel::<()>();
+    let release = Arc::new(tokio::sync::Notify::new());
+    let worker = Worker::builder("q")
+        .handler({
+            let (runs, release) = (runs.clone(), release.clone());
+            move |_t: Task| {
+                let (runs, release, started) = (runs.clone(), release.clone(), started_tx.clone());
+                async move {
+                    runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    let _ = started.send(());
+                    release.notified().await;
+                    Ok(())
+                }
+            }
+        })
+        .build()
+        .unwrap();
+    let (stop, handle) = env.spawn_worker(worker);
+    let id = env.ax.submit("q", TaskSpec::new("t")).await.unwrap().id;
+    started_rx.recv().await.unwrap();
+    // The broker comes back at once but without JetStream: every state write fails fast.
+    env.nats.restart_without_jetstream().unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    release.notify_one();
+    tokio::time::sleep(Duration::from_secs(18)).await;
+    env.nats.restart().unwrap();
+    let rec = env
+        .wait_state(&id, TaskState::Succeeded, Duration::from_secs(60))
+        .await;
+    assert_eq!(rec.attempt, 1, "the task was run again");
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 1);
+    stop.cancel();
+    handle.await.unwrap();
+}
+
+/// Peak resident memory of `pid` while `until` is pending, sampled every 50 ms (KiB).
+pub async fn peak_rss_kib<F: std::future::Future>(pid: u32, until: F) -> (u64, F::Output) {
+    let sample = || {
+        std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find(|l| l.starts_with("VmRSS:"))
+                    .and_then(|l| l.split_whitespace().nth(1))
+                    .and_then(|v| v.parse::<u64>().ok())
+            })
+            .unwrap_or(0)
+    };
+    let mut peak = sample();
+    let mut until = std::pin::pin!(until);
+    loop {
+        tokio::select! {
+            out = &mut until => return (peak.max(sample()), out),
+            _ = tokio::time::sleep(Duration::from_millis(50)) => peak = peak.max(sample()),
+        }
+    }
+}
+
+/// Defect 7.1.9 (replay memory): a server that restarts over many delayed tasks does not
+/// hold all their payloads at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replaying_many_delayed_tasks_holds_a_bounded_amount_of_payload() {
+    let nats = LocalNats::start().unwrap();
+    let url = nats.url();
+    let args = ["server", "--queue", "q"];
+    let mut server = AxProc::spawn(&url, &args);
+    let client = async_nats::connect(&url).await.unwrap();
+    wait_ready(&client).await;
+    let ax = Client::new(client.clone());
+    // 5,000 tasks of 48 KiB each, due within the 30 s horizon: 240 MiB of payload.
+    let payload = serde_json::json!("x".repeat(48 * 1024));
+    let n = 5000;
+    {
+        use futures::StreamExt;
+        futures::stream::iter(0..n)
+            .map(|_| {
+                let (ax, payload) = (ax.clone(), payload.clone());
+                async move {
+                    ax.submit(
+                        "q",
+                        TaskSpec::new("big")
+                            .json(&payload)
+                            .delay(Duration::from_secs(25)),
+                    )
+                    .await
+                    .unwrap()
+                }
+            })
+            .buffer_unordered(64)
+            .collect::<Vec<_>>()
+            .await;
+    }
+    server.kill9();
+    let port = free_port();
+    let server = AxProc::spawn_with_metrics(&url, &args, &format!("127.0.0.1:{port}"));
+    let indexed = async {
+        eventually(
+            Duration::from_secs(60),
+            "the replay to index every task",
+            || async {
+                let text = tokio::time::timeout(Duration::from_secs(2), scrape(port))
+                    .await
+                    .ok()?;
+                let tracked = text
+                    .lines()
+                    .find(|l| l.starts_with("ax_delayed_tracked "))?
+                    .rsplit(' ')
+                    .next()?
+                    .parse::<f64>()
+                    .ok()?;
+                (tracked as usize == n).then_some(())
+            },
+        )
+        .await
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let (peak_kib, ()) = peak_rss_kib(server.0.id(), indexed).await;
+    println!(
+        "replay of {n} delayed tasks x 48 KiB: server peak RSS {} MiB",
+        peak_kib / 1024
+    );
+    assert!(peak_kib < 160 * 1024, "peak RSS {} MiB", peak_kib / 1024);
+}
+
+/// Defect 7.1.9 (metric labels): requests to made-up queues do not create metric series.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn made_up_queue_names_create_no_metric_series() {
+    let nats = LocalNats::start().unwrap();
+    let url = nats.url();
+    let port = free_port();
+    let _server = AxProc::spawn_with_metrics(
+        &url,
+        &["server", "--queue", "q"],
+        &format!("127.0.0.1:{port}"),
+    );
+    let client = async_nats::connect(&url).await.unwrap();
+    wait_ready(&client).await;
+    for i in 0..200 {
+        let _ = client
+            .request(format!("ax.submit.junk{i}"), "{\"name\":\"x\"}".into())
+            .await;
+    }
+    let text = scrape(port).await;
+    let series = text
+        .lines()
+        .filter(|l| l.starts_with("ax_submit_rejected_total{"))
+        .count();
+    assert!(series <= 3, "{series} series:\n{text}");
 }

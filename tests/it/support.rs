@@ -43,6 +43,13 @@ impl Env {
     /// nats-server + an ax server with queue `q` (plus the builder's queues) and a short
     /// ack wait, ready to answer.
     pub async fn start(server: ServerBuilder) -> Env {
+        let mut env = Env::nats_only().await;
+        env.start_server(server).await;
+        env
+    }
+
+    /// A nats-server and a client, no ax server yet.
+    pub async fn nats_only() -> Env {
         // RUST_LOG=ax=debug shows the library's logs for a failing test.
         let _ = tracing_subscriber::fmt()
             .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
@@ -51,16 +58,14 @@ impl Env {
         let nats = LocalNats::start().expect("nats-server starts (run ./dev test)");
         let client = async_nats::connect(nats.url()).await.expect("connect");
         let js = async_nats::jetstream::new(client.clone());
-        let mut env = Env {
+        Env {
             nats,
             ax: Client::new(client.clone()),
             client,
             js,
             shutdown: CancellationToken::new(),
             server: None,
-        };
-        env.start_server(server).await;
-        env
+        }
     }
 
     /// The builder most tests use: queue `q`, ack wait 1 s.

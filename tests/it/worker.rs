@@ -252,3 +252,94 @@ async fn a_stray_duplicate_message_does_not_run_the_task_twice() {
     stop.cancel();
     handle.await.unwrap();
 }
+
+/// Defect 7.1.8: a worker started before any ax server waits for its queue instead of
+/// exiting, then runs what is submitted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_started_before_the_server_waits_for_its_queue() {
+    let mut env = Env::nats_only().await;
+    let (worker, runs) = crate::support::counting_worker(4);
+    let stop = tokio_util::sync::CancellationToken::new();
+    let handle = tokio::spawn(worker.run(env.client.clone(), stop.clone()));
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(
+        !handle.is_finished(),
+        "the worker gave up before the server came"
+    );
+    env.start_server(Env::server()).await;
+    let id = env.ax.submit("q", TaskSpec::new("t")).await.unwrap().id;
+    env.wait_state(&id, TaskState::Succeeded, Duration::from_secs(15))
+        .await;
+    assert_eq!(runs.lock().unwrap().get(&id), Some(&1));
+    stop.cancel();
+    handle.await.unwrap().unwrap();
+}
+
+/// Defect 7.1.9 (panic): a handler that panics ends its attempt at once as a failure of
+/// class `panic`, not as a lost heartbeat after the ack wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_handler_fails_its_attempt_with_class_panic() {
+    let env = Env::start(Env::server().ack_wait(Duration::from_secs(20))).await;
+    let worker = Worker::builder("q")
+        .handler(|task: Task| async move {
+            if task.attempt == 1 {
+                panic!("handler bug");
+            }
+            Ok(())
+        })
+        .build()
+        .unwrap();
+    let (stop, handle) = env.spawn_worker(worker);
+    let spec = TaskSpec::new("t").backoff(Duration::from_millis(100), Duration::from_secs(1), 0.0);
+    let id = env.ax.submit("q", spec).await.unwrap().id;
+    // Well within the 20 s ack wait.
+    let rec = env
+        .wait_state(&id, TaskState::Succeeded, Duration::from_secs(8))
+        .await;
+    assert_eq!(rec.attempt, 2);
+    let history = env.ax.history(&id).await.unwrap();
+    let failed = history
+        .iter()
+        .find(|(r, _)| r.state == TaskState::Retrying)
+        .expect("a retrying transition");
+    assert_eq!(failed.0.last_error.as_ref().unwrap().class, "panic");
+    stop.cancel();
+    handle.await.unwrap();
+}
+
+/// Defect 7.1.9 (unknown fields): fields another writer added to a record survive the Rust
+/// worker's writes (docs/PROTOCOL.md §3).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_record_fields_survive_the_worker() {
+    let env = Env::start(Env::server()).await;
+    let id = env
+        .ax
+        .submit("q", TaskSpec::new("t").delay(Duration::from_millis(1500)))
+        .await
+        .unwrap()
+        .id;
+    let kv = env.js.get_key_value("AX_TASKS").await.unwrap();
+    let entry = kv.entry(&id).await.unwrap().unwrap();
+    let mut value: serde_json::Value = serde_json::from_slice(&entry.value).unwrap();
+    value["custom"] = serde_json::json!({"owner": "billing"});
+    kv.update(
+        &id,
+        serde_json::to_vec(&value).unwrap().into(),
+        entry.revision,
+    )
+    .await
+    .unwrap();
+    let (worker, _runs) = crate::support::counting_worker(2);
+    let (stop, handle) = env.spawn_worker(worker);
+    env.wait_state(&id, TaskState::Succeeded, Duration::from_secs(10))
+        .await;
+    let done: serde_json::Value =
+        serde_json::from_slice(&kv.get(&id).await.unwrap().unwrap()).unwrap();
+    assert_eq!(
+        done["custom"],
+        serde_json::json!({"owner": "billing"}),
+        "{done}"
+    );
+    stop.cancel();
+    handle.await.unwrap();
+}
