@@ -13,9 +13,9 @@
 
 mod common;
 
-use ax::natsd::LocalNats;
 use ax::worker::{Task, Worker};
 use ax::{Client, Server, TaskSpec};
+use common::natsd::LocalNats;
 use common::*;
 use futures::stream::{FuturesUnordered, StreamExt};
 use std::future::IntoFuture;

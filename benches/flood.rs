@@ -7,9 +7,9 @@
 
 mod common;
 
-use ax::natsd::LocalNats;
 use ax::worker::{Task, Worker};
 use ax::{Client, ClientError, Priority, TaskSpec};
+use common::natsd::LocalNats;
 use common::*;
 use futures::StreamExt;
 use std::process::{Command, Stdio};

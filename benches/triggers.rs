@@ -10,8 +10,8 @@
 
 mod common;
 
-use ax::natsd::LocalNats;
 use ax::Client;
+use common::natsd::LocalNats;
 use common::*;
 use futures::StreamExt;
 use std::process::{Command, Stdio};

@@ -128,12 +128,55 @@ pub enum ClientError {
 #[derive(Debug, Clone)]
 pub struct Client {
     nats: async_nats::Client,
+    wait_for_server: Duration,
 }
+
+/// Default of [`Client::wait_for_server`].
+pub const DEFAULT_WAIT_FOR_SERVER: Duration = Duration::from_secs(30);
 
 impl Client {
     /// Wraps a connected NATS client.
     pub fn new(nats: async_nats::Client) -> Client {
-        Client { nats }
+        Client {
+            nats,
+            wait_for_server: DEFAULT_WAIT_FOR_SERVER,
+        }
+    }
+
+    /// How long a request waits for an ax server to appear when none is listening yet
+    /// (NATS answers "no responders": nothing was received, so retrying is safe, even
+    /// without an idempotency key). Default 30 s; zero fails at once.
+    pub fn wait_for_server(mut self, wait: Duration) -> Client {
+        self.wait_for_server = wait;
+        self
+    }
+
+    /// A request that waits (with backoff, one log line) while no server listens.
+    async fn request(
+        &self,
+        subject: String,
+        body: bytes::Bytes,
+    ) -> Result<async_nats::Message, async_nats::RequestError> {
+        let started = std::time::Instant::now();
+        let mut pause = Duration::from_millis(50);
+        let mut told = false;
+        loop {
+            match self.nats.request(subject.clone(), body.clone()).await {
+                Err(e)
+                    if e.kind() == async_nats::RequestErrorKind::NoResponders
+                        && started.elapsed() + pause < self.wait_for_server =>
+                {
+                    if !told {
+                        tracing::info!(%subject, wait = ?self.wait_for_server,
+                            "no ax server answers yet; waiting for one");
+                        told = true;
+                    }
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(2));
+                }
+                other => return other,
+            }
+        }
     }
 
     /// Submits a task to `queue` and waits for the server's answer.
@@ -149,7 +192,6 @@ impl Client {
         body: Vec<u8>,
     ) -> Result<SubmitAccepted, ClientError> {
         let msg = self
-            .nats
             .request(names::submit_subject(queue), body.into())
             .await?;
         match serde_json::from_slice::<SubmitReply>(&msg.payload)? {
@@ -181,7 +223,6 @@ impl Client {
     ) -> Result<serde_json::Value, ClientError> {
         let payload = serde_json::to_vec(body).expect("JSON serializes");
         let msg = self
-            .nats
             .request(format!("{}{op}", names::TRIGGER_API_PREFIX), payload.into())
             .await?;
         let mut reply: serde_json::Value = serde_json::from_slice(&msg.payload)?;

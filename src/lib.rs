@@ -23,7 +23,6 @@
 //! | [`trigger`] | cron / interval / once / event triggers, their engine and API |
 //! | [`client`] | the producer SDK |
 //! | [`metrics`] | Prometheus metric names and exporter |
-//! | [`natsd`] | a local nats-server for tests, benches and the demo |
 #![warn(missing_docs, unreachable_pub, rustdoc::broken_intra_doc_links)]
 
 pub mod backoff;
@@ -31,7 +30,6 @@ pub mod client;
 pub mod error;
 pub mod metrics;
 pub mod names;
-pub mod natsd;
 pub mod protocol;
 mod retry;
 pub mod schedule;

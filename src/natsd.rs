@@ -1,5 +1,8 @@
 //! A local `nats-server` process with JetStream, for tests, benchmarks and the demo.
 //!
+//! Not part of the library: `ax demo`, `tests/it` and `benches/common` include this file
+//! with `#[path]`.
+//!
 //! [`LocalNats::start`] spawns the binary on a random loopback port (`-p -1`) with its own
 //! temporary store directory, reads the client URL from the server's log, and kills the
 //! process (and removes the store) on drop. [`LocalNats::restart`] restarts it on the same
@@ -67,8 +70,17 @@ impl LocalNats {
         Self::start_with_args(Vec::new())
     }
 
+    /// Like [`LocalNats::start`], on a given port (for processes started before it).
+    pub fn start_on(port: u16) -> Result<Self, NatsdError> {
+        Self::start_inner(Vec::new(), Some(port))
+    }
+
     /// Like [`LocalNats::start`], with extra command-line arguments (e.g. `--config`).
     pub fn start_with_args(extra_args: Vec<String>) -> Result<Self, NatsdError> {
+        Self::start_inner(extra_args, None)
+    }
+
+    fn start_inner(extra_args: Vec<String>, port: Option<u16>) -> Result<Self, NatsdError> {
         let binary = find_binary()?;
         let store = tempfile::Builder::new()
             .prefix("ax-nats-")
@@ -85,7 +97,7 @@ impl LocalNats {
             extra_args,
             jetstream: true,
         };
-        server.spawn(None)?;
+        server.spawn(port)?;
         Ok(server)
     }
 

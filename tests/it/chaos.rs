@@ -1,8 +1,8 @@
 //! Load with faults injected into real processes; each test prints its figures.
 
+use crate::natsd::LocalNats;
 use crate::procs::{wait_ready, AxProc};
 use crate::support::{counting_worker, eventually};
-use ax::natsd::LocalNats;
 use ax::time::now_ms;
 use ax::worker::{Task, Worker};
 use ax::{Client, TaskSpec, TaskState};
@@ -140,7 +140,7 @@ async fn two_servers_killed_five_times_during_load_lose_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r3_cluster_survives_losing_a_node_during_load() {
-    let mut cluster = ax::natsd::LocalCluster::start(3).unwrap();
+    let mut cluster = crate::natsd::LocalCluster::start(3).unwrap();
     let addrs: Vec<async_nats::ServerAddr> =
         cluster.urls().iter().map(|u| u.parse().unwrap()).collect();
     let client = async_nats::ConnectOptions::new()

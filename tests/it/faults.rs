@@ -1,8 +1,8 @@
 //! Real processes killed and paused: nothing accepted is lost, no late result counts.
 
+use crate::natsd::LocalNats;
 use crate::procs::{free_port, scrape, wait_ready, AxProc};
 use crate::support::{counting_worker, eventually, Env};
-use ax::natsd::LocalNats;
 use ax::worker::{Task, Worker};
 use ax::{Client, TaskSpec, TaskState};
 use std::sync::Arc;
@@ -446,4 +446,45 @@ async fn made_up_queue_names_create_no_metric_series() {
         .filter(|l| l.starts_with("ax_submit_rejected_total{"))
         .count();
     assert!(series <= 3, "{series} series:\n{text}");
+}
+
+/// Defect 7.1.8: `ax server`, `ax worker` and a producer started before NATS (in any
+/// order) wait for what they need, then work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn processes_started_before_nats_wait_for_it() {
+    let port = free_port();
+    let url = format!("nats://127.0.0.1:{port}");
+    let mut worker = AxProc::spawn(
+        &url,
+        &[
+            "worker",
+            "--example",
+            "--queue",
+            "q",
+            "--sleep",
+            "10ms",
+            "--fail-rate",
+            "0",
+        ],
+    );
+    let mut server = AxProc::spawn(&url, &["server", "--queue", "q"]);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(
+        worker.0.try_wait().unwrap().is_none(),
+        "the worker exited without NATS"
+    );
+    assert!(
+        server.0.try_wait().unwrap().is_none(),
+        "the server exited without NATS"
+    );
+    let _nats = LocalNats::start_on(port).unwrap();
+    // The producer connects first and waits for a server to answer.
+    let client = async_nats::connect(&url).await.unwrap();
+    let ax = Client::new(client);
+    let id = ax.submit("q", TaskSpec::new("t")).await.unwrap().id;
+    eventually(Duration::from_secs(20), "the task to run", || async {
+        let (rec, _) = ax.task(&id).await.ok()??;
+        (rec.state == TaskState::Succeeded).then_some(())
+    })
+    .await;
 }

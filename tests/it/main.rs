@@ -5,6 +5,10 @@ mod chaos;
 mod decoders;
 mod delay;
 mod faults;
+/// The local nats-server harness (shared with the benches and `ax demo`; not library API).
+#[allow(dead_code)]
+#[path = "../../src/natsd.rs"]
+mod natsd;
 mod procs;
 mod retry;
 mod security;

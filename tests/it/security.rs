@@ -1,8 +1,8 @@
 //! A least-privilege nats-server (deploy/nats-auth.conf): each role can do its job and no
 //! more.
 
+use crate::natsd::LocalNats;
 use crate::support::eventually;
-use ax::natsd::LocalNats;
 use ax::worker::{Task, Worker};
 use ax::{Client, TaskSpec, TaskState};
 use futures::StreamExt;

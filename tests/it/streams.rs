@@ -1,6 +1,6 @@
 //! `ax streams apply`: idempotent, updates what it may, refuses what it may not.
 
-use ax::natsd::LocalNats;
+use crate::natsd::LocalNats;
 use ax::streams::{apply, Outcome, StreamsError, Topology};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,6 +1,6 @@
 //! Test environment: a real nats-server, an ax server, helpers to run workers and wait.
 
-use ax::natsd::LocalNats;
+use crate::natsd::LocalNats;
 use ax::state::TaskStore;
 use ax::worker::{Task, Worker};
 use ax::{Client, ServerBuilder, TaskRecord, TaskState};

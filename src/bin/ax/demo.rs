@@ -1,12 +1,12 @@
 //! `ax demo`: everything in one process so a newcomer sees tasks flow, retry and finish.
 
-use super::Conn;
+use crate::conn::Conn;
+use crate::natsd::LocalNats;
+use crate::worker::example_worker;
 use anyhow::{Context, Result};
-use ax::natsd::LocalNats;
 use ax::state::ListFilter;
-use ax::{Client, Priority, Server, Task, TaskError, TaskSpec, TaskState, Worker};
+use ax::{Client, Priority, Server, TaskSpec, TaskState};
 use clap::Args;
-use rand::Rng;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
@@ -22,39 +22,6 @@ pub(crate) struct DemoArgs {
     /// Serve Prometheus metrics here during the demo ("off" to disable).
     #[arg(long, default_value = "127.0.0.1:9464")]
     metrics_addr: String,
-}
-
-/// The example handler: sleeps 50–300 ms; `flaky` tasks fail retryably now and then,
-/// `poison` tasks fail for good.
-pub(crate) fn example_worker(
-    queue: &str,
-    concurrency: usize,
-    fail_rate: f64,
-    sleep: Option<Duration>,
-    id: Option<String>,
-) -> Result<Worker> {
-    let mut builder = Worker::builder(queue).concurrency(concurrency);
-    if let Some(id) = id {
-        builder = builder.id(id);
-    }
-    Ok(builder
-        .handler(move |task: Task| async move {
-            let pause =
-                sleep.unwrap_or_else(|| Duration::from_millis(rand::rng().random_range(50..300)));
-            tokio::time::sleep(pause).await;
-            match task.name.as_str() {
-                "poison" => Err(TaskError::permanent(
-                    "validation",
-                    "poison task: never retried",
-                )),
-                _ if rand::rng().random_bool(fail_rate.clamp(0.0, 1.0)) => Err(TaskError::new(
-                    "flaky",
-                    format!("simulated transient failure on attempt {}", task.attempt),
-                )),
-                _ => Ok(()),
-            }
-        })
-        .build()?)
 }
 
 pub(crate) async fn run(args: DemoArgs, conn: &Conn) -> Result<()> {
@@ -73,7 +40,7 @@ pub(crate) async fn run(args: DemoArgs, conn: &Conn) -> Result<()> {
         Some(server) => async_nats::connect(server.url()).await?,
         None => conn.connect().await?,
     };
-    super::metrics_at(&args.metrics_addr)?;
+    crate::metrics_at(&args.metrics_addr)?;
     if args.metrics_addr != "off" {
         println!("• metrics at http://{}/metrics", args.metrics_addr);
     }
@@ -100,7 +67,7 @@ pub(crate) async fn run(args: DemoArgs, conn: &Conn) -> Result<()> {
     }
     println!("• ax server up; starting a worker (concurrency 4, 25% flaky failures)");
     let worker = tokio::spawn(
-        example_worker("demo", 4, 0.25, None, None)?.run(client.clone(), shutdown.clone()),
+        example_worker("demo", 4, 0.25, None, None, None)?.run(client.clone(), shutdown.clone()),
     );
 
     let mut ids = Vec::new();

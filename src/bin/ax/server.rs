@@ -1,0 +1,120 @@
+//! `ax server` and the topology flags it shares with `ax streams`.
+
+use crate::conn::Conn;
+use anyhow::{bail, Result};
+use ax::streams::Topology;
+use ax::Server;
+use clap::Args;
+use std::time::Duration;
+
+#[derive(Args)]
+pub(crate) struct TopologyArgs {
+    /// Queues to declare (repeatable).
+    #[arg(long = "queue", default_value = "default")]
+    pub(crate) queues: Vec<String>,
+    /// Capacity of each queue's high / normal / low ready subject.
+    #[arg(long, value_delimiter = ',', default_values_t = [1000i64, 5000, 10000])]
+    capacity: Vec<i64>,
+    /// Redeliver a task held this long without ack or heartbeat.
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    ack_wait: Duration,
+    /// Stream replicas.
+    #[arg(long, default_value_t = 1)]
+    replicas: usize,
+}
+
+impl TopologyArgs {
+    pub(crate) fn topology(&self) -> Result<Topology> {
+        let [high, normal, low] = self.capacity[..] else {
+            bail!("--capacity takes three numbers: high,normal,low");
+        };
+        if high < 1 || normal < 1 || low < 1 {
+            bail!("--capacity values must be at least 1");
+        }
+        Ok(Topology {
+            capacity: [high, normal, low],
+            ack_wait: self.ack_wait,
+            replicas: self.replicas,
+            ..Topology::default()
+        })
+    }
+}
+
+#[derive(Args)]
+pub(crate) struct ServerArgs {
+    /// Topology settings used when creating what is missing. A server never changes an
+    /// existing stream or consumer: use `ax streams apply` for that.
+    #[command(flatten)]
+    topology: TopologyArgs,
+    /// Serve Prometheus metrics here ("off" to disable).
+    #[arg(long, default_value = "127.0.0.1:9464")]
+    metrics_addr: String,
+    /// Do not create the topology (an admin applied it; the server's NATS user then
+    /// needs no stream-management permissions). The server waits until it exists.
+    #[arg(long)]
+    no_apply: bool,
+    /// Answer the trigger API and serve event triggers, but never lead the trigger engine.
+    #[arg(long)]
+    no_trigger_engine: bool,
+    /// Most bytes of delayed-task messages held in memory ahead of their due time.
+    #[arg(long, default_value = "64MiB", value_parser = parse_bytes)]
+    max_held_bytes: usize,
+    /// This server's id in the trigger engine's lease (default `<pid>-<nuid>`); unique
+    /// per process.
+    #[arg(long)]
+    id: Option<String>,
+}
+
+/// `64MiB`, `512KiB`, `1GiB` or a plain number of bytes.
+fn parse_bytes(text: &str) -> Result<usize, String> {
+    let text = text.trim();
+    let (number, unit) = text
+        .find(|c: char| !c.is_ascii_digit())
+        .map_or((text, ""), |i| text.split_at(i));
+    let n: usize = number
+        .parse()
+        .map_err(|_| format!("{text:?}: expected e.g. 64MiB"))?;
+    let scale = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        other => return Err(format!("unknown unit {other:?}: use B, KiB, MiB or GiB")),
+    };
+    n.checked_mul(scale)
+        .ok_or_else(|| format!("{text:?} is too large"))
+}
+
+pub(crate) async fn run(args: ServerArgs, conn: &Conn) -> Result<()> {
+    crate::metrics_at(&args.metrics_addr)?;
+    let shutdown = crate::shutdown_on_signal();
+    let topology = args.topology.topology()?;
+    let Some(client) = conn.connect_waiting(&shutdown).await? else {
+        return Ok(());
+    };
+    let mut builder = Server::builder();
+    if let Some(id) = &args.id {
+        builder = builder.id(id.clone());
+    }
+    builder
+        .queues(args.topology.queues.clone())
+        .topology(topology)
+        .apply_streams(!args.no_apply)
+        .trigger_engine(!args.no_trigger_engine)
+        .max_held_bytes(args.max_held_bytes)
+        .build()
+        .run(client, shutdown)
+        .await?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn byte_sizes() {
+        assert_eq!(super::parse_bytes("64MiB"), Ok(64 << 20));
+        assert_eq!(super::parse_bytes("1000"), Ok(1000));
+        assert!(super::parse_bytes("64MB").is_err());
+        assert!(super::parse_bytes("lots").is_err());
+    }
+}

@@ -1,0 +1,165 @@
+//! `ax worker --example`: the example handler, for demos, smoke tests and the fault
+//! campaign.
+//!
+//! The handler sleeps (50–300 ms, or `--sleep`), then succeeds, or fails retryably at
+//! `--fail-rate`. A JSON object payload can steer it: `sleep_ms` (how long),
+//! `fail_attempts` (fail with class `flaky` while the attempt is at most this),
+//! `permanent: true` (fail for good with class `validation`, as a task named `poison`
+//! does). With `--journal FILE` every invocation appends one JSON line when it starts and
+//! one when it ends, so an outside checker can see every run and its fencing token.
+
+use crate::conn::Conn;
+use anyhow::{Context, Result};
+use ax::{Task, TaskError, Worker};
+use clap::Args;
+use rand::Rng;
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+#[derive(Args)]
+pub(crate) struct WorkerArgs {
+    /// Queue to work on.
+    #[arg(long, default_value = "default")]
+    queue: String,
+    /// Use the example handler (the only one this binary has).
+    #[arg(long)]
+    example: bool,
+    /// Tasks run at once.
+    #[arg(long, default_value_t = 16)]
+    concurrency: usize,
+    /// Share of attempts the example handler fails (retryably).
+    #[arg(long, default_value_t = 0.2)]
+    fail_rate: f64,
+    /// Example handler run time (default: random 50-300 ms).
+    #[arg(long, value_parser = humantime::parse_duration)]
+    sleep: Option<Duration>,
+    /// Append a JSON line per invocation start and end to this file.
+    #[arg(long)]
+    journal: Option<PathBuf>,
+    /// Worker id stored in task records.
+    #[arg(long)]
+    id: Option<String>,
+    /// Serve Prometheus metrics here ("off" to disable).
+    #[arg(long, default_value = "127.0.0.1:9465")]
+    metrics_addr: String,
+}
+
+/// An append-only file of JSON lines, one `write` per line.
+#[derive(Clone)]
+pub(crate) struct Journal(Arc<Mutex<std::fs::File>>);
+
+impl Journal {
+    fn open(path: &PathBuf) -> Result<Journal> {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .with_context(|| format!("opening journal {}", path.display()))?;
+        Ok(Journal(Arc::new(Mutex::new(file))))
+    }
+
+    fn line(&self, value: serde_json::Value) {
+        let mut text = value.to_string();
+        text.push('\n');
+        let mut file = self.0.lock().expect("not poisoned");
+        if let Err(e) = file.write_all(text.as_bytes()) {
+            tracing::warn!(cause = %e, "journal write failed");
+        }
+    }
+}
+
+/// The example worker (see the module docs).
+pub(crate) fn example_worker(
+    queue: &str,
+    concurrency: usize,
+    fail_rate: f64,
+    sleep: Option<Duration>,
+    id: Option<String>,
+    journal: Option<Journal>,
+) -> Result<Worker> {
+    let mut builder = Worker::builder(queue).concurrency(concurrency);
+    let worker_id = id.unwrap_or_else(|| format!("{}-{}", std::process::id(), nuid::next()));
+    builder = builder.id(worker_id.clone());
+    Ok(builder
+        .handler(move |task: Task| {
+            let (journal, worker_id) = (journal.clone(), worker_id.clone());
+            async move {
+                if let Some(j) = &journal {
+                    j.line(serde_json::json!({
+                        "event": "start", "id": task.id, "attempt": task.attempt,
+                        "token": task.fencing_token, "worker": worker_id, "name": task.name,
+                        "at_ms": ax::time::now_ms(),
+                    }));
+                }
+                let result = example(&task, fail_rate, sleep).await;
+                if let Some(j) = &journal {
+                    let outcome = match &result {
+                        Ok(()) => "ok".to_string(),
+                        Err(e) => format!("err:{}", e.class),
+                    };
+                    j.line(serde_json::json!({
+                        "event": "end", "id": task.id, "token": task.fencing_token,
+                        "outcome": outcome, "at_ms": ax::time::now_ms(),
+                    }));
+                }
+                result
+            }
+        })
+        .build()?)
+}
+
+async fn example(task: &Task, fail_rate: f64, sleep: Option<Duration>) -> Result<(), TaskError> {
+    let steer: serde_json::Value = serde_json::from_slice(&task.payload).unwrap_or_default();
+    let pause = steer["sleep_ms"]
+        .as_u64()
+        .map(Duration::from_millis)
+        .or(sleep)
+        .unwrap_or_else(|| Duration::from_millis(rand::rng().random_range(50..300)));
+    tokio::time::sleep(pause).await;
+    if task.name == "poison" || steer["permanent"].as_bool() == Some(true) {
+        return Err(TaskError::permanent(
+            "validation",
+            "poison task: never retried",
+        ));
+    }
+    if let Some(n) = steer["fail_attempts"].as_u64() {
+        if u64::from(task.attempt) <= n {
+            return Err(TaskError::new(
+                "flaky",
+                format!("planned failure on attempt {}", task.attempt),
+            ));
+        }
+        return Ok(());
+    }
+    if rand::rng().random_bool(fail_rate.clamp(0.0, 1.0)) {
+        return Err(TaskError::new(
+            "flaky",
+            format!("simulated transient failure on attempt {}", task.attempt),
+        ));
+    }
+    Ok(())
+}
+
+pub(crate) async fn run(args: WorkerArgs, conn: &Conn) -> Result<()> {
+    if !args.example {
+        anyhow::bail!("this binary only has the example handler: pass --example, or build a worker with the ax library");
+    }
+    crate::metrics_at(&args.metrics_addr)?;
+    let journal = args.journal.as_ref().map(Journal::open).transpose()?;
+    let worker = example_worker(
+        &args.queue,
+        args.concurrency,
+        args.fail_rate,
+        args.sleep,
+        args.id,
+        journal,
+    )?;
+    let shutdown = crate::shutdown_on_signal();
+    let Some(client) = conn.connect_waiting(&shutdown).await? else {
+        return Ok(());
+    };
+    worker.run(client, shutdown).await?;
+    Ok(())
+}
