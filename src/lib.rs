@@ -28,6 +28,8 @@
 pub mod backoff;
 pub mod client;
 pub mod error;
+#[cfg(feature = "test-hooks")]
+mod hooks;
 pub mod metrics;
 pub mod names;
 pub mod protocol;

@@ -268,6 +268,8 @@ impl Admission {
             None => names::ready_subject(&meta.queue, meta.priority),
         };
         publish_task(&self.js, subject, meta, payload).await?;
+        #[cfg(feature = "test-hooks")]
+        crate::hooks::after_publish();
         match self.tasks.create(&meta.record()).await {
             // Exists: a worker already picked the task up and wrote its record.
             Ok(_) | Err(StateError::Exists(_)) => Ok(()),

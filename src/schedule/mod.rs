@@ -281,6 +281,8 @@ async fn dispatch(js: &jetstream::Context, stream: &stream::Stream, d: Due) -> O
     }
     metrics::histogram!(m::DISPATCH_LAG).record(now_ms().saturating_sub(due) as f64 / 1000.0);
     metrics::counter!(m::DELAYED_DISPATCHED).increment(1);
+    #[cfg(feature = "test-hooks")]
+    crate::hooks::after_dispatch();
     // Delete without the secure erase (overwriting the stored bytes) that
     // `Stream::delete_message` asks for: the task lives on in the ready stream anyway.
     let request = serde_json::json!({ "seq": seq, "no_erase": true });

@@ -18,8 +18,35 @@ fn max_gap(mut times: Vec<u64>) -> u64 {
     times.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0)
 }
 
+/// A 1 s interval trigger whose tasks go to priority high: in these tests nothing else is
+/// high, so `AX_READY_HIGH`'s last sequence counts every stored fire attempt.
+fn high_tick(name: &str) -> serde_json::Value {
+    serde_json::json!({"name": name, "kind": "interval", "every_ms": 1000, "overlap": "allow",
+        "tasks": [{"name": "tick", "queue": "q", "priority": "high"}]})
+}
+
+/// How many messages `stream` has ever stored (its last sequence): fire attempts that a
+/// de-duplicated re-publish does not add to, but a second fire would.
+async fn stored(js: &async_nats::jetstream::Context, stream: &str) -> u64 {
+    let mut stream = js.get_stream(stream).await.unwrap();
+    stream.info().await.unwrap().state.last_sequence
+}
+
+/// Which kills the two-server test makes, in order.
+#[derive(Debug, Clone, Copy)]
+enum Kill {
+    One(usize),
+    Both,
+    /// Restart server `i` with a fault hook that aborts it at a precise line.
+    Hook(usize, &'static str),
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_servers_killed_five_times_during_load_lose_nothing() {
+#[cfg_attr(
+    not(feature = "test-hooks"),
+    ignore = "needs the fault hooks: ./dev test (cargo test --features test-hooks)"
+)]
+async fn two_servers_killed_during_load_lose_nothing() {
     let nats = LocalNats::start().unwrap();
     let url = nats.url();
     let args = ["server", "--queue", "q", "--ack-wait", "2s"];
@@ -29,6 +56,7 @@ async fn two_servers_killed_five_times_during_load_lose_nothing() {
         .connect(&url)
         .await
         .unwrap();
+    let js = async_nats::jetstream::new(client.clone());
     wait_ready(&client).await;
 
     let runs: Arc<Mutex<HashMap<String, u32>>> = Arc::default();
@@ -52,10 +80,12 @@ async fn two_servers_killed_five_times_during_load_lose_nothing() {
         .unwrap();
     // Three triggers fire every second through the whole run.
     let admin = Client::new(client.clone());
+    let fires_from = now_ms();
     for t in 0..3 {
-        let def = serde_json::json!({"name": format!("load{t}"), "kind": "interval", "every_ms": 1000,
-            "overlap": "allow", "tasks": [{"name": "tick", "queue": "q"}]});
-        admin.trigger("put", &def).await.unwrap();
+        admin
+            .trigger("put", &high_tick(&format!("load{t}")))
+            .await
+            .unwrap();
     }
     let stop = CancellationToken::new();
     let worker = tokio::spawn(worker.run(client.clone(), stop.clone()));
@@ -85,13 +115,40 @@ async fn two_servers_killed_five_times_during_load_lose_nothing() {
             .await;
         accepted
     });
+    let plan = [
+        Kill::One(0),
+        Kill::One(1),
+        Kill::Both,
+        Kill::Hook(0, "AX_TEST_ABORT_AFTER_PUBLISH"),
+        Kill::Hook(1, "AX_TEST_ABORT_AFTER_DISPATCH"),
+        Kill::One(0),
+    ];
+    let mut hooks_tripped = Vec::new();
     let killer = async {
-        for k in 0..5 {
-            tokio::time::sleep(Duration::from_millis(1200)).await;
-            let i = k % 2;
-            servers[i].kill9();
-            tokio::time::sleep(Duration::from_millis(200)).await;
-            servers[i] = AxProc::spawn(&url, &args);
+        for kill in plan {
+            tokio::time::sleep(Duration::from_millis(1000)).await;
+            match kill {
+                Kill::One(i) => {
+                    servers[i].kill9();
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    servers[i] = AxProc::spawn(&url, &args);
+                }
+                Kill::Both => {
+                    servers[0].kill9();
+                    servers[1].kill9();
+                    // Both down: submits go unanswered, nothing dispatches; the restarted
+                    // servers rebuild their delayed index from AX_DELAYED.
+                    tokio::time::sleep(Duration::from_millis(700)).await;
+                    servers = [AxProc::spawn(&url, &args), AxProc::spawn(&url, &args)];
+                }
+                Kill::Hook(i, hook) => {
+                    servers[i].kill9();
+                    servers[i] = AxProc::spawn_env(&url, &args, &[(hook, "25")]);
+                    let status = servers[i].exited_within(Duration::from_secs(20)).await;
+                    hooks_tripped.push((hook, status));
+                    servers[i] = AxProc::spawn(&url, &args);
+                }
+            }
         }
     };
     let started = Instant::now();
@@ -101,39 +158,61 @@ async fn two_servers_killed_five_times_during_load_lose_nothing() {
     ids.sort();
     ids.dedup();
     assert_eq!(ids.len(), total, "one task per idempotency key");
-    let store = ax::state::TaskStore::open(&async_nats::jetstream::new(client.clone()))
-        .await
-        .unwrap();
+    for (hook, status) in &hooks_tripped {
+        let status = status.unwrap_or_else(|| panic!("{hook}: the hooked server never aborted"));
+        assert!(
+            !status.success(),
+            "{hook}: exited cleanly instead of aborting"
+        );
+    }
+    let store = ax::state::TaskStore::open(&js).await.unwrap();
     eventually(
         Duration::from_secs(90),
         "every accepted task to finish",
         || async { (runs.lock().unwrap().len() == total).then_some(()) },
     )
     .await;
+    // Stop the triggers, let fires in flight land, then count.
+    for t in 0..3 {
+        admin
+            .trigger("pause", &serde_json::json!({"name": format!("load{t}")}))
+            .await
+            .unwrap();
+    }
+    let fires_until = now_ms();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
     let mut lost = 0;
     for id in &ids {
         let (rec, _) = store.get(id).await.unwrap().unwrap();
         lost += usize::from(rec.state != TaskState::Succeeded);
     }
     let duplicated = runs.lock().unwrap().values().filter(|n| **n > 1).count();
-    // Trigger fires: each scheduled time once, none missing, across the kills.
+    // Trigger fires: each scheduled time once, none missing, up to the end of the run;
+    // and no scheduled time was stored twice (a fire attempt, not only a record).
     let records = store_list(&client).await;
     let fires: Vec<usize> = (0..3)
-        .map(|t| fired_once_each_second(&records, &format!("load{t}")))
+        .map(|t| fired_once_each_second(&records, &format!("load{t}"), fires_from, fires_until))
         .collect();
+    let stored_fires = stored(&js, "AX_READY_HIGH").await;
     let tick_doubles = ticks.lock().unwrap().values().filter(|n| **n > 1).count();
-    assert_eq!(tick_doubles, 0, "a trigger task ran twice");
     let submit_stall = max_gap(accepted.iter().map(|a| a.1).collect());
     let finish_stall = max_gap(finished.lock().unwrap().clone());
     println!(
-        "kill -9 ax server x5 (2 servers) under load: submitted {total}, completed {}, lost {lost}, \
+        "kill -9 ax servers {plan:?} under load: submitted {total}, completed {}, lost {lost}, \
          duplicated {duplicated}, longest pause in accepted submits {submit_stall} ms, \
-         in completions {finish_stall} ms, run took {:?}; trigger fires {fires:?}, each scheduled time once, no gap",
+         in completions {finish_stall} ms, run took {:?}; trigger fires {fires:?} \
+         (stored fire messages {stored_fires}), each scheduled time once, no gap; hooks {hooks_tripped:?}",
         runs.lock().unwrap().len(),
         started.elapsed()
     );
     assert_eq!(lost, 0);
     assert_eq!(duplicated, 0, "no task with an idempotency key ran twice");
+    assert_eq!(tick_doubles, 0, "a trigger task ran twice");
+    assert_eq!(
+        stored_fires as usize,
+        fires.iter().sum::<usize>(),
+        "a scheduled time was fired (stored) more than once"
+    );
     stop.cancel();
     worker.await.unwrap().unwrap();
 }
@@ -173,12 +252,13 @@ async fn r3_cluster_survives_losing_a_node_during_load() {
     let worker = tokio::spawn(worker.run(client.clone(), stop.clone()));
     let ax = Client::new(client.clone());
     let total = 1500usize;
+    let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let producer = tokio::spawn({
-        let ax = ax.clone();
+        let (ax, accepted) = (ax.clone(), accepted.clone());
         async move {
             futures::stream::iter(0..total)
                 .map(|i| {
-                    let ax = ax.clone();
+                    let (ax, accepted) = (ax.clone(), accepted.clone());
                     async move {
                         let mut spec = TaskSpec::new("t").idempotency_key(format!("key-{i}"));
                         if i % 3 == 0 {
@@ -186,7 +266,10 @@ async fn r3_cluster_survives_losing_a_node_during_load() {
                         }
                         loop {
                             match ax.submit("q", spec.clone()).await {
-                                Ok(a) => return a.id,
+                                Ok(a) => {
+                                    accepted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                                    return a.id;
+                                }
                                 Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
                             }
                         }
@@ -197,8 +280,17 @@ async fn r3_cluster_survives_losing_a_node_during_load() {
                 .await
         }
     });
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // Kill a node while the load runs: after a quarter of the submits were accepted.
+    eventually(Duration::from_secs(60), "a quarter of the load", || async {
+        (accepted.load(std::sync::atomic::Ordering::SeqCst) >= total / 4).then_some(())
+    })
+    .await;
     cluster.nodes[0].kill();
+    let at_kill = accepted.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(
+        at_kill < total,
+        "the load had already finished when the node was killed"
+    );
     let killed = Instant::now();
     let mut ids = producer.await.unwrap();
     ids.sort();
@@ -218,11 +310,12 @@ async fn r3_cluster_survives_losing_a_node_during_load() {
     }
     let duplicated = runs.lock().unwrap().values().filter(|n| **n > 1).count();
     println!(
-        "R3 cluster, one of 3 nodes killed under load: submitted {total}, completed {}, lost {lost}, duplicated runs {duplicated}, all done {:?} after the kill",
+        "R3 cluster, one of 3 nodes killed under load ({at_kill} of {total} submits accepted at the kill): completed {}, lost {lost}, duplicated runs {duplicated}, all done {:?} after the kill",
         runs.lock().unwrap().len(),
         killed.elapsed()
     );
     assert_eq!(lost, 0);
+    assert_eq!(duplicated, 0, "a task ran twice across the node loss");
     stop.cancel();
     worker.await.unwrap().unwrap();
     server.await.unwrap().unwrap();
@@ -240,17 +333,13 @@ async fn trigger_leader_killed_fires_each_scheduled_time_exactly_once() {
     let client = async_nats::connect(&url).await.unwrap();
     wait_ready(&client).await;
     let ax = Client::new(client.clone());
+    let js = async_nats::jetstream::new(client.clone());
     let triggers = 5;
+    let fires_from = now_ms();
     for t in 0..triggers {
-        ax.trigger(
-            "put",
-            &serde_json::json!({
-                "name": format!("t{t}"), "kind": "interval", "every_ms": 1000, "overlap": "allow",
-                "tasks": [{"name": "tick", "queue": "q"}],
-            }),
-        )
-        .await
-        .unwrap();
+        ax.trigger("put", &high_tick(&format!("t{t}")))
+            .await
+            .unwrap();
     }
     let worker = Worker::builder("q")
         .concurrency(32)
@@ -290,20 +379,40 @@ async fn trigger_leader_killed_fires_each_scheduled_time_exactly_once() {
         ));
     }
     tokio::time::sleep(Duration::from_secs(6)).await;
+    for t in 0..triggers {
+        ax.trigger("pause", &serde_json::json!({"name": format!("t{t}")}))
+            .await
+            .unwrap();
+    }
+    let fires_until = now_ms();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
     let records = ax.list(&ax::state::ListFilter::default()).await.unwrap();
     let report: Vec<usize> = (0..triggers)
-        .map(|t| fired_once_each_second(&records, &format!("t{t}")))
+        .map(|t| fired_once_each_second(&records, &format!("t{t}"), fires_from, fires_until))
         .collect();
+    let stored_fires = stored(&js, "AX_READY_HIGH").await;
     println!(
-        "trigger failover: leader killed (-9) twice ({kills:?}); fires per trigger {report:?}, each scheduled time exactly once, no gaps"
+        "trigger failover: leader killed (-9) twice ({kills:?}); fires per trigger {report:?} \
+         (stored fire messages {stored_fires}), each scheduled time exactly once, no gaps"
+    );
+    assert_eq!(
+        stored_fires as usize,
+        report.iter().sum::<usize>(),
+        "a scheduled time was fired (stored) more than once"
     );
     stop.cancel();
     worker.await.unwrap().unwrap();
 }
 
-/// Checks that trigger `name` (a 1 s interval) fired each scheduled time once, with no
-/// gap between the first and the last; returns how many times it fired.
-fn fired_once_each_second(records: &[ax::TaskRecord], name: &str) -> usize {
+/// Checks that trigger `name` (a 1 s interval, put at `from_ms`) fired each scheduled time
+/// once, with no gap, from its first time until `until_ms` (a dead engine, or one that
+/// stopped early, fails); returns how many times it fired.
+fn fired_once_each_second(
+    records: &[ax::TaskRecord],
+    name: &str,
+    from_ms: u64,
+    until_ms: u64,
+) -> usize {
     let mut times: Vec<u64> = records
         .iter()
         .filter(|r| r.trigger.as_deref() == Some(name))
@@ -322,6 +431,21 @@ fn fired_once_each_second(records: &[ax::TaskRecord], name: &str) -> usize {
             pair[1]
         );
     }
+    let (first, last) = (times.first().copied(), times.last().copied());
+    assert!(
+        first.is_some_and(|t| t <= from_ms + 2000),
+        "{name}: the first fire came late or never: {first:?} (put at {from_ms})"
+    );
+    println!(
+        "{name}: {fires} fires, first {} ms after the put, last {} ms before the end",
+        first.unwrap_or(0).saturating_sub(from_ms),
+        until_ms.saturating_sub(last.unwrap_or(0))
+    );
+    // Fires may lag by the lease takeover (up to about 2 TTLs), never more.
+    assert!(
+        last.is_some_and(|t| t + 7000 >= until_ms),
+        "{name}: firing stopped at {last:?}, the run went on until {until_ms}"
+    );
     fires
 }
 

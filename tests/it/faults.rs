@@ -50,10 +50,43 @@ async fn server_killed_with_minus_9_loses_no_accepted_task() {
     handle.await.unwrap().unwrap();
 }
 
+/// Every ack a worker sends on queue `q`'s normal consumer, as (kind, delivery count,
+/// stream sequence), observed on the wire.
+async fn watch_acks(client: &async_nats::Client) -> Arc<std::sync::Mutex<Vec<(String, u64, u64)>>> {
+    let seen: Arc<std::sync::Mutex<Vec<(String, u64, u64)>>> = Arc::default();
+    let mut sub = client
+        .subscribe("$JS.ACK.AX_READY_NORMAL.ax_q_normal.>")
+        .await
+        .unwrap();
+    let out = seen.clone();
+    tokio::spawn(async move {
+        use futures::StreamExt;
+        while let Some(msg) = sub.next().await {
+            // $JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>.<ts>.<pending>
+            let tokens: Vec<&str> = msg.subject.split('.').collect();
+            let (Some(delivered), Some(seq)) = (
+                tokens.get(4).and_then(|t| t.parse().ok()),
+                tokens.get(5).and_then(|t| t.parse().ok()),
+            ) else {
+                continue;
+            };
+            let kind = String::from_utf8_lossy(&msg.payload)
+                .split_whitespace()
+                .next()
+                .unwrap_or("+ACK")
+                .to_string();
+            out.lock().unwrap().push((kind, delivered, seq));
+        }
+    });
+    seen
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn paused_worker_late_result_is_refused() {
     let env = Env::start(Env::server()).await; // ack wait 1 s
-    let a = AxProc::spawn(
+    let acks = watch_acks(&env.client).await;
+    let port = free_port();
+    let a = AxProc::spawn_with_metrics(
         &env.nats.url(),
         &[
             "worker",
@@ -69,12 +102,14 @@ async fn paused_worker_late_result_is_refused() {
             "--concurrency",
             "1",
         ],
+        &format!("127.0.0.1:{port}"),
     );
     let id = env.ax.submit("q", TaskSpec::new("t")).await.unwrap().id;
     let rec = env
         .wait_state(&id, TaskState::Running, Duration::from_secs(10))
         .await;
     assert_eq!(rec.worker.as_deref(), Some("A"));
+    let seq = rec.ready_seq.unwrap();
     a.signal("-STOP");
     let b = Worker::builder("q")
         .id("B")
@@ -89,10 +124,34 @@ async fn paused_worker_late_result_is_refused() {
     let (_, revision) = env.ax.task(&id).await.unwrap().unwrap();
     a.signal("-CONT");
     // A wakes, its 3 s handler ends, it tries to record success with its old token.
-    tokio::time::sleep(Duration::from_secs(4)).await;
+    let stale = eventually(
+        Duration::from_secs(10),
+        "A to refuse its late result",
+        || async {
+            let text = scrape(port).await;
+            text.lines()
+                .find(|l| l.starts_with("ax_stale_results_total{queue=\"q\"}"))
+                .and_then(|l| l.rsplit(' ').next())
+                .and_then(|v| v.parse::<f64>().ok())
+                .filter(|v| *v >= 1.0)
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
     let (after, revision_after) = env.ax.task(&id).await.unwrap().unwrap();
     assert_eq!(revision_after, revision, "A's late result was refused");
     assert_eq!((after.worker.as_deref(), after.attempt), (Some("B"), 2));
+    let acks = acks.lock().unwrap().clone();
+    let of_task: Vec<_> = acks
+        .iter()
+        .filter(|a| a.2 == seq && a.0 == "+ACK")
+        .collect();
+    assert_eq!(
+        of_task.iter().map(|a| a.1).collect::<Vec<_>>(),
+        vec![2],
+        "one ack, by B's delivery (2); A's delivery (1) never acked: {acks:?}"
+    );
+    println!("paused worker: A's late result refused (ax_stale_results_total {stale}), acks of the task {of_task:?}");
     stop.cancel();
     handle.await.unwrap();
 }
@@ -222,7 +281,23 @@ async fn worker_killed_mid_task_is_redelivered_and_counted() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_restart_during_load_loses_no_acknowledged_submission() {
     let mut env = Env::start(Env::server()).await;
-    let (worker, runs) = counting_worker(32);
+    let runs: Arc<std::sync::Mutex<std::collections::HashMap<String, u32>>> = Arc::default();
+    let started: Arc<std::sync::Mutex<Vec<std::time::Instant>>> = Arc::default();
+    let worker = Worker::builder("q")
+        .concurrency(32)
+        .handler({
+            let (runs, started) = (runs.clone(), started.clone());
+            move |task: Task| {
+                let (runs, started) = (runs.clone(), started.clone());
+                async move {
+                    started.lock().unwrap().push(std::time::Instant::now());
+                    *runs.lock().unwrap().entry(task.id).or_default() += 1;
+                    Ok(())
+                }
+            }
+        })
+        .build()
+        .unwrap();
     let (stop, handle) = env.spawn_worker(worker);
     let producer = Client::new(
         async_nats::ConnectOptions::new()
@@ -282,10 +357,23 @@ async fn nats_restart_during_load_loses_no_acknowledged_submission() {
     )
     .await;
     let doubles = runs.lock().unwrap().values().filter(|n| **n > 1).count();
+    let resumed = started
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|t| **t > restarted)
+        .min()
+        .map(|t| t.duration_since(restarted))
+        .expect("a task ran after the restart");
     println!(
-        "nats-server restart: {total} acknowledged, {} completed, lost 0, duplicated runs {doubles}, {errors} submit retries, all done {:?} after the restart",
+        "nats-server restart: {total} acknowledged, {} completed, lost 0, duplicated runs {doubles}, {errors} submit retries, first task run {resumed:?} after the restart, all done {:?} after the restart",
         unique.len(),
         restarted.elapsed()
+    );
+    assert_eq!(doubles, 0, "a task ran twice across the restart");
+    assert!(
+        resumed <= Duration::from_secs(10),
+        "processing resumed only {resumed:?} after the restart"
     );
     stop.cancel();
     handle.await.unwrap();

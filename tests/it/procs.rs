@@ -13,16 +13,38 @@ impl AxProc {
     }
 
     pub fn spawn_with_metrics(url: &str, args: &[&str], metrics: &str) -> AxProc {
+        Self::spawn_full(url, args, metrics, &[])
+    }
+
+    /// With extra environment variables (e.g. a fault hook).
+    pub fn spawn_env(url: &str, args: &[&str], env: &[(&str, &str)]) -> AxProc {
+        Self::spawn_full(url, args, "off", env)
+    }
+
+    fn spawn_full(url: &str, args: &[&str], metrics: &str, env: &[(&str, &str)]) -> AxProc {
         let child = Command::new(env!("CARGO_BIN_EXE_ax"))
             .args(args)
             .args(["--metrics-addr", metrics])
             .env("NATS_URL", url)
             .env("RUST_LOG", "warn")
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
             .spawn()
             .expect("spawn ax");
         AxProc(child)
+    }
+
+    /// Waits up to `timeout` for the process to exit on its own; its status if it did.
+    pub async fn exited_within(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = std::time::Instant::now() + timeout;
+        while std::time::Instant::now() < deadline {
+            if let Some(status) = self.0.try_wait().unwrap() {
+                return Some(status);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        None
     }
 
     pub fn signal(&self, sig: &str) {

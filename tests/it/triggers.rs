@@ -242,6 +242,11 @@ async fn overlap_skip_and_buffer_one_with_a_slow_handler() {
         }
     }
     assert!((2..=3).contains(&skipped.len()), "skip: {}", skipped.len());
+    assert!(
+        (2..=3).contains(&buffered.len()),
+        "buffer_one fired {} times in 6.5 s of 2.5 s runs",
+        buffered.len()
+    );
     // buffer_one fires right after the overrun: well within a second of the finish.
     for pair in buffered.windows(2) {
         let gap = pair[1].created_at_ms - pair[0].finished_at_ms.unwrap();
@@ -437,6 +442,21 @@ async fn wall_clock_steps_neither_refire_nor_flood() {
     let mut unique = after_back.clone();
     unique.dedup();
     assert_eq!(unique, after_back, "a scheduled time fired twice");
+    // ... and firing goes on once the clock is past the last time fired (10 s back).
+    let before_back = after_back.len();
+    let resumed = eventually(
+        Duration::from_secs(15),
+        "fires after the step back",
+        || async {
+            let recs = seen(&fired(&env, "steady").await);
+            (recs.len() > before_back).then_some(recs)
+        },
+    )
+    .await;
+    let mut unique = resumed.clone();
+    unique.dedup();
+    assert_eq!(unique, resumed, "a scheduled time fired twice");
+    let after_back = resumed;
     // Forward one hour: one catch-up fire, not 3,600.
     let n = after_back.len();
     clock.step(3_600_000 + 10_000);
@@ -582,6 +602,23 @@ async fn a_manual_run_counts_as_the_running_fire() {
         scheduled.is_empty(),
         "a scheduled fire overlapped the manual run: {scheduled:?}"
     );
+    // Once the manual run ends, the schedule resumes (a dead engine would pass the check
+    // above too).
+    let manual_done = env
+        .wait_state(&id, TaskState::Succeeded, Duration::from_secs(5))
+        .await;
+    let next = eventually(
+        Duration::from_secs(4),
+        "a scheduled fire after the manual run",
+        || async {
+            fired(&env, "guarded")
+                .await
+                .into_iter()
+                .find(|r| r.trigger_source.as_deref() == Some("schedule"))
+        },
+    )
+    .await;
+    assert!(next.created_at_ms >= manual_done.finished_at_ms.unwrap());
     stop.cancel();
     handle.await.unwrap();
 }

@@ -1,0 +1,38 @@
+//! Fault hooks for tests, compiled only with the `test-hooks` feature (`./dev test` turns
+//! it on). Each hook aborts the process, like `kill -9`, at a precise line that a random
+//! kill would rarely hit:
+//!
+//! - `AX_TEST_ABORT_AFTER_PUBLISH=N`: after the N-th accepted task message is stored and
+//!   before its record is written (admission).
+//! - `AX_TEST_ABORT_AFTER_DISPATCH=N`: after the N-th delayed task is published to its
+//!   ready subject and before its delayed message is deleted.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+
+fn trip(var: &'static str, cell: &'static OnceLock<u64>, count: &'static AtomicU64) {
+    let limit = *cell.get_or_init(|| {
+        std::env::var(var)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    });
+    if limit > 0 && count.fetch_add(1, Ordering::SeqCst) + 1 == limit {
+        eprintln!("{var}={limit}: aborting here");
+        std::process::abort();
+    }
+}
+
+/// Between a task's message publish and its record write (admission).
+pub(crate) fn after_publish() {
+    static LIMIT: OnceLock<u64> = OnceLock::new();
+    static COUNT: AtomicU64 = AtomicU64::new(0);
+    trip("AX_TEST_ABORT_AFTER_PUBLISH", &LIMIT, &COUNT);
+}
+
+/// Between a delayed task's ready publish and its delete from `AX_DELAYED`.
+pub(crate) fn after_dispatch() {
+    static LIMIT: OnceLock<u64> = OnceLock::new();
+    static COUNT: AtomicU64 = AtomicU64::new(0);
+    trip("AX_TEST_ABORT_AFTER_DISPATCH", &LIMIT, &COUNT);
+}
