@@ -117,6 +117,12 @@ impl TriggerApi {
             }
             _ => {
                 let req: Named = serde_json::from_slice(body).map_err(bad)?;
+                if !crate::names::valid_token(&req.name, 64) {
+                    return Err(WireError::field(
+                        "name",
+                        "must be 1..=64 of A-Z a-z 0-9 _ -",
+                    ));
+                }
                 match op {
                     "get" => self.describe(&req.name).await,
                     "pause" | "resume" => {
@@ -189,6 +195,7 @@ impl TriggerApi {
     /// Validates and stores a definition; `created`, `updated` or `unchanged`.
     async fn put(&self, def: TriggerDef) -> Result<&'static str, WireError> {
         def.validate()?;
+        def.check_templates(&self.admission.limits)?;
         for queue in def.queues() {
             self.admission
                 .queues
@@ -231,6 +238,7 @@ impl TriggerApi {
             };
             let def = TriggerDef::decode(value).map_err(at)?;
             def.validate().map_err(at)?;
+            def.check_templates(&self.admission.limits).map_err(at)?;
             defs.push(def);
         }
         for def in &defs {

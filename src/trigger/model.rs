@@ -213,6 +213,22 @@ impl TriggerDef {
         Recurrence::parse(&self.kind)
     }
 
+    /// Checks each task template as a submit of it would be checked, so a trigger that
+    /// could never fire is refused when it is stored, naming the field
+    /// (`tasks[<i>].<field>`).
+    pub fn check_templates(&self, limits: &crate::task::Limits) -> Result<(), WireError> {
+        for (i, task) in self.tasks.iter().enumerate() {
+            let queue = task.queue.clone().unwrap_or_default();
+            crate::task::TaskMeta::from_request(&queue, task.clone(), limits).map_err(
+                |mut e| {
+                    e.field = Some(format!("tasks[{i}].{}", e.field.as_deref().unwrap_or("")));
+                    e
+                },
+            )?;
+        }
+        Ok(())
+    }
+
     /// The task templates' queues.
     pub fn queues(&self) -> impl Iterator<Item = &str> {
         self.tasks.iter().filter_map(|t| t.queue.as_deref())

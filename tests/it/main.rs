@@ -16,4 +16,5 @@ mod streams;
 mod submit;
 mod support;
 mod triggers;
+mod wire;
 mod worker;
