@@ -44,6 +44,18 @@ pub(crate) struct Conn {
 }
 
 impl Conn {
+    /// The server addresses of `--url`, which may list several, comma-separated.
+    fn addrs(&self) -> Result<Vec<async_nats::ServerAddr>> {
+        self.url
+            .split(',')
+            .map(|u| {
+                u.trim()
+                    .parse::<async_nats::ServerAddr>()
+                    .with_context(|| format!("--url: {u:?} is not a NATS URL"))
+            })
+            .collect()
+    }
+
     async fn options(&self) -> Result<async_nats::ConnectOptions> {
         let mut opts = async_nats::ConnectOptions::new().name("ax");
         if let Some(creds) = &self.creds {
@@ -76,7 +88,7 @@ impl Conn {
     pub(crate) async fn connect(&self) -> Result<async_nats::Client> {
         self.options()
             .await?
-            .connect(self.url.as_str())
+            .connect(self.addrs()?.as_slice())
             .await
             .with_context(|| format!("connecting to NATS at {}", self.url))
     }
@@ -91,7 +103,12 @@ impl Conn {
         let mut pause = Duration::from_millis(100);
         let mut told = false;
         loop {
-            match self.options().await?.connect(self.url.as_str()).await {
+            match self
+                .options()
+                .await?
+                .connect(self.addrs()?.as_slice())
+                .await
+            {
                 Ok(client) => {
                     if told {
                         tracing::info!(url = %self.url, "connected to NATS");

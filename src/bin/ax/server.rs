@@ -56,6 +56,9 @@ pub(crate) struct ServerArgs {
     /// Answer the trigger API and serve event triggers, but never lead the trigger engine.
     #[arg(long)]
     no_trigger_engine: bool,
+    /// Delayed tasks due within this window have their messages read ahead of time.
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    dispatch_horizon: Duration,
     /// Most bytes of delayed-task messages held in memory ahead of their due time.
     #[arg(long, default_value = "64MiB", value_parser = parse_bytes)]
     max_held_bytes: usize,
@@ -102,6 +105,7 @@ pub(crate) async fn run(args: ServerArgs, conn: &Conn) -> Result<()> {
         .apply_streams(!args.no_apply)
         .trigger_engine(!args.no_trigger_engine)
         .max_held_bytes(args.max_held_bytes)
+        .dispatch_horizon(args.dispatch_horizon)
         .build()
         .run(client, shutdown)
         .await?;

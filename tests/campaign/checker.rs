@@ -1,0 +1,244 @@
+//! The campaign's checker: pure functions over what the run observed (the journal the
+//! handlers wrote, every revision of every task record, trigger states, the producer's
+//! log). Each returns the violations it finds, as sentences.
+
+use ax::{TaskRecord, TaskState};
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+/// One handler invocation, from the journal.
+#[derive(Debug, Clone, Default)]
+pub struct Invocation {
+    pub attempt: u32,
+    pub token: u64,
+    /// `ok`, `err:<class>`, or `None` if it never ended (its worker was killed).
+    pub outcome: Option<String>,
+}
+
+/// Parses the journal: invocations by task id, in file order. Torn lines are skipped.
+pub fn parse_journal(text: &str) -> HashMap<String, Vec<Invocation>> {
+    let mut out: HashMap<String, Vec<Invocation>> = HashMap::new();
+    for line in text.lines() {
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        let (Some(id), Some(token)) = (v["id"].as_str(), v["token"].as_u64()) else {
+            continue;
+        };
+        let runs = out.entry(id.to_string()).or_default();
+        match v["event"].as_str() {
+            Some("start") => runs.push(Invocation {
+                attempt: v["attempt"].as_u64().unwrap_or(0) as u32,
+                token,
+                outcome: None,
+            }),
+            Some("end") => {
+                if let Some(run) = runs.iter_mut().rev().find(|r| r.token == token) {
+                    run.outcome = v["outcome"].as_str().map(str::to_string);
+                }
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+/// Every stored revision of every record, oldest first, by task id.
+pub type Histories = BTreeMap<String, Vec<(u64, TaskRecord)>>;
+
+/// Every accepted task reached a final state; none has two recorded outcomes; a success
+/// is backed by a successful invocation under the token it was recorded with.
+pub fn check_tasks(
+    accepted: &HashSet<String>,
+    histories: &Histories,
+    journal: &HashMap<String, Vec<Invocation>>,
+) -> Vec<String> {
+    let mut v = Vec::new();
+    for id in accepted {
+        match histories.get(id).and_then(|h| h.last()) {
+            None => v.push(format!("{id}: accepted but no record")),
+            Some((_, rec)) if !rec.state.is_terminal() => {
+                v.push(format!("{id}: accepted but still {}", rec.state))
+            }
+            _ => {}
+        }
+    }
+    for (id, history) in histories {
+        let terminal: Vec<usize> = history
+            .iter()
+            .enumerate()
+            .filter(|(_, (_, r))| r.state.is_terminal())
+            .map(|(i, _)| i)
+            .collect();
+        if terminal.len() > 1 {
+            v.push(format!("{id}: {} recorded outcomes", terminal.len()));
+        }
+        if terminal.first().is_some_and(|&i| i + 1 != history.len()) {
+            v.push(format!("{id}: a transition after its outcome"));
+        }
+        let Some((_, last)) = history.last() else {
+            continue;
+        };
+        if last.state == TaskState::Succeeded {
+            // The token of the attempt that succeeded: the revision of its `running` write.
+            let token = history
+                .iter()
+                .rev()
+                .find(|(_, r)| r.state == TaskState::Running)
+                .map(|(rev, _)| *rev);
+            let backed = token.is_some_and(|t| {
+                journal.get(id).is_some_and(|runs| {
+                    runs.iter()
+                        .any(|r| r.token == t && r.outcome.as_deref() == Some("ok"))
+                })
+            });
+            if !backed {
+                v.push(format!(
+                    "{id}: succeeded without a successful invocation under token {token:?}"
+                ));
+            }
+        }
+    }
+    v
+}
+
+/// Per task, fencing tokens only grow with the attempt number, and no attempt ran twice.
+pub fn check_tokens(journal: &HashMap<String, Vec<Invocation>>) -> Vec<String> {
+    let mut v = Vec::new();
+    for (id, runs) in journal {
+        let mut by_attempt: BTreeMap<u32, u64> = BTreeMap::new();
+        for r in runs {
+            if let Some(old) = by_attempt.insert(r.attempt, r.token) {
+                v.push(format!(
+                    "{id}: attempt {} ran twice (tokens {old} and {})",
+                    r.attempt, r.token
+                ));
+            }
+        }
+        let tokens: Vec<u64> = by_attempt.values().copied().collect();
+        if tokens.windows(2).any(|w| w[1] <= w[0]) {
+            v.push(format!(
+                "{id}: fencing tokens do not grow with attempts: {by_attempt:?}"
+            ));
+        }
+    }
+    v
+}
+
+/// What the campaign knows about one trigger.
+pub struct TriggerRun<'a> {
+    pub name: &'a str,
+    /// `allow`, `skip`, `buffer_one` or `fixed_delay`.
+    pub policy: &'a str,
+    pub state: &'a serde_json::Value,
+    /// When it was paused (the end of the window), ms.
+    pub paused_ms: u64,
+}
+
+/// Every scheduled time in the window was fired exactly once (or, for `skip` and
+/// `buffer_one`, accounted as skipped); no time fired twice.
+pub fn check_trigger(t: &TriggerRun<'_>, records: &[&TaskRecord]) -> Vec<String> {
+    let mut v = Vec::new();
+    let mut times: Vec<u64> = records
+        .iter()
+        .filter(|r| r.trigger.as_deref() == Some(t.name))
+        .filter(|r| r.trigger_source.as_deref() == Some("schedule"))
+        .filter_map(|r| r.scheduled_at_ms)
+        .collect();
+    times.sort();
+    let fired = times.len();
+    times.dedup();
+    if times.len() != fired {
+        v.push(format!("{}: a scheduled time fired twice", t.name));
+    }
+    if t.policy == "fixed_delay" {
+        if fired < 3 {
+            v.push(format!("{}: fixed-delay fired only {fired} times", t.name));
+        }
+        return v;
+    }
+    let state = t.state;
+    let scheduled_fires =
+        state["fires"].as_u64().unwrap_or(0) - state["manual"].as_u64().unwrap_or(0);
+    if scheduled_fires != fired as u64 {
+        v.push(format!(
+            "{}: state counts {scheduled_fires} scheduled fires, {fired} were made",
+            t.name
+        ));
+    }
+    let (Some(created), Some(last)) = (
+        state["created_at_ms"].as_u64(),
+        state["last_scheduled_ms"].as_u64(),
+    ) else {
+        v.push(format!("{}: never handled a scheduled time", t.name));
+        return v;
+    };
+    // Fixed rate, every 1 s from one period after creation.
+    let grid = (last.saturating_sub(created + 1000)) / 1000 + 1;
+    let skipped = state["skipped"].as_u64().unwrap_or(0);
+    // A fire buffer_one holds back when the window closed is neither fired nor skipped.
+    let buffered = u64::from(state["buffered_ms"].is_u64());
+    if scheduled_fires + skipped + buffered != grid {
+        v.push(format!(
+            "{}: {scheduled_fires} fired + {skipped} skipped + {buffered} buffered != {grid} scheduled times",
+            t.name
+        ));
+    }
+    if last + 10_000 < t.paused_ms {
+        v.push(format!(
+            "{}: the last scheduled time handled was {} ms before the end",
+            t.name,
+            t.paused_ms - last
+        ));
+    }
+    if t.policy == "allow" {
+        if skipped != 0 {
+            v.push(format!("{}: overlap allow skipped {skipped} times", t.name));
+        }
+        if times.windows(2).any(|w| w[1] - w[0] != 1000) {
+            v.push(format!("{}: a gap between fires", t.name));
+        }
+    }
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_must_grow_and_attempts_run_once() {
+        let mut j = HashMap::new();
+        j.insert(
+            "q.a".to_string(),
+            vec![
+                Invocation {
+                    attempt: 1,
+                    token: 5,
+                    outcome: None,
+                },
+                Invocation {
+                    attempt: 2,
+                    token: 4,
+                    outcome: None,
+                },
+            ],
+        );
+        j.insert(
+            "q.b".to_string(),
+            vec![
+                Invocation {
+                    attempt: 1,
+                    token: 5,
+                    outcome: None,
+                },
+                Invocation {
+                    attempt: 1,
+                    token: 6,
+                    outcome: None,
+                },
+            ],
+        );
+        let v = check_tokens(&j);
+        assert_eq!(v.len(), 2, "{v:?}");
+    }
+}
