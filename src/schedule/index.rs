@@ -159,7 +159,7 @@ impl Index {
 
     /// Up to `limit` sequences to read ahead: pending, due by `until_ms`, not held, while the
     /// budget has room. Each is marked as loading.
-    pub(crate) fn to_load(&mut self, until_ms: u64, limit: usize) -> Vec<u64> {
+    pub(crate) fn take_loads(&mut self, until_ms: u64, limit: usize) -> Vec<u64> {
         let mut out = Vec::new();
         if self.held_bytes >= self.max_bytes / 10 * 9 {
             return out;
@@ -319,24 +319,24 @@ mod tests {
         }
         assert_eq!(ix.held_bytes(), 0, "beyond the horizon: only (due, seq)");
         assert_eq!(ix.next_load_due(), Some(100_001));
-        let loads = ix.to_load(100_020, 1000);
+        let loads = ix.take_loads(100_020, 1000);
         assert_eq!(loads.len(), 20);
         for seq in loads {
             ix.loaded(seq, Some(body(1000)));
         }
         assert!(ix.held_bytes() <= 10_000);
         // The budget is full: no more read-ahead until dispatches free it.
-        assert!(ix.to_load(200_000, 1000).is_empty());
+        assert!(ix.take_loads(200_000, 1000).is_empty());
         assert_eq!(ix.next_load_due(), None);
         ix.take_due(100_010, 1000);
-        assert!(!ix.to_load(200_000, 1000).is_empty());
+        assert!(!ix.take_loads(200_000, 1000).is_empty());
     }
 
     #[test]
     fn a_read_ahead_that_lost_the_race_is_dropped() {
         let mut ix = Index::new(10_000);
         ix.add(5, 1, None, 0, 0);
-        assert_eq!(ix.to_load(10, 10), vec![1]);
+        assert_eq!(ix.take_loads(10, 10), vec![1]);
         let d = ix.take_due(10, 10);
         assert!(d[0].body.is_none());
         ix.loaded(1, Some(body(100)));

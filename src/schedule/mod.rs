@@ -116,7 +116,7 @@ impl Scheduler {
                 });
             }
             let room = MAX_LOADS.saturating_sub(loads.len());
-            for seq in index.to_load(now + horizon_ms, room) {
+            for seq in index.take_loads(now + horizon_ms, room) {
                 let stream = stream.clone();
                 loads.spawn(async move { (seq, load(&stream, seq).await.ok().flatten()) });
             }

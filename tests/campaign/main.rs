@@ -231,7 +231,7 @@ async fn produce(ax: Client, log: Arc<Mutex<Log>>, seed: u64, until: Instant) {
     let lanes = (0..12).map(|lane| {
         let (ax, log, n) = (ax.clone(), log.clone(), n.clone());
         async move {
-            let mut rng = StdRng::seed_from_u64(seed ^ (lane as u64 + 1) * 0x9e37_79b9);
+            let mut rng = StdRng::seed_from_u64(seed ^ ((lane as u64 + 1) * 0x9e37_79b9));
             let mut next_burst = Instant::now() + Duration::from_secs(3);
             while Instant::now() < until {
                 let k = n.fetch_add(1, Ordering::Relaxed);

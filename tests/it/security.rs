@@ -129,11 +129,10 @@ async fn each_role_has_least_privilege() {
         "worker-default rewrote a task record of queue reports"
     );
     assert!(
-        wkv.get(&foreign.id)
+        !wkv.get(&foreign.id)
             .await
             .map(|v| v.is_some())
-            .unwrap_or(false)
-            == false,
+            .unwrap_or(false),
         "worker-default read a task record of queue reports"
     );
     assert_eq!(

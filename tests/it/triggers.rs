@@ -640,10 +640,8 @@ async fn concurrent_manual_runs_fire_once_each() {
     }))
     .await;
     let mut answered: Vec<String> = Vec::new();
-    for run in runs {
-        if let Ok(ok) = run {
-            answered.push(ok["task_ids"][0].as_str().unwrap().to_string());
-        }
+    for ok in runs.into_iter().flatten() {
+        answered.push(ok["task_ids"][0].as_str().unwrap().to_string());
     }
     assert!(!answered.is_empty(), "no manual run succeeded");
     let made: Vec<String> = fired(&env, "manual")
