@@ -124,6 +124,22 @@ pub enum ClientError {
     State(#[from] StateError),
 }
 
+impl ClientError {
+    /// What kind of failure this is: a refusal's kind follows its code (`busy` and
+    /// `unavailable` are [`ErrorKind::Unavailable`](crate::error::ErrorKind::Unavailable),
+    /// `not_found` and `unknown_queue` are `NotFound`, …); no answer is `TimedOut`, no
+    /// server listening `Unavailable`.
+    pub fn kind(&self) -> crate::error::ErrorKind {
+        use crate::error::ErrorKind;
+        match self {
+            ClientError::Refused(e) => e.kind(),
+            ClientError::Request(e) => ErrorKind::of(e),
+            ClientError::BadReply(_) => ErrorKind::Invalid,
+            ClientError::State(e) => e.kind(),
+        }
+    }
+}
+
 /// A producer handle: cheap to clone.
 #[derive(Debug, Clone)]
 pub struct Client {

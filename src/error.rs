@@ -131,3 +131,100 @@ mod tests {
         }
     }
 }
+
+/// What kind of failure a library error is, so a caller can decide what to do next
+/// without reading messages (modelled on async-nats's `Error<Kind>`). Every public error
+/// type of this crate has a `kind()`.
+///
+/// NATS reports a denied publish or subscribe to the connection, not to the request that
+/// caused it, so a permission problem on a request surfaces as [`ErrorKind::TimedOut`];
+/// only connect-time refusals are [`ErrorKind::Permission`].
+#[non_exhaustive]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorKind {
+    /// No answer in time: the broker or server is slow, gone, or silently refused.
+    TimedOut,
+    /// Credentials or permissions refused.
+    Permission,
+    /// Another writer changed the thing first (a compare-and-set lost), or it exists.
+    Conflict,
+    /// The stream, consumer, key, task or trigger does not exist.
+    NotFound,
+    /// Nobody could serve it now (no ax server listening, busy, JetStream unavailable):
+    /// retrying later may succeed.
+    Unavailable,
+    /// The input or a stored value is not valid.
+    Invalid,
+    /// Anything else.
+    Other,
+}
+
+impl ErrorKind {
+    /// The kind of an error from the broker, found by walking its source chain.
+    pub fn of(err: &(dyn std::error::Error + 'static)) -> ErrorKind {
+        use async_nats::jetstream;
+        let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(err);
+        while let Some(e) = cur {
+            if let Some(js) = e.downcast_ref::<jetstream::Error>() {
+                match js.error_code() {
+                    jetstream::ErrorCode::STREAM_NOT_FOUND
+                    | jetstream::ErrorCode::CONSUMER_NOT_FOUND
+                    | jetstream::ErrorCode::NO_MESSAGE_FOUND => return ErrorKind::NotFound,
+                    jetstream::ErrorCode::STREAM_WRONG_LAST_SEQUENCE => return ErrorKind::Conflict,
+                    _ => {}
+                }
+            }
+            if let Some(r) = e.downcast_ref::<async_nats::RequestError>() {
+                match r.kind() {
+                    async_nats::RequestErrorKind::TimedOut => return ErrorKind::TimedOut,
+                    async_nats::RequestErrorKind::NoResponders => return ErrorKind::Unavailable,
+                    _ => {}
+                }
+            }
+            if let Some(c) = e.downcast_ref::<async_nats::ConnectError>() {
+                match c.kind() {
+                    async_nats::ConnectErrorKind::AuthorizationViolation
+                    | async_nats::ConnectErrorKind::Authentication => return ErrorKind::Permission,
+                    async_nats::ConnectErrorKind::TimedOut => return ErrorKind::TimedOut,
+                    _ => return ErrorKind::Unavailable,
+                }
+            }
+            if let Some(io) = e.downcast_ref::<std::io::Error>() {
+                if io.kind() == std::io::ErrorKind::TimedOut {
+                    return ErrorKind::TimedOut;
+                }
+            }
+            // async-nats wraps many failures in its own kinds without a typed source;
+            // their text is the only signal left.
+            let text = e.to_string().to_lowercase();
+            if text.contains("timed out") || text.contains("timeout") {
+                return ErrorKind::TimedOut;
+            }
+            if text.contains("permission") || text.contains("authorization") {
+                return ErrorKind::Permission;
+            }
+            if text.contains("no responders") || text.contains("503") {
+                return ErrorKind::Unavailable;
+            }
+            if text.contains("wrong last sequence") {
+                return ErrorKind::Conflict;
+            }
+            cur = e.source();
+        }
+        ErrorKind::Other
+    }
+}
+
+impl WireError {
+    /// The kind of a refusal.
+    pub fn kind(&self) -> ErrorKind {
+        match self.code {
+            ErrorCode::BadRequest | ErrorCode::InvalidField | ErrorCode::PayloadTooLarge => {
+                ErrorKind::Invalid
+            }
+            ErrorCode::UnknownQueue | ErrorCode::NotFound => ErrorKind::NotFound,
+            ErrorCode::Busy | ErrorCode::Unavailable => ErrorKind::Unavailable,
+            ErrorCode::Running => ErrorKind::Conflict,
+        }
+    }
+}

@@ -45,6 +45,7 @@ pub mod trigger;
 pub mod worker;
 
 pub use client::{Client, ClientError, TaskSpec};
+pub use error::ErrorKind;
 pub use names::Priority;
 pub use server::{Server, ServerBuilder, ServerError};
 pub use state::{TaskRecord, TaskState};

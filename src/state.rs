@@ -188,6 +188,18 @@ pub enum StateError {
     },
 }
 
+impl StateError {
+    /// What kind of failure this is.
+    pub fn kind(&self) -> crate::error::ErrorKind {
+        use crate::error::ErrorKind;
+        match self {
+            StateError::Stale { .. } | StateError::Exists(_) => ErrorKind::Conflict,
+            StateError::Corrupt { .. } => ErrorKind::Invalid,
+            StateError::Broker { source, .. } => ErrorKind::of(source.as_ref()),
+        }
+    }
+}
+
 /// The `AX_TASKS` bucket.
 #[derive(Clone, Debug)]
 pub struct TaskStore {

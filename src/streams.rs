@@ -125,6 +125,18 @@ pub enum StreamsError {
     },
 }
 
+impl StreamsError {
+    /// What kind of failure this is.
+    pub fn kind(&self) -> crate::error::ErrorKind {
+        use crate::error::ErrorKind;
+        match self {
+            StreamsError::Definition { .. } | StreamsError::InvalidQueue(_) => ErrorKind::Invalid,
+            StreamsError::Incompatible { .. } => ErrorKind::Conflict,
+            StreamsError::Broker { source, .. } => ErrorKind::of(source.as_ref()),
+        }
+    }
+}
+
 /// What [`apply`] or [`ensure`] did to one object.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {

@@ -40,6 +40,13 @@ pub struct ScheduleError {
     source: async_nats::Error,
 }
 
+impl ScheduleError {
+    /// What kind of failure this is.
+    pub fn kind(&self) -> crate::error::ErrorKind {
+        crate::error::ErrorKind::of(self.source.as_ref())
+    }
+}
+
 fn err(op: &'static str) -> impl FnOnce(async_nats::Error) -> ScheduleError {
     move |source| ScheduleError { op, source }
 }

@@ -55,6 +55,21 @@ pub enum ServerError {
     },
 }
 
+impl ServerError {
+    /// What kind of failure this is.
+    pub fn kind(&self) -> crate::error::ErrorKind {
+        use crate::error::ErrorKind;
+        match self {
+            ServerError::Panicked(_) => ErrorKind::Other,
+            ServerError::Streams(e) => e.kind(),
+            ServerError::State(e) => e.kind(),
+            ServerError::Schedule(e) => e.kind(),
+            ServerError::Triggers(e) => e.kind(),
+            ServerError::Subscribe { source, .. } => ErrorKind::of(source),
+        }
+    }
+}
+
 /// Server settings. Build with [`Server::builder`].
 #[derive(Debug, Clone)]
 pub struct Server {

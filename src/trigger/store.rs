@@ -34,6 +34,18 @@ pub enum TriggerStoreError {
     },
 }
 
+impl TriggerStoreError {
+    /// What kind of failure this is.
+    pub fn kind(&self) -> crate::error::ErrorKind {
+        use crate::error::ErrorKind;
+        match self {
+            TriggerStoreError::Stale(_) => ErrorKind::Conflict,
+            TriggerStoreError::Corrupt { .. } => ErrorKind::Invalid,
+            TriggerStoreError::Broker { source, .. } => ErrorKind::of(source.as_ref()),
+        }
+    }
+}
+
 fn broker(name: &str, op: &'static str, e: impl Into<async_nats::Error>) -> TriggerStoreError {
     TriggerStoreError::Broker {
         name: name.to_string(),

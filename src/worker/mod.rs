@@ -149,6 +149,19 @@ pub enum WorkerError {
     },
 }
 
+impl WorkerError {
+    /// What kind of failure this is.
+    pub fn kind(&self) -> crate::error::ErrorKind {
+        use crate::error::ErrorKind;
+        match self {
+            WorkerError::NoHandler(_) | WorkerError::InvalidQueue(_) => ErrorKind::Invalid,
+            WorkerError::QueueNotDeclared { .. } => ErrorKind::NotFound,
+            WorkerError::State(e) => e.kind(),
+            WorkerError::Broker { source, .. } => ErrorKind::of(source.as_ref()),
+        }
+    }
+}
+
 /// A worker for one queue. Build with [`Worker::builder`].
 pub struct Worker {
     queue: String,

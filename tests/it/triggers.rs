@@ -182,7 +182,12 @@ async fn invalid_definitions_are_refused_and_store_nothing() {
         assert_eq!((e.code, e.field.as_deref()), (code, field), "{def}");
     }
     assert_eq!(env.ax.trigger("list", &json!({})).await.unwrap(), json!([]));
-    let e = refused(env.ax.trigger("run", &json!({"name": "ghost"})).await);
+    let missing = env.ax.trigger("run", &json!({"name": "ghost"})).await;
+    assert_eq!(
+        missing.as_ref().unwrap_err().kind(),
+        ax::ErrorKind::NotFound
+    );
+    let e = refused(missing);
     assert_eq!(e.code, ErrorCode::NotFound);
 }
 

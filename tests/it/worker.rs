@@ -136,10 +136,9 @@ async fn lost_heartbeat_redelivers_and_counts_the_attempt() {
     // The dead worker's late result is refused.
     let mut late = running.transition(TaskState::Succeeded);
     late.worker = Some("doomed".into());
-    assert!(matches!(
-        store.cas(&late, dead_token).await,
-        Err(ax::state::StateError::Stale { .. })
-    ));
+    let lost = store.cas(&late, dead_token).await.unwrap_err();
+    assert!(matches!(lost, ax::state::StateError::Stale { .. }));
+    assert_eq!(lost.kind(), ax::ErrorKind::Conflict);
     stop.cancel();
     handle.await.unwrap();
 }
