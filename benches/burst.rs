@@ -27,7 +27,9 @@ async fn submit_burst(ax: &Client, n: usize, due_ms: u64, tag: &str) -> f64 {
             let (ax, at) = (ax.clone(), at.clone());
             let name = tag.to_string();
             async move {
-                ax.submit("burst", TaskSpec::new(name).run_at(at)).await.unwrap();
+                ax.submit("burst", TaskSpec::new(name).run_at(at))
+                    .await
+                    .unwrap();
             }
         })
         .buffer_unordered(1024);

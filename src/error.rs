@@ -170,7 +170,10 @@ impl ErrorKind {
                     jetstream::ErrorCode::STREAM_NOT_FOUND
                     | jetstream::ErrorCode::CONSUMER_NOT_FOUND
                     | jetstream::ErrorCode::NO_MESSAGE_FOUND => return ErrorKind::NotFound,
-                    jetstream::ErrorCode::STREAM_WRONG_LAST_SEQUENCE => return ErrorKind::Conflict,
+                    jetstream::ErrorCode::STREAM_WRONG_LAST_SEQUENCE
+                    | jetstream::ErrorCode::STREAM_WRONG_LAST_SEQUENCE_CONSTANT => {
+                        return ErrorKind::Conflict
+                    }
                     _ => {}
                 }
             }

@@ -233,9 +233,9 @@ impl TaskStore {
         self.kv
             .create(&rec.id, body.into())
             .await
-            .map_err(|e| match e.kind() {
-                kv::CreateErrorKind::AlreadyExists => StateError::Exists(rec.id.clone()),
-                _ => broker(&rec.id, "create", e),
+            .map_err(|e| match create_lost(&e) {
+                true => StateError::Exists(rec.id.clone()),
+                false => broker(&rec.id, "create", e),
             })
     }
 
@@ -350,6 +350,14 @@ impl TaskStore {
         out.extend(slots.into_iter().flatten());
         Ok(out)
     }
+}
+
+/// True if a KV create failed because the key exists. A create racing another create of
+/// the same key can also come back as a "wrong last sequence" error (JetStream 10071 or
+/// 10164) instead of `AlreadyExists`; both mean another writer created it first.
+pub(crate) fn create_lost(e: &kv::CreateError) -> bool {
+    e.kind() == kv::CreateErrorKind::AlreadyExists
+        || crate::error::ErrorKind::of(e) == crate::error::ErrorKind::Conflict
 }
 
 fn broker(id: &str, op: &'static str, e: impl Into<async_nats::Error>) -> StateError {

@@ -209,7 +209,7 @@ impl Admission {
                 .await
             {
                 Ok(revision) => claimed = Some((kv_key, revision)),
-                Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {
+                Err(e) if crate::state::create_lost(&e) => {
                     let first = self
                         .idempotency
                         .get(&kv_key)
@@ -239,14 +239,21 @@ impl Admission {
         if let Err(e) = self.store(&meta, payload).await {
             if let (ErrorCode::Busy, Some((kv_key, revision))) = (e.code, claimed) {
                 // Nothing was stored: release the key, so a refused submit leaves nothing
-                // behind. If that fails, a retry with the key finishes this task under its
-                // id, which is safe too.
+                // behind. If that fails, say so (`unavailable`, not `busy`): a retry with
+                // the key finishes this task under its id, which is safe.
                 if let Err(release) = self
                     .idempotency
                     .delete_expect_revision(&kv_key, Some(revision))
                     .await
                 {
                     warn!(key = %kv_key, cause = %release, "could not release the idempotency key of a refused submit");
+                    return Err(WireError::new(
+                        ErrorCode::Unavailable,
+                        format!(
+                            "{}; its idempotency key could not be released: retry",
+                            e.message
+                        ),
+                    ));
                 }
             }
             return Err(e);

@@ -165,7 +165,7 @@ impl Engine {
             }
         };
         let active = unfinished(&self.admission.tasks, tracked_ids(&state)).await;
-        Ok(Held {
+        let mut h = Held {
             def,
             rec,
             state,
@@ -173,7 +173,20 @@ impl Engine {
             active,
             early_done: HashSet::new(),
             checked_at: Some(Instant::now()),
-        })
+        };
+        self.settle(&mut h);
+        Ok(h)
+    }
+
+    /// A trigger whose last fire's tasks are all finished but whose stored state does not
+    /// say when (the leader that saw them finish kept it in memory, then died or changed):
+    /// they finished by now. Without this a fixed-delay trigger, whose next time counts
+    /// from that completion, never fired again after a leader change.
+    fn settle(&self, h: &mut Held) {
+        if h.active.is_empty() && h.state.last_fire.is_some() && h.state.last_completed_ms.is_none()
+        {
+            h.state.last_completed_ms = Some(self.clock.now_ms());
+        }
     }
 
     async fn lead(
@@ -268,6 +281,7 @@ impl Engine {
                     h.checked_at = Some(Instant::now());
                     h.state = state;
                     h.revision = entry.revision;
+                    self.settle(h);
                     due.push(name);
                 }
                 entry = completions.next() => {
@@ -337,12 +351,9 @@ impl Engine {
                 };
                 if h.waits_on_tasks() && h.checked_at.is_none_or(|at| at.elapsed() >= RECHECK) {
                     // Recover completions no feed delivered (belt and braces).
-                    let still = unfinished(&self.admission.tasks, h.active.iter()).await;
-                    if still.len() < h.active.len() && still.is_empty() {
-                        h.state.last_completed_ms = Some(self.clock.now_ms());
-                    }
-                    h.active = still;
+                    h.active = unfinished(&self.admission.tasks, h.active.iter()).await;
                     h.checked_at = Some(Instant::now());
+                    self.settle(h);
                 }
                 let now = self.clock.now_ms();
                 let p = plan(&h.def, &h.rec, &h.state, now, !h.active.is_empty());
@@ -403,6 +414,10 @@ impl Engine {
             } => {
                 h.state = state;
                 h.revision = revision;
+                if !ids.is_empty() && !tracks_every_fire(&h.def) {
+                    // Nothing waits on older fires: follow the latest one only.
+                    h.active.clear();
+                }
                 for id in ids {
                     if !h.early_done.remove(&id) {
                         h.active.insert(id);
@@ -433,12 +448,29 @@ impl Engine {
                 h.revision = revision;
                 h.checked_at = None;
                 h.active.extend(h.state.active.iter().cloned());
+                self.settle(h);
                 Applied::Wake(Some(now))
             }
             Outcome::StepDown => Applied::StepDown("a newer leader wrote trigger state"),
             Outcome::Failed(e) => Applied::Failed(e),
         }
     }
+}
+
+/// Whether a trigger's planning waits on the tasks of every earlier fire (overlap `skip` or
+/// `buffer_one`, fixed-delay). With overlap `allow` nothing does, and only the latest fire's
+/// tasks are followed (for `last_completed_ms` / `last_result`), so `active` stays small
+/// however long its tasks take.
+fn tracks_every_fire(def: &TriggerDef) -> bool {
+    use super::model::{IntervalMode, Kind, OverlapPolicy};
+    def.overlap != OverlapPolicy::Allow
+        || matches!(
+            def.kind,
+            Kind::Interval {
+                mode: IntervalMode::FixedDelay,
+                ..
+            }
+        )
 }
 
 /// A planned trigger to fire and store.
@@ -501,7 +533,11 @@ async fn execute(admission: &Admission, store: &TriggerStore, job: Job) -> Outco
     }
     let mut state = plan.state.clone();
     state.leader = token;
-    state.active = active;
+    state.active = if ids.is_empty() || tracks_every_fire(&def) {
+        active
+    } else {
+        Vec::new()
+    };
     record_fires(&mut state, &plan.fires, &ids, now);
     if !plan.fires.is_empty() {
         debug!(trigger = %name, scheduled = ?plan.fires.last(), tasks = ids.len(), "fired");

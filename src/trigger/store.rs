@@ -87,10 +87,13 @@ async fn write<T: Serialize>(
 ) -> Result<u64, TriggerStoreError> {
     let body: bytes::Bytes = serde_json::to_vec(value).expect("serializes").into();
     let result = match revision {
-        None => kv.create(name, body).await.map_err(|e| match e.kind() {
-            kv::CreateErrorKind::AlreadyExists => TriggerStoreError::Stale(name.to_string()),
-            _ => broker(name, "create", e),
-        }),
+        None => kv
+            .create(name, body)
+            .await
+            .map_err(|e| match crate::state::create_lost(&e) {
+                true => TriggerStoreError::Stale(name.to_string()),
+                false => broker(name, "create", e),
+            }),
         Some(rev) => kv
             .update(name, body, rev)
             .await

@@ -151,8 +151,18 @@ pub fn check_trigger(t: &TriggerRun<'_>, records: &[&TaskRecord]) -> Vec<String>
         v.push(format!("{}: a scheduled time fired twice", t.name));
     }
     if t.policy == "fixed_delay" {
-        if fired < 3 {
-            v.push(format!("{}: fixed-delay fired only {fired} times", t.name));
+        // A run takes about 1.5 s and the next waits 1 s after it: at least one fire per
+        // 10 s of window, faults included, or the trigger stalled.
+        let window_s = t
+            .paused_ms
+            .saturating_sub(t.state["created_at_ms"].as_u64().unwrap_or(t.paused_ms))
+            / 1000;
+        let need = (window_s / 10).max(3) as usize;
+        if fired < need {
+            v.push(format!(
+                "{}: fixed-delay fired {fired} times in {window_s} s (at least {need} expected)",
+                t.name
+            ));
         }
         return v;
     }

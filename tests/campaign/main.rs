@@ -12,7 +12,8 @@
 //! outcomes; a success is backed by a successful invocation under its token; per task,
 //! tokens only grow and no attempt ran twice; every scheduled trigger time in the window was
 //! fired exactly once (or accounted as skipped by its overlap policy); no fire was stored
-//! twice; every refused submit stored nothing.
+//! twice; every refused submit stored nothing (no idempotency key left), unless an earlier
+//! attempt with its key went unanswered or was `unavailable`.
 //!
 //! `AX_CAMPAIGN_SECS` (default 40) sets the load time, `AX_CAMPAIGN_SEED` replays a run; the
 //! seed is printed first. A long run: `AX_CAMPAIGN_SECS=600 ./dev test --test campaign --
@@ -166,8 +167,10 @@ impl Procs {
 #[derive(Default)]
 struct Log {
     accepted: HashSet<String>,
-    /// (queue, idempotency key, code) of each refused submit.
-    refused: Vec<(String, String, String)>,
+    /// (queue, idempotency key, code, clean) of each refused submit; `clean` when no
+    /// earlier attempt with that key went unanswered or was `unavailable` (such an attempt
+    /// may have stored the key, or the task).
+    refused: Vec<(String, String, String, bool)>,
     manual_answered: Vec<String>,
     manual_refused: usize,
     manual_unanswered: usize,
@@ -178,29 +181,37 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// Submits until answered (same idempotency key on every retry): the answer, or `None`
-/// if no answer came within a minute.
+type Answer = Result<ax::protocol::SubmitAccepted, ax::protocol::WireError>;
+
+/// Submits until answered (same idempotency key on every retry): the answer (`None` if no
+/// answer came within a minute), and whether every attempt before it was answered and not
+/// `unavailable`.
 async fn submit_until_answered(
     ax: &Client,
     queue: &str,
     spec: TaskSpec,
     log: &Mutex<Log>,
-) -> Option<Result<ax::protocol::SubmitAccepted, ax::protocol::WireError>> {
+) -> (Option<Answer>, bool) {
     let deadline = Instant::now() + Duration::from_secs(60);
+    let mut clean = true;
     while Instant::now() < deadline {
         match ax.submit(queue, spec.clone()).await {
-            Ok(a) => return Some(Ok(a)),
+            Ok(a) => return (Some(Ok(a)), clean),
             Err(ClientError::Refused(e))
                 if e.code.is_retryable() && e.code != ax::protocol::ErrorCode::Busy =>
             {
+                clean = false;
                 log.lock().unwrap().unanswered_retries += 1;
             }
-            Err(ClientError::Refused(e)) => return Some(Err(e)),
-            Err(_) => log.lock().unwrap().unanswered_retries += 1,
+            Err(ClientError::Refused(e)) => return (Some(Err(e)), clean),
+            Err(_) => {
+                clean = false;
+                log.lock().unwrap().unanswered_retries += 1
+            }
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    None
+    (None, false)
 }
 
 const TRIGGERS: [(&str, &str); 4] = [
@@ -247,8 +258,8 @@ async fn produce(ax: Client, log: Arc<Mutex<Log>>, seed: u64, until: Instant) {
                     85..=89 => {
                         // Bad input: refused, stores nothing.
                         let bad = TaskSpec::new("bad").idempotency_key(format!("{key}\r\nX: 1"));
-                        if let Some(Err(e)) = submit_until_answered(&ax, "q", bad, &log).await {
-                            log.lock().unwrap().refused.push(("q".into(), format!("{key}\r\nX: 1"), e.code.as_str().into()));
+                        if let (Some(Err(e)), clean) = submit_until_answered(&ax, "q", bad, &log).await {
+                            log.lock().unwrap().refused.push(("q".into(), format!("{key}\r\nX: 1"), e.code.as_str().into(), clean));
                         }
                         continue;
                     }
@@ -257,11 +268,11 @@ async fn produce(ax: Client, log: Arc<Mutex<Log>>, seed: u64, until: Instant) {
                 };
                 let spec = spec.idempotency_key(key.clone());
                 match submit_until_answered(&ax, queue, spec, &log).await {
-                    Some(Ok(a)) => {
+                    (Some(Ok(a)), _) => {
                         log.lock().unwrap().accepted.insert(a.id);
                     }
-                    Some(Err(e)) => log.lock().unwrap().refused.push((queue.into(), key.clone(), e.code.as_str().into())),
-                    None => {}
+                    (Some(Err(e)), clean) => log.lock().unwrap().refused.push((queue.into(), key.clone(), e.code.as_str().into(), clean)),
+                    (None, _) => {}
                 }
                 if lane == 0 && Instant::now() >= next_burst {
                     // A burst at one due time beyond the 3 s horizon.
@@ -273,7 +284,7 @@ async fn produce(ax: Client, log: Arc<Mutex<Log>>, seed: u64, until: Instant) {
                             let key = format!("{key}-burst-{b}");
                             async move {
                                 let spec = TaskSpec::new("burst").run_at(at).idempotency_key(key);
-                                if let Some(Ok(a)) = submit_until_answered(&ax, "q", spec, &log).await {
+                                if let (Some(Ok(a)), _) = submit_until_answered(&ax, "q", spec, &log).await {
                                     log.lock().unwrap().accepted.insert(a.id);
                                 }
                             }
@@ -589,8 +600,13 @@ async fn campaign(cluster: bool) {
     // Refused submits stored nothing.
     let idem = js.get_key_value("AX_IDEMPOTENCY").await.unwrap();
     let mut busy = 0;
-    for (queue, key, code) in &log.refused {
+    for (queue, key, code, clean) in &log.refused {
         busy += usize::from(code == "busy");
+        if !clean {
+            // An earlier attempt with this key went unanswered or was `unavailable`: it
+            // may have stored the key (and the task, which a later retry finishes).
+            continue;
+        }
         let kv_key = format!("{queue}.{}", hex(key.as_bytes()));
         if let Ok(Some(v)) = idem.get(&kv_key).await {
             violations.push(format!(

@@ -810,3 +810,43 @@ async fn a_standby_with_a_clock_ahead_leaves_a_live_leader_alone() {
     stop_b.cancel();
     b.await.unwrap().unwrap();
 }
+
+/// Found by the long fault campaign: a fixed-delay trigger whose last fire finished while
+/// one leader held it must keep firing under the next leader (the completion time was only
+/// in the old leader's memory, so the next time was never reached).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fixed_delay_keeps_firing_after_a_server_restart() {
+    let mut env = Env::start(Env::server()).await;
+    let (stop, handle) = quick_worker(&env, Duration::from_millis(100));
+    let mut def = interval("paced-restart", 3000);
+    def["mode"] = json!("fixed_delay");
+    env.ax.trigger("put", &def).await.unwrap();
+    let first = eventually(
+        Duration::from_secs(10),
+        "a first fire to finish",
+        || async {
+            fired(&env, "paced-restart")
+                .await
+                .into_iter()
+                .find(|r| r.state == TaskState::Succeeded)
+        },
+    )
+    .await;
+    // Within the 3 s delay after that completion: a new leader takes over.
+    env.stop_server().await;
+    env.start_server(Env::server()).await;
+    eventually(
+        Duration::from_secs(10),
+        "a fire under the new leader",
+        || async {
+            fired(&env, "paced-restart")
+                .await
+                .into_iter()
+                .any(|r| r.scheduled_at_ms > first.scheduled_at_ms)
+                .then_some(())
+        },
+    )
+    .await;
+    stop.cancel();
+    handle.await.unwrap();
+}
