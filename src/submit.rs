@@ -33,8 +33,20 @@ pub(crate) async fn publish_task(
     meta: &TaskMeta,
     payload: Bytes,
 ) -> Result<jetstream::publish::PublishAck, WireError> {
-    let mut headers = meta.to_headers();
-    headers.insert("Nats-Msg-Id", meta.id.as_str());
+    publish_headers(js, subject, meta.to_headers(), &meta.id, payload).await
+}
+
+/// Publishes task headers as they are (plus `Nats-Msg-Id` = `id`), mapping a full subject
+/// to `busy`: the delayed-task dispatcher forwards a stored message this way without
+/// decoding and re-encoding all its headers.
+pub(crate) async fn publish_headers(
+    js: &jetstream::Context,
+    subject: String,
+    mut headers: async_nats::HeaderMap,
+    id: &str,
+    payload: Bytes,
+) -> Result<jetstream::publish::PublishAck, WireError> {
+    headers.insert("Nats-Msg-Id", id);
     let publish = jetstream::message::PublishMessage::build()
         .headers(headers)
         .payload(payload);

@@ -398,6 +398,31 @@ impl TaskMeta {
         h
     }
 
+    /// Where a stored task message goes when it is due, read from its headers without
+    /// decoding the rest: its ready subject and its id. The queue, the priority and the id
+    /// (which must belong to the queue) are checked; a worker checks the rest.
+    pub fn ready_route(h: &HeaderMap) -> Result<(String, &str), HeaderError> {
+        let get = |name: &'static str| {
+            h.get(name).map(|v| v.as_str()).ok_or(HeaderError {
+                header: name,
+                problem: "missing",
+            })
+        };
+        let queue = get(header::QUEUE)?;
+        let id = get(header::ID)?;
+        if !names::valid_queue(queue) || names::queue_of_task_id(id) != Some(queue) {
+            return Err(HeaderError {
+                header: header::ID,
+                problem: "not a task id of the message's queue (<queue>.<key>)",
+            });
+        }
+        let priority: Priority = get(header::PRIORITY)?.parse().map_err(|_| HeaderError {
+            header: header::PRIORITY,
+            problem: "unknown priority",
+        })?;
+        Ok((names::ready_subject(queue, priority), id))
+    }
+
     /// Reads a task from message headers.
     pub fn from_headers(h: &HeaderMap) -> Result<TaskMeta, HeaderError> {
         fn get<'a>(h: &'a HeaderMap, name: &'static str) -> Result<&'a str, HeaderError> {
