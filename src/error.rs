@@ -81,6 +81,15 @@ impl WireError {
     }
 }
 
+/// The text of a caught panic (its `&str` or `String` payload).
+pub(crate) fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "panicked".into())
+}
+
 /// Checks a string that travels in a message header (idempotency key, names, error
 /// classes, trigger fields): 1..=`max` bytes, no control characters (a line break would
 /// end the header block), no leading or trailing whitespace (header values are trimmed on

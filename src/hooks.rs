@@ -6,6 +6,8 @@
 //!   before its record is written (admission).
 //! - `AX_TEST_ABORT_AFTER_DISPATCH=N`: after the N-th delayed task is published to its
 //!   ready subject and before its delayed message is deleted.
+//! - `AX_TEST_ABORT_AFTER_FIRE=N`: after the trigger engine's N-th scheduled fire is
+//!   submitted and before the trigger's state records it.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
@@ -35,4 +37,11 @@ pub(crate) fn after_dispatch() {
     static LIMIT: OnceLock<u64> = OnceLock::new();
     static COUNT: AtomicU64 = AtomicU64::new(0);
     trip("AX_TEST_ABORT_AFTER_DISPATCH", &LIMIT, &COUNT);
+}
+
+/// Between a scheduled fire's submit and its trigger-state write.
+pub(crate) fn after_fire() {
+    static LIMIT: OnceLock<u64> = OnceLock::new();
+    static COUNT: AtomicU64 = AtomicU64::new(0);
+    trip("AX_TEST_ABORT_AFTER_FIRE", &LIMIT, &COUNT);
 }

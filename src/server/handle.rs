@@ -19,11 +19,7 @@ pub(crate) async fn guarded<T>(
     match AssertUnwindSafe(work).catch_unwind().await {
         Ok(result) => result,
         Err(panic) => {
-            let what = panic
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_default();
+            let what = crate::error::panic_text(panic.as_ref());
             error!(api, cause = %what, "request handler panicked (a bug); answered unavailable");
             metrics::counter!(m::REQUEST_PANICS, "api" => api).increment(1);
             Err(WireError::new(

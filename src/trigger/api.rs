@@ -4,7 +4,7 @@
 use super::clock::Clock;
 use super::fire::{fire, manual_tag, tracked_ids as tracked, unfinished};
 use super::model::TriggerDef;
-use super::plan::{FireRecord, Source, TriggerState};
+use super::plan::{Source, TriggerState};
 use super::recur::Recurrence;
 use super::store::{TriggerStore, TriggerStoreError};
 use crate::protocol::{ErrorCode, WireError};
@@ -322,18 +322,8 @@ impl TriggerApi {
                 let ms = rand::random_range(1..=20u64);
                 tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
             }
-            state.fires += 1;
-            state.manual += 1;
             state.active.retain(|id| !finished.contains(&id));
-            state.active.extend(task_ids.iter().cloned());
-            state.last_result.clear();
-            state.last_completed_ms = None;
-            state.last_fire = Some(FireRecord {
-                scheduled_ms: now,
-                fired_at_ms: now,
-                source: Source::Manual,
-                task_ids: task_ids.clone(),
-            });
+            state.record_fire(&[now], now, Source::Manual, &task_ids);
             match self.store.put_state(name, &state, rev).await {
                 Ok(_) => return Ok(json!({ "task_ids": task_ids, "forced": forced })),
                 Err(TriggerStoreError::Stale(_)) => {

@@ -18,10 +18,10 @@
 //! re-planned, so a fired time is never recorded as skipped.
 
 use super::clock::Clock;
-use super::fire::{fire, scheduled_tag, tracked_ids, trigger_of_task, unfinished};
+use super::fire::{fire, scheduled_tag, tracked_ids, trigger_of_task, trigger_task_id, unfinished};
 use super::lease::Lease;
 use super::model::TriggerDef;
-use super::plan::{plan, FireRecord, Plan, Source, TriggerState};
+use super::plan::{plan, Plan, Source, TriggerState};
 use super::recur::Recurrence;
 use super::store::{TriggerStore, TriggerStoreError};
 use crate::names::LEASES_BUCKET;
@@ -57,6 +57,9 @@ fn broker(op: &'static str) -> impl FnOnce(async_nats::Error) -> EngineError {
     move |source| EngineError::Broker { op, source }
 }
 
+/// How many of the latest scheduled times a new leader checks for unrecorded fires.
+const REPAIR_WINDOW: usize = 128;
+
 /// How often, at most, a trigger waiting on unfinished tasks re-checks their records.
 const RECHECK: Duration = Duration::from_secs(3);
 
@@ -78,6 +81,9 @@ struct Held {
     early_done: HashSet<String>,
     /// When `active` was last checked against the records (`None`: it must be).
     checked_at: Option<Instant>,
+    /// The stored state may lack fires a leader made but could not record (it died, or its
+    /// state write failed): look for them before planning.
+    unsure: bool,
 }
 
 impl Held {
@@ -173,9 +179,119 @@ impl Engine {
             active,
             early_done: HashSet::new(),
             checked_at: Some(Instant::now()),
+            unsure: true,
         };
         self.settle(&mut h);
         Ok(h)
+    }
+
+    /// A trigger task was just created that this leader did not fire: a previous leader's
+    /// fire landed late (it planned the time before losing the lease and submitted after).
+    /// If this leader already handled that scheduled time (counted it skipped, or holds it
+    /// buffered), the time did fire after all: record it so, and follow its tasks.
+    fn adopt(&self, h: &mut Held, id: &str, rec: &TaskRecord) {
+        // With overlap `allow` no time is ever skipped for a running fire: nothing to fix.
+        if !tracks_every_fire(&h.def)
+            || h.active.contains(id)
+            || rec.trigger_source.as_deref() != Some("schedule")
+        {
+            return;
+        }
+        let Some(t) = rec.scheduled_at_ms else { return };
+        let ids: Vec<String> = h
+            .def
+            .tasks
+            .iter()
+            .enumerate()
+            .map(|(i, task)| {
+                let queue = task.queue.as_deref().unwrap_or_default();
+                trigger_task_id(queue, &h.def.name, &scheduled_tag(t), i)
+            })
+            .collect();
+        let handled = h.state.last_scheduled_ms.is_some_and(|last| t <= last);
+        let ours = h
+            .state
+            .last_fire
+            .as_ref()
+            .is_some_and(|f| f.task_ids.iter().any(|f| ids.contains(f)));
+        // Counted once per fire: by its first template's task.
+        if !handled || ours || ids.first().map(String::as_str) != Some(id) {
+            return;
+        }
+        if h.state.buffered_ms == Some(t) {
+            h.state.buffered_ms = None;
+        } else {
+            h.state.skipped = h.state.skipped.saturating_sub(1);
+        }
+        h.state
+            .record_fire(&[t], self.clock.now_ms(), Source::Schedule, &ids);
+        h.active.extend(ids);
+        warn!(trigger = %h.def.name, scheduled = t,
+            "a previous leader's fire landed after this leader had handled its time; recorded it as fired");
+    }
+
+    /// Records in `h` the fires that exist as tasks but not in its state: a leader that
+    /// fired a scheduled time and died (or failed to write its state) before recording it.
+    /// Without this the next plan could count that time as skipped or buffered while its
+    /// task runs, and overlap would not wait for it. Looks at the latest
+    /// [`REPAIR_WINDOW`] scheduled times (and a buffered one), a read each.
+    async fn repair(&self, h: &mut Held) {
+        let now = self.clock.now_ms();
+        let (total, times) = super::plan::times_due(&h.rec, &h.state, now, REPAIR_WINDOW);
+        let mut candidates = times.clone();
+        candidates.extend(h.state.buffered_ms);
+        let def = &h.def;
+        let ids_of = |t: u64| -> Vec<String> {
+            def.tasks
+                .iter()
+                .enumerate()
+                .map(|(i, task)| {
+                    let queue = task.queue.as_deref().unwrap_or_default();
+                    trigger_task_id(queue, &def.name, &scheduled_tag(t), i)
+                })
+                .collect()
+        };
+        let tasks = &self.admission.tasks;
+        let checks = candidates.iter().map(|&t| {
+            let first = ids_of(t).into_iter().next();
+            async move {
+                let exists = match first {
+                    Some(id) => matches!(tasks.get(&id).await, Ok(Some(_))),
+                    None => false,
+                };
+                (t, exists)
+            }
+        });
+        let fired: Vec<u64> = futures::future::join_all(checks)
+            .await
+            .into_iter()
+            .filter_map(|(t, exists)| exists.then_some(t))
+            .collect();
+        if fired.is_empty() {
+            return;
+        }
+        if let Some(b) = h.state.buffered_ms.filter(|b| fired.contains(b)) {
+            h.state.record_fire(&[b], now, Source::Schedule, &ids_of(b));
+            h.active.extend(ids_of(b));
+            h.state.buffered_ms = None;
+        }
+        let mut last = None;
+        for &t in fired.iter().filter(|t| times.contains(t)) {
+            h.state.record_fire(&[t], now, Source::Schedule, &ids_of(t));
+            h.active.extend(ids_of(t));
+            last = Some(t);
+        }
+        if let Some(last) = last {
+            // Times before it that did not fire were skipped by whoever planned them.
+            let older = total - times.len() as u64;
+            let handled = older + times.iter().filter(|&&t| t <= last).count() as u64;
+            let made = fired.iter().filter(|t| times.contains(t)).count() as u64;
+            h.state.skipped += handled - made;
+            h.state.last_scheduled_ms = Some(last);
+        }
+        h.checked_at = None;
+        warn!(trigger = %h.def.name, fires = ?fired,
+            "found fires a previous leader made but did not record; recorded them");
     }
 
     /// A trigger whose last fire's tasks are all finished but whose stored state does not
@@ -289,17 +405,19 @@ impl Engine {
                     let entry = entry.map_err(|e| broker("follow trigger task records")(e.into()))?;
                     let Some(name) = trigger_of_task(&entry.key) else { continue };
                     let Some(h) = held.get_mut(name) else { continue };
-                    let finished = entry.operation == kv::Operation::Put
-                        && serde_json::from_slice::<TaskRecord>(&entry.value)
-                            .is_ok_and(|r| r.state.is_terminal());
-                    if !finished {
+                    if entry.operation != kv::Operation::Put {
                         continue;
                     }
+                    let Ok(rec) = serde_json::from_slice::<TaskRecord>(&entry.value) else { continue };
                     let id = entry.key.clone();
-                    if h.active.remove(&id) {
-                        if let Ok(rec) = serde_json::from_slice::<TaskRecord>(&entry.value) {
-                            h.state.last_result.push(rec.state.to_string());
+                    if !rec.state.is_terminal() {
+                        if rec.attempt == 0 && !in_flight.contains(name) {
+                            self.adopt(h, &id, &rec);
                         }
+                        continue;
+                    }
+                    if h.active.remove(&id) {
+                        h.state.last_result.push(rec.state.to_string());
                         if h.active.is_empty() {
                             h.state.last_completed_ms = Some(self.clock.now_ms());
                             due.push(name.to_string());
@@ -349,6 +467,10 @@ impl Engine {
                 let Some(h) = held.get_mut(&name) else {
                     continue;
                 };
+                if h.unsure {
+                    self.repair(h).await;
+                    h.unsure = false;
+                }
                 if h.waits_on_tasks() && h.checked_at.is_none_or(|at| at.elapsed() >= RECHECK) {
                     // Recover completions no feed delivered (belt and braces).
                     h.active = unfinished(&self.admission.tasks, h.active.iter()).await;
@@ -439,7 +561,11 @@ impl Engine {
                 }
                 Applied::Wake(wake)
             }
-            Outcome::Retry => Applied::Wake(Some(now + 1000)),
+            Outcome::Retry => {
+                // A fire may have been made but not recorded.
+                h.unsure = true;
+                Applied::Wake(Some(now + 1000))
+            }
             Outcome::Reload(state, revision) => {
                 if state.leader > token {
                     return Applied::StepDown("a newer leader wrote trigger state");
@@ -531,6 +657,10 @@ async fn execute(admission: &Admission, store: &TriggerStore, job: Job) -> Outco
             }
         }
     }
+    #[cfg(feature = "test-hooks")]
+    if !plan.fires.is_empty() {
+        crate::hooks::after_fire();
+    }
     let mut state = plan.state.clone();
     state.leader = token;
     state.active = if ids.is_empty() || tracks_every_fire(&def) {
@@ -538,7 +668,7 @@ async fn execute(admission: &Admission, store: &TriggerStore, job: Job) -> Outco
     } else {
         Vec::new()
     };
-    record_fires(&mut state, &plan.fires, &ids, now);
+    state.record_fire(&plan.fires, now, Source::Schedule, &ids);
     if !plan.fires.is_empty() {
         debug!(trigger = %name, scheduled = ?plan.fires.last(), tasks = ids.len(), "fired");
     }
@@ -578,23 +708,6 @@ async fn execute(admission: &Admission, store: &TriggerStore, job: Job) -> Outco
     Outcome::Retry
 }
 
-/// Records fires `scheduled` (tasks `ids`) in `state`.
-fn record_fires(state: &mut TriggerState, scheduled: &[u64], ids: &[String], now: u64) {
-    let Some(&last) = scheduled.last() else {
-        return;
-    };
-    state.fires += scheduled.len() as u64;
-    state.last_result.clear();
-    state.last_completed_ms = None;
-    state.last_fire = Some(FireRecord {
-        scheduled_ms: last,
-        fired_at_ms: now,
-        source: Source::Schedule,
-        task_ids: ids.to_vec(),
-    });
-    state.active.extend(ids.iter().cloned());
-}
-
 /// `ours` was planned from `base`; `current` is what is stored now. Applies our changes
 /// (scheduled times handled, counters, the buffered fire, our fire) to `current`.
 fn merge_fire(
@@ -630,6 +743,7 @@ fn merge_fire(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::trigger::plan::FireRecord;
 
     #[test]
     fn a_fire_merges_into_a_state_changed_by_a_manual_run() {
@@ -642,7 +756,7 @@ mod tests {
         };
         let mut ours = base.clone();
         ours.last_scheduled_ms = Some(2000);
-        record_fires(&mut ours, &[2000], &["q.tr.t.2000.0".into()], 2001);
+        ours.record_fire(&[2000], 2001, Source::Schedule, &["q.tr.t.2000.0".into()]);
         let mut current = base.clone();
         current.fires += 1;
         current.manual += 1;

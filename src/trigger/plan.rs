@@ -85,6 +85,35 @@ pub struct TriggerState {
     pub leader: u64,
 }
 
+impl TriggerState {
+    /// Records a fire (its scheduled times, the last of which it stands for, and its tasks):
+    /// counts it, makes it the last fire, and adds its tasks to the unfinished ones.
+    pub fn record_fire(
+        &mut self,
+        scheduled: &[u64],
+        fired_at_ms: u64,
+        source: Source,
+        ids: &[String],
+    ) {
+        let Some(&last) = scheduled.last() else {
+            return;
+        };
+        self.fires += scheduled.len() as u64;
+        if source == Source::Manual {
+            self.manual += 1;
+        }
+        self.last_result.clear();
+        self.last_completed_ms = None;
+        self.last_fire = Some(FireRecord {
+            scheduled_ms: last,
+            fired_at_ms,
+            source,
+            task_ids: ids.to_vec(),
+        });
+        self.active.extend(ids.iter().cloned());
+    }
+}
+
 /// What to do now.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Plan {
@@ -98,6 +127,46 @@ pub struct Plan {
 
 /// Most scheduled times walked through in one plan (a 1 s cron over 11 days of outage).
 const MAX_WALK: usize = 1_000_000;
+
+/// Where the walk through scheduled times starts (the last time handled) and its anchor
+/// (creation, or for fixed-delay the last completion).
+fn cursor(rec: &Recurrence, st: &TriggerState) -> (u64, u64) {
+    let anchor = if rec.is_fixed_delay() {
+        st.last_completed_ms.unwrap_or(st.created_at_ms)
+    } else {
+        st.created_at_ms
+    };
+    let start_after = match rec {
+        Recurrence::Once { .. } | Recurrence::FixedDelay { .. } => 0,
+        _ => st.created_at_ms,
+    };
+    (st.last_scheduled_ms.unwrap_or(start_after), anchor)
+}
+
+/// The scheduled times after the last one handled, up to `now_ms`: how many there are in
+/// all, and the latest `limit` of them, oldest first.
+pub fn times_due(
+    rec: &Recurrence,
+    state: &TriggerState,
+    now_ms: u64,
+    limit: usize,
+) -> (u64, Vec<u64>) {
+    let (mut t, anchor) = cursor(rec, state);
+    let mut total = 0u64;
+    let mut latest: VecDeque<u64> = VecDeque::new();
+    while let Some(next) = rec.next_after(t, anchor) {
+        if next > now_ms || total as usize >= MAX_WALK {
+            break;
+        }
+        total += 1;
+        latest.push_back(next);
+        if latest.len() > limit {
+            latest.pop_front();
+        }
+        t = next;
+    }
+    (total, latest.into())
+}
 
 /// Plans the trigger at `now_ms`; `active` says whether the latest fire's tasks still run.
 pub fn plan(
@@ -120,16 +189,7 @@ pub fn plan(
     if fixed_delay && active {
         return none(st);
     }
-    let anchor = if fixed_delay {
-        st.last_completed_ms.unwrap_or(st.created_at_ms)
-    } else {
-        st.created_at_ms
-    };
-    let start_after = match rec {
-        Recurrence::Once { .. } | Recurrence::FixedDelay { .. } => 0,
-        _ => st.created_at_ms,
-    };
-    let mut t = st.last_scheduled_ms.unwrap_or(start_after);
+    let (mut t, anchor) = cursor(rec, &st);
     let keep = def.max_catch_up as usize;
     let mut due: VecDeque<u64> = VecDeque::new();
     let mut total = 0u64;

@@ -319,11 +319,7 @@ async fn run(
         }
         Some(Ok(Ok(Err(e)))) => fail(sh, meta, msg, rec, token, e, false, held).await,
         Some(Ok(Err(panic))) => {
-            let what = panic
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "handler panicked".into());
+            let what = crate::error::panic_text(panic.as_ref());
             warn!(task_id = %meta.id, cause = %what, "handler panicked; the attempt failed");
             let e = TaskError::new("panic", what);
             fail(sh, meta, msg, rec, token, e, false, held).await;

@@ -455,3 +455,81 @@ async fn store_list(client: &async_nats::Client) -> Vec<ax::TaskRecord> {
         .await
         .unwrap()
 }
+
+/// Found by the long fault campaign: a leader that fires a scheduled time and dies before
+/// recording it in the trigger state. The next leader finds the fire's task and records it,
+/// so the time is neither counted as skipped nor run over by the overlap policy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(feature = "test-hooks"),
+    ignore = "needs the fault hooks: ./dev test (cargo test --features test-hooks)"
+)]
+async fn a_fire_the_leader_did_not_record_is_recorded_by_the_next() {
+    let nats = LocalNats::start().unwrap();
+    let url = nats.url();
+    // The first leader aborts right after its 3rd fire is submitted.
+    let mut first = AxProc::spawn_env(
+        &url,
+        &["server", "--queue", "q", "--id", "first"],
+        &[("AX_TEST_ABORT_AFTER_FIRE", "3")],
+    );
+    let client = async_nats::connect(&url).await.unwrap();
+    wait_ready(&client).await;
+    let ax = Client::new(client.clone());
+    let def = serde_json::json!({"name": "buffered", "kind": "interval", "every_ms": 1000,
+        "overlap": "buffer_one", "tasks": [{"name": "slow", "queue": "q"}]});
+    ax.trigger("put", &def).await.unwrap();
+    let worker = Worker::builder("q")
+        .handler(|_t: Task| async {
+            tokio::time::sleep(Duration::from_millis(2500)).await;
+            Ok(())
+        })
+        .build()
+        .unwrap();
+    let stop = CancellationToken::new();
+    let worker = tokio::spawn(worker.run(client.clone(), stop.clone()));
+    let aborted = first.exited_within(Duration::from_secs(30)).await;
+    assert!(
+        aborted.is_some_and(|s| !s.success()),
+        "the hook never fired"
+    );
+    let _second = AxProc::spawn(&url, &["server", "--queue", "q", "--id", "second"]);
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    ax.trigger("pause", &serde_json::json!({"name": "buffered"}))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let records = store_list(&client).await;
+    let mut times: Vec<u64> = records
+        .iter()
+        .filter(|r| r.trigger.as_deref() == Some("buffered"))
+        .filter_map(|r| r.scheduled_at_ms)
+        .collect();
+    times.sort();
+    let state = ax
+        .trigger("get", &serde_json::json!({"name": "buffered"}))
+        .await
+        .unwrap()["state"]
+        .clone();
+    let fires = state["fires"].as_u64().unwrap() - state["manual"].as_u64().unwrap();
+    println!(
+        "unrecorded fire: {} fires made {times:?}, state {state}",
+        times.len()
+    );
+    assert_eq!(
+        fires as usize,
+        times.len(),
+        "fires made but not in the state: {state}"
+    );
+    let created = state["created_at_ms"].as_u64().unwrap();
+    let last = state["last_scheduled_ms"].as_u64().unwrap();
+    let grid = (last - (created + 1000)) / 1000 + 1;
+    let buffered = u64::from(state["buffered_ms"].is_u64());
+    assert_eq!(
+        fires + state["skipped"].as_u64().unwrap() + buffered,
+        grid,
+        "scheduled times not accounted: {state}"
+    );
+    stop.cancel();
+    worker.await.unwrap().unwrap();
+}
