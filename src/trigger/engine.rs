@@ -339,6 +339,8 @@ impl Engine {
         let fire_slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_FIRES));
         let mut in_flight: HashSet<String> = HashSet::new();
         let mut recheck: HashSet<String> = HashSet::new();
+        // Triggers due while every fire slot was busy, planned again as slots free up.
+        let mut starved: std::collections::VecDeque<String> = Default::default();
         loop {
             let now = self.clock.now_ms();
             let sleep = wakes
@@ -440,6 +442,13 @@ impl Engine {
                     if recheck.remove(&name) {
                         due.push(name);
                     }
+                    // A slot is free again (one more than that, as others may free meanwhile).
+                    for _ in 0..=fire_slots.available_permits() {
+                        match starved.pop_front() {
+                            Some(waiting) => due.push(waiting),
+                            None => break,
+                        }
+                    }
                 }
                 _ = tokio::time::sleep(sleep), if !wakes.is_empty() => {
                     let now = self.clock.now_ms();
@@ -506,9 +515,9 @@ impl Engine {
                 let permit = match fire_slots.clone().try_acquire_owned() {
                     Ok(p) => p,
                     Err(_) => {
-                        // All fire slots busy: try again when one finishes.
+                        // All fire slots busy: plan it again when one frees up.
                         in_flight.remove(&job.name);
-                        recheck.insert(job.name);
+                        starved.push_back(job.name);
                         continue;
                     }
                 };

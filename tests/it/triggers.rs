@@ -850,3 +850,58 @@ async fn fixed_delay_keeps_firing_after_a_server_restart() {
     stop.cancel();
     handle.await.unwrap();
 }
+
+/// Found by `./dev bench triggers`: more triggers due at once than the leader has fire
+/// slots (512). Those that found no free slot must be planned again when one frees up,
+/// not dropped until some unrelated wake.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn more_triggers_due_at_once_than_fire_slots_all_keep_firing() {
+    let env = Env::start(Env::server()).await;
+    let n = 600;
+    let defs: Vec<Value> = (0..n)
+        .map(|i| {
+            let mut def = interval(&format!("many-{i}"), 1000);
+            def["overlap"] = json!("allow");
+            def["start_at"] = json!("2026-01-01T00:00:00Z");
+            def
+        })
+        .collect();
+    env.ax
+        .trigger("apply", &json!({"triggers": defs}))
+        .await
+        .unwrap();
+    // Every trigger exists from here on: each must fire every second of the window.
+    let from = ax::time::now_ms() + 1000;
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let until = ax::time::now_ms() - 1000;
+    env.ax
+        .trigger("apply", &json!({"triggers": []}))
+        .await
+        .unwrap();
+    let records = env.ax.list(&ListFilter::default()).await.unwrap();
+    let mut per: std::collections::HashMap<String, usize> = Default::default();
+    for r in &records {
+        let in_window = r
+            .scheduled_at_ms
+            .is_some_and(|t| (from..=until).contains(&t));
+        if let (Some(t), true) = (&r.trigger, in_window) {
+            *per.entry(t.clone()).or_default() += 1;
+        }
+    }
+    let need = ((until - from) / 1000) as usize - 1;
+    let stalled: Vec<_> = (0..n)
+        .map(|i| format!("many-{i}"))
+        .filter(|name| per.get(name).copied().unwrap_or(0) < need)
+        .collect();
+    println!(
+        "{n} triggers, {} fires; {} fired fewer than {need} times in the window",
+        records.len(),
+        stalled.len()
+    );
+    assert!(
+        stalled.is_empty(),
+        "{} triggers stalled, e.g. {:?}",
+        stalled.len(),
+        &stalled[..stalled.len().min(5)]
+    );
+}
