@@ -1,0 +1,204 @@
+//! Recovering what a leader cannot see directly: fires made but not recorded (a leader
+//! died, its state write failed, or it lost the lease with a fire in flight), completion
+//! times only an old leader knew, and fires to merge into a state changed meanwhile.
+
+use super::{tracks_every_fire, Engine, Held, REPAIR_WINDOW};
+use crate::state::TaskRecord;
+use crate::trigger::fire::{scheduled_tag, trigger_task_id};
+use crate::trigger::plan::{Source, TriggerState};
+use tracing::warn;
+
+impl Engine {
+    /// A trigger task was just created that this leader did not fire: a previous leader's
+    /// fire landed late (it planned the time before losing the lease and submitted after).
+    /// If this leader already handled that scheduled time (counted it skipped, or holds it
+    /// buffered), the time did fire after all: record it so, and follow its tasks.
+    pub(super) fn adopt(&self, h: &mut Held, id: &str, rec: &TaskRecord) {
+        // With overlap `allow` no time is ever skipped for a running fire: nothing to fix.
+        if !tracks_every_fire(&h.def)
+            || h.active.contains(id)
+            || rec.trigger_source.as_deref() != Some("schedule")
+        {
+            return;
+        }
+        let Some(t) = rec.scheduled_at_ms else { return };
+        let ids: Vec<String> = h
+            .def
+            .tasks
+            .iter()
+            .enumerate()
+            .map(|(i, task)| {
+                let queue = task.queue.as_deref().unwrap_or_default();
+                trigger_task_id(queue, &h.def.name, &scheduled_tag(t), i)
+            })
+            .collect();
+        let handled = h.state.last_scheduled_ms.is_some_and(|last| t <= last);
+        let ours = h
+            .state
+            .last_fire
+            .as_ref()
+            .is_some_and(|f| f.task_ids.iter().any(|f| ids.contains(f)));
+        // Counted once per fire: by its first template's task.
+        if !handled || ours || ids.first().map(String::as_str) != Some(id) {
+            return;
+        }
+        if h.state.buffered_ms == Some(t) {
+            h.state.buffered_ms = None;
+        } else {
+            h.state.skipped = h.state.skipped.saturating_sub(1);
+        }
+        h.state
+            .record_fire(&[t], self.clock.now_ms(), Source::Schedule, &ids);
+        h.active.extend(ids);
+        warn!(trigger = %h.def.name, scheduled = t,
+            "a previous leader's fire landed after this leader had handled its time; recorded it as fired");
+    }
+
+    /// Records in `h` the fires that exist as tasks but not in its state: a leader that
+    /// fired a scheduled time and died (or failed to write its state) before recording it.
+    /// Without this the next plan could count that time as skipped or buffered while its
+    /// task runs, and overlap would not wait for it. Looks at the latest
+    /// [`REPAIR_WINDOW`] scheduled times (and a buffered one), a read each.
+    pub(super) async fn repair(&self, h: &mut Held) {
+        let now = self.clock.now_ms();
+        let (total, times) = crate::trigger::plan::times_due(&h.rec, &h.state, now, REPAIR_WINDOW);
+        let mut candidates = times.clone();
+        candidates.extend(h.state.buffered_ms);
+        let def = &h.def;
+        let ids_of = |t: u64| -> Vec<String> {
+            def.tasks
+                .iter()
+                .enumerate()
+                .map(|(i, task)| {
+                    let queue = task.queue.as_deref().unwrap_or_default();
+                    trigger_task_id(queue, &def.name, &scheduled_tag(t), i)
+                })
+                .collect()
+        };
+        let tasks = &self.admission.tasks;
+        let checks = candidates.iter().map(|&t| {
+            let first = ids_of(t).into_iter().next();
+            async move {
+                let exists = match first {
+                    Some(id) => matches!(tasks.get(&id).await, Ok(Some(_))),
+                    None => false,
+                };
+                (t, exists)
+            }
+        });
+        let fired: Vec<u64> = futures::future::join_all(checks)
+            .await
+            .into_iter()
+            .filter_map(|(t, exists)| exists.then_some(t))
+            .collect();
+        if fired.is_empty() {
+            return;
+        }
+        if let Some(b) = h.state.buffered_ms.filter(|b| fired.contains(b)) {
+            h.state.record_fire(&[b], now, Source::Schedule, &ids_of(b));
+            h.active.extend(ids_of(b));
+            h.state.buffered_ms = None;
+        }
+        let mut last = None;
+        for &t in fired.iter().filter(|t| times.contains(t)) {
+            h.state.record_fire(&[t], now, Source::Schedule, &ids_of(t));
+            h.active.extend(ids_of(t));
+            last = Some(t);
+        }
+        if let Some(last) = last {
+            // Times before it that did not fire were skipped by whoever planned them.
+            let older = total - times.len() as u64;
+            let handled = older + times.iter().filter(|&&t| t <= last).count() as u64;
+            let made = fired.iter().filter(|t| times.contains(t)).count() as u64;
+            h.state.skipped += handled - made;
+            h.state.last_scheduled_ms = Some(last);
+        }
+        h.checked_at = None;
+        warn!(trigger = %h.def.name, fires = ?fired,
+            "found fires a previous leader made but did not record; recorded them");
+    }
+
+    /// A trigger whose last fire's tasks are all finished but whose stored state does not
+    /// say when (the leader that saw them finish kept it in memory, then died or changed):
+    /// they finished by now. Without this a fixed-delay trigger, whose next time counts
+    /// from that completion, never fired again after a leader change.
+    pub(super) fn settle(&self, h: &mut Held) {
+        if h.active.is_empty() && h.state.last_fire.is_some() && h.state.last_completed_ms.is_none()
+        {
+            h.state.last_completed_ms = Some(self.clock.now_ms());
+        }
+    }
+}
+
+/// `ours` was planned from `base`; `current` is what is stored now. Applies our changes
+/// (scheduled times handled, counters, the buffered fire, our fire) to `current`.
+pub(super) fn merge_fire(
+    base: &TriggerState,
+    ours: &TriggerState,
+    mut current: TriggerState,
+    token: u64,
+) -> TriggerState {
+    current.last_scheduled_ms = current.last_scheduled_ms.max(ours.last_scheduled_ms);
+    current.skipped += ours.skipped.saturating_sub(base.skipped);
+    current.fires += ours.fires.saturating_sub(base.fires);
+    current.buffered_ms = ours.buffered_ms;
+    for id in &ours.active {
+        if !current.active.contains(id) {
+            current.active.push(id.clone());
+        }
+    }
+    if let Some(fire) = &ours.last_fire {
+        let newer = current
+            .last_fire
+            .as_ref()
+            .is_none_or(|f| f.fired_at_ms <= fire.fired_at_ms);
+        if newer {
+            current.last_fire = Some(fire.clone());
+            current.last_result.clear();
+            current.last_completed_ms = None;
+        }
+    }
+    current.leader = token;
+    current
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::trigger::plan::FireRecord;
+
+    #[test]
+    fn a_fire_merges_into_a_state_changed_by_a_manual_run() {
+        let base = TriggerState {
+            created_at_ms: 0,
+            last_scheduled_ms: Some(1000),
+            fires: 1,
+            skipped: 2,
+            ..Default::default()
+        };
+        let mut ours = base.clone();
+        ours.last_scheduled_ms = Some(2000);
+        ours.record_fire(&[2000], 2001, Source::Schedule, &["q.tr.t.2000.0".into()]);
+        let mut current = base.clone();
+        current.fires += 1;
+        current.manual += 1;
+        current.active = vec!["q.tr.t.mX.0".into()];
+        current.last_fire = Some(FireRecord {
+            scheduled_ms: 1500,
+            fired_at_ms: 1500,
+            source: Source::Manual,
+            task_ids: vec!["q.tr.t.mX.0".into()],
+        });
+        let merged = merge_fire(&base, &ours, current, 7);
+        assert_eq!(merged.fires, 3, "the manual run and our fire");
+        assert_eq!(merged.manual, 1);
+        assert_eq!(merged.skipped, 2);
+        assert_eq!(merged.last_scheduled_ms, Some(2000));
+        assert_eq!(
+            merged.active,
+            vec!["q.tr.t.mX.0".to_string(), "q.tr.t.2000.0".to_string()]
+        );
+        assert_eq!(merged.last_fire.unwrap().scheduled_ms, 2000);
+        assert_eq!(merged.leader, 7);
+    }
+}
