@@ -7,7 +7,7 @@
 //! 19:03:54.250 UTC. A space for `T` or a missing offset is refused: either would make the
 //! instant depend on guesses.
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 /// Milliseconds since the Unix epoch, now (wall clock).
 pub fn now_ms() -> u64 {
@@ -50,9 +50,15 @@ pub fn parse_rfc3339_ms(text: &str) -> Result<u64, TimeError> {
     u64::try_from(ms).map_err(|_| fail("before 1970"))
 }
 
-/// `ms` as RFC 3339 UTC with milliseconds, e.g. `2026-12-01T08:00:00.000Z`.
+/// `ms` as RFC 3339 UTC with milliseconds, e.g. `2026-12-01T08:00:00.000Z`. Never panics:
+/// years past 9999 are written with a sign (`+10000-…`), times beyond what chrono can
+/// represent as its latest one.
 pub fn format_rfc3339_ms(ms: u64) -> String {
-    humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
+    let at = i64::try_from(ms)
+        .ok()
+        .and_then(chrono::DateTime::from_timestamp_millis)
+        .unwrap_or(chrono::DateTime::<chrono::Utc>::MAX_UTC);
+    at.to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
 }
 
 #[cfg(test)]
@@ -101,5 +107,14 @@ mod tests {
         let text = format_rfc3339_ms(T + 7);
         assert_eq!(text, "2026-11-29T19:03:54.007Z");
         assert_eq!(parse_rfc3339_ms(&text), Ok(T + 7));
+        assert_eq!(format_rfc3339_ms(0), "1970-01-01T00:00:00.000Z");
+    }
+
+    #[test]
+    fn far_future_times_format_without_panicking() {
+        // Found by the wire fuzz: a trigger whose next time lay past year 9999 made
+        // `trigger list` panic while formatting it.
+        assert!(format_rfc3339_ms(300_000_000_000_000).starts_with('+'));
+        assert!(!format_rfc3339_ms(u64::MAX).is_empty());
     }
 }

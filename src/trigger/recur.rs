@@ -12,6 +12,8 @@ use std::str::FromStr;
 
 /// Shortest interval.
 pub const MIN_INTERVAL_MS: u64 = 1000;
+/// Longest interval: 10 years.
+pub const MAX_INTERVAL_MS: u64 = 10 * 365 * 24 * 3600 * 1000;
 
 /// A parsed, validated recurrence.
 #[derive(Debug, Clone)]
@@ -78,10 +80,10 @@ impl Recurrence {
                 mode,
                 start_at,
             } => {
-                if *every_ms < MIN_INTERVAL_MS {
+                if !(MIN_INTERVAL_MS..=MAX_INTERVAL_MS).contains(every_ms) {
                     return Err(WireError::field(
                         "every_ms",
-                        format!("{every_ms} ms is below the 1000 ms minimum"),
+                        format!("{every_ms} ms is outside {MIN_INTERVAL_MS}..={MAX_INTERVAL_MS} ms (1 s to 10 years)"),
                     ));
                 }
                 let start_ms = start_at
