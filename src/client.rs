@@ -100,6 +100,10 @@ impl TaskSpec {
         self.0.no_retry_on = Some(classes.into_iter().map(Into::into).collect());
         self
     }
+    /// A task from a wire request as it is (e.g. a line of `ax submit --file`).
+    pub fn from_request(request: SubmitRequest) -> TaskSpec {
+        TaskSpec(request)
+    }
     /// The wire request.
     pub fn into_request(self) -> SubmitRequest {
         self.0
@@ -213,6 +217,95 @@ impl Client {
         match serde_json::from_slice::<SubmitReply>(&msg.payload)? {
             SubmitReply::Accepted(a) => Ok(a),
             SubmitReply::Error { error } => Err(ClientError::Refused(error)),
+        }
+    }
+
+    /// Submits many tasks to `queue` in batch requests (docs/PROTOCOL.md §2.3) and returns
+    /// one answer per task, in order: each task is accepted or refused on its own.
+    ///
+    /// Tasks are sent in batches of at most [`MAX_BATCH`](crate::submit::MAX_BATCH) that
+    /// fit the server's largest message, up to four batches in flight. A batch that gets no
+    /// answer (a timeout, no server) gives each of its tasks an `unavailable` refusal whose
+    /// message says the task may or may not be stored: resubmit those with idempotency keys
+    /// to be sure.
+    pub async fn submit_many<I>(
+        &self,
+        queue: &str,
+        tasks: I,
+    ) -> Vec<Result<SubmitAccepted, WireError>>
+    where
+        I: IntoIterator<Item = TaskSpec>,
+    {
+        use futures::StreamExt;
+        let max_bytes = self.nats.server_info().max_payload.max(64 * 1024) - 1024;
+        let mut batches: Vec<(usize, Vec<u8>)> = Vec::new();
+        let mut body = Vec::new();
+        let mut count = 0usize;
+        for task in tasks {
+            let one = serde_json::to_vec(&task.0).expect("request serializes");
+            if count > 0
+                && (count == crate::submit::MAX_BATCH || body.len() + one.len() + 2 > max_bytes)
+            {
+                body.push(b']');
+                batches.push((count, std::mem::take(&mut body)));
+                count = 0;
+            }
+            body.push(if count == 0 { b'[' } else { b',' });
+            body.extend_from_slice(&one);
+            count += 1;
+        }
+        if count > 0 {
+            body.push(b']');
+            batches.push((count, body));
+        }
+        let subject = names::submit_subject(queue);
+        let answers: Vec<Vec<Result<SubmitAccepted, WireError>>> = futures::stream::iter(batches)
+            .map(|(count, body)| {
+                let subject = subject.clone();
+                async move { self.submit_batch(subject, count, body).await }
+            })
+            .buffered(4)
+            .collect()
+            .await;
+        answers.into_iter().flatten().collect()
+    }
+
+    /// Sends one batch of `count` tasks; every failure becomes a refusal of each task.
+    async fn submit_batch(
+        &self,
+        subject: String,
+        count: usize,
+        body: Vec<u8>,
+    ) -> Vec<Result<SubmitAccepted, WireError>> {
+        let each = |error: WireError| vec![Err(error); count];
+        let msg = match self.request(subject, body.into()).await {
+            Ok(msg) => msg,
+            Err(e) => {
+                return each(WireError::new(
+                    crate::protocol::ErrorCode::Unavailable,
+                    format!("no answer to the batch ({e}): the task may or may not be stored"),
+                ))
+            }
+        };
+        match serde_json::from_slice::<Vec<SubmitReply>>(&msg.payload) {
+            Ok(replies) if replies.len() == count => replies
+                .into_iter()
+                .map(|r| match r {
+                    SubmitReply::Accepted(a) => Ok(a),
+                    SubmitReply::Error { error } => Err(error),
+                })
+                .collect(),
+            Ok(replies) => each(WireError::new(
+                crate::protocol::ErrorCode::Unavailable,
+                format!("{} answers to a batch of {count}: the task may or may not be stored", replies.len()),
+            )),
+            Err(_) => match serde_json::from_slice::<SubmitReply>(&msg.payload) {
+                Ok(SubmitReply::Error { error }) => each(error),
+                _ => each(WireError::new(
+                    crate::protocol::ErrorCode::Unavailable,
+                    "a batch answer that is not JSON of the protocol's shape: the task may or may not be stored",
+                )),
+            },
         }
     }
 

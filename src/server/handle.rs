@@ -3,7 +3,7 @@
 //! `ax_request_panics_total{api}`.
 
 use crate::metrics as m;
-use crate::protocol::{ErrorCode, SubmitReply, WireError};
+use crate::protocol::{ErrorCode, SubmitAccepted, SubmitReply, WireError};
 use crate::submit::Admission;
 use crate::trigger::api::TriggerApi;
 use futures::FutureExt;
@@ -48,31 +48,50 @@ pub(crate) async fn submit(
         .strip_prefix("ax.submit.")
         .unwrap_or_default()
         .to_string();
-    let result = guarded("submit", admission.submit(&queue, &msg.payload)).await;
     // Labels name declared queues only: a request to a made-up queue creates no series.
-    let label = admission.queues.label(&queue);
-    let reply = match result {
+    let body = if crate::submit::is_batch(&msg.payload) {
+        let result = guarded("submit", admission.submit_batch(&queue, &msg.payload)).await;
+        let label = admission.queues.label(&queue);
+        match result {
+            Ok(answers) => {
+                let replies: Vec<SubmitReply> = answers
+                    .into_iter()
+                    .map(|a| submit_reply(&queue, &label, a))
+                    .collect();
+                serde_json::to_vec(&replies)
+            }
+            Err(error) => serde_json::to_vec(&submit_reply(&queue, &label, Err(error))),
+        }
+    } else {
+        let result = guarded("submit", admission.submit(&queue, &msg.payload)).await;
+        let label = admission.queues.label(&queue);
+        serde_json::to_vec(&submit_reply(&queue, &label, result))
+    };
+    answer(client, &msg, body.expect("a reply serializes")).await;
+}
+
+/// The reply to one submitted task, counted in the submit metrics.
+fn submit_reply(
+    queue: &str,
+    label: &str,
+    result: Result<SubmitAccepted, WireError>,
+) -> SubmitReply {
+    match result {
         Ok(accepted) => {
             if !accepted.duplicate {
-                metrics::counter!(m::SUBMITTED, "queue" => label).increment(1);
+                metrics::counter!(m::SUBMITTED, "queue" => label.to_string()).increment(1);
             }
             SubmitReply::Accepted(accepted)
         }
         Err(error) => {
-            metrics::counter!(m::SUBMIT_REJECTED, "queue" => label, "code" => error.code.as_str())
+            metrics::counter!(m::SUBMIT_REJECTED, "queue" => label.to_string(), "code" => error.code.as_str())
                 .increment(1);
             if error.code == ErrorCode::Unavailable {
                 warn!(queue = %queue, cause = %error.message, "submit failed");
             }
             SubmitReply::Error { error }
         }
-    };
-    answer(
-        client,
-        &msg,
-        serde_json::to_vec(&reply).expect("a reply serializes"),
-    )
-    .await;
+    }
 }
 
 pub(crate) async fn trigger_api(

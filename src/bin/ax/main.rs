@@ -38,7 +38,7 @@ enum Command {
     Server(server::ServerArgs),
     /// Run a worker with the example handler.
     Worker(worker::WorkerArgs),
-    /// Submit one task and print the answer.
+    /// Submit one task, or many from a JSON-lines file (--file), and print the answers.
     Submit(submit::SubmitArgs),
     /// Show one task.
     Task {

@@ -16,6 +16,10 @@ use std::collections::HashSet;
 use std::sync::RwLock;
 use tracing::warn;
 
+mod batch;
+pub(crate) use batch::is_batch;
+pub use batch::{BatchAnswers, MAX_BATCH};
+
 /// JetStream's error code for a publish refused by a stream or per-subject limit.
 const JS_STORE_FAILED: u64 = 10077;
 
