@@ -6,6 +6,7 @@
 //! does is decided by the pure [`claim::decide`](super::claim::decide).
 
 use super::claim::{decide, Decision, Delivery};
+use super::fence::Fence;
 use super::labels::Labels;
 use super::rate::TimeoutRate;
 use super::{is_json, Handler, Task, TaskError};
@@ -170,7 +171,9 @@ async fn process(
     // anew. A few in a row only happen under contention; then hand the delivery back.
     for _ in 0..5 {
         match claim(sh, &meta, msg).await {
-            Claim::Started(rec, token) => return run(sh, &meta, msg, *rec, token, held).await,
+            Claim::Started(rec, token, deferred) => {
+                return run(sh, &meta, msg, *rec, token, deferred, held).await
+            }
             Claim::Again => continue,
             Claim::Done => return,
         }
@@ -179,7 +182,9 @@ async fn process(
 }
 
 enum Claim {
-    Started(Box<TaskRecord>, u64),
+    /// Run the attempt of this record under this token; `true` if its `running` record is
+    /// not written yet (a first attempt on its first delivery: see [`first_delivery`]).
+    Started(Box<TaskRecord>, u64, bool),
     Again,
     Done,
 }
@@ -240,12 +245,17 @@ async fn claim(sh: &Shared, meta: &TaskMeta, msg: &jetstream::Message) -> Claim 
                 }
             }
         }
+        Decision::Start { rec, lost: false }
+            if first_delivery(found.as_ref().map(|(r, _)| r), msg, delivery.seq) =>
+        {
+            Claim::Started(rec, revision, true)
+        }
         Decision::Start { rec, lost } => match sh.tasks.cas(&rec, revision).await {
             Ok(token) => {
                 if lost {
                     count_lost_heartbeat(sh, None);
                 }
-                Claim::Started(rec, token)
+                Claim::Started(rec, token, false)
             }
             Err(StateError::Stale { .. }) => Claim::Again,
             Err(e) => {
@@ -256,6 +266,26 @@ async fn claim(sh: &Shared, meta: &TaskMeta, msg: &jetstream::Message) -> Claim 
         },
     }
 }
+
+/// True if this delivery may start its attempt without writing `running` first: the
+/// task's first attempt (the record was never claimed: `pending` or `scheduled`, attempt
+/// 0, and not tied to another message) on its message's first delivery. Its fencing token
+/// is then the revision the record was created with; an attempt that lasts longer than
+/// [`FIRST_WRITE_AFTER`] (or a heartbeat) writes `running` then. Any later delivery (a
+/// redelivery after a lost attempt, a retry) writes `running` before it starts, so its
+/// token is larger and a stale first attempt cannot record a result (docs/PROTOCOL.md §3).
+fn first_delivery(found: Option<&TaskRecord>, msg: &jetstream::Message, seq: u64) -> bool {
+    let Some(rec) = found else { return false };
+    let delivered = msg.info().map_or(0, |i| i.delivered);
+    delivered == 1
+        && rec.attempt == 0
+        && matches!(rec.state, TaskState::Pending | TaskState::Scheduled)
+        && rec.ready_seq.is_none_or(|s| s == seq)
+}
+
+/// How long a first attempt may run before its `running` record is written: states that
+/// last longer than a second are visible in the record.
+pub(crate) const FIRST_WRITE_AFTER: Duration = Duration::from_secs(1);
 
 /// The attempt before this delivery stopped heartbeating (crash, pause, network).
 fn count_lost_heartbeat(sh: &Shared, running: Option<&TaskRecord>) {
@@ -272,6 +302,7 @@ async fn run(
     msg: &jetstream::Message,
     rec: TaskRecord,
     token: u64,
+    deferred: bool,
     held: &Held,
 ) {
     let queue = sh.queue.clone();
@@ -281,6 +312,7 @@ async fn run(
         metrics::histogram!(m::QUEUE_WAIT, "queue" => queue.clone())
             .record(now_ms().saturating_sub(ready_at) as f64 / 1000.0);
     }
+    let fence = Arc::new(Fence::new(sh.tasks.clone(), rec.clone(), token, !deferred));
     let task = Task {
         id: meta.id.clone(),
         name: meta.name.clone(),
@@ -290,7 +322,7 @@ async fn run(
         is_json: is_json(meta.content_type),
         attempt: rec.attempt,
         max_attempts: meta.max_attempts,
-        fencing_token: token,
+        fence: fence.clone(),
         idempotency_key: meta.idempotency_key.clone(),
         created_at_ms: meta.created_at_ms,
         run_at_ms: meta.run_at_ms,
@@ -299,11 +331,26 @@ async fn run(
     let outcome = {
         let _busy = Busy::start(sh);
         let handler = AssertUnwindSafe((sh.handler)(task)).catch_unwind();
-        tokio::select! {
-            r = tokio::time::timeout(meta.timeout, handler) => Some(r),
-            _ = sh.hard_stop.cancelled() => None,
+        let mut attempt = std::pin::pin!(async {
+            tokio::select! {
+                r = tokio::time::timeout(meta.timeout, handler) => Some(r),
+                _ = sh.hard_stop.cancelled() => None,
+            }
+        });
+        if deferred {
+            let first_write = FIRST_WRITE_AFTER.min(sh.heartbeat);
+            tokio::select! {
+                outcome = &mut attempt => outcome,
+                _ = tokio::time::sleep(first_write) => {
+                    tokio::join!(&mut attempt, fence.write_running()).0
+                }
+            }
+        } else {
+            attempt.await
         }
     };
+    // The revision the outcome is written against (the `running` write's, if made).
+    let token = fence.revision().await;
     metrics::histogram!(m::RUN_DURATION, "queue" => queue.clone(), "task" => task_label.clone())
         .record(started.elapsed().as_secs_f64());
     match outcome {

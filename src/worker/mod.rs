@@ -33,6 +33,7 @@
 
 mod attempt;
 mod claim;
+mod fence;
 pub mod fetch;
 mod labels;
 mod rate;
@@ -67,18 +68,29 @@ pub struct Task {
     pub attempt: u32,
     /// Attempts allowed in all.
     pub max_attempts: u32,
-    /// Fencing token of this attempt: strictly greater than any earlier attempt's. Pass it
-    /// to systems you write to, and have them refuse writes with a smaller token (S2-9).
-    pub fencing_token: u64,
     /// Business idempotency key, if the producer gave one.
     pub idempotency_key: Option<String>,
     /// When the task was accepted, ms since the Unix epoch.
     pub created_at_ms: u64,
     /// Due time of a delayed task, ms since the Unix epoch.
     pub run_at_ms: Option<u64>,
+    pub(crate) fence: Arc<fence::Fence>,
 }
 
 impl Task {
+    /// The fencing token of this attempt (S2-9): the revision of its `running` record,
+    /// strictly greater than any earlier attempt's token for this task. Pass it to systems
+    /// you write to, and have them refuse writes with a smaller token.
+    ///
+    /// A task's first attempt starts without its `running` write (docs/PROTOCOL.md §3);
+    /// asking for the token makes that write now (one round trip), so only handlers that
+    /// use fencing pay for it. Errors: `overtaken` (another attempt took the task over:
+    /// stop, this attempt's result will be refused) or `unavailable` (JetStream could not
+    /// be reached; retryable).
+    pub async fn fencing_token(&self) -> Result<u64, TaskError> {
+        self.fence.token().await
+    }
+
     /// Decodes the JSON payload; a decode error is a non-retryable `bad_payload`.
     pub fn json<T: serde::de::DeserializeOwned>(&self) -> Result<T, TaskError> {
         serde_json::from_slice(&self.payload)

@@ -79,21 +79,49 @@ pub fn check_tasks(
             continue;
         };
         if last.state == TaskState::Succeeded {
-            // The token of the attempt that succeeded: the revision of its `running` write.
-            let token = history
+            // The token of the attempt that succeeded: the revision of its `running` write;
+            // or, for a first attempt that started without one (docs/PROTOCOL.md §3), the
+            // record's creation revision (its `running` write, if it lasted over a second,
+            // came later).
+            let running = history
                 .iter()
-                .rev()
-                .find(|(_, r)| r.state == TaskState::Running)
+                .rposition(|(_, r)| r.state == TaskState::Running);
+            let created = history
+                .first()
+                .filter(|(_, r)| r.attempt == 0)
                 .map(|(rev, _)| *rev);
-            let backed = token.is_some_and(|t| {
-                journal.get(id).is_some_and(|runs| {
-                    runs.iter()
-                        .any(|r| r.token == t && r.outcome.as_deref() == Some("ok"))
+            let mut tokens = Vec::new();
+            match running {
+                Some(i) => {
+                    tokens.push(history[i].0);
+                    if i == 1 && history[i].1.attempt == 1 {
+                        tokens.extend(created);
+                    }
+                }
+                None => tokens.extend(created),
+            }
+            let token = tokens.first().copied();
+            // An invocation that did not ask for its token journals 0: it backs the
+            // success if it is of the same attempt.
+            let backed = journal.get(id).is_some_and(|runs| {
+                runs.iter().any(|r| {
+                    r.outcome.as_deref() == Some("ok")
+                        && (tokens.contains(&r.token)
+                            || (r.token == 0 && r.attempt == last.attempt))
                 })
             });
             if !backed {
+                let states: Vec<String> = history
+                    .iter()
+                    .map(|(rev, r)| format!("{rev}:{}#{}", r.state, r.attempt))
+                    .collect();
+                let runs: Vec<String> = journal.get(id).map_or(Vec::new(), |runs| {
+                    runs.iter()
+                        .map(|r| format!("#{}@{}={:?}", r.attempt, r.token, r.outcome))
+                        .collect()
+                });
                 v.push(format!(
-                    "{id}: succeeded without a successful invocation under token {token:?}"
+                    "{id}: succeeded without a successful invocation under token {token:?} (history {states:?}, invocations {runs:?})"
                 ));
             }
         }
@@ -102,11 +130,14 @@ pub fn check_tasks(
 }
 
 /// Per task, fencing tokens only grow with the attempt number, and no attempt ran twice.
+/// Only invocations that asked for their token are checked (a first attempt that did not
+/// and was lost is not counted as an attempt, so its redelivery is attempt 1 again).
 pub fn check_tokens(journal: &HashMap<String, Vec<Invocation>>) -> Vec<String> {
     let mut v = Vec::new();
     for (id, runs) in journal {
         let mut by_attempt: BTreeMap<u32, u64> = BTreeMap::new();
-        for r in runs {
+        // Invocations that never asked for a token (journalled as 0) have none to check.
+        for r in runs.iter().filter(|r| r.token != 0) {
             if let Some(old) = by_attempt.insert(r.attempt, r.token) {
                 v.push(format!(
                     "{id}: attempt {} ran twice (tokens {old} and {})",
@@ -248,6 +279,13 @@ mod tests {
                 },
             ],
         );
+        // Invocations that never asked for a token (0) are not checked.
+        let unfenced = Invocation {
+            attempt: 1,
+            token: 0,
+            outcome: None,
+        };
+        j.insert("q.c".to_string(), vec![unfenced.clone(), unfenced]);
         let v = check_tokens(&j);
         assert_eq!(v.len(), 2, "{v:?}");
     }

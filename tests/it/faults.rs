@@ -176,7 +176,7 @@ async fn processes_export_metrics_and_stop_cleanly_on_sigterm() {
             "--queue",
             "q",
             "--sleep",
-            "1s",
+            "3s",
             "--fail-rate",
             "0",
         ],
@@ -184,6 +184,7 @@ async fn processes_export_metrics_and_stop_cleanly_on_sigterm() {
     );
     let ax = Client::new(client.clone());
     let id = ax.submit("q", TaskSpec::new("t")).await.unwrap().id;
+    // A first attempt shows as `running` once it has run for a second.
     eventually(Duration::from_secs(10), "the task to run", || async {
         let (rec, _) = ax.task(&id).await.ok()??;
         (rec.state == TaskState::Running).then_some(())

@@ -6,6 +6,7 @@ mod chaos;
 mod decoders;
 mod delay;
 mod faults;
+mod first_attempt;
 /// The local nats-server harness (shared with the benches and `ax demo`; not library API).
 #[allow(dead_code)]
 #[path = "../../src/natsd.rs"]

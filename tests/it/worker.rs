@@ -111,10 +111,8 @@ async fn lost_heartbeat_redelivers_and_counts_the_attempt() {
             move |task: Task| {
                 let tokens = tokens.clone();
                 async move {
-                    tokens
-                        .lock()
-                        .unwrap()
-                        .push((task.attempt, task.fencing_token));
+                    let token = task.fencing_token().await?;
+                    tokens.lock().unwrap().push((task.attempt, token));
                     Ok(())
                 }
             }

@@ -1,0 +1,171 @@
+//! The lean first attempt (issue 8): a first attempt on its message's first delivery runs
+//! without writing `running` first; it writes it when the handler asks for its fencing
+//! token or after a second; a stale one cannot record its result.
+
+use crate::support::Env;
+use ax::worker::{Task, Worker};
+use ax::{TaskSpec, TaskState};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::{mpsc, Semaphore};
+
+/// Records (attempt, token) of every invocation; token 0 if it did not ask for one.
+type Seen = Arc<Mutex<Vec<(u32, u64)>>>;
+
+fn worker_with(seen: Seen, hold: Duration, fenced: bool) -> Worker {
+    Worker::builder("q")
+        .handler(move |task: Task| {
+            let seen = seen.clone();
+            async move {
+                let token = match fenced {
+                    true => task.fencing_token().await?,
+                    false => 0,
+                };
+                seen.lock().unwrap().push((task.attempt, token));
+                tokio::time::sleep(hold).await;
+                Ok(())
+            }
+        })
+        .build()
+        .unwrap()
+}
+
+async fn states(env: &Env, id: &str) -> Vec<(TaskState, u64)> {
+    env.ax
+        .history(id)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|(r, rev)| (r.state, rev))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quick_first_attempt_writes_its_outcome_only() {
+    let env = Env::start(Env::server().ack_wait(Duration::from_secs(30))).await;
+    let id = env.ax.submit("q", TaskSpec::new("t")).await.unwrap().id;
+    let seen: Seen = Arc::default();
+    let (stop, handle) = env.spawn_worker(worker_with(seen.clone(), Duration::ZERO, false));
+    let rec = env
+        .wait_state(&id, TaskState::Succeeded, Duration::from_secs(10))
+        .await;
+    stop.cancel();
+    handle.await.unwrap();
+    let history = states(&env, &id).await;
+    assert_eq!(
+        history.iter().map(|(s, _)| *s).collect::<Vec<_>>(),
+        [TaskState::Pending, TaskState::Succeeded]
+    );
+    assert_eq!(*seen.lock().unwrap(), [(1, 0)]);
+    assert_eq!(rec.attempt, 1);
+    assert!(rec.worker.is_some() && rec.started_at_ms.is_some());
+}
+
+/// Asking for the fencing token writes `running` first: the token is that revision.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn asking_for_the_token_writes_running_first() {
+    let env = Env::start(Env::server().ack_wait(Duration::from_secs(30))).await;
+    let id = env.ax.submit("q", TaskSpec::new("t")).await.unwrap().id;
+    let seen: Seen = Arc::default();
+    let (stop, handle) = env.spawn_worker(worker_with(seen.clone(), Duration::ZERO, true));
+    env.wait_state(&id, TaskState::Succeeded, Duration::from_secs(10))
+        .await;
+    stop.cancel();
+    handle.await.unwrap();
+    let history = states(&env, &id).await;
+    assert_eq!(
+        history.iter().map(|(s, _)| *s).collect::<Vec<_>>(),
+        [TaskState::Pending, TaskState::Running, TaskState::Succeeded]
+    );
+    assert_eq!(*seen.lock().unwrap(), [(1, history[1].1)]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_attempt_longer_than_a_second_is_visible_as_running() {
+    let env = Env::start(Env::server().ack_wait(Duration::from_secs(30))).await;
+    let id = env.ax.submit("q", TaskSpec::new("t")).await.unwrap().id;
+    let seen: Seen = Arc::default();
+    let (stop, handle) = env.spawn_worker(worker_with(
+        seen.clone(),
+        Duration::from_millis(2500),
+        false,
+    ));
+    let running = env
+        .wait_state(&id, TaskState::Running, Duration::from_secs(5))
+        .await;
+    assert_eq!(running.attempt, 1);
+    let started = running.started_at_ms.unwrap();
+    assert!(
+        running.updated_at_ms >= started + 900 && running.updated_at_ms <= started + 2000,
+        "running written about a second after the start ({} ms)",
+        running.updated_at_ms - started
+    );
+    env.wait_state(&id, TaskState::Succeeded, Duration::from_secs(10))
+        .await;
+    stop.cancel();
+    handle.await.unwrap();
+    let history = states(&env, &id).await;
+    assert_eq!(
+        history.iter().map(|(s, _)| *s).collect::<Vec<_>>(),
+        [TaskState::Pending, TaskState::Running, TaskState::Succeeded]
+    );
+    assert_eq!(*seen.lock().unwrap(), [(1, 0)]);
+}
+
+/// Another attempt takes the task over while a first attempt runs unwritten: the first
+/// one's `running` write and its result are refused, and it does not ack.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_first_attempt_cannot_record_its_result() {
+    let env = Env::start(Env::server().ack_wait(Duration::from_secs(30))).await;
+    let id = env.ax.submit("q", TaskSpec::new("t")).await.unwrap().id;
+    let (started_tx, mut started) = mpsc::unbounded_channel();
+    let release = Arc::new(Semaphore::new(0));
+    let worker = Worker::builder("q")
+        .handler({
+            let release = release.clone();
+            move |task: Task| {
+                let (started_tx, release) = (started_tx.clone(), release.clone());
+                async move {
+                    started_tx.send(Ok(task.attempt.into())).unwrap();
+                    let _ = release.acquire().await;
+                    // Overtaken: no token is handed out.
+                    started_tx.send(task.fencing_token().await).unwrap();
+                    Ok(())
+                }
+            }
+        })
+        .build()
+        .unwrap();
+    let (stop, handle) = env.spawn_worker(worker);
+    assert_eq!(started.recv().await.unwrap(), Ok(1));
+    // The takeover: an attempt elsewhere claims the record (as a redelivery would).
+    let store = env.store().await;
+    let (rec, rev) = store.get(&id).await.unwrap().unwrap();
+    assert_eq!(rec.state, TaskState::Pending);
+    let mut other = rec.transition(TaskState::Running);
+    other.attempt = 1;
+    other.worker = Some("other".into());
+    let other_token = store.cas(&other, rev).await.unwrap();
+    // Past the first attempt's running write (1 s), then let it finish.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    release.add_permits(1);
+    let refused = started.recv().await.unwrap().unwrap_err();
+    assert_eq!(refused.class, "overtaken");
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let (now, now_rev) = store.get(&id).await.unwrap().unwrap();
+    assert_eq!(now_rev, other_token, "nothing written over the takeover");
+    assert_eq!(now.worker.as_deref(), Some("other"));
+    assert_eq!(now.state, TaskState::Running);
+    // Not acked: the message is still held by the consumer.
+    let mut consumer: async_nats::jetstream::consumer::PullConsumer = env
+        .js
+        .get_consumer_from_stream(
+            &ax::names::consumer_name("q", ax::Priority::Normal),
+            "AX_READY_NORMAL",
+        )
+        .await
+        .unwrap();
+    assert_eq!(consumer.info().await.unwrap().num_ack_pending, 1);
+    stop.cancel();
+    handle.await.unwrap();
+}
