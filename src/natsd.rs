@@ -102,6 +102,11 @@ impl LocalNats {
     }
 
     /// The client URL, e.g. `nats://127.0.0.1:40123`.
+    /// The nats-server process id, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(|c| c.id())
+    }
+
     pub fn url(&self) -> String {
         format!("nats://127.0.0.1:{}", self.port)
     }

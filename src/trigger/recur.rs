@@ -20,8 +20,9 @@ pub const MAX_INTERVAL_MS: u64 = 10 * 365 * 24 * 3600 * 1000;
 pub enum Recurrence {
     /// Cron schedule in a time zone.
     Cron {
-        /// Parsed schedule (seconds field first).
-        schedule: Box<cron::Schedule>,
+        /// The expression with the seconds field first (parsed when needed: see
+        /// [`schedule`]).
+        expr: Box<str>,
         /// Zone.
         tz: chrono_tz::Tz,
     },
@@ -46,6 +47,31 @@ pub enum Recurrence {
     Event,
 }
 
+/// Most parsed cron schedules kept at once.
+const SCHEDULE_CACHE: usize = 4096;
+
+/// The parsed schedule of a (6- or 7-field) cron expression, from a bounded cache shared
+/// by all triggers. A parsed `cron::Schedule` takes about 2 KiB (a set per field), so
+/// triggers keep only their expression: 100,000 triggers with their own times would
+/// otherwise hold ~200 MiB of identical-looking sets. Triggers sharing an expression share
+/// its parse; a full cache is emptied and refilled with what is used next.
+fn schedule(expr: &str) -> Result<std::sync::Arc<cron::Schedule>, cron::error::Error> {
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex, OnceLock};
+    static CACHE: OnceLock<Mutex<HashMap<Box<str>, Arc<cron::Schedule>>>> = OnceLock::new();
+    let cache = CACHE.get_or_init(Default::default);
+    if let Some(s) = cache.lock().expect("not poisoned").get(expr) {
+        return Ok(s.clone());
+    }
+    let parsed = Arc::new(cron::Schedule::from_str(expr)?);
+    let mut cache = cache.lock().expect("not poisoned");
+    if cache.len() >= SCHEDULE_CACHE {
+        cache.clear();
+    }
+    cache.insert(expr.into(), parsed.clone());
+    Ok(parsed)
+}
+
 fn rfc3339_ms(field: &str, text: &str) -> Result<u64, WireError> {
     crate::time::parse_rfc3339_ms(text).map_err(|e| WireError::field(field, e.to_string()))
 }
@@ -66,12 +92,11 @@ impl Recurrence {
                         ))
                     }
                 };
-                let schedule = cron::Schedule::from_str(&full)
-                    .map_err(|e| WireError::field("expr", format!("{expr:?}: {e}")))?;
+                schedule(&full).map_err(|e| WireError::field("expr", format!("{expr:?}: {e}")))?;
                 let tz = chrono_tz::Tz::from_str(tz)
                     .map_err(|_| WireError::field("tz", format!("unknown time zone {tz:?}")))?;
                 Ok(Recurrence::Cron {
-                    schedule: Box::new(schedule),
+                    expr: full.into(),
                     tz,
                 })
             }
@@ -125,9 +150,10 @@ impl Recurrence {
     /// (fixed-delay). `None`: no more fires.
     pub fn next_after(&self, after_ms: u64, anchor_ms: u64) -> Option<u64> {
         match self {
-            Recurrence::Cron { schedule, tz } => {
+            Recurrence::Cron { expr, tz } => {
                 let after = tz.timestamp_millis_opt(after_ms as i64).single()?;
-                schedule
+                schedule(expr)
+                    .ok()?
                     .after(&after)
                     .next()
                     .map(|t| t.timestamp_millis() as u64)

@@ -21,6 +21,9 @@ pub(crate) struct TopologyArgs {
     /// Stream replicas.
     #[arg(long, default_value_t = 1)]
     replicas: usize,
+    /// Most delayed tasks held at once, all queues together (a submit beyond it is `busy`).
+    #[arg(long, default_value_t = 1_000_000)]
+    max_delayed: i64,
 }
 
 impl TopologyArgs {
@@ -35,6 +38,7 @@ impl TopologyArgs {
             capacity: [high, normal, low],
             ack_wait: self.ack_wait,
             replicas: self.replicas,
+            max_delayed: self.max_delayed,
             ..Topology::default()
         })
     }

@@ -1,0 +1,317 @@
+//! The peer workloads of `shared/peers/bullmq` that `e2e` does not cover, run against ax.
+//!
+//! Run: `./dev bench workloads [w3|w4|w5 ...]` (default all three).
+//! - **W3 retries**: AX_BENCH_W3 (default 5,000) tasks with 3 attempts and a fixed 100 ms
+//!   backoff; the handler fails attempts 1 and 2. Time from the first submit to the last
+//!   success; handler calls (expected 3 × N); every record read back (attempt must be 3).
+//!   In-process server and worker (concurrency 64, like the peer's), batch submits.
+//! - **W4 pending memory**: AX_BENCH_W4 (default 1,000,000) tasks delayed by one hour,
+//!   single submits (1,024 in flight; AX_BENCH_W4_BATCH=1 uses batches), no worker. An `ax
+//!   server` process; RSS of it and of nats-server from /proc before, at the peak and after,
+//!   and the stored bytes of the streams behind it.
+//! - **W5 cron triggers**: AX_BENCH_W5 (default 100,000) daily cron triggers, one per user,
+//!   put through the trigger API (256 in flight). Put rate; the `ax server` process's RSS.
+
+mod common;
+
+use ax::worker::{Task, TaskError, Worker};
+use ax::{Client, Server, TaskSpec};
+use common::natsd::LocalNats;
+use common::*;
+use futures::StreamExt;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+
+/// Submits W4 sent again after a refusal or no answer.
+static RETRIES: AtomicU64 = AtomicU64::new(0);
+
+fn mib(kib: u64) -> f64 {
+    kib as f64 / 1024.0
+}
+
+async fn w3(client: &async_nats::Client, n: usize) {
+    let stop = CancellationToken::new();
+    let server = tokio::spawn(
+        Server::builder()
+            .queues(["w3"])
+            .build()
+            .run(client.clone(), stop.clone()),
+    );
+    let ax = Client::new(client.clone());
+    let calls = Arc::new(AtomicUsize::new(0));
+    let done = Arc::new(AtomicUsize::new(0));
+    let worker = Worker::builder("w3")
+        .concurrency(64)
+        .handler({
+            let (calls, done) = (calls.clone(), done.clone());
+            move |task: Task| {
+                calls.fetch_add(1, Ordering::Relaxed);
+                let done = done.clone();
+                async move {
+                    if task.attempt < 3 {
+                        return Err(TaskError::new("flaky", "fails attempts 1 and 2"));
+                    }
+                    done.fetch_add(1, Ordering::Relaxed);
+                    Ok(())
+                }
+            }
+        })
+        .build()
+        .unwrap();
+    let worker = tokio::spawn(worker.run(client.clone(), stop.clone()));
+    while ax
+        .submit("w3", TaskSpec::new("warmup").max_attempts(1))
+        .await
+        .is_err()
+    {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let base = calls.load(Ordering::Relaxed);
+    let start = Instant::now();
+    let specs = (0..n).map(|i| {
+        TaskSpec::new("flaky")
+            .json(&serde_json::json!({ "i": i }))
+            .max_attempts(3)
+            .backoff(Duration::from_millis(100), Duration::from_millis(100), 0.0)
+    });
+    let answers = ax.submit_many("w3", specs).await;
+    let ids: Vec<String> = answers
+        .into_iter()
+        .map(|a| a.expect("accepted").id)
+        .collect();
+    let enqueued = start.elapsed();
+    while done.load(Ordering::Relaxed) < n && start.elapsed() < Duration::from_secs(180) {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let total = start.elapsed();
+    let calls = calls.load(Ordering::Relaxed) - base;
+    let mut mismatched = 0;
+    for id in &ids {
+        match ax.task(id).await.unwrap() {
+            Some((rec, _)) if rec.attempt == 3 && rec.state == ax::TaskState::Succeeded => {}
+            _ => mismatched += 1,
+        }
+    }
+    println!(
+        "W3 retries: {n} tasks x 3 attempts, fixed 100 ms backoff, concurrency 64: total {:.3} s (enqueue {:.3} s); succeeded {}; handler calls {calls} (expected {}); records with attempt != 3: {mismatched} of {n}",
+        total.as_secs_f64(),
+        enqueued.as_secs_f64(),
+        done.load(Ordering::Relaxed),
+        3 * n
+    );
+    stop.cancel();
+    worker.await.unwrap().unwrap();
+    server.await.unwrap().unwrap();
+}
+
+fn spawn_server(nats: &LocalNats, queue: &str) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_ax"))
+        .args([
+            "server",
+            "--queue",
+            queue,
+            "--metrics-addr",
+            "off",
+            "--max-delayed",
+            "5000000",
+        ])
+        .env("NATS_URL", nats.url())
+        .env("RUST_LOG", "error")
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("spawn ax server")
+}
+
+async fn stream_bytes(js: &async_nats::jetstream::Context, name: &str) -> (u64, u64) {
+    match js.get_stream(name).await {
+        Ok(mut s) => {
+            let info = s.info().await.unwrap();
+            (info.state.messages, info.state.bytes)
+        }
+        Err(_) => (0, 0),
+    }
+}
+
+async fn w4(nats: &LocalNats, m: usize, batch: bool) {
+    let mut server = spawn_server(nats, "w4");
+    let (ax_pid, nats_pid) = (server.id(), nats.pid().expect("nats runs"));
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let js = async_nats::jetstream::new(client.clone());
+    let ax = Client::new(client.clone());
+    while ax.task("w4.none").await.is_err() {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    while ax
+        .submit(
+            "w4",
+            TaskSpec::new("warmup").delay(Duration::from_secs(3600)),
+        )
+        .await
+        .is_err()
+    {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (nats0, ax0) = (usage(nats_pid).1, usage(ax_pid).1);
+    let peak = Arc::new(AtomicU64::new(0));
+    let sampling = CancellationToken::new();
+    let sampler = tokio::spawn({
+        let (peak, sampling) = (peak.clone(), sampling.clone());
+        async move {
+            while !sampling.is_cancelled() {
+                peak.fetch_max(usage(nats_pid).1 + usage(ax_pid).1, Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+        }
+    });
+    let start = Instant::now();
+    let spec = || {
+        TaskSpec::new("later")
+            .json(&serde_json::json!({"i": 1}))
+            .delay(Duration::from_secs(3600))
+    };
+    if batch {
+        let mut left = m;
+        while left > 0 {
+            let chunk = left.min(100_000);
+            let answers = ax.submit_many("w4", (0..chunk).map(|_| spec())).await;
+            left -= answers.iter().filter(|a| a.is_ok()).count();
+            eprintln!("  ... {} submitted", m - left);
+        }
+    } else {
+        let mut submits = futures::stream::iter(0..m)
+            .map(|_| {
+                let ax = ax.clone();
+                async move {
+                    loop {
+                        match ax.submit("w4", spec()).await {
+                            Ok(_) => return,
+                            Err(e) => {
+                                RETRIES.fetch_add(1, Ordering::Relaxed);
+                                if RETRIES.load(Ordering::Relaxed) < 5 {
+                                    eprintln!("  retry: {e}");
+                                }
+                                tokio::time::sleep(Duration::from_millis(20)).await
+                            }
+                        }
+                    }
+                }
+            })
+            .buffer_unordered(1024);
+        let mut k = 0;
+        while submits.next().await.is_some() {
+            k += 1;
+            if k % 100_000 == 0 {
+                eprintln!(
+                    "  ... {k} submitted ({:.0}/s)",
+                    k as f64 / start.elapsed().as_secs_f64()
+                );
+            }
+        }
+    }
+    let rate = m as f64 / start.elapsed().as_secs_f64();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    sampling.cancel();
+    sampler.await.unwrap();
+    let (nats1, ax1) = (usage(nats_pid).1, usage(ax_pid).1);
+    let per_task = ((nats1 + ax1) as f64 - (nats0 + ax0) as f64) * 1024.0 / m as f64;
+    println!(
+        "W4 pending: {m} tasks delayed 1 h, {} submits: enqueue {rate:.0}/s ({} retried)",
+        if batch { "batch" } else { "single" },
+        RETRIES.load(Ordering::Relaxed)
+    );
+    println!(
+        "W4 RSS before: nats-server {:.1} MiB, ax server {:.1} MiB",
+        mib(nats0),
+        mib(ax0)
+    );
+    println!(
+        "W4 RSS after (5 s settle): nats-server {:.1} MiB + ax server {:.1} MiB = {:.1} MiB; peak sum {:.1} MiB; {per_task:.0} B per pending task",
+        mib(nats1),
+        mib(ax1),
+        mib(nats1 + ax1),
+        mib(peak.load(Ordering::Relaxed))
+    );
+    for name in ["AX_DELAYED", "KV_AX_TASKS", "KV_AX_IDEMPOTENCY"] {
+        let (msgs, bytes) = stream_bytes(&js, name).await;
+        println!(
+            "W4 stream {name}: {msgs} messages, {:.1} MiB stored ({:.0} B each)",
+            bytes as f64 / (1 << 20) as f64,
+            bytes as f64 / msgs.max(1) as f64
+        );
+    }
+    let _ = server.kill();
+    let _ = server.wait();
+}
+
+async fn w5(nats: &LocalNats, n: usize) {
+    let mut server = spawn_server(nats, "w5");
+    let pid = server.id();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let ax = Client::new(client.clone());
+    while ax.trigger("list", &serde_json::json!({})).await.is_err() {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let before = usage(pid).1;
+    let start = Instant::now();
+    futures::stream::iter(0..n)
+        .map(|i| {
+            let ax = ax.clone();
+            async move {
+                // One trigger per user, each at its own minute of the day.
+                let def = serde_json::json!({
+                    "name": format!("user-{i}"), "kind": "cron",
+                    "expr": format!("0 {} {} * * *", i % 60, (i / 60) % 24),
+                    "tasks": [{"name": "digest", "queue": "w5", "payload": {"user": i}}],
+                });
+                ax.trigger("put", &def).await.expect("put");
+            }
+        })
+        .buffer_unordered(256)
+        .collect::<Vec<()>>()
+        .await;
+    let rate = n as f64 / start.elapsed().as_secs_f64();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let after = usage(pid).1;
+    println!(
+        "W5 cron triggers: {n} daily triggers put at {rate:.0}/s; ax server RSS {:.1} MiB before, {:.1} MiB after ({:.0} B per trigger)",
+        mib(before),
+        mib(after),
+        (after as f64 - before as f64) * 1024.0 / n as f64
+    );
+    let _ = server.kill();
+    let _ = server.wait();
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    let all = args.is_empty();
+    let want = |w: &str| all || args.iter().any(|a| a == w);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        if want("w3") {
+            let nats = LocalNats::start().expect("nats-server (run via ./dev bench workloads)");
+            let client = async_nats::connect(nats.url()).await.unwrap();
+            w3(&client, env_or("AX_BENCH_W3", 5000)).await;
+        }
+        if want("w4") {
+            let nats = LocalNats::start().expect("nats-server");
+            let batch = std::env::var("AX_BENCH_W4_BATCH").is_ok_and(|v| v == "1");
+            w4(&nats, env_or("AX_BENCH_W4", 1_000_000), batch).await;
+        }
+        if want("w5") {
+            let nats = LocalNats::start().expect("nats-server");
+            w5(&nats, env_or("AX_BENCH_W5", 100_000)).await;
+        }
+    });
+}
