@@ -8,7 +8,8 @@
 //! - **W4 pending memory**: AX_BENCH_W4 (default 1,000,000) tasks delayed by one hour,
 //!   single submits (1,024 in flight; AX_BENCH_W4_BATCH=1 uses batches), no worker. An `ax
 //!   server` process; RSS of it and of nats-server from /proc before, at the peak and after,
-//!   and the stored bytes of the streams behind it.
+//!   5 s and AX_BENCH_W4_SETTLE (default 60) s after the last submit, and the stored bytes
+//!   of the streams behind it.
 //! - **W5 cron triggers**: AX_BENCH_W5 (default 100,000) daily cron triggers, one per user,
 //!   put through the trigger API (256 in flight). Put rate; the `ax server` process's RSS.
 
@@ -215,6 +216,9 @@ async fn w4(nats: &LocalNats, m: usize, batch: bool) {
     }
     let rate = m as f64 / start.elapsed().as_secs_f64();
     tokio::time::sleep(Duration::from_secs(5)).await;
+    let (nats5, ax5) = (usage(nats_pid).1, usage(ax_pid).1);
+    let settle = env_or("AX_BENCH_W4_SETTLE", 60) as u64;
+    tokio::time::sleep(Duration::from_secs(settle.saturating_sub(5))).await;
     sampling.cancel();
     sampler.await.unwrap();
     let (nats1, ax1) = (usage(nats_pid).1, usage(ax_pid).1);
@@ -230,12 +234,41 @@ async fn w4(nats: &LocalNats, m: usize, batch: bool) {
         mib(ax0)
     );
     println!(
-        "W4 RSS after (5 s settle): nats-server {:.1} MiB + ax server {:.1} MiB = {:.1} MiB; peak sum {:.1} MiB; {per_task:.0} B per pending task",
+        "W4 RSS 5 s after: nats-server {:.1} MiB + ax server {:.1} MiB = {:.1} MiB",
+        mib(nats5),
+        mib(ax5),
+        mib(nats5 + ax5)
+    );
+    println!(
+        "W4 RSS {settle} s after: nats-server {:.1} MiB + ax server {:.1} MiB = {:.1} MiB; peak sum {:.1} MiB; {per_task:.0} B per pending task",
         mib(nats1),
         mib(ax1),
         mib(nats1 + ax1),
         mib(peak.load(Ordering::Relaxed))
     );
+    if let Ok(port) = std::env::var("AX_BENCH_NATS_PROFILE") {
+        // Force a GC in nats-server and read its heap figures: what is live, and what is
+        // only not yet collected or returned to the OS.
+        let text = http_get(
+            &format!("127.0.0.1:{port}"),
+            "/debug/pprof/heap?debug=1&gc=1",
+        );
+        let stat = |name: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(&format!("# {name} = ")))
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .map_or(f64::NAN, |b| b as f64 / (1 << 20) as f64)
+        };
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        println!(
+            "W4 nats-server after a forced GC: HeapAlloc {:.1} MiB, HeapInuse {:.1} MiB, HeapIdle {:.1} MiB, HeapReleased {:.1} MiB; RSS 10 s later {:.1} MiB",
+            stat("HeapAlloc"),
+            stat("HeapInuse"),
+            stat("HeapIdle"),
+            stat("HeapReleased"),
+            mib(usage(nats_pid).1)
+        );
+    }
     for name in ["AX_DELAYED", "KV_AX_TASKS", "KV_AX_IDEMPOTENCY"] {
         let (msgs, bytes) = stream_bytes(&js, name).await;
         println!(
@@ -246,6 +279,18 @@ async fn w4(nats: &LocalNats, m: usize, batch: bool) {
     }
     let _ = server.kill();
     let _ = server.wait();
+}
+
+/// A plain HTTP/1.0 GET; the body (empty on any failure).
+fn http_get(addr: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let Ok(mut conn) = std::net::TcpStream::connect(addr) else {
+        return String::new();
+    };
+    let _ = write!(conn, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n");
+    let mut text = String::new();
+    let _ = conn.read_to_string(&mut text);
+    text
 }
 
 async fn w5(nats: &LocalNats, n: usize) {
@@ -305,7 +350,13 @@ fn main() {
             w3(&client, env_or("AX_BENCH_W3", 5000)).await;
         }
         if want("w4") {
-            let nats = LocalNats::start().expect("nats-server");
+            // AX_BENCH_NATS_PROFILE=<port> serves nats-server's pprof endpoints there
+            // (e.g. /debug/pprof/heap?debug=1 while the tasks are held).
+            let nats = match std::env::var("AX_BENCH_NATS_PROFILE") {
+                Ok(port) => LocalNats::start_with_args(vec!["--profile".into(), port]),
+                Err(_) => LocalNats::start(),
+            }
+            .expect("nats-server");
             let batch = std::env::var("AX_BENCH_W4_BATCH").is_ok_and(|v| v == "1");
             w4(&nats, env_or("AX_BENCH_W4", 1_000_000), batch).await;
         }

@@ -115,7 +115,7 @@ impl Default for ServerBuilder {
             triggers: true,
             trigger_engine: true,
             max_held_bytes: 64 << 20,
-            lease_ttl: Duration::from_secs(3),
+            lease_ttl: Duration::from_millis(1500),
             clock: Arc::new(SystemClock::default()),
             id: format!("{}-{}", std::process::id(), nuid::next()),
         })
@@ -190,8 +190,10 @@ impl ServerBuilder {
         self.0.max_held_bytes = bytes;
         self
     }
-    /// Lease TTL of the trigger engine's leader (default 3 s): a standby takes over at most
-    /// this long after the leader dies.
+    /// Lease TTL of the trigger engine's leader (default 1.5 s; renewed every third of
+    /// it): a standby takes over at most this long (plus one poll, a third of it) after
+    /// the leader dies. Fires are fenced by the lease revision, so a leader that loses its
+    /// lease to a slow renewal cannot fire twice; it only hands over early.
     pub fn lease_ttl(mut self, ttl: Duration) -> Self {
         self.0.lease_ttl = ttl.max(Duration::from_millis(300));
         self
