@@ -268,8 +268,11 @@ async fn claim(sh: &Shared, meta: &TaskMeta, msg: &jetstream::Message) -> Claim 
 }
 
 /// True if this delivery may start its attempt without writing `running` first: the
-/// task's first attempt (the record was never claimed: `pending` or `scheduled`, attempt
-/// 0, and not tied to another message) on its message's first delivery. Its fencing token
+/// task's first attempt (the record was never claimed: `pending`, attempt 0) on the first
+/// delivery of the very message the record names (`ready_seq`, set at submit). A copy of
+/// the message (a delayed task dispatched again after a restart, say) is never started
+/// this way, so it cannot run beside an unwritten first attempt: delayed tasks, whose
+/// records name no message, always write `running` first. Its fencing token
 /// is then the revision the record was created with; an attempt that lasts longer than
 /// [`FIRST_WRITE_AFTER`] (or a heartbeat) writes `running` then. Any later delivery (a
 /// redelivery after a lost attempt, a retry) writes `running` before it starts, so its
@@ -279,8 +282,8 @@ fn first_delivery(found: Option<&TaskRecord>, msg: &jetstream::Message, seq: u64
     let delivered = msg.info().map_or(0, |i| i.delivered);
     delivered == 1
         && rec.attempt == 0
-        && matches!(rec.state, TaskState::Pending | TaskState::Scheduled)
-        && rec.ready_seq.is_none_or(|s| s == seq)
+        && rec.state == TaskState::Pending
+        && rec.ready_seq == Some(seq)
 }
 
 /// How long a first attempt may run before its `running` record is written: states that

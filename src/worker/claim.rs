@@ -56,7 +56,11 @@ pub(crate) fn decide(found: Option<&TaskRecord>, meta: &TaskMeta, d: Delivery<'_
                 message: String::new(),
             }))
         }
-        TaskState::Running if rec.ready_seq.is_some() && rec.ready_seq != Some(d.seq) => {
+        // A record names the message its task was published as (`pending`) or claimed from
+        // (`running`): any other message of the task is a stray copy.
+        TaskState::Running | TaskState::Pending
+            if rec.ready_seq.is_some() && rec.ready_seq != Some(d.seq) =>
+        {
             return Decision::RetireStray
         }
         TaskState::Running => {
@@ -188,6 +192,21 @@ mod tests {
     fn a_stray_copy_of_a_running_task_is_retired() {
         let running = with(TaskState::Running, 1, Some(3));
         assert_eq!(decide(Some(&running), &meta(3), D), Decision::RetireStray);
+    }
+
+    #[test]
+    fn a_copy_of_a_pending_task_other_than_the_message_its_record_names_is_retired() {
+        let pending = with(TaskState::Pending, 0, Some(3));
+        assert_eq!(decide(Some(&pending), &meta(3), D), Decision::RetireStray);
+        // The named message starts the attempt; a record naming none (a delayed task,
+        // or one the worker wrote from the headers) lets any message start it.
+        for named in [Some(7), None] {
+            let pending = with(TaskState::Pending, 0, named);
+            assert!(matches!(
+                decide(Some(&pending), &meta(3), D),
+                Decision::Start { .. }
+            ));
+        }
     }
 
     #[test]

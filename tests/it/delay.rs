@@ -50,8 +50,8 @@ async fn delayed_task_runs_once_after_its_due_time() {
         "ran at {} before its due time {due}",
         seen[0].1
     );
-    // Every write is kept. A first attempt that ends within a second writes no `running`
-    // record: its outcome moves the task out of `scheduled`.
+    // Every write is kept: the worker's claim moves the task out of `scheduled` (a delayed
+    // task's record names no ready message, so its first attempt writes `running` first).
     let states: Vec<TaskState> = env
         .ax
         .history(&accepted.id)
@@ -60,7 +60,14 @@ async fn delayed_task_runs_once_after_its_due_time() {
         .into_iter()
         .map(|(r, _)| r.state)
         .collect();
-    assert_eq!(states, [TaskState::Scheduled, TaskState::Succeeded]);
+    assert_eq!(
+        states,
+        [
+            TaskState::Scheduled,
+            TaskState::Running,
+            TaskState::Succeeded
+        ]
+    );
     eventually(
         Duration::from_secs(5),
         "delayed message deleted",

@@ -278,6 +278,15 @@ async fn stored(js: &async_nats::jetstream::Context) -> u64 {
 fn error_code(subject: &str, body: &str, reply: &[u8]) -> Option<String> {
     let v: serde_json::Value = serde_json::from_slice(reply)
         .unwrap_or_else(|e| panic!("{subject}: reply is not JSON ({e}) for {body:.200}"));
+    if let Some(answers) = v.as_array() {
+        // A batch (the body was a JSON array): one answer per task, each of a known shape;
+        // refused as a whole when no task was accepted.
+        let accepted = answers
+            .iter()
+            .filter(|a| error_code(subject, body, a.to_string().as_bytes()).is_none())
+            .count();
+        return (accepted == 0).then(|| "batch_refused".to_string());
+    }
     match v.get("error") {
         Some(err) => {
             let code = err["code"]
