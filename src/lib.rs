@@ -30,6 +30,7 @@ pub mod client;
 pub mod error;
 #[cfg(feature = "test-hooks")]
 mod hooks;
+mod lease;
 pub mod metrics;
 pub mod names;
 pub mod protocol;

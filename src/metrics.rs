@@ -25,6 +25,8 @@ pub const REQUEST_PANICS: &str = "ax_request_panics_total";
 pub const RECORD_DEFERRED: &str = "ax_record_write_deferred_total";
 /// Counter, server: delayed tasks moved to their ready subject.
 pub const DELAYED_DISPATCHED: &str = "ax_delayed_dispatched_total";
+/// Gauge, server: delayed-task partitions this server owns (of `names::DELAYED_PARTITIONS`).
+pub const DELAYED_PARTITIONS_OWNED: &str = "ax_delayed_partitions_owned";
 /// Gauge, server: delayed tasks this server's timer index holds.
 pub const DELAYED_TRACKED: &str = "ax_delayed_tracked";
 /// Histogram, server: seconds from a delayed task's due time to its publish to ready.
@@ -71,6 +73,10 @@ pub fn describe() {
         "Accepted tasks whose record is left for the worker to write"
     );
     describe_counter!(DELAYED_DISPATCHED, "Delayed tasks moved to ready");
+    describe_gauge!(
+        DELAYED_PARTITIONS_OWNED,
+        "Delayed-task partitions this server indexes and dispatches"
+    );
     describe_gauge!(
         DELAYED_TRACKED,
         "Delayed tasks in this server's timer index"

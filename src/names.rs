@@ -139,9 +139,37 @@ pub fn ready_subject(queue: &str, priority: Priority) -> String {
     format!("ax.ready.{queue}.{priority}")
 }
 
-/// Subject of delayed tasks of one queue and priority.
-pub fn delayed_subject(queue: &str, priority: Priority) -> String {
-    format!("ax.delayed.{queue}.{priority}")
+/// Delayed tasks are split into this many partitions by a hash of their id; each is owned
+/// (indexed and dispatched) by one ax server at a time.
+pub const DELAYED_PARTITIONS: u32 = 16;
+
+/// The delayed-task partition of a task id: FNV-1a (32 bit) of its bytes, modulo
+/// [`DELAYED_PARTITIONS`].
+pub fn delayed_partition(task_id: &str) -> u32 {
+    let mut h: u32 = 0x811c_9dc5;
+    for b in task_id.bytes() {
+        h ^= u32::from(b);
+        h = h.wrapping_mul(0x0100_0193);
+    }
+    h % DELAYED_PARTITIONS
+}
+
+/// Subject of a delayed task: `ax.delayed.<queue>.<priority>.<partition>`.
+pub fn delayed_subject(queue: &str, priority: Priority, task_id: &str) -> String {
+    format!(
+        "ax.delayed.{queue}.{priority}.{}",
+        delayed_partition(task_id)
+    )
+}
+
+/// The subject filters of one delayed-task partition. Partition 0 also owns messages
+/// stored before partitions existed (`ax.delayed.<queue>.<priority>`).
+pub fn delayed_filters(partition: u32) -> Vec<String> {
+    let mut filters = vec![format!("ax.delayed.*.*.{partition}")];
+    if partition == 0 {
+        filters.push("ax.delayed.*.*".to_string());
+    }
+    filters
 }
 
 /// Subject of dead-lettered tasks of one queue.
@@ -168,6 +196,24 @@ mod tests {
             Err(UnknownPriority("urgent".into()))
         );
         assert_eq!(Priority::High.ready_stream(), "AX_READY_HIGH");
+    }
+
+    #[test]
+    fn delayed_partitions_are_stable_and_spread() {
+        // Pinned: other implementations must compute the same partition.
+        assert_eq!(delayed_partition(""), 0x811c_9dc5 % DELAYED_PARTITIONS);
+        assert_eq!(delayed_partition("a"), 0xe40c_292c % DELAYED_PARTITIONS);
+        let mut counts = [0u32; DELAYED_PARTITIONS as usize];
+        for _ in 0..16_000 {
+            counts[delayed_partition(&new_task_id("q")) as usize] += 1;
+        }
+        assert!(
+            counts.iter().all(|&c| (800..1200).contains(&c)),
+            "{counts:?}"
+        );
+        assert!(delayed_subject("q", Priority::Low, "q.x").starts_with("ax.delayed.q.low."));
+        assert_eq!(delayed_filters(0), ["ax.delayed.*.*.0", "ax.delayed.*.*"]);
+        assert_eq!(delayed_filters(5), ["ax.delayed.*.*.5"]);
     }
 
     #[test]

@@ -31,13 +31,14 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 mod index;
+pub(crate) mod partitions;
 
 /// Errors of the scheduler loop.
 #[derive(Debug, thiserror::Error)]
 #[error("delayed-task scheduler: {op}: {source}")]
 pub struct ScheduleError {
-    op: &'static str,
-    source: async_nats::Error,
+    pub(crate) op: &'static str,
+    pub(crate) source: async_nats::Error,
 }
 
 impl ScheduleError {
@@ -56,12 +57,49 @@ pub(crate) fn instant_at(at_ms: u64) -> Instant {
     Instant::now() + Duration::from_millis(at_ms.saturating_sub(now_ms()))
 }
 
+/// The index and dispatcher of one delayed-task partition (`partitions` runs one per
+/// partition this server owns).
+#[derive(Clone)]
 pub(crate) struct Scheduler {
     pub(crate) js: jetstream::Context,
     pub(crate) lookahead: Duration,
     pub(crate) horizon: Duration,
     pub(crate) max_inflight: usize,
     pub(crate) max_held_bytes: usize,
+    /// The subjects of `AX_DELAYED` this scheduler follows.
+    pub(crate) filters: Vec<String>,
+    /// Its slot in `totals`.
+    pub(crate) slot: usize,
+    /// Gauge contributions of every scheduler of this process.
+    pub(crate) totals: std::sync::Arc<Totals>,
+}
+
+/// Per-scheduler counts behind the process-wide gauges `ax_pending_dispatch` and
+/// `ax_delayed_tracked`, which show their sums.
+#[derive(Debug, Default)]
+pub(crate) struct Totals {
+    pending: Vec<std::sync::atomic::AtomicUsize>,
+    tracked: Vec<std::sync::atomic::AtomicUsize>,
+}
+
+impl Totals {
+    pub(crate) fn new(slots: usize) -> Totals {
+        Totals {
+            pending: (0..slots).map(|_| Default::default()).collect(),
+            tracked: (0..slots).map(|_| Default::default()).collect(),
+        }
+    }
+
+    /// Sets one scheduler's counts and the gauges to the sums.
+    pub(crate) fn set(&self, slot: usize, pending: usize, tracked: usize) {
+        self.pending[slot].store(pending, Ordering::Relaxed);
+        self.tracked[slot].store(tracked, Ordering::Relaxed);
+        let sum = |v: &[std::sync::atomic::AtomicUsize]| {
+            v.iter().map(|a| a.load(Ordering::Relaxed)).sum::<usize>() as f64
+        };
+        metrics::gauge!(m::PENDING_DISPATCH).set(sum(&self.pending));
+        metrics::gauge!(m::DELAYED_TRACKED).set(sum(&self.tracked));
+    }
 }
 
 /// Most concurrent read-aheads of delayed messages.
@@ -91,7 +129,7 @@ impl Scheduler {
             .get_stream(DELAYED_STREAM)
             .await
             .map_err(|e| err("get stream")(e.into()))?;
-        let mut feed = follow(&stream, 0).await?;
+        let mut feed = follow(&stream, &self.filters, 0).await?;
         let mut last_seq = 0u64;
         // An ordered consumer notices a restarted nats-server only after two missed 15 s
         // heartbeats; watching the client's reconnect count lets the index resume within
@@ -132,8 +170,8 @@ impl Scheduler {
                 let stream = stream.clone();
                 loads.spawn(async move { (seq, load(&stream, seq).await.ok().flatten()) });
             }
-            metrics::gauge!(m::PENDING_DISPATCH).set((index.parked() + inflight) as f64);
-            metrics::gauge!(m::DELAYED_TRACKED).set((index.len() + inflight) as f64);
+            self.totals
+                .set(self.slot, index.parked() + inflight, index.len() + inflight);
 
             let mut wake: Option<Instant> = index.next_probe();
             if inflight < self.max_inflight {
@@ -153,7 +191,7 @@ impl Scheduler {
                     let now_connects = stats.connects.load(Ordering::Relaxed);
                     if now_connects != connects {
                         debug!(last_seq, "reconnected: following AX_DELAYED again");
-                        match follow(&stream, last_seq + 1).await {
+                        match follow(&stream, &self.filters, last_seq + 1).await {
                             Ok(f) => {
                                 feed = f;
                                 connects = now_connects;
@@ -219,6 +257,7 @@ impl Scheduler {
         }
         dispatching.shutdown().await;
         loads.shutdown().await;
+        self.totals.set(self.slot, 0, 0);
         Ok(())
     }
 }
@@ -230,6 +269,7 @@ fn earliest(a: Option<Instant>, b: Instant) -> Option<Instant> {
 /// An ordered consumer over `AX_DELAYED` from `start` (0: from the first message).
 async fn follow(
     stream: &stream::Stream,
+    filters: &[String],
     start: u64,
 ) -> Result<consumer::pull::Ordered, ScheduleError> {
     let deliver_policy = match start {
@@ -239,6 +279,7 @@ async fn follow(
     stream
         .create_consumer(consumer::pull::OrderedConfig {
             deliver_policy,
+            filter_subjects: filters.to_vec(),
             ..Default::default()
         })
         .await

@@ -1,13 +1,15 @@
 //! `ax server`: applies the topology, answers submit requests, dispatches delayed tasks.
 //!
 //! Any number of servers may run against one NATS: submit handlers share the queue group
-//! `ax`, and delayed dispatch is idempotent (message ids, CAS on records, delete by
-//! sequence), so a second server only adds redundant work, never a second run.
+//! `ax`; delayed tasks are split into partitions, each indexed and dispatched by one server
+//! (`schedule::partitions`), and a dispatch is idempotent (message ids, delete by
+//! sequence), so a partition moving between servers never runs a task twice.
 
 use crate::metrics as m;
 use crate::names::{self, TRIGGER_API_PREFIX};
 use crate::retry;
-use crate::schedule::{ScheduleError, Scheduler};
+use crate::schedule::partitions::Partitions;
+use crate::schedule::{ScheduleError, Scheduler, Totals};
 use crate::state::StateError;
 use crate::streams::{self, Outcome, StreamsError, Topology};
 use crate::submit::Admission;
@@ -190,9 +192,9 @@ impl ServerBuilder {
         self.0.max_held_bytes = bytes;
         self
     }
-    /// Lease TTL of the trigger engine's leader (default 1.5 s; renewed every third of
-    /// it): a standby takes over at most this long (plus one poll, a third of it) after
-    /// the leader dies. Fires are fenced by the lease revision, so a leader that loses its
+    /// Lease TTL of the trigger engine's leader and of the delayed-task partitions
+    /// (default 1.5 s; renewed every third of it): a standby takes over at most this long
+    /// (plus one poll, a third of it) after the holder dies. Fires are fenced by the lease revision, so a leader that loses its
     /// lease to a slow renewal cannot fire twice; it only hands over early.
     pub fn lease_ttl(mut self, ttl: Duration) -> Self {
         self.0.lease_ttl = ttl.max(Duration::from_millis(300));
@@ -288,15 +290,22 @@ impl Server {
         } else {
             None
         };
-        let scheduler = Scheduler {
-            js: js.clone(),
-            lookahead: self.dispatch_lookahead,
-            horizon: self.dispatch_horizon,
-            max_inflight: self.max_inflight_dispatch,
-            max_held_bytes: self.max_held_bytes,
+        let partitions = Partitions {
+            scheduler: Scheduler {
+                js: js.clone(),
+                lookahead: self.dispatch_lookahead,
+                horizon: self.dispatch_horizon,
+                max_inflight: self.max_inflight_dispatch,
+                max_held_bytes: self.max_held_bytes,
+                filters: Vec::new(),
+                slot: 0,
+                totals: Arc::new(Totals::new(names::DELAYED_PARTITIONS as usize)),
+            },
+            id: self.id.clone(),
+            ttl: self.lease_ttl,
         };
         let sched_token = shutdown.child_token();
-        let sched = tokio::spawn(scheduler.run(sched_token.clone()));
+        let sched = tokio::spawn(partitions.run(sched_token.clone()));
         info!(queues = ?self.queues, "ax server ready");
 
         let permits = Arc::new(Semaphore::new(self.max_inflight_submits));

@@ -287,13 +287,20 @@ impl Admission {
 
     async fn store(&self, meta: &TaskMeta, payload: Bytes) -> Result<(), WireError> {
         let subject = match meta.run_at_ms {
-            Some(_) => names::delayed_subject(&meta.queue, meta.priority),
+            Some(_) => names::delayed_subject(&meta.queue, meta.priority, &meta.id),
             None => names::ready_subject(&meta.queue, meta.priority),
         };
-        publish_task(&self.js, subject, meta, payload).await?;
+        let ack = publish_task(&self.js, subject, meta, payload).await?;
         #[cfg(feature = "test-hooks")]
         crate::hooks::after_publish();
-        match self.tasks.create(&meta.record()).await {
+        let mut record = meta.record();
+        if meta.run_at_ms.is_none() {
+            // The record names its ready message: a worker may start the first attempt of
+            // exactly that message without a `running` write, and retires any other copy
+            // (docs/PROTOCOL.md §3).
+            record.ready_seq = Some(ack.sequence);
+        }
+        match self.tasks.create(&record).await {
             // Exists: a worker already picked the task up and wrote its record.
             Ok(_) | Err(StateError::Exists(_)) => Ok(()),
             // The task is stored and will run: it is accepted. Answering `unavailable`

@@ -24,7 +24,6 @@ pub mod clock;
 pub(crate) mod engine;
 pub(crate) mod events;
 pub(crate) mod fire;
-pub(crate) mod lease;
 pub mod model;
 pub mod plan;
 pub mod recur;

@@ -21,11 +21,11 @@ mod recover;
 
 use super::clock::Clock;
 use super::fire::{fire, scheduled_tag, tracked_ids, trigger_of_task, unfinished};
-use super::lease::Lease;
 use super::model::TriggerDef;
 use super::plan::{plan, Plan, Source, TriggerState};
 use super::recur::Recurrence;
 use super::store::{TriggerStore, TriggerStoreError};
+use crate::lease::{Lease, TRIGGERS_KEY};
 use crate::names::LEASES_BUCKET;
 use crate::state::TaskRecord;
 use crate::submit::Admission;
@@ -120,7 +120,7 @@ impl Engine {
             .get_key_value(LEASES_BUCKET)
             .await
             .map_err(|e| broker("open leases")(e.into()))?;
-        let mut lease = Lease::new(kv, self.id.clone(), self.lease_ttl);
+        let mut lease = Lease::new(kv, TRIGGERS_KEY, self.id.clone(), self.lease_ttl);
         let poll = self.lease_ttl / 3;
         loop {
             if lease.hold().await {
