@@ -20,8 +20,8 @@ pub const MAX_INTERVAL_MS: u64 = 10 * 365 * 24 * 3600 * 1000;
 pub enum Recurrence {
     /// Cron schedule in a time zone.
     Cron {
-        /// The expression with the seconds field first (parsed when needed: see
-        /// [`schedule`]).
+        /// The expression with the seconds field first (parsed when needed, from a
+        /// bounded cache shared by all triggers).
         expr: Box<str>,
         /// Zone.
         tz: chrono_tz::Tz,

@@ -40,6 +40,25 @@ async fn states(env: &Env, id: &str) -> Vec<(TaskState, u64)> {
         .collect()
 }
 
+/// The states of a history, in order.
+fn kinds(history: &[(TaskState, u64)]) -> Vec<TaskState> {
+    history.iter().map(|(s, _)| *s).collect()
+}
+
+/// Waits for the task to succeed, stops the worker, returns the task's history.
+async fn finish(
+    env: &Env,
+    id: &str,
+    stop: tokio_util::sync::CancellationToken,
+    handle: tokio::task::JoinHandle<()>,
+) -> Vec<(TaskState, u64)> {
+    env.wait_state(id, TaskState::Succeeded, Duration::from_secs(10))
+        .await;
+    stop.cancel();
+    handle.await.unwrap();
+    states(env, id).await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_quick_first_attempt_writes_its_outcome_only() {
     let env = Env::start(Env::server().ack_wait(Duration::from_secs(30))).await;
@@ -52,10 +71,7 @@ async fn a_quick_first_attempt_writes_its_outcome_only() {
     stop.cancel();
     handle.await.unwrap();
     let history = states(&env, &id).await;
-    assert_eq!(
-        history.iter().map(|(s, _)| *s).collect::<Vec<_>>(),
-        [TaskState::Pending, TaskState::Succeeded]
-    );
+    assert_eq!(kinds(&history), [TaskState::Pending, TaskState::Succeeded]);
     assert_eq!(*seen.lock().unwrap(), [(1, 0)]);
     assert_eq!(rec.attempt, 1);
     assert!(rec.worker.is_some() && rec.started_at_ms.is_some());
@@ -68,13 +84,9 @@ async fn asking_for_the_token_writes_running_first() {
     let id = env.ax.submit("q", TaskSpec::new("t")).await.unwrap().id;
     let seen: Seen = Arc::default();
     let (stop, handle) = env.spawn_worker(worker_with(seen.clone(), Duration::ZERO, true));
-    env.wait_state(&id, TaskState::Succeeded, Duration::from_secs(10))
-        .await;
-    stop.cancel();
-    handle.await.unwrap();
-    let history = states(&env, &id).await;
+    let history = finish(&env, &id, stop, handle).await;
     assert_eq!(
-        history.iter().map(|(s, _)| *s).collect::<Vec<_>>(),
+        kinds(&history),
         [TaskState::Pending, TaskState::Running, TaskState::Succeeded]
     );
     assert_eq!(*seen.lock().unwrap(), [(1, history[1].1)]);
@@ -100,13 +112,9 @@ async fn a_first_attempt_longer_than_a_second_is_visible_as_running() {
         "running written about a second after the start ({} ms)",
         running.updated_at_ms - started
     );
-    env.wait_state(&id, TaskState::Succeeded, Duration::from_secs(10))
-        .await;
-    stop.cancel();
-    handle.await.unwrap();
-    let history = states(&env, &id).await;
+    let history = finish(&env, &id, stop, handle).await;
     assert_eq!(
-        history.iter().map(|(s, _)| *s).collect::<Vec<_>>(),
+        kinds(&history),
         [TaskState::Pending, TaskState::Running, TaskState::Succeeded]
     );
     assert_eq!(*seen.lock().unwrap(), [(1, 0)]);
