@@ -407,22 +407,39 @@ async fn nemesis(
     kills
 }
 
-/// Every revision of every task record, read once through an ordered consumer.
+/// Every revision of every task record, read once through an ordered consumer. A broker
+/// that is still settling after the nemesis (an R3 election) is asked again.
 async fn histories(js: &async_nats::jetstream::Context) -> Histories {
-    let stream = js.get_stream("KV_AX_TASKS").await.unwrap();
+    let mut tries = 0;
+    loop {
+        match try_histories(js).await {
+            Ok(h) => return h,
+            Err(e) if tries < 120 => {
+                tries += 1;
+                eprintln!("reading the task records failed ({e}); retrying");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) => panic!("cannot read the task records: {e}"),
+        }
+    }
+}
+
+async fn try_histories(
+    js: &async_nats::jetstream::Context,
+) -> Result<Histories, async_nats::Error> {
+    let stream = js.get_stream("KV_AX_TASKS").await?;
     let last = stream.cached_info().state.last_sequence;
     let mut out: Histories = Histories::new();
     if last == 0 {
-        return out;
+        return Ok(out);
     }
     let consumer = stream
         .create_consumer(async_nats::jetstream::consumer::pull::OrderedConfig::default())
-        .await
-        .unwrap();
-    let mut msgs = consumer.messages().await.unwrap();
+        .await?;
+    let mut msgs = consumer.messages().await?;
     while let Some(msg) = msgs.next().await {
-        let msg = msg.unwrap();
-        let info = msg.info().unwrap();
+        let msg = msg?;
+        let info = msg.info()?;
         let seq = info.stream_sequence;
         let key = msg.subject.trim_start_matches("$KV.AX_TASKS.").to_string();
         if let Ok(rec) = serde_json::from_slice::<TaskRecord>(&msg.payload) {
@@ -432,7 +449,7 @@ async fn histories(js: &async_nats::jetstream::Context) -> Histories {
             break;
         }
     }
-    out
+    Ok(out)
 }
 
 /// The two campaigns run one after the other: each alone loads both cores.
