@@ -44,6 +44,8 @@ pub(crate) struct Shared {
     pub(crate) rate: TimeoutRate,
     pub(crate) tracker: TaskTracker,
     pub(crate) labels: Labels,
+    /// See [`WorkerBuilder::lean_first_attempt`](super::WorkerBuilder::lean_first_attempt).
+    pub(crate) lean_first_attempt: bool,
 }
 
 /// Retry pause when the broker cannot be reached for a state read or write.
@@ -246,7 +248,8 @@ async fn claim(sh: &Shared, meta: &TaskMeta, msg: &jetstream::Message) -> Claim 
             }
         }
         Decision::Start { rec, lost: false }
-            if first_delivery(found.as_ref().map(|(r, _)| r), msg, delivery.seq) =>
+            if sh.lean_first_attempt
+                && first_delivery(found.as_ref().map(|(r, _)| r), msg, delivery.seq) =>
         {
             Claim::Started(rec, revision, true)
         }

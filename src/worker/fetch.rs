@@ -97,6 +97,7 @@ pub(super) async fn run(
         hard_stop: CancellationToken::new(),
         rate: TimeoutRate::new(Duration::from_secs(60)),
         tracker: TaskTracker::new(),
+        lean_first_attempt: worker.lean_first_attempt,
     });
     let consumers = Arc::new(consumers);
     let woken = Arc::new(Notify::new());

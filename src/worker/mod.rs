@@ -184,6 +184,7 @@ pub struct Worker {
     idle_poll: Duration,
     max_batch: usize,
     weights: [u32; 3],
+    lean_first_attempt: bool,
 }
 
 impl std::fmt::Debug for Worker {
@@ -217,6 +218,7 @@ impl Worker {
                 idle_poll: Duration::from_millis(500),
                 max_batch: 256,
                 weights: fetch::DEFAULT_WEIGHTS,
+                lean_first_attempt: false,
             },
             handler_set: false,
         }
@@ -303,6 +305,17 @@ impl WorkerBuilder {
     /// Most messages per pull request (default 256).
     pub fn max_batch(mut self, n: usize) -> Self {
         self.worker.max_batch = n.max(1);
+        self
+    }
+    /// Start an immediate task's first attempt without its `running` write (default
+    /// off; docs/PROTOCOL.md §3, "the lean first attempt"): the write is made when the
+    /// handler calls [`Task::fencing_token`] or after one second. It saves one stored write
+    /// per quick task, but a result write that fails for longer than the ack wait less a
+    /// heartbeat (a broker restart with a short ack wait) runs such a task again where the
+    /// written `running` would have kept it from starting; on this machine it bought no
+    /// measurable throughput (docs/PERFORMANCE.md), so it is off unless asked for.
+    pub fn lean_first_attempt(mut self, on: bool) -> Self {
+        self.worker.lean_first_attempt = on;
         self
     }
     /// Pick weights of high, normal and low (default 6 / 3 / 1), see [`fetch`].

@@ -14,6 +14,7 @@ type Seen = Arc<Mutex<Vec<(u32, u64)>>>;
 
 fn worker_with(seen: Seen, hold: Duration, fenced: bool) -> Worker {
     Worker::builder("q")
+        .lean_first_attempt(true)
         .handler(move |task: Task| {
             let seen = seen.clone();
             async move {
@@ -129,6 +130,7 @@ async fn a_stale_first_attempt_cannot_record_its_result() {
     let (started_tx, mut started) = mpsc::unbounded_channel();
     let release = Arc::new(Semaphore::new(0));
     let worker = Worker::builder("q")
+        .lean_first_attempt(true)
         .handler({
             let release = release.clone();
             move |task: Task| {
