@@ -32,7 +32,14 @@ pub fn parse_journal(text: &str) -> HashMap<String, Vec<Invocation>> {
                 outcome: None,
             }),
             Some("end") => {
-                if let Some(run) = runs.iter_mut().rev().find(|r| r.token == token) {
+                // Matched by token and attempt: invocations that never asked for a token
+                // all journal token 0, and a paused one may end after a later one started.
+                let attempt = v["attempt"].as_u64().map(|a| a as u32);
+                if let Some(run) = runs
+                    .iter_mut()
+                    .rev()
+                    .find(|r| r.token == token && attempt.is_none_or(|a| a == r.attempt))
+                {
                     run.outcome = v["outcome"].as_str().map(str::to_string);
                 }
             }
@@ -245,6 +252,21 @@ pub fn check_trigger(t: &TriggerRun<'_>, records: &[&TaskRecord]) -> Vec<String>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn end_lines_match_their_attempt() {
+        // A paused attempt 1 ends after attempt 2, both without a token (0).
+        let text = [
+            r#"{"event":"start","id":"q.a","attempt":1,"token":0}"#,
+            r#"{"event":"start","id":"q.a","attempt":2,"token":0}"#,
+            r#"{"event":"end","id":"q.a","attempt":2,"token":0,"outcome":"ok"}"#,
+            r#"{"event":"end","id":"q.a","attempt":1,"token":0,"outcome":"err:flaky"}"#,
+        ]
+        .join("\n");
+        let j = parse_journal(&text);
+        let outcomes: Vec<_> = j["q.a"].iter().map(|r| r.outcome.clone()).collect();
+        assert_eq!(outcomes, [Some("err:flaky".into()), Some("ok".into())]);
+    }
 
     #[test]
     fn tokens_must_grow_and_attempts_run_once() {

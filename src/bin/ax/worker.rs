@@ -107,7 +107,7 @@ pub(crate) fn example_worker(
                         Err(e) => format!("err:{}", e.class),
                     };
                     j.line(serde_json::json!({
-                        "event": "end", "id": task.id, "token": token,
+                        "event": "end", "id": task.id, "token": token, "attempt": task.attempt,
                         "outcome": outcome, "at_ms": ax::time::now_ms(),
                     }));
                 }
