@@ -2,7 +2,7 @@
 
 use crate::natsd::LocalNats;
 use crate::procs::{wait_ready, AxProc};
-use crate::support::{counting_worker, eventually};
+use crate::support::{counting_worker, eventually, within};
 use ax::time::now_ms;
 use ax::worker::{Task, Worker};
 use ax::{Client, TaskSpec, TaskState};
@@ -219,6 +219,18 @@ async fn two_servers_killed_during_load_lose_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r3_cluster_survives_losing_a_node_during_load() {
+    within(
+        Duration::from_secs(300),
+        "R3 cluster losing a node",
+        r3_node_loss(),
+    )
+    .await
+}
+
+async fn r3_node_loss() {
+    crate::support::init_logs();
+    let started = Instant::now();
+    let phase = |what: &str| eprintln!("[r3 {:>6.1?}] {what}", started.elapsed());
     let mut cluster = crate::natsd::LocalCluster::start(3).unwrap();
     let addrs: Vec<async_nats::ServerAddr> =
         cluster.urls().iter().map(|u| u.parse().unwrap()).collect();
@@ -240,6 +252,7 @@ async fn r3_cluster_survives_losing_a_node_during_load() {
         || async { ax::streams::apply(&js, &topology, &queues).await.ok() },
     )
     .await;
+    phase("streams applied");
     let stop = CancellationToken::new();
     let server = tokio::spawn(
         ax::Server::builder()
@@ -270,7 +283,10 @@ async fn r3_cluster_survives_losing_a_node_during_load() {
                                     accepted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                                     return a.id;
                                 }
-                                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+                                Err(e) => {
+                                    eprintln!("[r3] submit {i} refused, retrying: {e}");
+                                    tokio::time::sleep(Duration::from_millis(50)).await
+                                }
                             }
                         }
                     }
@@ -286,6 +302,7 @@ async fn r3_cluster_survives_losing_a_node_during_load() {
     })
     .await;
     cluster.nodes[0].kill();
+    phase("node n0 killed");
     let at_kill = accepted.load(std::sync::atomic::Ordering::SeqCst);
     assert!(
         at_kill < total,
@@ -293,17 +310,31 @@ async fn r3_cluster_survives_losing_a_node_during_load() {
     );
     let killed = Instant::now();
     let mut ids = producer.await.unwrap();
+    phase("every submit accepted");
     ids.sort();
     ids.dedup();
     assert_eq!(ids.len(), total);
-    eventually(
-        Duration::from_secs(90),
-        "every accepted task to finish",
-        || async { (runs.lock().unwrap().len() == total).then_some(()) },
-    )
-    .await;
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while runs.lock().unwrap().len() < total && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    if runs.lock().unwrap().len() < total {
+        let not_run: Vec<String> = {
+            let runs = runs.lock().unwrap();
+            ids.iter()
+                .filter(|id| !runs.contains_key(*id))
+                .cloned()
+                .collect()
+        };
+        panic!(
+            "{} of {total} tasks never ran within 90 s; {}",
+            not_run.len(),
+            where_are(&js, &not_run).await
+        );
+    }
     // Every task ran; a run whose result write met the election is recorded when its
     // redelivery is: wait for every record to say `succeeded` (lost: those that never do).
+    phase("every task ran");
     let store = ax::state::TaskStore::open(&js).await.unwrap();
     let not_done = || async {
         let mut n = 0;
@@ -319,6 +350,7 @@ async fn r3_cluster_survives_losing_a_node_during_load() {
         tokio::time::sleep(Duration::from_millis(500)).await;
         lost = not_done().await;
     }
+    phase("records read");
     let duplicated = runs.lock().unwrap().values().filter(|n| **n > 1).count();
     println!(
         "R3 cluster, one of 3 nodes killed under load ({at_kill} of {total} submits accepted at the kill): completed {}, lost {lost}, duplicated runs {duplicated}, all done {:?} after the kill",
@@ -329,7 +361,50 @@ async fn r3_cluster_survives_losing_a_node_during_load() {
     assert_eq!(duplicated, 0, "a task ran twice across the node loss");
     stop.cancel();
     worker.await.unwrap().unwrap();
+    phase("worker stopped");
     server.await.unwrap().unwrap();
+    phase("server stopped");
+}
+
+/// Where tasks that never ran sit: their records' states and delays, and the streams'
+/// and consumers' counts (for a failure message).
+async fn where_are(js: &async_nats::jetstream::Context, ids: &[String]) -> String {
+    let store = ax::state::TaskStore::open(js).await.unwrap();
+    let mut states: HashMap<String, usize> = HashMap::new();
+    for id in ids.iter().take(50) {
+        let state = match store.get(id).await {
+            Ok(Some((r, _))) => format!("{:?} delayed={}", r.state, r.run_at_ms.is_some()),
+            Ok(None) => "no record".to_string(),
+            Err(e) => format!("unreadable: {e}"),
+        };
+        *states.entry(state).or_default() += 1;
+    }
+    let mut out = format!("records of the first 50: {states:?}");
+    for name in ["AX_DELAYED", "AX_READY_NORMAL"] {
+        if let Ok(mut stream) = js.get_stream(name).await {
+            if let Ok(info) = stream.info().await {
+                out += &format!(
+                    "; {name}: {} messages, leader {:?}",
+                    info.state.messages,
+                    info.cluster.as_ref().and_then(|c| c.leader.clone())
+                );
+            }
+            if name.starts_with("AX_READY") {
+                if let Ok(mut c) = stream
+                    .get_consumer::<async_nats::jetstream::consumer::pull::Config>("ax_q_normal")
+                    .await
+                {
+                    if let Ok(i) = c.info().await {
+                        out += &format!(
+                            ", consumer pending {} ack-pending {} waiting {}",
+                            i.num_pending, i.num_ack_pending, i.num_waiting
+                        );
+                    }
+                }
+            }
+        }
+    }
+    out
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -20,6 +20,23 @@ pub struct Env {
     server: Option<JoinHandle<Result<(), ax::ServerError>>>,
 }
 
+/// RUST_LOG=ax=debug shows the library's logs for a failing test.
+pub fn init_logs() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+}
+
+/// Runs a whole test body, panicking with `what` after `limit`: a test that hangs fails
+/// with its name instead of stalling the suite until CI gives up on it.
+pub async fn within<T>(limit: Duration, what: &str, body: impl Future<Output = T>) -> T {
+    match tokio::time::timeout(limit, body).await {
+        Ok(v) => v,
+        Err(_) => panic!("{what}: did not finish within {limit:?}"),
+    }
+}
+
 /// Polls `f` every 20 ms until it returns `Some`, panicking with `what` after `timeout`.
 pub async fn eventually<T, F, Fut>(timeout: Duration, what: &str, mut f: F) -> T
 where
@@ -28,7 +45,10 @@ where
 {
     let deadline = Instant::now() + timeout;
     loop {
-        if let Some(v) = f().await {
+        // A probe that hangs (a request into a cluster mid-election) must not outlive the
+        // deadline: the test fails with `what` instead of hanging the suite.
+        let left = deadline.saturating_duration_since(Instant::now());
+        if let Ok(Some(v)) = tokio::time::timeout(left.max(Duration::from_millis(100)), f()).await {
             return v;
         }
         assert!(
@@ -50,11 +70,7 @@ impl Env {
 
     /// A nats-server and a client, no ax server yet.
     pub async fn nats_only() -> Env {
-        // RUST_LOG=ax=debug shows the library's logs for a failing test.
-        let _ = tracing_subscriber::fmt()
-            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-            .with_test_writer()
-            .try_init();
+        init_logs();
         let nats = LocalNats::start().expect("nats-server starts (run ./dev test)");
         let client = async_nats::connect(nats.url()).await.expect("connect");
         let js = async_nats::jetstream::new(client.clone());
