@@ -124,12 +124,22 @@ enum Outcome {
 
 impl Scheduler {
     pub(crate) async fn run(self, shutdown: CancellationToken) -> Result<(), ScheduleError> {
-        let stream = self
-            .js
-            .get_stream(DELAYED_STREAM)
-            .await
-            .map_err(|e| err("get stream")(e.into()))?;
-        let mut feed = follow(&stream, &self.filters, 0).await?;
+        // A cluster electing leaders (a node lost) answers nothing for a few seconds: wait
+        // with backoff rather than end, which would stop the partition.
+        let started =
+            crate::retry::until_ok("AX_DELAYED, to index delayed tasks", &shutdown, || async {
+                let stream = self
+                    .js
+                    .get_stream(DELAYED_STREAM)
+                    .await
+                    .map_err(|e| err("get stream")(e.into()))?;
+                let feed = follow(&stream, &self.filters, 0).await?;
+                Ok::<_, ScheduleError>((stream, feed))
+            })
+            .await;
+        let Some((stream, mut feed)) = started else {
+            return Ok(()); // shut down while waiting
+        };
         let mut last_seq = 0u64;
         // An ordered consumer notices a restarted nats-server only after two missed 15 s
         // heartbeats; watching the client's reconnect count lets the index resume within
@@ -266,6 +276,9 @@ fn earliest(a: Option<Instant>, b: Instant) -> Option<Instant> {
     Some(a.map_or(b, |a| a.min(b)))
 }
 
+/// How long a pull request of the index feed waits; its idle heartbeat is half of it.
+const FEED_EXPIRES: Duration = Duration::from_secs(2);
+
 /// An ordered consumer over `AX_DELAYED` from `start` (0: from the first message).
 async fn follow(
     stream: &stream::Stream,
@@ -280,6 +293,10 @@ async fn follow(
         .create_consumer(consumer::pull::OrderedConfig {
             deliver_policy,
             filter_subjects: filters.to_vec(),
+            // Pull requests expire after 2 s with a 1 s idle heartbeat, so a consumer lost
+            // with a cluster node is noticed (two missed heartbeats) and recreated within a
+            // few seconds rather than after the default 15 s heartbeats.
+            max_expires: FEED_EXPIRES,
             ..Default::default()
         })
         .await

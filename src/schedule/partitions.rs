@@ -29,7 +29,7 @@ use std::time::Duration;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 /// The delayed-task partitions a server takes part in.
 pub(crate) struct Partitions {
@@ -58,13 +58,13 @@ fn member_key(id: &str) -> String {
 impl Partitions {
     pub(crate) async fn run(self, shutdown: CancellationToken) -> Result<(), ScheduleError> {
         let js = self.scheduler.js.clone();
-        let kv = js
-            .get_key_value(LEASES_BUCKET)
-            .await
-            .map_err(|e| ScheduleError {
-                op: "open the lease bucket",
-                source: e.into(),
-            })?;
+        let kv = crate::retry::until_ok(
+            "the AX_LEASES bucket, to share delayed tasks",
+            &shutdown,
+            || js.get_key_value(LEASES_BUCKET),
+        )
+        .await;
+        let Some(kv) = kv else { return Ok(()) };
         let heard: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
         let members = tokio::spawn(follow_members(kv.clone(), heard.clone()));
         let me = member_key(&self.id);
@@ -92,9 +92,9 @@ impl Partitions {
                 _ = shutdown.cancelled() => break Ok(()),
                 _ = tick.tick() => {}
             }
-            if let Some(e) = ended(&mut running).await {
-                break Err(e);
-            }
+            // A scheduler that ended on its own is started again while the lease is ours
+            // (below): a partition is never left without dispatch while this server runs.
+            restart_ended(&mut running).await;
             if let Err(e) = kv.put(&me, self.id.clone().into()).await {
                 warn!(cause = %e, "cannot announce this server to the delayed-task partitions");
             }
@@ -112,7 +112,7 @@ impl Partitions {
                     if !lease.hold().await {
                         info!(
                             partition = p,
-                            "delayed-task partition lost to another server"
+                            "delayed-task partition lost (taken by another server, or not renewed within its TTL)"
                         );
                         stop(&mut running, p).await;
                     }
@@ -182,8 +182,10 @@ async fn stop(running: &mut Running, p: u32) {
     }
 }
 
-/// The error of a scheduler that ended on its own (it only ends when cancelled otherwise).
-async fn ended(running: &mut Running) -> Option<ScheduleError> {
+/// Forgets the schedulers that ended on their own (they only end when cancelled
+/// otherwise), logging why; their leases are still held, so the next look starts them
+/// again.
+async fn restart_ended(running: &mut Running) {
     let done: Vec<u32> = running
         .iter()
         .filter(|(_, (_, h))| h.is_finished())
@@ -192,17 +194,18 @@ async fn ended(running: &mut Running) -> Option<ScheduleError> {
     for p in done {
         let (_, handle) = running.remove(&p).expect("listed");
         match handle.await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => return Some(e),
+            Ok(Ok(())) => warn!(
+                partition = p,
+                "delayed-task scheduler ended; starting it again"
+            ),
+            Ok(Err(e)) => {
+                warn!(partition = p, cause = %e, "delayed-task scheduler failed; starting it again")
+            }
             Err(join) => {
-                return Some(ScheduleError {
-                    op: "delayed-task scheduler panicked",
-                    source: join.to_string().into(),
-                })
+                error!(partition = p, cause = %join, "delayed-task scheduler panicked; starting it again")
             }
         }
     }
-    None
 }
 
 /// Keeps `heard` up to date: when each member last wrote its key (by this clock).

@@ -13,18 +13,23 @@ fn auth_server() -> (LocalNats, tempfile::TempDir) {
     auth_server_with(|text| text)
 }
 
-/// nats-server with deploy/nats-auth.conf, edited by `edit`.
-fn auth_server_with(edit: impl FnOnce(String) -> String) -> (LocalNats, tempfile::TempDir) {
+/// deploy/nats-auth.conf edited by `edit`, with the test passwords filled in.
+fn auth_server_text(edit: impl FnOnce(String) -> String) -> String {
     let text = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/deploy/nats-auth.conf"
     ))
     .unwrap();
-    let text = edit(text)
+    edit(text)
         .replace("$AX_ADMIN_PASSWORD", "\"pw-admin\"")
         .replace("$AX_SERVER_PASSWORD", "\"pw-server\"")
         .replace("$AX_PRODUCER_PASSWORD", "\"pw-producer\"")
-        .replace("$AX_WORKER_PASSWORD", "\"pw-worker\"");
+        .replace("$AX_WORKER_PASSWORD", "\"pw-worker\"")
+}
+
+/// nats-server with deploy/nats-auth.conf, edited by `edit`.
+fn auth_server_with(edit: impl FnOnce(String) -> String) -> (LocalNats, tempfile::TempDir) {
+    let text = auth_server_text(edit);
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("auth.conf");
     std::fs::write(&path, text).unwrap();
@@ -434,6 +439,89 @@ async fn transient_failures_get_retryable_codes_and_stored_tasks_are_accepted() 
         }
         other => panic!("expected unavailable, got {other:?}"),
     }
+    wstop.cancel();
+    wh.await.unwrap().unwrap();
+    stop.cancel();
+    server.await.unwrap().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delayed_index_that_cannot_start_waits_and_the_server_stays_up() {
+    // The ax-server user may not create the delayed-task index consumers (as when the
+    // stream has no leader during an election: the request times out). The server must
+    // keep serving and retry; once the right is granted (config reload), delayed tasks run.
+    const GRANT: &str =
+        r#""$JS.API.CONSUMER.CREATE.AX_DELAYED", "$JS.API.CONSUMER.CREATE.AX_DELAYED.>","#;
+    let (nats, dir) = auth_server_with(|text| {
+        assert!(
+            text.contains(GRANT),
+            "deploy/nats-auth.conf grants the index consumers"
+        );
+        text.replace(GRANT, "")
+    });
+    let url = nats.url();
+    let admin = connect(&url, "admin", "pw-admin").await.unwrap();
+    let queues = vec!["default".to_string()];
+    ax::streams::apply(
+        &async_nats::jetstream::new(admin.clone()),
+        &Default::default(),
+        &queues,
+    )
+    .await
+    .unwrap();
+    let server_conn = connect(&url, "ax-server", "pw-server").await.unwrap();
+    let stop = CancellationToken::new();
+    let server = tokio::spawn(
+        ax::Server::builder()
+            .queues(["default"])
+            .apply_streams(false)
+            .build()
+            .run(server_conn, stop.clone()),
+    );
+    let ax = Client::new(admin.clone());
+    let task = eventually(Duration::from_secs(10), "a submit to succeed", || async {
+        ax.submit(
+            "default",
+            TaskSpec::new("t").delay(Duration::from_millis(100)),
+        )
+        .await
+        .ok()
+    })
+    .await;
+    // Several index-consumer requests time out (2 s each) meanwhile.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert!(
+        !server.is_finished(),
+        "the server stopped when its delayed index could not start: {:?}",
+        server.await
+    );
+    // Grant the right again and reload the config.
+    let conf = dir.path().join("auth.conf");
+    let text = std::fs::read_to_string(&conf).unwrap();
+    let granted = auth_server_text(|t| t);
+    assert_ne!(text, granted);
+    std::fs::write(&conf, granted).unwrap();
+    let pid = nats.pid().unwrap().to_string();
+    assert!(std::process::Command::new("kill")
+        .args(["-HUP", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let worker = Worker::builder("default")
+        .handler(|_t: Task| async { Ok(()) })
+        .build()
+        .unwrap();
+    let wstop = CancellationToken::new();
+    let wh = tokio::spawn(worker.run(admin.clone(), wstop.clone()));
+    eventually(
+        Duration::from_secs(30),
+        "the delayed task to run once its index starts",
+        || async {
+            let (rec, _) = ax.task(&task.id).await.ok()??;
+            (rec.state == TaskState::Succeeded).then_some(())
+        },
+    )
+    .await;
     wstop.cancel();
     wh.await.unwrap().unwrap();
     stop.cancel();
