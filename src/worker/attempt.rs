@@ -7,6 +7,7 @@
 
 use super::claim::{decide, Decision, Delivery};
 use super::fence::Fence;
+use super::inflight::{Held, InFlight, Slot};
 use super::labels::Labels;
 use super::rate::TimeoutRate;
 use super::{is_json, Handler, Task, TaskError};
@@ -19,7 +20,7 @@ use async_nats::jetstream::{self, AckKind};
 use futures::FutureExt;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
@@ -46,23 +47,12 @@ pub(crate) struct Shared {
     pub(crate) labels: Labels,
     /// See [`WorkerBuilder::lean_first_attempt`](super::WorkerBuilder::lean_first_attempt).
     pub(crate) lean_first_attempt: bool,
+    /// The tasks held here now: one attempt of a task at a time.
+    pub(crate) inflight: Arc<InFlight>,
 }
 
 /// Retry pause when the broker cannot be reached for a state read or write.
 const BROKER_RETRY: Duration = Duration::from_secs(1);
-
-/// When the broker last confirmed this delivery is ours (a heartbeat it acknowledged, or
-/// the delivery itself): JetStream redelivers it one ack wait after that.
-struct Held(Mutex<Instant>);
-
-impl Held {
-    fn confirmed(&self) {
-        *self.0.lock().expect("not poisoned") = Instant::now();
-    }
-    fn since(&self) -> Duration {
-        self.0.lock().expect("not poisoned").elapsed()
-    }
-}
 
 /// Runs one delivery in the worker's tracker; `permit` is its handler slot if already taken.
 pub(crate) fn spawn(
@@ -72,10 +62,25 @@ pub(crate) fn spawn(
 ) {
     let sh = shared.clone();
     shared.tracker.spawn(async move {
-        let held = Held(Mutex::new(Instant::now()));
-        let work = AssertUnwindSafe(process(&sh, &msg, permit, &held)).catch_unwind();
+        let meta = match msg.headers.as_ref().map(TaskMeta::from_headers) {
+            Some(Ok(meta)) if meta.queue == sh.queue => meta,
+            Some(Ok(meta)) => {
+                let why = format!(
+                    "task of queue {} on a subject of queue {}",
+                    meta.queue, sh.queue
+                );
+                return reject_malformed(&sh, &msg, &why).await;
+            }
+            Some(Err(e)) => return reject_malformed(&sh, &msg, &e.to_string()).await,
+            None => return reject_malformed(&sh, &msg, "no headers").await,
+        };
+        // Every delivery of one task here shares its hold and takes turns (inflight.rs).
+        let entry = sh.inflight.enter(&meta.id);
+        let held = &entry.slot.held;
+        let work =
+            AssertUnwindSafe(process(&sh, &msg, &meta, permit, &entry.slot)).catch_unwind();
         tokio::select! {
-            _ = heartbeat(&msg, sh.heartbeat, &held) => {}
+            _ = heartbeat(&msg, sh.heartbeat, held) => {}
             done = work => if done.is_err() {
                 // A bug in the SDK: hand the delivery back rather than hold it until the
                 // ack wait.
@@ -143,21 +148,11 @@ pub(crate) fn header_safe(text: &str) -> String {
 async fn process(
     sh: &Shared,
     msg: &jetstream::Message,
+    meta: &TaskMeta,
     permit: Option<OwnedSemaphorePermit>,
-    held: &Held,
+    slot: &Slot,
 ) {
-    let meta = match msg.headers.as_ref().map(TaskMeta::from_headers) {
-        Some(Ok(meta)) if meta.queue == sh.queue => meta,
-        Some(Ok(meta)) => {
-            let why = format!(
-                "task of queue {} on a subject of queue {}",
-                meta.queue, sh.queue
-            );
-            return reject_malformed(sh, msg, &why).await;
-        }
-        Some(Err(e)) => return reject_malformed(sh, msg, &e.to_string()).await,
-        None => return reject_malformed(sh, msg, "no headers").await,
-    };
+    let held = &slot.held;
     let _permit = match permit {
         Some(p) => p,
         None => tokio::select! {
@@ -169,12 +164,23 @@ async fn process(
         // Fetched but not started: hand it back untouched (no attempt is counted).
         return reply(msg, AckKind::Nak(None)).await;
     }
+    // A redelivery of a task whose attempt still runs here waits for it to end.
+    let _turn = match slot.turn.try_lock() {
+        Ok(turn) => turn,
+        Err(_) => {
+            debug!(task_id = %meta.id, "redelivered while its attempt runs here; waiting for it");
+            tokio::select! {
+                turn = slot.turn.lock() => turn,
+                _ = sh.shutdown.cancelled() => return reply(msg, AckKind::Nak(None)).await,
+            }
+        }
+    };
     // A revision conflict means another writer moved the record: read it again and decide
     // anew. A few in a row only happen under contention; then hand the delivery back.
     for _ in 0..5 {
-        match claim(sh, &meta, msg).await {
+        match claim(sh, meta, msg).await {
             Claim::Started(rec, token, deferred) => {
-                return run(sh, &meta, msg, *rec, token, deferred, held).await
+                return run(sh, meta, msg, *rec, token, deferred, held).await
             }
             Claim::Again => continue,
             Claim::Done => return,

@@ -98,6 +98,7 @@ pub(super) async fn run(
         rate: TimeoutRate::new(Duration::from_secs(60)),
         tracker: TaskTracker::new(),
         lean_first_attempt: worker.lean_first_attempt,
+        inflight: Default::default(),
     });
     let consumers = Arc::new(consumers);
     let woken = Arc::new(Notify::new());

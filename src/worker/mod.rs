@@ -35,6 +35,7 @@ mod attempt;
 mod claim;
 mod fence;
 pub mod fetch;
+mod inflight;
 mod labels;
 mod rate;
 

@@ -142,6 +142,46 @@ async fn lost_heartbeat_redelivers_and_counts_the_attempt() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_that_starves_its_heartbeat_past_the_ack_wait_runs_once() {
+    // The handler blocks its thread (CPU-bound work, a blocking call) for 2.5 ack waits: no
+    // heartbeat goes out, and JetStream redelivers the task — to this same worker, where
+    // the first attempt is still running. The redelivery waits for it instead of running
+    // the task a second time; the first attempt records its result.
+    let env = Env::start(Env::server()).await;
+    let id = env.ax.submit("q", TaskSpec::new("t")).await.unwrap().id;
+    let calls = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let worker = Worker::builder("q")
+        .handler({
+            let calls = calls.clone();
+            move |_task: Task| {
+                let calls = calls.clone();
+                async move {
+                    if calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+                        std::thread::sleep(Duration::from_millis(2500));
+                    }
+                    Ok(())
+                }
+            }
+        })
+        .build()
+        .unwrap();
+    let (stop, handle) = env.spawn_worker(worker);
+    let rec = env
+        .wait_state(&id, TaskState::Succeeded, Duration::from_secs(10))
+        .await;
+    // Give a second run, if one were started, the time to happen.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(
+        calls.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "the task ran twice"
+    );
+    assert_eq!(rec.attempt, 1);
+    stop.cancel();
+    handle.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_lets_running_tasks_finish() {
     let env = Env::start(Env::server()).await;
     let worker = Worker::builder("q")
