@@ -21,10 +21,23 @@
 //! ```
 
 use crate::names::{self, Priority};
+use crate::output::{ResultStore, TaskOutput};
 use crate::protocol::{BackoffRequest, SubmitAccepted, SubmitReply, SubmitRequest, WireError};
 use crate::state::{ListFilter, StateError, TaskRecord, TaskStore};
 use base64::Engine;
+use futures::StreamExt;
 use std::time::Duration;
+
+/// A finished task: its final record and revision, and its output if it returned one.
+#[derive(Debug, Clone)]
+pub struct Finished {
+    /// The `succeeded` or `dead` record.
+    pub record: TaskRecord,
+    /// Its revision.
+    pub revision: u64,
+    /// The handler's output (`succeeded` tasks that returned one).
+    pub output: Option<TaskOutput>,
+}
 
 /// A task to submit: a builder over the wire [`SubmitRequest`]; unset options take the
 /// server's defaults (normal priority, 5 attempts, 30 s timeout, 1 s..10 min backoff).
@@ -126,6 +139,14 @@ pub enum ClientError {
     /// Reading task state failed.
     #[error(transparent)]
     State(#[from] StateError),
+    /// Reading a task's output from `AX_RESULTS` failed, or the output it names is gone.
+    #[error("task {id}: output not readable: {source}")]
+    Output {
+        /// Task id.
+        id: String,
+        /// Why.
+        source: async_nats::Error,
+    },
 }
 
 impl ClientError {
@@ -140,6 +161,7 @@ impl ClientError {
             ClientError::Request(e) => ErrorKind::of(e),
             ClientError::BadReply(_) => ErrorKind::Invalid,
             ClientError::State(e) => e.kind(),
+            ClientError::Output { source, .. } => ErrorKind::of(source.as_ref()),
         }
     }
 }
@@ -339,6 +361,65 @@ impl Client {
             return Err(ClientError::Refused(serde_json::from_value(error.clone())?));
         }
         Ok(reply["ok"].take())
+    }
+
+    /// Waits until task `id` is finished (`succeeded` or `dead`) and returns its final
+    /// record with its output. Pushed, not polled: a KV watch on the task's record, so it
+    /// returns at once for a finished task and within a round trip of the final write
+    /// otherwise (a task with no record yet is waited for too). It has no deadline of its
+    /// own: wrap it in `tokio::time::timeout`.
+    pub async fn wait(&self, id: &str) -> Result<Finished, ClientError> {
+        let store = self.store().await?;
+        let (record, revision) = loop {
+            let mut watch = store.watch_task(id).await?;
+            let mut last = None;
+            while let Some(entry) = watch.next().await {
+                let Ok(entry) = entry else { break }; // the watch is made again below
+                if entry.operation != async_nats::jetstream::kv::Operation::Put {
+                    continue;
+                }
+                let Ok(rec) = serde_json::from_slice::<TaskRecord>(&entry.value) else {
+                    continue;
+                };
+                if rec.state.is_terminal() {
+                    last = Some((rec, entry.revision));
+                    break;
+                }
+            }
+            if let Some(found) = last {
+                break found;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        let output = self.output(&record).await?;
+        Ok(Finished {
+            record,
+            revision,
+            output,
+        })
+    }
+
+    /// The output of a finished task's record: inline, or read from `AX_RESULTS`.
+    pub async fn output(&self, record: &TaskRecord) -> Result<Option<TaskOutput>, ClientError> {
+        let Some(stored) = &record.output else {
+            return Ok(None);
+        };
+        if let Some(out) = stored.inline() {
+            return Ok(Some(out));
+        }
+        let failed = |source: async_nats::Error| ClientError::Output {
+            id: record.id.clone(),
+            source,
+        };
+        let results = ResultStore::open(&async_nats::jetstream::new(self.nats.clone()))
+            .await
+            .map_err(failed)?;
+        match results.read(stored).await.map_err(failed)? {
+            Some(out) => Ok(Some(out)),
+            None => Err(failed(
+                format!("no entry {:?} in AX_RESULTS", stored.key).into(),
+            )),
+        }
     }
 
     /// Task records matching `filter`.

@@ -15,6 +15,7 @@
 //! | [`task`] | a validated task and its message headers |
 //! | [`backoff`] | exponential backoff with jitter |
 //! | [`state`] | task state records in the `AX_TASKS` KV bucket |
+//! | [`output`] | task outputs: inline in the record or in the `AX_RESULTS` bucket |
 //! | [`streams`] | the declarative topology in `streams/` and `apply` |
 //! | [`submit`] | level-1 admission (server side) |
 //! | [`schedule`] | delayed tasks: timer index and dispatch |
@@ -33,6 +34,7 @@ mod hooks;
 mod lease;
 pub mod metrics;
 pub mod names;
+pub mod output;
 pub mod protocol;
 mod retry;
 pub mod schedule;
@@ -48,6 +50,7 @@ pub mod worker;
 pub use client::{Client, ClientError, TaskSpec};
 pub use error::ErrorKind;
 pub use names::Priority;
+pub use output::{Output, TaskOutput};
 pub use server::{Server, ServerBuilder, ServerError};
 pub use state::{TaskRecord, TaskState};
 pub use worker::{Task, TaskError, Worker, WorkerBuilder};

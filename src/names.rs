@@ -14,6 +14,8 @@ pub const DELAYED_STREAM: &str = "AX_DELAYED";
 pub const DEAD_STREAM: &str = "AX_DEAD";
 /// KV bucket with one record per task (its state).
 pub const TASKS_BUCKET: &str = "AX_TASKS";
+/// KV bucket of task outputs too large for the task record (key `<task id>.<attempt>`).
+pub const RESULTS_BUCKET: &str = "AX_RESULTS";
 /// KV bucket mapping idempotency keys to task ids.
 pub const IDEMPOTENCY_BUCKET: &str = "AX_IDEMPOTENCY";
 /// KV bucket of trigger definitions.

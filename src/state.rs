@@ -126,6 +126,10 @@ pub struct TaskRecord {
     /// The scheduled time the fire stands for.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scheduled_at_ms: Option<u64>,
+    /// The output of a `succeeded` task, if its handler returned one (inline, or the key
+    /// of its bytes in `AX_RESULTS`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output: Option<crate::output::StoredOutput>,
     /// Fields this version does not know, kept as they were so that a newer writer's
     /// fields survive this one's writes (docs/PROTOCOL.md §3).
     #[serde(flatten)]
@@ -268,6 +272,14 @@ impl TaskStore {
                 },
                 _ => broker(&rec.id, "update", e),
             })
+    }
+
+    /// The record of `id` now (if any) and every later write to it, as KV entries.
+    pub async fn watch_task(&self, id: &str) -> Result<kv::Watch, StateError> {
+        self.kv
+            .watch_with_history(id)
+            .await
+            .map_err(|e| broker(id, "watch", e))
     }
 
     /// A live feed of every write to a trigger task's record (keys `*.tr.>`), from now on,

@@ -17,7 +17,7 @@ use serde_json::Value;
 use std::time::Duration;
 
 /// The stream definitions, by file name.
-pub const STREAM_FILES: [(&str, &str); 10] = [
+pub const STREAM_FILES: [(&str, &str); 11] = [
     (
         "AX_READY_HIGH.json",
         include_str!("../streams/AX_READY_HIGH.json"),
@@ -38,6 +38,10 @@ pub const STREAM_FILES: [(&str, &str); 10] = [
     (
         "KV_AX_TASKS.json",
         include_str!("../streams/KV_AX_TASKS.json"),
+    ),
+    (
+        "KV_AX_RESULTS.json",
+        include_str!("../streams/KV_AX_RESULTS.json"),
     ),
     (
         "KV_AX_IDEMPOTENCY.json",

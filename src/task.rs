@@ -233,6 +233,7 @@ impl TaskMeta {
             trigger: self.lineage.as_ref().map(|l| l.trigger.clone()),
             trigger_source: self.lineage.as_ref().map(|l| l.source.clone()),
             scheduled_at_ms: self.lineage.as_ref().map(|l| l.scheduled_at_ms),
+            output: None,
             extra: Default::default(),
         }
     }

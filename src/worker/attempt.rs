@@ -13,6 +13,7 @@ use super::rate::TimeoutRate;
 use super::{is_json, Handler, Task, TaskError};
 use crate::metrics as m;
 use crate::names;
+use crate::output::{Output, ResultStore, StoredOutput, MAX_OUTPUT_BYTES};
 use crate::state::{ErrorInfo, StateError, TaskRecord, TaskState, TaskStore};
 use crate::task::{header, TaskMeta};
 use crate::time::now_ms;
@@ -31,6 +32,7 @@ use tracing::{debug, error, warn};
 pub(crate) struct Shared {
     pub(crate) js: jetstream::Context,
     pub(crate) tasks: TaskStore,
+    pub(crate) results: ResultStore,
     pub(crate) queue: String,
     pub(crate) worker_id: String,
     pub(crate) handler: Handler,
@@ -366,10 +368,31 @@ async fn run(
     metrics::histogram!(m::RUN_DURATION, "queue" => queue.clone(), "task" => task_label.clone())
         .record(started.elapsed().as_secs_f64());
     match outcome {
-        Some(Ok(Ok(Ok(())))) => {
+        Some(Ok(Ok(Ok(Output(Some(out)))))) if out.bytes.len() > MAX_OUTPUT_BYTES => {
+            let e = TaskError::permanent(
+                "output_too_large",
+                format!(
+                    "the output is {} bytes; at most {MAX_OUTPUT_BYTES} are stored",
+                    out.bytes.len()
+                ),
+            );
+            fail(sh, meta, msg, rec, token, e, false, held).await
+        }
+        Some(Ok(Ok(Ok(output)))) => {
             metrics::gauge!(m::TASK_TIMEOUT_RATE, "queue" => queue.clone())
                 .set(sh.rate.record(false));
-            let done = rec.transition(TaskState::Succeeded);
+            let mut done = rec.transition(TaskState::Succeeded);
+            if let Output(Some(out)) = output {
+                // Under a key of this attempt: a stale attempt never overwrites the
+                // output the record names; stored before the record names it.
+                let stored = StoredOutput::of(&out, &format!("{}.{}", done.id, done.attempt));
+                if let Some(key) = &stored.key {
+                    if !put_output(sh, key, out.bytes, held).await {
+                        return;
+                    }
+                }
+                done.output = Some(stored);
+            }
             if write(sh, &done, token, held).await {
                 metrics::counter!(m::SUCCEEDED, "queue" => queue, "task" => task_label)
                     .increment(1);
@@ -434,6 +457,28 @@ async fn write(sh: &Shared, rec: &TaskRecord, token: u64, held: &Held) -> bool {
             Err(e) => {
                 warn!(task_id = %rec.id, cause = %e,
                     "state write failed for longer than the ack wait allows; the task will be redelivered");
+                return false;
+            }
+        }
+    }
+}
+
+/// Stores a large output in `AX_RESULTS`, retrying broker failures like [`write`] does;
+/// false if the delivery was lost meanwhile (it will be redelivered).
+async fn put_output(sh: &Shared, key: &str, bytes: bytes::Bytes, held: &Held) -> bool {
+    let keep_trying = sh.ack_wait.saturating_sub(sh.heartbeat);
+    let mut pause = Duration::from_millis(100);
+    loop {
+        match sh.results.put(key, bytes.clone()).await {
+            Ok(()) => return true,
+            Err(e) if held.since() < keep_trying => {
+                warn!(key, cause = %e, "output write failed; retrying");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(BROKER_RETRY);
+            }
+            Err(e) => {
+                warn!(key, cause = %e,
+                    "output write failed for longer than the ack wait allows; the task will be redelivered");
                 return false;
             }
         }

@@ -16,6 +16,7 @@ use super::attempt::{self, Shared};
 use super::rate::TimeoutRate;
 use super::{Worker, WorkerError};
 use crate::names::Priority;
+use crate::output::ResultStore;
 use crate::state::TaskStore;
 use async_nats::jetstream::{self, consumer::PullConsumer};
 use futures::StreamExt;
@@ -75,7 +76,7 @@ impl Picker {
 pub(super) async fn run(
     worker: Worker,
     js: jetstream::Context,
-    tasks: TaskStore,
+    (tasks, results): (TaskStore, ResultStore),
     consumers: Vec<PullConsumer>,
     ack_wait: Duration,
     shutdown: CancellationToken,
@@ -84,6 +85,7 @@ pub(super) async fn run(
     let shared = Arc::new(Shared {
         js,
         tasks,
+        results,
         queue: worker.queue.clone(),
         worker_id: worker.id.clone(),
         handler: worker.handler.clone(),

@@ -40,6 +40,7 @@ mod labels;
 mod rate;
 
 use crate::names::{self, Priority};
+use crate::output::{IntoOutput, Output, ResultStore};
 use crate::state::TaskStore;
 use crate::task::ContentType;
 use async_nats::jetstream::{self, consumer::PullConsumer};
@@ -130,7 +131,7 @@ impl TaskError {
     }
 }
 
-type Handler = Arc<dyn Fn(Task) -> BoxFuture<'static, Result<(), TaskError>> + Send + Sync>;
+type Handler = Arc<dyn Fn(Task) -> BoxFuture<'static, Result<Output, TaskError>> + Send + Sync>;
 
 /// Errors that stop a worker.
 #[derive(Debug, thiserror::Error)]
@@ -257,15 +258,22 @@ impl Worker {
                         })?;
                     consumers.push(consumer);
                 }
-                Ok::<_, WorkerError>((tasks, consumers))
+                let results =
+                    ResultStore::open(&js)
+                        .await
+                        .map_err(|source| WorkerError::Broker {
+                            op: "open the AX_RESULTS bucket",
+                            source,
+                        })?;
+                Ok::<_, WorkerError>((tasks, results, consumers))
             }
         })
         .await;
-        let Some((tasks, consumers)) = ready else {
+        let Some((tasks, results, consumers)) = ready else {
             return Ok(()); // shut down while waiting
         };
         let ack_wait = consumers[0].cached_info().config.ack_wait;
-        fetch::run(self, js, tasks, consumers, ack_wait, shutdown).await
+        fetch::run(self, js, (tasks, results), consumers, ack_wait, shutdown).await
     }
 }
 
@@ -275,13 +283,18 @@ impl WorkerBuilder {
         self.worker.concurrency = n.max(1);
         self
     }
-    /// The handler, called once per attempt.
-    pub fn handler<F, Fut>(mut self, f: F) -> Self
+    /// The handler, called once per attempt. It returns `()` or an output ([`Output`], or a
+    /// `serde_json::Value`), stored with the task's `succeeded` write (see [`crate::output`]).
+    pub fn handler<F, Fut, O>(mut self, f: F) -> Self
     where
         F: Fn(Task) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = Result<(), TaskError>> + Send + 'static,
+        Fut: Future<Output = Result<O, TaskError>> + Send + 'static,
+        O: IntoOutput + 'static,
     {
-        self.worker.handler = Arc::new(move |task| Box::pin(f(task)));
+        self.worker.handler = Arc::new(move |task| {
+            let run = f(task);
+            Box::pin(async move { run.await.map(IntoOutput::into_output) })
+        });
         self.handler_set = true;
         self
     }

@@ -11,6 +11,7 @@ mod first_attempt;
 #[allow(dead_code)]
 #[path = "../../src/natsd.rs"]
 mod natsd;
+mod outputs;
 mod partitions;
 mod procs;
 mod retry;

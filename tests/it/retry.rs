@@ -90,7 +90,8 @@ async fn non_retryable_and_exhausted_tasks_are_dead_lettered() {
     let worker = Worker::builder("q")
         .handler(|task: Task| async move {
             match task.name.as_str() {
-                "permanent" => Err(TaskError::permanent("validation", "bad order")),
+                // Only failures: name the (absent) output type.
+                "permanent" => Err::<(), _>(TaskError::permanent("validation", "bad order")),
                 "listed" => Err(TaskError::new("http.404", "gone")),
                 _ => Err(TaskError::new(
                     "io",

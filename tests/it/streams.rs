@@ -10,7 +10,7 @@ async fn apply_is_idempotent_and_refuses_incompatible_changes() {
     let js = async_nats::jetstream::new(client);
     let queues = vec!["a".to_string(), "b".to_string()];
     let first = apply(&js, &Topology::default(), &queues).await.unwrap();
-    assert_eq!(first.len(), 10 + 6);
+    assert_eq!(first.len(), ax::streams::STREAM_FILES.len() + 6);
     assert!(
         first.iter().all(|a| a.outcome == Outcome::Created),
         "{first:?}"
