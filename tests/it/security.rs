@@ -100,8 +100,9 @@ async fn each_role_has_least_privilege() {
 
     // The worker runs its queue's tasks ...
     let worker_conn = connect(&url, "worker-default", "pw-worker").await.unwrap();
+    // Its outputs are larger than the inline limit: they go to AX_RESULTS.
     let worker = Worker::builder("default")
-        .handler(|_t: Task| async { Ok(()) })
+        .handler(|_t: Task| async { Ok(ax::Output::bytes(vec![7u8; 2048])) })
         .build()
         .unwrap();
     let wstop = CancellationToken::new();
@@ -132,6 +133,19 @@ async fn each_role_has_least_privilege() {
     assert!(
         wkv.put(&foreign.id, forged.into()).await.is_err(),
         "worker-default rewrote a task record of queue reports"
+    );
+    let output = admin_view.wait(&now.id).await.unwrap().output.unwrap();
+    assert_eq!(output.bytes.len(), 2048, "the worker stored its output");
+    let wresults = async_nats::jetstream::new(worker_conn.clone())
+        .get_key_value("AX_RESULTS")
+        .await
+        .unwrap();
+    assert!(
+        wresults
+            .put(format!("{}.1", foreign.id), vec![1u8].into())
+            .await
+            .is_err(),
+        "worker-default wrote an output of queue reports"
     );
     assert!(
         !wkv.get(&foreign.id)
