@@ -44,6 +44,9 @@ pub const TIMEOUTS: &str = "ax_task_timeouts_total";
 /// Counter, worker `{queue}`: results refused because another attempt took over (stale
 /// fencing token, e.g. a late ack).
 pub const STALE_RESULTS: &str = "ax_stale_results_total";
+/// Counter, worker `{queue, task}`: deliveries handed back because this worker serves no
+/// handler for the task's name.
+pub const UNSERVED: &str = "ax_worker_unserved_total";
 /// Histogram, worker `{queue, task}`: handler run time in seconds.
 pub const RUN_DURATION: &str = "ax_task_run_duration_seconds";
 /// Histogram, worker `{queue}`: seconds from ready (creation or due time) to attempt start.
@@ -88,6 +91,10 @@ pub fn describe() {
     describe_counter!(DEAD, "Tasks dead-lettered");
     describe_counter!(TIMEOUTS, "Attempts ended by hard timeout or lost heartbeat");
     describe_counter!(STALE_RESULTS, "Results refused for a stale fencing token");
+    describe_counter!(
+        UNSERVED,
+        "Deliveries handed back: no handler for the task name in this worker"
+    );
     describe_histogram!(RUN_DURATION, Unit::Seconds, "Handler run time");
     describe_histogram!(QUEUE_WAIT, Unit::Seconds, "Ready to attempt start");
 }

@@ -54,6 +54,10 @@ pub mod header {
     pub const TRIGGER_SOURCE: &str = "Ax-Trigger-Source";
     /// The scheduled time the fire stands for, ms since the Unix epoch.
     pub const SCHEDULED_AT_MS: &str = "Ax-Scheduled-At-Ms";
+    /// Options the producer left unset, so the server's defaults stand in the headers:
+    /// comma-separated `max_attempts`, `timeout`, `backoff`, `retry_on`, `no_retry_on`.
+    /// A worker's per-name options replace exactly these (docs/PROTOCOL.md §3).
+    pub const DEFAULTED: &str = "Ax-Defaulted";
 }
 
 /// Where a trigger-made task came from: which trigger, why, for which scheduled time.
@@ -145,6 +149,67 @@ pub struct TaskMeta {
     pub idempotency_key: Option<String>,
     /// Set for tasks a trigger created.
     pub lineage: Option<Lineage>,
+    /// Options the producer left unset (header `Ax-Defaulted`).
+    pub defaulted: Defaulted,
+}
+
+/// Which options of a task took the server's defaults because the producer left them
+/// unset; a worker's per-name options replace exactly these.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Defaulted {
+    /// `max_attempts` was not given.
+    pub max_attempts: bool,
+    /// `timeout_ms` was not given.
+    pub timeout: bool,
+    /// `backoff` was not given.
+    pub backoff: bool,
+    /// `retry_on` was not given.
+    pub retry_on: bool,
+    /// `no_retry_on` was not given.
+    pub no_retry_on: bool,
+}
+
+impl Defaulted {
+    const NAMES: [&'static str; 5] = [
+        "max_attempts",
+        "timeout",
+        "backoff",
+        "retry_on",
+        "no_retry_on",
+    ];
+
+    fn flags(&self) -> [bool; 5] {
+        [
+            self.max_attempts,
+            self.timeout,
+            self.backoff,
+            self.retry_on,
+            self.no_retry_on,
+        ]
+    }
+
+    /// The header value, or `None` if every option was given.
+    pub fn to_header(&self) -> Option<String> {
+        let names: Vec<&str> = Self::NAMES
+            .iter()
+            .zip(self.flags())
+            .filter(|(_, on)| *on)
+            .map(|(n, _)| *n)
+            .collect();
+        (!names.is_empty()).then(|| names.join(","))
+    }
+
+    /// Reads the header value; unknown names are ignored (a newer producer's).
+    pub fn from_header(value: &str) -> Defaulted {
+        let has = |name: &str| value.split(',').any(|v| v.trim() == name);
+        Defaulted {
+            max_attempts: has("max_attempts"),
+            timeout: has("timeout"),
+            backoff: has("backoff"),
+            retry_on: has("retry_on"),
+            no_retry_on: has("no_retry_on"),
+        }
+    }
 }
 
 /// A header of a task message is missing or malformed.
@@ -327,6 +392,13 @@ impl TaskMeta {
             None => DEFAULT_TIMEOUT,
             Some(ms) => ms_in("timeout_ms", ms, 1, limits.max_timeout)?,
         };
+        let defaulted = Defaulted {
+            max_attempts: req.max_attempts.is_none(),
+            timeout: req.timeout_ms.is_none(),
+            backoff: req.backoff.is_none(),
+            retry_on: req.retry_on.is_none(),
+            no_retry_on: req.no_retry_on.is_none(),
+        };
         let backoff = Backoff::from_request(req.backoff.unwrap_or_default())?;
         if let Some(key) = &req.idempotency_key {
             check_header_text("idempotency_key", key, 256)?;
@@ -346,6 +418,7 @@ impl TaskMeta {
             run_at_ms,
             idempotency_key: req.idempotency_key,
             lineage: None,
+            defaulted,
         };
         Ok((meta, payload))
     }
@@ -387,6 +460,9 @@ impl TaskMeta {
         }
         if let Some(key) = &self.idempotency_key {
             h.insert(header::IDEMPOTENCY_KEY, key.as_str());
+        }
+        if let Some(defaulted) = self.defaulted.to_header() {
+            h.insert(header::DEFAULTED, defaulted.as_str());
         }
         if let Some(l) = &self.lineage {
             h.insert(header::TRIGGER, l.trigger.as_str());
@@ -497,6 +573,9 @@ impl TaskMeta {
                 }),
                 None => None,
             },
+            defaulted: h
+                .get(header::DEFAULTED)
+                .map_or_else(Defaulted::default, |v| Defaulted::from_header(v.as_str())),
         })
     }
 }

@@ -9,6 +9,7 @@ use super::claim::{decide, Decision, Delivery};
 use super::fence::Fence;
 use super::inflight::{Held, InFlight, Slot};
 use super::labels::Labels;
+use super::options::Routes;
 use super::rate::TimeoutRate;
 use super::{is_json, Handler, Task, TaskError};
 use crate::metrics as m;
@@ -35,7 +36,8 @@ pub(crate) struct Shared {
     pub(crate) results: ResultStore,
     pub(crate) queue: String,
     pub(crate) worker_id: String,
-    pub(crate) handler: Handler,
+    /// The handlers and options by task name.
+    pub(crate) routes: Routes,
     pub(crate) slots: Arc<Semaphore>,
     pub(crate) concurrency: usize,
     /// Handlers running now (slots held by the fetcher for a pull are not busy).
@@ -76,11 +78,22 @@ pub(crate) fn spawn(
             Some(Err(e)) => return reject_malformed(&sh, &msg, &e.to_string()).await,
             None => return reject_malformed(&sh, &msg, "no headers").await,
         };
+        let Some(found) = sh.routes.route(&meta.name) else {
+            return unserved(&sh, &msg, &meta).await;
+        };
+        let mut meta = meta;
+        if let Some(options) = found.options {
+            options.apply(&mut meta);
+        }
+        let route = Route {
+            handler: found.handler,
+            name_slots: found.slots.cloned(),
+        };
         // Every delivery of one task here shares its hold and takes turns (inflight.rs).
         let entry = sh.inflight.enter(&meta.id);
         let held = &entry.slot.held;
-        let work =
-            AssertUnwindSafe(process(&sh, &msg, &meta, permit, &entry.slot)).catch_unwind();
+        let work = AssertUnwindSafe(process(&sh, &msg, &meta, &route, permit, &entry.slot))
+            .catch_unwind();
         tokio::select! {
             _ = heartbeat(&msg, sh.heartbeat, held) => {}
             done = work => if done.is_err() {
@@ -91,6 +104,35 @@ pub(crate) fn spawn(
             },
         }
     });
+}
+
+/// The handler a delivery runs, and its name's own slots if the name has a limit.
+struct Route<'a> {
+    handler: &'a Handler,
+    name_slots: Option<Arc<Semaphore>>,
+}
+
+/// How long a task of a name this worker does not serve waits before it is offered again:
+/// one second per delivery so far, at most [`UNSERVED_MAX_DELAY`] (a worker that serves it
+/// may be starting; an unserved backlog must not keep the workers busy handing it back).
+fn unserved_delay(delivered: i64) -> Duration {
+    Duration::from_secs(delivered.clamp(1, UNSERVED_MAX_DELAY.as_secs() as i64) as u64)
+}
+const UNSERVED_MAX_DELAY: Duration = Duration::from_secs(30);
+
+/// Hands back a delivery whose task name this worker has no handler for: it is not
+/// failed and no attempt is counted; another worker (or this one, redeployed) takes it.
+async fn unserved(sh: &Shared, msg: &jetstream::Message, meta: &TaskMeta) {
+    let task = sh.labels.task(&meta.name);
+    metrics::counter!(m::UNSERVED, "queue" => sh.queue.clone(), "task" => task).increment(1);
+    debug!(task_id = %meta.id, name = %meta.name, "no handler for this task name here; handed back");
+    if sh.labels.first_unserved(&meta.name) {
+        warn!(name = %meta.name, queue = %sh.queue,
+            "tasks named {:?} arrive but this worker serves no handler for them; handing them back (after 1 s, 2 s, ... at most {:?})",
+            meta.name, UNSERVED_MAX_DELAY);
+    }
+    let delivered = msg.info().map_or(1, |i| i.delivered);
+    reply(msg, AckKind::Nak(Some(unserved_delay(delivered)))).await;
 }
 
 /// Sends `+WPI` (AckProgress) every `every` for as long as the delivery is held, asking
@@ -151,6 +193,7 @@ async fn process(
     sh: &Shared,
     msg: &jetstream::Message,
     meta: &TaskMeta,
+    route: &Route<'_>,
     permit: Option<OwnedSemaphorePermit>,
     slot: &Slot,
 ) {
@@ -166,6 +209,14 @@ async fn process(
         // Fetched but not started: hand it back untouched (no attempt is counted).
         return reply(msg, AckKind::Nak(None)).await;
     }
+    // A name with its own limit waits for one of its slots (keeping the worker slot).
+    let _name_permit = match &route.name_slots {
+        Some(slots) => tokio::select! {
+            p = slots.clone().acquire_owned() => Some(p.expect("never closed")),
+            _ = sh.shutdown.cancelled() => return reply(msg, AckKind::Nak(None)).await,
+        },
+        None => None,
+    };
     // A redelivery of a task whose attempt still runs here waits for it to end.
     let _turn = match slot.turn.try_lock() {
         Ok(turn) => turn,
@@ -182,7 +233,7 @@ async fn process(
     for _ in 0..5 {
         match claim(sh, meta, msg).await {
             Claim::Started(rec, token, deferred) => {
-                return run(sh, meta, msg, *rec, token, deferred, held).await
+                return run(sh, meta, route.handler, msg, *rec, token, deferred, held).await
             }
             Claim::Again => continue,
             Claim::Done => return,
@@ -310,9 +361,11 @@ fn count_lost_heartbeat(sh: &Shared, running: Option<&TaskRecord>) {
     metrics::gauge!(m::TASK_TIMEOUT_RATE, "queue" => sh.queue.clone()).set(sh.rate.record(true));
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn run(
     sh: &Shared,
     meta: &TaskMeta,
+    handler: &Handler,
     msg: &jetstream::Message,
     rec: TaskRecord,
     token: u64,
@@ -344,7 +397,7 @@ async fn run(
     let started = Instant::now();
     let outcome = {
         let _busy = Busy::start(sh);
-        let handler = AssertUnwindSafe((sh.handler)(task)).catch_unwind();
+        let handler = AssertUnwindSafe(handler(task)).catch_unwind();
         let mut attempt = std::pin::pin!(async {
             tokio::select! {
                 r = tokio::time::timeout(meta.timeout, handler) => Some(r),

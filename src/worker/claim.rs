@@ -76,6 +76,8 @@ pub(crate) fn decide(found: Option<&TaskRecord>, meta: &TaskMeta, d: Delivery<'_
         }
         TaskState::Scheduled | TaskState::Pending | TaskState::Retrying => {}
     }
+    // The attempts in force: the message's, or the worker's option for the task's name.
+    rec.max_attempts = meta.max_attempts;
     if rec.attempt >= meta.max_attempts {
         let error = rec.last_error.clone().unwrap_or(ErrorInfo {
             class: "attempts_exhausted".into(),

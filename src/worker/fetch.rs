@@ -74,7 +74,7 @@ impl Picker {
 }
 
 pub(super) async fn run(
-    worker: Worker,
+    mut worker: Worker,
     js: jetstream::Context,
     (tasks, results): (TaskStore, ResultStore),
     consumers: Vec<PullConsumer>,
@@ -88,7 +88,7 @@ pub(super) async fn run(
         results,
         queue: worker.queue.clone(),
         worker_id: worker.id.clone(),
-        handler: worker.handler.clone(),
+        routes: std::mem::take(&mut worker.routes),
         slots: slots.clone(),
         concurrency: worker.concurrency,
         running: Default::default(),
@@ -174,7 +174,13 @@ pub(super) async fn run(
                 continue;
             }
             let (consumers, woken, shared) = (consumers.clone(), woken.clone(), shared.clone());
-            let expires = worker.idle_poll;
+            // Randomly 80–120 % of `idle_poll`: JetStream hands a message to the oldest
+            // waiting pull, so idle workers polling in a fixed phase would always give a
+            // redelivered message to the same one (a task handed back by a worker that does
+            // not serve its name would keep going back to it).
+            let expires = worker
+                .idle_poll
+                .mul_f64(rand::Rng::random_range(&mut rand::rng(), 0.8..1.2));
             polls[p.index()] = Some(tokio::spawn(async move {
                 let poll = async {
                     let batch = consumers[p.index()]

@@ -12,6 +12,8 @@ pub(crate) const MAX_VALUES: usize = 100;
 pub(crate) struct Labels {
     tasks: Mutex<HashSet<String>>,
     classes: Mutex<HashSet<String>>,
+    /// Unserved task names already warned about (bounded like the labels).
+    unserved: Mutex<HashSet<String>>,
 }
 
 fn bounded(seen: &Mutex<HashSet<String>>, value: &str) -> String {
@@ -41,6 +43,13 @@ impl Labels {
             return "_invalid".to_string();
         }
         bounded(&self.tasks, name)
+    }
+
+    /// True the first time `name` is seen unserved (to warn once per name, for at most
+    /// [`MAX_VALUES`] names).
+    pub(crate) fn first_unserved(&self, name: &str) -> bool {
+        let mut seen = self.unserved.lock().expect("not poisoned");
+        seen.len() < MAX_VALUES && seen.insert(name.to_string())
     }
 
     /// The `class` label for an error class.

@@ -17,6 +17,27 @@
 //! # }
 //! ```
 //!
+//! A worker may serve several task names, each with its own handler and options (which
+//! apply where the submit left them unset), and return outputs:
+//!
+//! ```no_run
+//! # fn demo() -> Result<ax::worker::Worker, ax::worker::WorkerError> {
+//! use ax::worker::{Task, TaskOptions, Worker};
+//! use std::time::Duration;
+//! Worker::builder("media")
+//!     .task_with(
+//!         "resize",
+//!         TaskOptions::new().timeout(Duration::from_secs(120)).max_attempts(3).concurrency(4),
+//!         |task: Task| async move {
+//!             let width: u32 = task.json()?;
+//!             Ok(serde_json::json!({ "width": width, "url": "s3://bucket/thumb.png" }))
+//!         },
+//!     )
+//!     .task("ping", |_task: Task| async { Ok(()) })
+//!     .build()
+//! # }
+//! ```
+//!
 //! What the SDK guarantees (see docs/ARCHITECTURE.md for the why):
 //! - **Ack after success only** (S2-8): a task is acknowledged after its handler returned
 //!   `Ok` and the `succeeded` state was written under the attempt's fencing token.
@@ -37,7 +58,10 @@ mod fence;
 pub mod fetch;
 mod inflight;
 mod labels;
+mod options;
 mod rate;
+
+pub use options::TaskOptions;
 
 use crate::names::{self, Priority};
 use crate::output::{IntoOutput, Output, ResultStore};
@@ -133,6 +157,18 @@ impl TaskError {
 
 type Handler = Arc<dyn Fn(Task) -> BoxFuture<'static, Result<Output, TaskError>> + Send + Sync>;
 
+fn boxed<F, Fut, O>(f: F) -> Handler
+where
+    F: Fn(Task) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<O, TaskError>> + Send + 'static,
+    O: IntoOutput + 'static,
+{
+    Arc::new(move |task| {
+        let run = f(task);
+        Box::pin(async move { run.await.map(IntoOutput::into_output) })
+    })
+}
+
 /// Errors that stop a worker.
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
@@ -180,7 +216,7 @@ impl WorkerError {
 pub struct Worker {
     queue: String,
     concurrency: usize,
-    handler: Handler,
+    routes: options::Routes,
     id: String,
     shutdown_grace: Duration,
     idle_poll: Duration,
@@ -202,7 +238,6 @@ impl std::fmt::Debug for Worker {
 /// Builder for [`Worker`].
 pub struct WorkerBuilder {
     worker: Worker,
-    handler_set: bool,
 }
 
 impl Worker {
@@ -212,9 +247,7 @@ impl Worker {
             worker: Worker {
                 queue: queue.into(),
                 concurrency: 16,
-                handler: Arc::new(|_| {
-                    Box::pin(async { Err(TaskError::permanent("no_handler", "no handler")) })
-                }),
+                routes: Default::default(),
                 id: format!("{}-{}", std::process::id(), nuid::next()),
                 shutdown_grace: Duration::from_secs(30),
                 idle_poll: Duration::from_millis(500),
@@ -222,7 +255,6 @@ impl Worker {
                 weights: fetch::DEFAULT_WEIGHTS,
                 lean_first_attempt: false,
             },
-            handler_set: false,
         }
     }
 
@@ -283,19 +315,45 @@ impl WorkerBuilder {
         self.worker.concurrency = n.max(1);
         self
     }
-    /// The handler, called once per attempt. It returns `()` or an output ([`Output`], or a
-    /// `serde_json::Value`), stored with the task's `succeeded` write (see [`crate::output`]).
+    /// The catch-all handler: runs every task whose name has no handler of its own
+    /// ([`WorkerBuilder::task`]), once per attempt. It returns `()` or an output ([`Output`],
+    /// or a `serde_json::Value`), stored with the task's `succeeded` write (see
+    /// [`crate::output`]).
     pub fn handler<F, Fut, O>(mut self, f: F) -> Self
     where
         F: Fn(Task) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<O, TaskError>> + Send + 'static,
         O: IntoOutput + 'static,
     {
-        self.worker.handler = Arc::new(move |task| {
-            let run = f(task);
-            Box::pin(async move { run.await.map(IntoOutput::into_output) })
-        });
-        self.handler_set = true;
+        self.worker.routes.fallback = Some(boxed(f));
+        self
+    }
+    /// The handler of tasks named `name`. Without a catch-all [`WorkerBuilder::handler`],
+    /// a task of a name this worker does not serve is handed back (nak with a delay of one
+    /// second per delivery so far, at most 30 s, for a worker that serves it) and counted in
+    /// `ax_worker_unserved_total`; it is not failed and no attempt is counted.
+    pub fn task<F, Fut, O>(self, name: impl Into<String>, f: F) -> Self
+    where
+        F: Fn(Task) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<O, TaskError>> + Send + 'static,
+        O: IntoOutput + 'static,
+    {
+        self.task_with(name, TaskOptions::new(), f)
+    }
+    /// Like [`WorkerBuilder::task`], with options for this name (timeout, attempts,
+    /// backoff, retry lists, concurrency) that apply where the submit left them unset.
+    pub fn task_with<F, Fut, O>(
+        mut self,
+        name: impl Into<String>,
+        options: TaskOptions,
+        f: F,
+    ) -> Self
+    where
+        F: Fn(Task) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<O, TaskError>> + Send + 'static,
+        O: IntoOutput + 'static,
+    {
+        self.worker.routes.add(name.into(), options, boxed(f));
         self
     }
     /// Worker id stored in task records (default `<pid>-<nuid>`).
@@ -342,7 +400,7 @@ impl WorkerBuilder {
         if !names::valid_queue(&self.worker.queue) {
             return Err(WorkerError::InvalidQueue(self.worker.queue));
         }
-        if !self.handler_set {
+        if self.worker.routes.is_empty() {
             return Err(WorkerError::NoHandler(self.worker.queue));
         }
         Ok(self.worker)
