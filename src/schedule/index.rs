@@ -212,6 +212,10 @@ impl Index {
     }
 
     /// A dispatch was refused (full subject or broker failure): park it under `group`.
+    /// Parks a refused dispatch under `group`. `probe_of` is the group the dispatch probed,
+    /// if it was a probe: that group's probe has failed, whichever group the task lands in
+    /// (a probe of the read group can be refused by its ready subject, and the other way
+    /// round), so that group backs off further and is probed again.
     pub(crate) fn park(
         &mut self,
         group: String,
@@ -219,24 +223,32 @@ impl Index {
         seq: u64,
         body: Option<Body>,
         now: Instant,
+        probe_of: Option<&str>,
     ) {
         if let Some(body) = body {
             self.hold(seq, body);
         }
+        if let Some(of) = probe_of.filter(|of| *of != group) {
+            if let Some(p) = self.parked.get_mut(of) {
+                p.probing = false;
+                p.backoff = (p.backoff * 2).min(PARK_MOST);
+                p.retry_at = now + p.backoff;
+            }
+        }
         self.parked_tasks += 1;
-        let p = self.parked.entry(group).or_insert(Parked {
+        let p = self.parked.entry(group.clone()).or_insert(Parked {
             tasks: Vec::new(),
-            retry_at: now,
+            retry_at: now + PARK_FIRST,
             backoff: PARK_FIRST,
             probing: false,
         });
         p.tasks.push((due, seq));
-        if p.probing {
-            // The probe itself failed: back off further.
+        if probe_of == Some(group.as_str()) {
+            // This group's own probe failed: back off further.
             p.probing = false;
             p.backoff = (p.backoff * 2).min(PARK_MOST);
+            p.retry_at = now + p.backoff;
         }
-        p.retry_at = now + p.backoff;
     }
 
     /// A dispatch from `group` went through: release the rest of the group at once.
@@ -348,7 +360,7 @@ mod tests {
         let mut ix = Index::new(10_000);
         let t0 = Instant::now();
         for seq in 1..=1000 {
-            ix.park("ax.ready.q.normal".into(), 5, seq, None, t0);
+            ix.park("ax.ready.q.normal".into(), 5, seq, None, t0, None);
         }
         assert_eq!(ix.parked(), 1000);
         assert_eq!(ix.len(), 1000);
@@ -363,6 +375,7 @@ mod tests {
             probes[0].seq,
             None,
             t0 + PARK_FIRST,
+            Some("ax.ready.q.normal"),
         );
         assert_eq!(ix.next_probe(), Some(t0 + PARK_FIRST + PARK_FIRST * 2));
         let probe = ix.probes(t0 + PARK_FIRST * 3).pop().unwrap();
@@ -371,5 +384,50 @@ mod tests {
         ix.unpark("ax.ready.q.normal");
         assert_eq!(ix.parked(), 0);
         assert_eq!(ix.take_due(5, 10_000).len(), 999);
+    }
+
+    #[test]
+    fn a_probe_refused_under_another_group_leaves_its_group_probed_again() {
+        // Tasks whose read failed wait under "(read)"; its probe is read but then refused
+        // by the (full, or electing) ready stream, so it parks under the ready subject.
+        // The "(read)" group must be probed again, not wait for a probe that never returns.
+        let mut ix = Index::new(10_000);
+        let t0 = Instant::now();
+        for seq in 1..=10 {
+            ix.park("(read)".into(), 5, seq, None, t0, None);
+        }
+        let probe = ix.probes(t0 + PARK_FIRST).pop().unwrap();
+        assert_eq!(probe.probe_of.as_deref(), Some("(read)"));
+        let t1 = t0 + PARK_FIRST;
+        ix.park(
+            "ax.ready.q.normal".into(),
+            5,
+            probe.seq,
+            None,
+            t1,
+            Some("(read)"),
+        );
+        assert_eq!(ix.parked(), 10);
+        let later = t1 + PARK_MOST;
+        let groups: Vec<String> = ix
+            .probes(later)
+            .into_iter()
+            .filter_map(|d| d.probe_of)
+            .collect();
+        assert!(groups.contains(&"(read)".to_string()), "{groups:?}");
+        assert!(
+            groups.contains(&"ax.ready.q.normal".to_string()),
+            "{groups:?}"
+        );
+        // And a task parked into a group whose own probe is out does not start a second one.
+        let mut ix = Index::new(10_000);
+        ix.park("g".into(), 5, 1, None, t0, None);
+        ix.park("g".into(), 5, 2, None, t0, None);
+        assert_eq!(ix.probes(t0 + PARK_FIRST).len(), 1);
+        ix.park("g".into(), 5, 3, None, t0 + PARK_FIRST, None);
+        assert!(
+            ix.probes(t0 + PARK_MOST * 2).is_empty(),
+            "one probe at a time"
+        );
     }
 }

@@ -248,7 +248,7 @@ impl Scheduler {
                             }
                         }
                         Outcome::Refused { group, due, seq, body } => {
-                            index.park(group, due, seq, body, Instant::now());
+                            index.park(group, due, seq, body, Instant::now(), probe_of.as_deref());
                         }
                         Outcome::Gone | Outcome::Bad => {
                             if let Some(group) = probe_of {
@@ -311,7 +311,20 @@ async fn follow(
 async fn load(stream: &stream::Stream, seq: u64) -> Result<Option<Body>, String> {
     match stream.direct_get(seq).await {
         Ok(msg) => Ok(Some((msg.headers, msg.payload))),
-        Err(e) if e.kind() == stream::DirectGetErrorKind::NotFound => Ok(None),
+        // A direct get may be answered by any replica, and one that lags (catching up after
+        // a node was lost) may say "not found" for a message that is stored: only the
+        // stream leader's word drops a task from the index (it would stay in AX_DELAYED,
+        // undispatched until a restart).
+        Err(e) if e.kind() == stream::DirectGetErrorKind::NotFound => {
+            match stream.get_raw_message(seq).await {
+                Ok(msg) => Ok(Some((msg.headers, msg.payload))),
+                Err(e) if e.kind() == stream::LastRawMessageErrorKind::NoMessageFound => Ok(None),
+                Err(e) => {
+                    debug!(seq, cause = %e, "delayed message not confirmed gone by the leader");
+                    Err(e.to_string())
+                }
+            }
+        }
         Err(e) => {
             debug!(seq, cause = %e, "delayed message not readable now");
             Err(e.to_string())
@@ -357,7 +370,13 @@ async fn dispatch(js: &jetstream::Context, stream: &stream::Stream, d: Due) -> O
         Some(body) => body,
         None => match load(stream, seq).await {
             Ok(Some(body)) => body,
-            Ok(None) => return Outcome::Gone,
+            Ok(None) => {
+                debug!(
+                    seq,
+                    "delayed message gone (moved by another server, or removed)"
+                );
+                return Outcome::Gone;
+            }
             Err(_) => {
                 return Outcome::Refused {
                     group: "(read)".into(),
