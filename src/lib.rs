@@ -23,12 +23,14 @@
 //! | [`worker`] | the Rust worker SDK |
 //! | [`trigger`] | cron / interval / once / event triggers, their engine and API |
 //! | [`client`] | the producer SDK |
+//! | [`flow`] | flow definitions (DAGs of tasks); the engine is not built yet |
 //! | [`metrics`] | Prometheus metric names and exporter |
 #![warn(missing_docs, unreachable_pub, rustdoc::broken_intra_doc_links)]
 
 pub mod backoff;
 pub mod client;
 pub mod error;
+pub mod flow;
 #[cfg(feature = "test-hooks")]
 mod hooks;
 mod lease;

@@ -1,0 +1,366 @@
+//! Flow definitions: named steps, `needs:` edges, fan-out, trigger rules, a failure
+//! policy; checked whole before anything is stored (S0-4, S4-2).
+//!
+//! ```yaml
+//! name: thumbnails
+//! failure: fail_fast          # or continue
+//! steps:
+//!   - name: list
+//!     task: {name: list_images, queue: media}
+//!   - name: resize
+//!     needs: [list]
+//!     for_each: list          # one task per item of list's output (a JSON array)
+//!     task: {name: resize, queue: media}
+//!   - name: report
+//!     needs: [resize]         # gets resize's outputs as one list, in item order
+//!     task: {name: report, queue: media}
+//!   - name: cleanup
+//!     needs: [resize]
+//!     trigger: one_failed     # a compensation step: runs only if a parent failed
+//!     task: {name: cleanup, queue: media}
+//! ```
+
+use crate::error::{ErrorCode, WireError};
+use crate::names;
+use crate::protocol::SubmitRequest;
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+
+/// Most steps in one flow.
+pub const MAX_STEPS: usize = 200;
+/// Most parents of one step.
+pub const MAX_NEEDS: usize = 64;
+/// Most tasks one `for_each` step fans out to (a longer list fails the step).
+pub const MAX_FAN_OUT: usize = 10_000;
+const MAX_NAME: usize = 64;
+
+/// What a flow does when a step fails for good.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailurePolicy {
+    /// Every step not started yet that depends on the failed one ends `upstream_failed`,
+    /// queued ones are cancelled, running ones finish; the run ends `failed`.
+    #[default]
+    FailFast,
+    /// Branches that do not depend on the failed step go on.
+    Continue,
+}
+
+/// When a step runs, given how its parents ended.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TriggerRule {
+    /// Every parent succeeded.
+    #[default]
+    AllSuccess,
+    /// Every parent ended, whatever the outcome (the step sees their errors).
+    AllDone,
+    /// At least one parent failed (a compensation or cleanup step).
+    OneFailed,
+}
+
+/// One step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StepDef {
+    /// Name, unique in the flow, 1..=64 of `A-Z a-z 0-9 _ -`.
+    pub name: String,
+    /// The steps this one waits for.
+    #[serde(default)]
+    pub needs: Vec<String>,
+    /// Fan out: one task per item of this parent's output (a JSON array).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub for_each: Option<String>,
+    /// When the step runs.
+    #[serde(default)]
+    pub trigger: TriggerRule,
+    /// The task it submits: a submit request with a `queue`, and without `delay_ms`,
+    /// `run_at` or `idempotency_key` (the flow keys each step's tasks itself).
+    pub task: SubmitRequest,
+}
+
+/// A flow definition. Decode with [`FlowDef::decode`], check with [`FlowDef::validate`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FlowDef {
+    /// Name, 1..=64 of `A-Z a-z 0-9 _ -`.
+    pub name: String,
+    /// Failure policy (default `fail_fast`).
+    #[serde(default)]
+    pub failure: FailurePolicy,
+    /// The steps, in any order.
+    pub steps: Vec<StepDef>,
+}
+
+/// A checked flow: each step's parents by index, and an order in which every step comes
+/// after its parents.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Plan {
+    /// `parents[i]`: the indexes of step `i`'s `needs`, in the order given.
+    pub parents: Vec<Vec<usize>>,
+    /// Every step index, parents first.
+    pub order: Vec<usize>,
+}
+
+fn invalid(field: String, message: impl Into<String>) -> WireError {
+    WireError::field(&field, message)
+}
+
+impl FlowDef {
+    /// Decodes a definition, refusing unknown fields by name.
+    pub fn decode(value: serde_json::Value) -> Result<FlowDef, WireError> {
+        serde_json::from_value(value)
+            .map_err(|e| WireError::new(ErrorCode::BadRequest, e.to_string()))
+    }
+
+    /// Checks every field and the graph; the error names the field (`steps[2].needs`) and,
+    /// for a cycle, the steps on it (`a → b → a`).
+    pub fn validate(&self, limits: &crate::task::Limits) -> Result<Plan, WireError> {
+        if !names::valid_token(&self.name, MAX_NAME) {
+            return Err(invalid("name".into(), "must be 1..=64 of A-Z a-z 0-9 _ -"));
+        }
+        if self.steps.is_empty() || self.steps.len() > MAX_STEPS {
+            return Err(invalid(
+                "steps".into(),
+                format!("give 1..={MAX_STEPS} steps"),
+            ));
+        }
+        let mut index: HashMap<&str, usize> = HashMap::new();
+        for (i, step) in self.steps.iter().enumerate() {
+            if !names::valid_token(&step.name, MAX_NAME) {
+                return Err(invalid(
+                    format!("steps[{i}].name"),
+                    "must be 1..=64 of A-Z a-z 0-9 _ -",
+                ));
+            }
+            if index.insert(step.name.as_str(), i).is_some() {
+                return Err(invalid(
+                    format!("steps[{i}].name"),
+                    format!("step {:?} is defined twice", step.name),
+                ));
+            }
+        }
+        let mut parents = Vec::with_capacity(self.steps.len());
+        for (i, step) in self.steps.iter().enumerate() {
+            let field = |f: &str| format!("steps[{i}].{f}");
+            if step.needs.len() > MAX_NEEDS {
+                return Err(invalid(
+                    field("needs"),
+                    format!("at most {MAX_NEEDS} parents"),
+                ));
+            }
+            let mut mine = Vec::with_capacity(step.needs.len());
+            for need in &step.needs {
+                let Some(&p) = index.get(need.as_str()) else {
+                    return Err(invalid(field("needs"), format!("unknown step {need:?}")));
+                };
+                if mine.contains(&p) {
+                    return Err(invalid(
+                        field("needs"),
+                        format!("step {need:?} is listed twice"),
+                    ));
+                }
+                mine.push(p);
+            }
+            if let Some(over) = &step.for_each {
+                if !step.needs.contains(over) {
+                    return Err(invalid(
+                        field("for_each"),
+                        format!("{over:?} must be one of the step's needs"),
+                    ));
+                }
+            }
+            if step.trigger == TriggerRule::OneFailed && step.needs.is_empty() {
+                return Err(invalid(
+                    field("trigger"),
+                    "one_failed needs at least one parent",
+                ));
+            }
+            check_template(&step.task, limits).map_err(|mut e| {
+                e.field = Some(field(&format!("task.{}", e.field.as_deref().unwrap_or(""))));
+                e
+            })?;
+            parents.push(mine);
+        }
+        let order = topological(&self.steps, &parents)?;
+        Ok(Plan { parents, order })
+    }
+}
+
+/// A step's task template is checked as its submit would be.
+fn check_template(task: &SubmitRequest, limits: &crate::task::Limits) -> Result<(), WireError> {
+    let queue = match &task.queue {
+        Some(q) if names::valid_queue(q) => q.clone(),
+        _ => return Err(WireError::field("queue", "a valid queue is required")),
+    };
+    if task.delay_ms.is_some() || task.run_at.is_some() {
+        return Err(WireError::field(
+            "delay_ms",
+            "a step runs when its parents let it",
+        ));
+    }
+    if task.idempotency_key.is_some() {
+        return Err(WireError::field(
+            "idempotency_key",
+            "the flow keys each step's tasks by run, step and epoch",
+        ));
+    }
+    crate::task::TaskMeta::from_request(&queue, task.clone(), limits).map(|_| ())
+}
+
+/// Parents-first order, or the error naming a cycle.
+fn topological(steps: &[StepDef], parents: &[Vec<usize>]) -> Result<Vec<usize>, WireError> {
+    #[derive(Clone, Copy, PartialEq)]
+    enum Mark {
+        New,
+        Open,
+        Done,
+    }
+    let mut mark = vec![Mark::New; steps.len()];
+    let mut order = Vec::with_capacity(steps.len());
+    for start in 0..steps.len() {
+        if mark[start] != Mark::New {
+            continue;
+        }
+        // Depth-first over parents, with an explicit stack: (step, next parent to visit).
+        let mut stack: Vec<(usize, usize)> = vec![(start, 0)];
+        mark[start] = Mark::Open;
+        while let Some((step, next)) = stack.last_mut() {
+            let step = *step;
+            if let Some(&p) = parents[step].get(*next) {
+                *next += 1;
+                match mark[p] {
+                    Mark::Done => {}
+                    Mark::New => {
+                        mark[p] = Mark::Open;
+                        stack.push((p, 0));
+                    }
+                    Mark::Open => {
+                        // `p` is on the stack: the path from it to `step` plus the edge
+                        // back is the cycle, read in the direction the work flows.
+                        let from = stack.iter().position(|(s, _)| *s == p).expect("open");
+                        let mut cycle: Vec<&str> = stack[from..]
+                            .iter()
+                            .rev()
+                            .map(|(s, _)| steps[*s].name.as_str())
+                            .collect();
+                        cycle.push(steps[step].name.as_str());
+                        let i = step;
+                        return Err(invalid(
+                            format!("steps[{i}].needs"),
+                            format!("cycle: {}", cycle.join(" → ")),
+                        ));
+                    }
+                }
+            } else {
+                mark[step] = Mark::Done;
+                order.push(step);
+                stack.pop();
+            }
+        }
+    }
+    Ok(order)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::task::Limits;
+    use serde_json::json;
+
+    fn step(name: &str, needs: &[&str]) -> serde_json::Value {
+        json!({"name": name, "needs": needs, "task": {"name": name, "queue": "q"}})
+    }
+
+    fn check(steps: Vec<serde_json::Value>) -> Result<Plan, WireError> {
+        FlowDef::decode(json!({"name": "f", "steps": steps}))?.validate(&Limits::default())
+    }
+
+    #[test]
+    fn a_diamond_is_ordered_parents_first() {
+        let plan = check(vec![
+            step("d", &["b", "c"]),
+            step("b", &["a"]),
+            step("c", &["a"]),
+            step("a", &[]),
+        ])
+        .unwrap();
+        let pos = |i: usize| plan.order.iter().position(|s| *s == i).unwrap();
+        assert_eq!(plan.parents[0], vec![1, 2]);
+        assert!(pos(3) < pos(1) && pos(3) < pos(2) && pos(1) < pos(0) && pos(2) < pos(0));
+        assert_eq!(plan.order.len(), 4);
+    }
+
+    #[test]
+    fn a_cycle_is_refused_and_named() {
+        let e = check(vec![
+            step("a", &["c"]),
+            step("b", &["a"]),
+            step("c", &["b"]),
+            step("x", &[]),
+        ])
+        .unwrap_err();
+        assert_eq!(e.code, ErrorCode::InvalidField);
+        let message = e.message.clone();
+        assert!(
+            ["a → b → c → a", "b → c → a → b", "c → a → b → c"]
+                .iter()
+                .any(|c| message.contains(c)),
+            "{message}"
+        );
+        let e = check(vec![step("a", &["a"])]).unwrap_err();
+        assert!(e.message.contains("cycle: a → a"), "{}", e.message);
+    }
+
+    #[test]
+    fn bad_graphs_and_templates_are_refused_by_field() {
+        let field = |steps| check(steps).unwrap_err().field.unwrap();
+        assert_eq!(field(vec![step("a", &["nope"])]), "steps[0].needs");
+        assert_eq!(field(vec![step("a", &[]), step("a", &[])]), "steps[1].name");
+        assert_eq!(
+            field(vec![step("a", &[]), step("b", &["a", "a"])]),
+            "steps[1].needs"
+        );
+        let mut fan = step("b", &[]);
+        fan["for_each"] = json!("a");
+        assert_eq!(field(vec![step("a", &[]), fan]), "steps[1].for_each");
+        let mut cleanup = step("c", &[]);
+        cleanup["trigger"] = json!("one_failed");
+        assert_eq!(field(vec![cleanup]), "steps[0].trigger");
+        let mut no_queue = step("a", &[]);
+        no_queue["task"] = json!({"name": "a"});
+        assert_eq!(field(vec![no_queue]), "steps[0].task.queue");
+        let mut keyed = step("a", &[]);
+        keyed["task"]["idempotency_key"] = json!("k");
+        assert_eq!(field(vec![keyed]), "steps[0].task.idempotency_key");
+        let mut bad_attempts = step("a", &[]);
+        bad_attempts["task"]["max_attempts"] = json!(0);
+        assert_eq!(field(vec![bad_attempts]), "steps[0].task.max_attempts");
+        assert_eq!(check(vec![]).unwrap_err().field.unwrap(), "steps");
+        let many: Vec<_> = (0..=MAX_STEPS)
+            .map(|i| step(&format!("s{i}"), &[]))
+            .collect();
+        assert_eq!(field(many), "steps");
+        let unknown = FlowDef::decode(json!({"name": "f", "steps": [], "retries": 3})).unwrap_err();
+        assert!(
+            unknown.message.contains("unknown field `retries`"),
+            "{}",
+            unknown.message
+        );
+    }
+
+    #[test]
+    fn fan_out_and_rules_parse() {
+        let mut fan = step("b", &["a"]);
+        fan["for_each"] = json!("a");
+        let mut done = step("c", &["b"]);
+        done["trigger"] = json!("all_done");
+        let def = FlowDef::decode(json!({"name": "f", "failure": "continue",
+            "steps": [step("a", &[]), fan, done]}))
+        .unwrap();
+        assert_eq!(def.failure, FailurePolicy::Continue);
+        assert_eq!(def.steps[1].for_each.as_deref(), Some("a"));
+        assert_eq!(def.steps[2].trigger, TriggerRule::AllDone);
+        assert!(def.validate(&Limits::default()).is_ok());
+    }
+}
