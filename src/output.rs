@@ -182,14 +182,11 @@ impl ResultStore {
         Ok(())
     }
 
-    /// The output a record names.
+    /// The bytes of an output kept here (`stored.key`); `None` if the entry is gone.
     pub(crate) async fn read(
         &self,
         stored: &StoredOutput,
     ) -> Result<Option<TaskOutput>, async_nats::Error> {
-        if let Some(out) = stored.inline() {
-            return Ok(Some(out));
-        }
         let Some(key) = &stored.key else {
             return Ok(None);
         };

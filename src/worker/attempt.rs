@@ -440,7 +440,7 @@ async fn run(
                 // output the record names; stored before the record names it.
                 let stored = StoredOutput::of(&out, &format!("{}.{}", done.id, done.attempt));
                 if let Some(key) = &stored.key {
-                    if !put_output(sh, key, out.bytes, held).await {
+                    if !put_output(sh, &done.id, key, out.bytes, held).await {
                         return;
                     }
                 }
@@ -485,57 +485,66 @@ async fn run(
     }
 }
 
-/// Writes `rec` under `token`. A broker failure is retried with backoff for as long as the
-/// delivery is still ours: until an ack wait (less one heartbeat) has passed since the
-/// broker last confirmed a heartbeat, so a broker outage shorter than that does not run a
-/// finished task again. False if the token is stale (another attempt took over: the result
-/// is refused) or the delivery was lost meanwhile (it will be redelivered).
-async fn write(sh: &Shared, rec: &TaskRecord, token: u64, held: &Held) -> bool {
+/// Runs `op` (a write for task `id`), retrying errors that `retry` accepts with backoff
+/// (100 ms doubling to 1 s) for as long as the delivery is still ours: until an ack wait
+/// (less one heartbeat) has passed since the broker last confirmed it, so a broker outage
+/// shorter than that does not run a finished task again. Returns the last error otherwise.
+async fn while_held<T, E, Fut>(
+    sh: &Shared,
+    held: &Held,
+    id: &str,
+    what: &str,
+    mut op: impl FnMut() -> Fut,
+    retry: impl Fn(&E) -> bool,
+) -> Result<T, E>
+where
+    E: std::fmt::Display,
+    Fut: std::future::Future<Output = Result<T, E>>,
+{
     let keep_trying = sh.ack_wait.saturating_sub(sh.heartbeat);
     let mut pause = Duration::from_millis(100);
     loop {
-        match sh.tasks.cas(rec, token).await {
-            Ok(_) => return true,
-            Err(StateError::Stale { .. }) => {
-                metrics::counter!(m::STALE_RESULTS, "queue" => sh.queue.clone()).increment(1);
-                warn!(task_id = %rec.id, attempt = rec.attempt, state = %rec.state,
-                    "result refused: another attempt took over (stale fencing token)");
-                return false;
-            }
-            Err(e) if held.since() < keep_trying => {
-                warn!(task_id = %rec.id, cause = %e, "state write failed; retrying");
+        match op().await {
+            Err(e) if retry(&e) && held.since() < keep_trying => {
+                warn!(task_id = %id, cause = %e, "{what} failed; retrying");
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(BROKER_RETRY);
             }
-            Err(e) => {
-                warn!(task_id = %rec.id, cause = %e,
-                    "state write failed for longer than the ack wait allows; the task will be redelivered");
-                return false;
+            Err(e) if retry(&e) => {
+                warn!(task_id = %id, cause = %e,
+                    "{what} failed for longer than the ack wait allows; the task will be redelivered");
+                return Err(e);
             }
+            done => return done,
         }
     }
 }
 
-/// Stores a large output in `AX_RESULTS`, retrying broker failures like [`write`] does;
-/// false if the delivery was lost meanwhile (it will be redelivered).
-async fn put_output(sh: &Shared, key: &str, bytes: bytes::Bytes, held: &Held) -> bool {
-    let keep_trying = sh.ack_wait.saturating_sub(sh.heartbeat);
-    let mut pause = Duration::from_millis(100);
-    loop {
-        match sh.results.put(key, bytes.clone()).await {
-            Ok(()) => return true,
-            Err(e) if held.since() < keep_trying => {
-                warn!(key, cause = %e, "output write failed; retrying");
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(BROKER_RETRY);
-            }
-            Err(e) => {
-                warn!(key, cause = %e,
-                    "output write failed for longer than the ack wait allows; the task will be redelivered");
-                return false;
-            }
+/// Writes `rec` under `token`, retrying broker failures while the delivery is ours (see
+/// [`while_held`]). False if the token is stale (another attempt took over: the result is
+/// refused) or the delivery was lost meanwhile (it will be redelivered).
+async fn write(sh: &Shared, rec: &TaskRecord, token: u64, held: &Held) -> bool {
+    let stale = |e: &StateError| matches!(e, StateError::Stale { .. });
+    let cas = || sh.tasks.cas(rec, token);
+    match while_held(sh, held, &rec.id, "state write", cas, |e| !stale(e)).await {
+        Ok(_) => true,
+        Err(e) if stale(&e) => {
+            metrics::counter!(m::STALE_RESULTS, "queue" => sh.queue.clone()).increment(1);
+            warn!(task_id = %rec.id, attempt = rec.attempt, state = %rec.state,
+                "result refused: another attempt took over (stale fencing token)");
+            false
         }
+        Err(_) => false,
     }
+}
+
+/// Stores a large output in `AX_RESULTS`, retrying like [`write`]; false if the delivery
+/// was lost meanwhile (it will be redelivered).
+async fn put_output(sh: &Shared, id: &str, key: &str, bytes: bytes::Bytes, held: &Held) -> bool {
+    let put = || sh.results.put(key, bytes.clone());
+    while_held(sh, held, id, "output write", put, |_| true)
+        .await
+        .is_ok()
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -50,6 +50,37 @@ async fn connect(
         .await
 }
 
+/// The admin applies the topology of `queues`; an ax server for queue `default` runs as
+/// user ax-server, without stream-management rights. Returns the admin's connection.
+async fn admin_applies_and_server_runs(
+    url: &str,
+    queues: &[&str],
+) -> (
+    async_nats::Client,
+    CancellationToken,
+    tokio::task::JoinHandle<Result<(), ax::ServerError>>,
+) {
+    let admin = connect(url, "admin", "pw-admin").await.unwrap();
+    let queues: Vec<String> = queues.iter().map(|q| q.to_string()).collect();
+    ax::streams::apply(
+        &async_nats::jetstream::new(admin.clone()),
+        &Default::default(),
+        &queues,
+    )
+    .await
+    .unwrap();
+    let server_conn = connect(url, "ax-server", "pw-server").await.unwrap();
+    let stop = CancellationToken::new();
+    let server = tokio::spawn(
+        ax::Server::builder()
+            .queues(["default"])
+            .apply_streams(false)
+            .build()
+            .run(server_conn, stop.clone()),
+    );
+    (admin, stop, server)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_role_has_least_privilege() {
     let (nats, _dir) = auth_server();
@@ -60,24 +91,7 @@ async fn each_role_has_least_privilege() {
     );
 
     // Admin applies the topology; the server runs without stream-management rights.
-    let admin = connect(&url, "admin", "pw-admin").await.unwrap();
-    let queues = vec!["default".to_string(), "reports".to_string()];
-    ax::streams::apply(
-        &async_nats::jetstream::new(admin),
-        &Default::default(),
-        &queues,
-    )
-    .await
-    .unwrap();
-    let server_conn = connect(&url, "ax-server", "pw-server").await.unwrap();
-    let stop = CancellationToken::new();
-    let server = tokio::spawn(
-        ax::Server::builder()
-            .queues(["default"])
-            .apply_streams(false)
-            .build()
-            .run(server_conn, stop.clone()),
-    );
+    let (_admin, stop, server) = admin_applies_and_server_runs(&url, &["default", "reports"]).await;
 
     // The producer can submit (immediate and delayed) ...
     let producer = Client::new(connect(&url, "producer", "pw-producer").await.unwrap());
@@ -474,24 +488,7 @@ async fn a_delayed_index_that_cannot_start_waits_and_the_server_stays_up() {
         text.replace(GRANT, "")
     });
     let url = nats.url();
-    let admin = connect(&url, "admin", "pw-admin").await.unwrap();
-    let queues = vec!["default".to_string()];
-    ax::streams::apply(
-        &async_nats::jetstream::new(admin.clone()),
-        &Default::default(),
-        &queues,
-    )
-    .await
-    .unwrap();
-    let server_conn = connect(&url, "ax-server", "pw-server").await.unwrap();
-    let stop = CancellationToken::new();
-    let server = tokio::spawn(
-        ax::Server::builder()
-            .queues(["default"])
-            .apply_streams(false)
-            .build()
-            .run(server_conn, stop.clone()),
-    );
+    let (admin, stop, server) = admin_applies_and_server_runs(&url, &["default"]).await;
     let ax = Client::new(admin.clone());
     let task = eventually(Duration::from_secs(10), "a submit to succeed", || async {
         ax.submit(
