@@ -139,6 +139,9 @@ pub enum ClientError {
     /// Reading task state failed.
     #[error(transparent)]
     State(#[from] StateError),
+    /// Reading a flow run failed.
+    #[error(transparent)]
+    Flows(#[from] crate::flow::store::FlowStoreError),
     /// Reading a task's output from `AX_RESULTS` failed, or the output it names is gone.
     #[error("task {id}: output not readable: {source}")]
     Output {
@@ -161,6 +164,7 @@ impl ClientError {
             ClientError::Request(e) => ErrorKind::of(e),
             ClientError::BadReply(_) => ErrorKind::Invalid,
             ClientError::State(e) => e.kind(),
+            ClientError::Flows(e) => e.kind(),
             ClientError::Output { source, .. } => ErrorKind::of(source.as_ref()),
         }
     }
@@ -169,7 +173,7 @@ impl ClientError {
 /// A producer handle: cheap to clone.
 #[derive(Debug, Clone)]
 pub struct Client {
-    nats: async_nats::Client,
+    pub(crate) nats: async_nats::Client,
     wait_for_server: Duration,
 }
 
@@ -194,7 +198,7 @@ impl Client {
     }
 
     /// A request that waits (with backoff, one log line) while no server listens.
-    async fn request(
+    pub(crate) async fn request(
         &self,
         subject: String,
         body: bytes::Bytes,

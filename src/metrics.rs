@@ -51,6 +51,17 @@ pub const UNSERVED: &str = "ax_worker_unserved_total";
 pub const RUN_DURATION: &str = "ax_task_run_duration_seconds";
 /// Histogram, worker `{queue}`: seconds from ready (creation or due time) to attempt start.
 pub const QUEUE_WAIT: &str = "ax_task_queue_wait_seconds";
+/// Counter, server `{flow}`: flow runs started (new runs and re-runs of failed steps).
+pub const FLOW_RUNS_STARTED: &str = "ax_flow_runs_started_total";
+/// Counter, server (the flow engine's leader) `{flow, state}`: flow runs that ended
+/// `succeeded`, `failed` or `cancelled`.
+pub const FLOW_RUNS_ENDED: &str = "ax_flow_runs_ended_total";
+/// Gauge, server (the flow engine's leader): runs it is driving now.
+pub const FLOW_RUNS_ACTIVE: &str = "ax_flow_runs_active";
+/// Histogram, server (the flow engine's leader) `{flow}`: seconds from the last parent
+/// task's finish to the first task of the child step starting on a worker (both times from
+/// the task records).
+pub const FLOW_STEP_LATENCY: &str = "ax_flow_step_latency_seconds";
 
 /// Registers help texts for every metric.
 pub fn describe() {
@@ -97,6 +108,14 @@ pub fn describe() {
     );
     describe_histogram!(RUN_DURATION, Unit::Seconds, "Handler run time");
     describe_histogram!(QUEUE_WAIT, Unit::Seconds, "Ready to attempt start");
+    describe_counter!(FLOW_RUNS_STARTED, "Flow runs started, by flow");
+    describe_counter!(FLOW_RUNS_ENDED, "Flow runs ended, by flow and final state");
+    describe_gauge!(FLOW_RUNS_ACTIVE, "Flow runs the engine's leader drives now");
+    describe_histogram!(
+        FLOW_STEP_LATENCY,
+        Unit::Seconds,
+        "Last parent task finished to the child step's first task started"
+    );
 }
 
 /// Errors starting the exporter.

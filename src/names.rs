@@ -24,6 +24,12 @@ pub const TRIGGERS_BUCKET: &str = "AX_TRIGGERS";
 pub const TRIGGER_STATE_BUCKET: &str = "AX_TRIGGER_STATE";
 /// KV bucket of leases (the trigger engine's leader).
 pub const LEASES_BUCKET: &str = "AX_LEASES";
+/// KV bucket of flow definitions (key = flow name).
+pub const FLOWS_BUCKET: &str = "AX_FLOWS";
+/// KV bucket of flow runs: key `<run>` is the run, `<run>.<step>` one step's state.
+pub const FLOW_RUNS_BUCKET: &str = "AX_FLOW_RUNS";
+/// Subject prefix of the flow API: `ax.flow.<op>`.
+pub const FLOW_API_PREFIX: &str = "ax.flow.";
 /// Subject prefix of the trigger management API: `ax.trigger.<op>`.
 pub const TRIGGER_API_PREFIX: &str = "ax.trigger.";
 /// Queue group the ax servers' request handlers join.

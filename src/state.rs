@@ -27,12 +27,18 @@ pub enum TaskState {
     Succeeded,
     /// Failed for good (non-retryable error or attempts exhausted); in the dead-letter stream.
     Dead,
+    /// Cancelled before an attempt started (a flow run cancelled or failing fast); never
+    /// runs. A running attempt is never cancelled this way.
+    Cancelled,
 }
 
 impl TaskState {
-    /// True for `succeeded` and `dead`: no further transition happens.
+    /// True for `succeeded`, `dead` and `cancelled`: no further transition happens.
     pub fn is_terminal(self) -> bool {
-        matches!(self, TaskState::Succeeded | TaskState::Dead)
+        matches!(
+            self,
+            TaskState::Succeeded | TaskState::Dead | TaskState::Cancelled
+        )
     }
 
     /// The lowercase wire name.
@@ -44,6 +50,7 @@ impl TaskState {
             TaskState::Retrying => "retrying",
             TaskState::Succeeded => "succeeded",
             TaskState::Dead => "dead",
+            TaskState::Cancelled => "cancelled",
         }
     }
 }
@@ -143,7 +150,7 @@ impl TaskRecord {
     }
 
     /// Moves to `state` at `now_ms`: sets `updated_at_ms`; `finished_at_ms` on reaching
-    /// `succeeded` or `dead`; clears `next_retry_at_ms` unless the new state is
+    /// `succeeded`, `dead` or `cancelled`; clears `next_retry_at_ms` unless the new state is
     /// `retrying`. Every other field is kept (`last_error` stays the latest failure).
     pub fn transition_at(mut self, state: TaskState, now_ms: u64) -> TaskRecord {
         self.state = state;
@@ -272,6 +279,44 @@ impl TaskStore {
                 },
                 _ => broker(&rec.id, "update", e),
             })
+    }
+
+    /// Cancels task `id` if no attempt of it has started (`scheduled`, `pending` or
+    /// `retrying`): compare-and-set to `cancelled`, read again on a lost race. Returns the
+    /// state it ends in (`running` and finished states are left as they are), or `None`
+    /// when there is no record.
+    pub async fn cancel_unstarted(
+        &self,
+        id: &str,
+        reason: &str,
+    ) -> Result<Option<TaskState>, StateError> {
+        loop {
+            let Some((rec, revision)) = self.get(id).await? else {
+                return Ok(None);
+            };
+            if !matches!(
+                rec.state,
+                TaskState::Scheduled | TaskState::Pending | TaskState::Retrying
+            ) {
+                return Ok(Some(rec.state));
+            }
+            let mut cancelled = rec.transition(TaskState::Cancelled);
+            cancelled.last_error = Some(ErrorInfo {
+                class: "cancelled".into(),
+                message: reason.to_string(),
+            });
+            match self.cas(&cancelled, revision).await {
+                Ok(_) => return Ok(Some(TaskState::Cancelled)),
+                Err(StateError::Stale { .. }) => continue,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// A live feed of every write to a flow step task's record (keys `*.fl.>`), from now
+    /// on, delivered by an ordered consumer.
+    pub async fn watch_flow_tasks(&self) -> Result<kv::Watch, kv::WatchError> {
+        self.kv.watch("*.fl.>").await
     }
 
     /// The record of `id` now (if any) and every later write to it, as KV entries.

@@ -17,7 +17,7 @@ use serde_json::Value;
 use std::time::Duration;
 
 /// The stream definitions, by file name.
-pub const STREAM_FILES: [(&str, &str); 11] = [
+pub const STREAM_FILES: [(&str, &str); 13] = [
     (
         "AX_READY_HIGH.json",
         include_str!("../streams/AX_READY_HIGH.json"),
@@ -58,6 +58,14 @@ pub const STREAM_FILES: [(&str, &str); 11] = [
     (
         "KV_AX_LEASES.json",
         include_str!("../streams/KV_AX_LEASES.json"),
+    ),
+    (
+        "KV_AX_FLOWS.json",
+        include_str!("../streams/KV_AX_FLOWS.json"),
+    ),
+    (
+        "KV_AX_FLOW_RUNS.json",
+        include_str!("../streams/KV_AX_FLOW_RUNS.json"),
     ),
 ];
 

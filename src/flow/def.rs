@@ -27,7 +27,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 
 /// Most steps in one flow.
-pub const MAX_STEPS: usize = 200;
+pub const MAX_STEPS: usize = 1_000;
 /// Most parents of one step.
 pub const MAX_NEEDS: usize = 64;
 /// Most tasks one `for_each` step fans out to (a longer list fails the step).
@@ -75,7 +75,8 @@ pub struct StepDef {
     #[serde(default)]
     pub trigger: TriggerRule,
     /// The task it submits: a submit request with a `queue`, and without `delay_ms`,
-    /// `run_at` or `idempotency_key` (the flow keys each step's tasks itself).
+    /// `run_at` or `idempotency_key` (the flow keys each step's tasks itself). Its
+    /// `payload`, if any, reaches the task as `args` (see `flow::input`).
     pub task: SubmitRequest,
 }
 
@@ -197,6 +198,12 @@ fn check_template(task: &SubmitRequest, limits: &crate::task::Limits) -> Result<
         return Err(WireError::field(
             "delay_ms",
             "a step runs when its parents let it",
+        ));
+    }
+    if task.payload_base64.is_some() {
+        return Err(WireError::field(
+            "payload_base64",
+            "a step's task takes JSON (it reaches the task as `args`)",
         ));
     }
     if task.idempotency_key.is_some() {

@@ -1,10 +1,25 @@
-//! Flows: DAGs of tasks whose outputs feed the next steps (issue 9, S0-4, S4-2).
+//! Flows: DAGs of tasks whose outputs feed the next steps (issue 9, S0-4, S4-2, S4-3).
 //!
-//! So far: [`def`], the definition and its checks (unknown steps, cycles named, fan-out,
-//! trigger rules, task templates checked as their submits would be). Not built yet: the
-//! engine that starts runs, keeps step states in KV and advances them on task completions,
-//! re-runs and cancels, and the `ax flow` commands.
+//! - [`def`]: the definition and its checks (unknown steps, cycles named, fan-out, trigger
+//!   rules, task templates checked as their submits would be).
+//! - [`model`]: what a run stores (`AX_FLOW_RUNS`: the run, one record per step) and the
+//!   deterministic ids of step tasks.
+//! - [`advance`]: the state machine, a pure function of the steps and their tasks' ends.
+//! - `engine` / `actor`: the leader inside `ax server` that drives running runs.
+//! - `api`: `ax.flow.<op>` requests (put, run, get, list, cancel, rerun, …).
+//! - [`store`]: the two KV buckets.
 
+mod actor;
+pub mod advance;
+pub(crate) mod api;
+mod build;
+mod client;
 pub mod def;
+pub(crate) mod engine;
+mod input;
+pub mod model;
+pub mod store;
 
+pub use api::RerunMode;
 pub use def::{FailurePolicy, FlowDef, Plan, StepDef, TriggerRule};
+pub use model::{FlowRun, RunState, StepRun, StepState};

@@ -115,3 +115,25 @@ pub(crate) async fn trigger_api(
     )
     .await;
 }
+
+pub(crate) async fn flow_api(
+    api: &crate::flow::api::FlowApi,
+    client: &async_nats::Client,
+    msg: async_nats::Message,
+) {
+    let op = msg
+        .subject
+        .strip_prefix(crate::names::FLOW_API_PREFIX)
+        .unwrap_or_default()
+        .to_string();
+    let reply = match guarded("flow", api.handle(&op, &msg.payload)).await {
+        Ok(value) => serde_json::json!({ "ok": value }),
+        Err(error) => serde_json::json!({ "error": error }),
+    };
+    answer(
+        client,
+        &msg,
+        serde_json::to_vec(&reply).expect("a reply serializes"),
+    )
+    .await;
+}

@@ -5,6 +5,9 @@
 //! (`schedule::partitions`), and a dispatch is idempotent (message ids, delete by
 //! sequence), so a partition moving between servers never runs a task twice.
 
+use crate::flow::api::FlowApi;
+use crate::flow::engine::FlowEngine;
+use crate::flow::store::{FlowStore, FlowStoreError};
 use crate::metrics as m;
 use crate::names::{self, TRIGGER_API_PREFIX};
 use crate::retry;
@@ -47,6 +50,9 @@ pub enum ServerError {
     /// Opening the trigger buckets failed.
     #[error(transparent)]
     Triggers(#[from] TriggerStoreError),
+    /// Opening the flow buckets failed.
+    #[error(transparent)]
+    Flows(#[from] FlowStoreError),
     /// Subscribing to the submit subject failed.
     #[error("subscribe to {subject}: {source}")]
     Subscribe {
@@ -67,6 +73,7 @@ impl ServerError {
             ServerError::State(e) => e.kind(),
             ServerError::Schedule(e) => e.kind(),
             ServerError::Triggers(e) => e.kind(),
+            ServerError::Flows(e) => e.kind(),
             ServerError::Subscribe { source, .. } => ErrorKind::of(source),
         }
     }
@@ -85,6 +92,7 @@ pub struct Server {
     max_inflight_dispatch: usize,
     triggers: bool,
     trigger_engine: bool,
+    flow_engine: bool,
     max_held_bytes: usize,
     lease_ttl: Duration,
     partition_ttl: Duration,
@@ -117,6 +125,7 @@ impl Default for ServerBuilder {
             max_inflight_dispatch: 20_000,
             triggers: true,
             trigger_engine: true,
+            flow_engine: true,
             max_held_bytes: 64 << 20,
             lease_ttl: Duration::from_secs(3),
             partition_ttl: Duration::from_millis(1500),
@@ -185,6 +194,12 @@ impl ServerBuilder {
     /// server fires scheduled triggers.
     pub fn trigger_engine(mut self, on: bool) -> Self {
         self.0.trigger_engine = on;
+        self
+    }
+    /// Take part in the flow engine's leader election and drive flow runs (default true).
+    /// Off, the server still answers the flow API; another server drives the runs.
+    pub fn flow_engine(mut self, on: bool) -> Self {
+        self.0.flow_engine = on;
         self
     }
     /// Most payload and header bytes of delayed tasks held in memory ahead of their due
@@ -272,6 +287,18 @@ impl Server {
         } else {
             None
         };
+        let flow_api = Arc::new(FlowApi {
+            admission: admission.clone(),
+            store: FlowStore::open(&js).await?,
+        });
+        let flow_subject = format!("{}*", names::FLOW_API_PREFIX);
+        let mut flow_requests = client
+            .queue_subscribe(flow_subject.clone(), names::SERVER_QUEUE_GROUP.to_string())
+            .await
+            .map_err(|source| ServerError::Subscribe {
+                subject: flow_subject,
+                source,
+            })?;
         let api_subject = format!("{TRIGGER_API_PREFIX}*");
         let mut api_requests = client
             .queue_subscribe(api_subject.clone(), names::SERVER_QUEUE_GROUP.to_string())
@@ -286,6 +313,16 @@ impl Server {
                 Engine {
                     admission: admission.clone(),
                     clock: self.clock.clone(),
+                    lease_ttl: self.lease_ttl,
+                    id: self.id.clone(),
+                }
+                .run(engine_token.clone()),
+            )
+        });
+        let flows = self.flow_engine.then(|| {
+            tokio::spawn(
+                FlowEngine {
+                    admission: admission.clone(),
                     lease_ttl: self.lease_ttl,
                     id: self.id.clone(),
                 }
@@ -341,6 +378,15 @@ impl Server {
                         drop(permit);
                     });
                 }
+                msg = flow_requests.next() => {
+                    let Some(msg) = msg else { break Ok(()) };
+                    let api = flow_api.clone();
+                    let client = client.clone();
+                    tracker.spawn(async move {
+                        handle::flow_api(&api, &client, msg).await;
+                        drop(permit);
+                    });
+                }
                 msg = requests.next() => {
                     let Some(msg) = msg else { break Ok(()) };
                     let admission = admission.clone();
@@ -354,6 +400,7 @@ impl Server {
         };
         let _ = requests.unsubscribe().await;
         let _ = api_requests.unsubscribe().await;
+        let _ = flow_requests.unsubscribe().await;
         sched_token.cancel();
         engine_token.cancel();
         if let Some(events) = events {
@@ -361,6 +408,13 @@ impl Server {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => warn!(cause = %e, "event triggers stopped with an error"),
                 Err(join) => warn!(cause = %join, "event triggers panicked"),
+            }
+        }
+        if let Some(flows) = flows {
+            match flows.await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => warn!(cause = %e, "flow engine stopped with an error"),
+                Err(join) => warn!(cause = %join, "flow engine panicked"),
             }
         }
         if let Some(engine) = engine {

@@ -279,6 +279,11 @@ async fn claim(sh: &Shared, meta: &TaskMeta, msg: &jetstream::Message) -> Claim 
             reply(msg, AckKind::Ack).await;
             Claim::Done
         }
+        Decision::AckCancelled => {
+            debug!(task_id = %meta.id, "cancelled task not run");
+            reply(msg, AckKind::Ack).await;
+            Claim::Done
+        }
         Decision::FinishDead(error) => {
             let rec = found.map(|(rec, _)| rec).expect("dead implies a record");
             publish_dead_letter_and_term(sh, meta, msg, &rec, &error).await;

@@ -24,6 +24,8 @@ pub(crate) enum Decision {
     Create(Box<TaskRecord>),
     /// The task already succeeded (a lost ack): Ack.
     AckDuplicate,
+    /// The task was cancelled before it started: Ack without running it.
+    AckCancelled,
     /// The task is dead; the dead letter or the Term may be missing: publish the dead
     /// letter (idempotent by message id) with this error, then Term.
     FinishDead(ErrorInfo),
@@ -50,6 +52,7 @@ pub(crate) fn decide(found: Option<&TaskRecord>, meta: &TaskMeta, d: Delivery<'_
     let mut lost = false;
     match rec.state {
         TaskState::Succeeded => return Decision::AckDuplicate,
+        TaskState::Cancelled => return Decision::AckCancelled,
         TaskState::Dead => {
             return Decision::FinishDead(rec.last_error.clone().unwrap_or(ErrorInfo {
                 class: "dead".into(),

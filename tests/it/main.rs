@@ -7,6 +7,7 @@ mod decoders;
 mod delay;
 mod faults;
 mod first_attempt;
+mod flows;
 mod names;
 /// The local nats-server harness (shared with the benches and `ax demo`; not library API).
 #[allow(dead_code)]

@@ -2,6 +2,7 @@
 
 mod conn;
 mod demo;
+mod flow;
 #[allow(dead_code)]
 #[path = "../../natsd.rs"]
 mod natsd;
@@ -54,6 +55,11 @@ enum Command {
     Streams {
         #[command(subcommand)]
         command: streams::StreamsCommand,
+    },
+    /// Flows: DAGs of tasks (put, run, get, list, cancel, rerun).
+    Flow {
+        #[command(subcommand)]
+        command: flow::FlowCommand,
     },
     /// Manage triggers (cron, interval, once, event).
     Trigger {
@@ -119,6 +125,7 @@ async fn main() -> Result<()> {
         Command::Tasks { command } => task::list(command, conn).await,
         Command::Streams { command } => streams::run(command, conn).await,
         Command::Trigger { command } => trigger::run(command, conn).await,
+        Command::Flow { command } => flow::run(command, conn).await,
         Command::Apply { file, no_prune } => trigger::apply(&file, no_prune, conn).await,
         Command::Demo(args) => demo::run(args, conn).await,
     }

@@ -47,7 +47,7 @@ pub(crate) enum TriggerCommand {
 }
 
 /// Reads a YAML or JSON file into JSON.
-fn read_definitions(path: &Path) -> Result<serde_json::Value> {
+pub(crate) fn read_definitions(path: &Path) -> Result<serde_json::Value> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     serde_yaml::from_str(&text)

@@ -1,0 +1,476 @@
+//! Flows (issue 9): DAGs of tasks with data passing, fan-out / fan-in, failure policies,
+//! re-runs and cancel, against a real nats-server. No run may hang: every test waits for
+//! the run's final state with a deadline, and counts handler invocations per task id.
+
+use crate::procs::{self, AxProc};
+use crate::support::Env;
+use ax::flow::{FailurePolicy, FlowDef, RerunMode, RunState, StepDef, StepState, TriggerRule};
+use ax::worker::{Task, TaskError, Worker};
+use ax::{Client, ErrorKind, Output, TaskSpec};
+use serde_json::{json, Value};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// Handler invocations per task id.
+type Calls = Arc<Mutex<HashMap<String, u32>>>;
+
+/// A worker for queue `q` whose handlers work on the flow payload:
+/// `seed` → input.x; `mul` → the one parent × args.k; `sum` → sum of all parents (lists
+/// summed too); `range` → [0, input.n); `square` → item²; `fail` → fails for good;
+/// `flaky` → fails for good unless input.fixed; `slow` → sleeps args.ms, returns 1;
+/// `big` → an output over the cap; `note` → the `errors` it was given; `echo` → its
+/// `parents`.
+fn flow_worker(calls: Calls) -> Worker {
+    Worker::builder("q")
+        .concurrency(16)
+        .handler(move |task: Task| {
+            let calls = calls.clone();
+            async move {
+                *calls.lock().unwrap().entry(task.id.clone()).or_default() += 1;
+                let p: Value = task.json()?;
+                let num = |v: &Value| -> i64 {
+                    match v {
+                        Value::Array(list) => list.iter().map(|x| x.as_i64().unwrap_or(0)).sum(),
+                        v => v.as_i64().unwrap_or(0),
+                    }
+                };
+                let parents = p["parents"].as_object().cloned().unwrap_or_default();
+                match task.name.as_str() {
+                    "seed" => Ok(Output::json(&p["input"]["x"])?),
+                    "mul" => {
+                        let one = parents.values().next().map(num).unwrap_or(0);
+                        Ok(Output::json(&(one * p["args"]["k"].as_i64().unwrap_or(1)))?)
+                    }
+                    "sum" => Ok(Output::json(&parents.values().map(num).sum::<i64>())?),
+                    "range" => {
+                        let n = p["input"]["n"].as_i64().unwrap_or(0);
+                        Ok(Output::json(&(0..n).collect::<Vec<i64>>())?)
+                    }
+                    "square" => {
+                        let i = p["item"].as_i64().unwrap_or(0);
+                        Ok(Output::json(&(i * i))?)
+                    }
+                    "fail" => Err(TaskError::permanent("boom", "this step always fails")),
+                    "flaky" if p["input"]["fixed"] != json!(true) => {
+                        Err(TaskError::permanent("bad_data", "input not fixed yet"))
+                    }
+                    "slow" => {
+                        let ms = p["args"]["ms"].as_u64().unwrap_or(100);
+                        tokio::time::sleep(Duration::from_millis(ms)).await;
+                        Ok(Output::json(&1)?)
+                    }
+                    "big" => Ok(Output::bytes(vec![7u8; ax::output::MAX_OUTPUT_BYTES + 1])),
+                    "note" => Ok(Output::json(&p["errors"])?),
+                    "echo" => Ok(Output::json(&p["parents"])?),
+                    _ => Ok(Output::json(&1)?),
+                }
+            }
+        })
+        .build()
+        .unwrap()
+}
+
+fn step(name: &str, task: &str) -> StepDef {
+    StepDef::new(name, "q", TaskSpec::new(task))
+}
+
+async fn finish(ax: &Client, run: &str) -> ax::flow::FlowRun {
+    tokio::time::timeout(Duration::from_secs(60), ax.wait_flow(run))
+        .await
+        .unwrap_or_else(|_| panic!("run {run} ended within 60 s (a run must never hang)"))
+        .unwrap()
+}
+
+/// Step states and outputs (JSON) of a run, by step name.
+async fn steps(ax: &Client, run: &str) -> HashMap<String, (StepState, Value)> {
+    let view = ax.flow("get", &json!({ "run": run })).await.unwrap();
+    let mut out = HashMap::new();
+    for s in view["steps"].as_array().unwrap() {
+        let state: StepState = serde_json::from_value(s["state"].clone()).unwrap();
+        let mut output = Value::Null;
+        if let (Some(id), StepState::Succeeded) = (s["task_id"].as_str(), state) {
+            if s["items"] == json!(1) {
+                let done = ax.wait(id).await.unwrap();
+                output = done
+                    .output
+                    .map(|o| o.json().unwrap())
+                    .unwrap_or(Value::Null);
+            }
+        }
+        out.insert(s["name"].as_str().unwrap().to_string(), (state, output));
+    }
+    out
+}
+
+fn max_calls(calls: &Calls) -> u32 {
+    calls.lock().unwrap().values().copied().max().unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_diamond_passes_outputs_by_step_name() {
+    let env = Env::start(Env::server()).await;
+    let calls = Calls::default();
+    let (_stop, _w) = env.spawn_worker(flow_worker(calls.clone()));
+    let def = FlowDef::new("diamond")
+        .step(step("a", "seed"))
+        .step(StepDef::new("b", "q", TaskSpec::new("mul").json(&json!({"k": 2}))).needs(["a"]))
+        .step(StepDef::new("c", "q", TaskSpec::new("mul").json(&json!({"k": 3}))).needs(["a"]))
+        .step(step("d", "sum").needs(["b", "c"]));
+    env.ax.put_flow(&def).await.unwrap();
+    let run = env.ax.run_flow("diamond", json!({"x": 5})).await.unwrap();
+    let ended = finish(&env.ax, &run).await;
+    assert_eq!(ended.state, RunState::Succeeded, "{:?}", ended.reason);
+    let s = steps(&env.ax, &run).await;
+    assert_eq!(s["a"].1, json!(5));
+    assert_eq!((s["b"].1.clone(), s["c"].1.clone()), (json!(10), json!(15)));
+    assert_eq!(s["d"].1, json!(25), "d sums its parents' outputs");
+    assert_eq!(calls.lock().unwrap().len(), 4);
+    assert_eq!(max_calls(&calls), 1, "each step ran once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fan_out_of_100_is_gathered_in_item_order() {
+    let env = Env::start(Env::server()).await;
+    let calls = Calls::default();
+    let (_stop, _w) = env.spawn_worker(flow_worker(calls.clone()));
+    let def = FlowDef::new("fan")
+        .step(step("list", "range"))
+        .step(step("square", "square").needs(["list"]).for_each("list"))
+        .step(step("total", "sum").needs(["square"]))
+        .step(step("echo", "echo").needs(["square"]));
+    env.ax.put_flow(&def).await.unwrap();
+    let run = env.ax.run_flow("fan", json!({"n": 100})).await.unwrap();
+    let ended = finish(&env.ax, &run).await;
+    assert_eq!(ended.state, RunState::Succeeded, "{:?}", ended.reason);
+    let s = steps(&env.ax, &run).await;
+    let expected: i64 = (0..100).map(|i| i * i).sum();
+    assert_eq!(s["total"].1, json!(expected));
+    // The gather got the outputs as one list, in item order.
+    let squares: Vec<i64> = (0..100).map(|i| i * i).collect();
+    assert_eq!(s["echo"].1["square"], json!(squares));
+    let (_, steps_now) = env.ax.flow_run(&run).await.unwrap().unwrap();
+    assert_eq!(steps_now[1].items, Some(100));
+    assert_eq!(calls.lock().unwrap().len(), 103);
+    assert_eq!(max_calls(&calls), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fail_fast_cancels_what_has_not_started_and_runs_cleanup() {
+    let env = Env::start(Env::server()).await;
+    let calls = Calls::default();
+    let (_stop, _w) = env.spawn_worker(flow_worker(calls.clone()));
+    // a fails; b after a; slow runs alongside (finishes); after_slow must never start;
+    // cleanup (one_failed after a) runs and sees a's error.
+    let def = FlowDef::new("ff")
+        .step(step("a", "fail"))
+        .step(step("b", "seed").needs(["a"]))
+        .step(StepDef::new(
+            "slow",
+            "q",
+            TaskSpec::new("slow").json(&json!({"ms": 1500})),
+        ))
+        .step(step("after_slow", "seed").needs(["slow"]))
+        .step(
+            step("cleanup", "note")
+                .needs(["a"])
+                .trigger(TriggerRule::OneFailed),
+        );
+    env.ax.put_flow(&def).await.unwrap();
+    let run = env.ax.run_flow("ff", json!({})).await.unwrap();
+    let ended = finish(&env.ax, &run).await;
+    assert_eq!(ended.state, RunState::Failed);
+    let reason = ended.reason.unwrap();
+    assert!(reason.contains("step \"a\" failed: boom"), "{reason}");
+    let s = steps(&env.ax, &run).await;
+    assert_eq!(s["a"].0, StepState::Failed);
+    assert_eq!(s["b"].0, StepState::UpstreamFailed);
+    assert_eq!(s["slow"].0, StepState::Succeeded, "running steps finish");
+    assert_eq!(s["after_slow"].0, StepState::Cancelled);
+    assert_eq!(s["cleanup"].0, StepState::Succeeded);
+    assert_eq!(
+        s["cleanup"].1["a"]["class"], "boom",
+        "cleanup sees the error"
+    );
+    let ran: Vec<String> = calls.lock().unwrap().keys().cloned().collect();
+    assert!(
+        !ran.iter()
+            .any(|id| id.contains(".b.") || id.contains(".after_slow.")),
+        "{ran:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn continue_lets_other_branches_finish_and_all_done_runs_after_a_failure() {
+    let env = Env::start(Env::server()).await;
+    let calls = Calls::default();
+    let (_stop, _w) = env.spawn_worker(flow_worker(calls.clone()));
+    let def = FlowDef::new("cont")
+        .failure(FailurePolicy::Continue)
+        .step(step("a", "fail"))
+        .step(StepDef::new(
+            "slow",
+            "q",
+            TaskSpec::new("slow").json(&json!({"ms": 300})),
+        ))
+        .step(step("after_slow", "seed").needs(["slow"]))
+        .step(
+            step("report", "note")
+                .needs(["a", "after_slow"])
+                .trigger(TriggerRule::AllDone),
+        )
+        .step(step("never", "seed").needs(["a"]))
+        .step(
+            step("tidy", "seed")
+                .needs(["slow"])
+                .trigger(TriggerRule::OneFailed),
+        );
+    env.ax.put_flow(&def).await.unwrap();
+    let run = env.ax.run_flow("cont", json!({"x": 1})).await.unwrap();
+    let ended = finish(&env.ax, &run).await;
+    assert_eq!(ended.state, RunState::Failed);
+    let s = steps(&env.ax, &run).await;
+    assert_eq!(
+        s["after_slow"].0,
+        StepState::Succeeded,
+        "the other branch went on"
+    );
+    assert_eq!(s["report"].0, StepState::Succeeded);
+    assert_eq!(s["report"].1["a"]["state"], "failed");
+    assert_eq!(s["never"].0, StepState::UpstreamFailed);
+    assert_eq!(s["tidy"].0, StepState::Skipped);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_definitions_are_refused_by_field_and_bad_runs_end_with_a_reason() {
+    let env = Env::start(Env::server()).await;
+    let calls = Calls::default();
+    let (_stop, _w) = env.spawn_worker(flow_worker(calls.clone()));
+    let cycle = FlowDef::new("cyc")
+        .step(step("a", "seed").needs(["c"]))
+        .step(step("b", "seed").needs(["a"]))
+        .step(step("c", "seed").needs(["b"]));
+    let e = env.ax.put_flow(&cycle).await.unwrap_err();
+    let ax::ClientError::Refused(wire) = &e else {
+        panic!("{e}")
+    };
+    assert_eq!(wire.code.as_str(), "invalid_field");
+    assert!(wire.message.contains("cycle: "), "{}", wire.message);
+    let unknown = FlowDef::new("unk").step(step("a", "seed").needs(["nope"]));
+    let e = env.ax.put_flow(&unknown).await.unwrap_err();
+    let ax::ClientError::Refused(wire) = &e else {
+        panic!("{e}")
+    };
+    assert_eq!(wire.field.as_deref(), Some("steps[0].needs"));
+    let e = env
+        .ax
+        .run_flow("no-such-flow", json!({}))
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotFound);
+    // An output over the cap fails its step, and the run ends failed: never stuck.
+    let big = FlowDef::new("big")
+        .step(step("a", "big"))
+        .step(step("b", "seed").needs(["a"]));
+    env.ax.put_flow(&big).await.unwrap();
+    let run = env.ax.run_flow("big", json!({})).await.unwrap();
+    let ended = finish(&env.ax, &run).await;
+    assert_eq!(ended.state, RunState::Failed);
+    assert!(
+        ended
+            .reason
+            .as_deref()
+            .unwrap()
+            .contains("output_too_large"),
+        "{:?}",
+        ended.reason
+    );
+    // A fan-out over something that is not a list fails the step with a clear class.
+    let notlist = FlowDef::new("notlist")
+        .step(step("a", "seed"))
+        .step(step("b", "square").needs(["a"]).for_each("a"));
+    env.ax.put_flow(&notlist).await.unwrap();
+    let run = env.ax.run_flow("notlist", json!({"x": 3})).await.unwrap();
+    let ended = finish(&env.ax, &run).await;
+    assert_eq!(ended.state, RunState::Failed);
+    assert!(
+        ended.reason.as_deref().unwrap().contains("bad_fan_out"),
+        "{:?}",
+        ended.reason
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reruns_restart_failed_steps_keep_outputs_and_whole_reruns_link_back() {
+    let env = Env::start(Env::server()).await;
+    let calls = Calls::default();
+    let (_stop, _w) = env.spawn_worker(flow_worker(calls.clone()));
+    // a ok → b flaky (fails) → c after b; d = all_done after b (runs, succeeds).
+    let def = FlowDef::new("re")
+        .step(step("a", "seed"))
+        .step(step("b", "flaky").needs(["a"]))
+        .step(step("c", "seed").needs(["b"]))
+        .step(step("d", "note").needs(["b"]).trigger(TriggerRule::AllDone));
+    env.ax.put_flow(&def).await.unwrap();
+    let run = env.ax.run_flow("re", json!({"x": 1})).await.unwrap();
+    assert_eq!(finish(&env.ax, &run).await.state, RunState::Failed);
+    // Failed only: b (failed) and c (upstream_failed) again; a and d keep their results.
+    let same = env
+        .ax
+        .rerun_flow(&run, RerunMode::Failed, None)
+        .await
+        .unwrap();
+    assert_eq!(same, run);
+    let again = finish(&env.ax, &run).await;
+    assert_eq!(again.state, RunState::Failed, "the data is still bad");
+    assert_eq!(again.reruns, 1);
+    let (_, st) = env.ax.flow_run(&run).await.unwrap().unwrap();
+    assert_eq!(
+        (st[0].epoch, st[1].epoch, st[2].epoch, st[3].epoch),
+        (0, 1, 1, 0)
+    );
+    // Failed + downstream: d runs again too.
+    env.ax
+        .rerun_flow(&run, RerunMode::FailedAndDownstream, None)
+        .await
+        .unwrap();
+    finish(&env.ax, &run).await;
+    let (_, st) = env.ax.flow_run(&run).await.unwrap().unwrap();
+    assert_eq!((st[0].epoch, st[1].epoch, st[3].epoch), (0, 2, 1));
+    let a_calls = calls
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(id, _)| id.contains(&format!("{run}.a.")))
+        .count();
+    assert_eq!(a_calls, 1, "a succeeded once and was never run again");
+    // The whole run, with fixed data, as a new run linked to the first.
+    let new = env
+        .ax
+        .rerun_flow(&run, RerunMode::Whole, Some(json!({"x": 1, "fixed": true})))
+        .await
+        .unwrap();
+    assert_ne!(new, run);
+    let ended = finish(&env.ax, &new).await;
+    assert_eq!(ended.state, RunState::Succeeded, "{:?}", ended.reason);
+    assert_eq!(ended.rerun_of.as_deref(), Some(run.as_str()));
+    // A running run cannot be re-run from its failed steps; nothing succeeded → refused.
+    let e = env
+        .ax
+        .rerun_flow(&new, RerunMode::Failed, None)
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Invalid, "{e}");
+    assert_eq!(max_calls(&calls), 1, "no task ran twice");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_run_ends_at_once_and_its_queued_tasks_never_run() {
+    let env = Env::start(Env::server()).await;
+    let calls = Calls::default();
+    // No worker yet: the fan-out's tasks sit in the queue.
+    let def = FlowDef::new("cx")
+        .step(step("list", "range"))
+        .step(step("each", "square").needs(["list"]).for_each("list"))
+        .step(step("after", "seed").needs(["each"]));
+    env.ax.put_flow(&def).await.unwrap();
+    let (stop, w) = env.spawn_worker(flow_worker(calls.clone()));
+    let run = env.ax.run_flow("cx", json!({"n": 50})).await.unwrap();
+    // Wait until list ran, then stop the worker so `each` stays queued.
+    crate::support::eventually(Duration::from_secs(15), "list to succeed", || {
+        let ax = env.ax.clone();
+        let run = run.clone();
+        async move {
+            let (_, st) = ax.flow_run(&run).await.ok()??;
+            (st[1].state == StepState::Running).then_some(())
+        }
+    })
+    .await;
+    stop.cancel();
+    w.await.unwrap();
+    let before = calls.lock().unwrap().len();
+    env.ax.cancel_flow(&run).await.unwrap();
+    let ended = finish(&env.ax, &run).await;
+    assert_eq!(ended.state, RunState::Cancelled);
+    let (_, st) = env.ax.flow_run(&run).await.unwrap().unwrap();
+    assert!(st
+        .iter()
+        .all(|s| s.state != StepState::Waiting && s.state != StepState::Running));
+    // A worker now finds the queued tasks cancelled and does not run them.
+    let (_stop2, _w2) = env.spawn_worker(flow_worker(calls.clone()));
+    let each0 = ax::flow::model::step_task_id("q", &run, "each", 0, 49);
+    let rec = env.record(&each0).await;
+    assert_eq!(rec.state, ax::TaskState::Cancelled);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let ran_each = calls
+        .lock()
+        .unwrap()
+        .keys()
+        .filter(|id| id.contains(".each."))
+        .count();
+    assert!(
+        ran_each <= before,
+        "cancelled tasks ran: {ran_each} > {before}"
+    );
+}
+
+/// The flow engine lives in `ax server` processes; killing the leader mid-flow loses no
+/// step and runs none twice (handler invocations counted per task id).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_the_leading_server_mid_flow_loses_nothing_and_runs_nothing_twice() {
+    let env = Env::nats_only().await;
+    let url = env.nats.url();
+    let args = ["server", "--queue", "q"];
+    let mut servers = [AxProc::spawn(&url, &args), AxProc::spawn(&url, &args)];
+    procs::wait_ready(&env.client).await;
+    let calls = Calls::default();
+    let (_stop, _w) = env.spawn_worker(flow_worker(calls.clone()));
+    // A chain of 30 slow-ish steps plus a fan-out of 40: long enough to kill mid-way.
+    let mut def = FlowDef::new("chain").step(step("list", "range"));
+    def = def.step(step("each", "slow").needs(["list"]).for_each("list"));
+    let mut prev = "each".to_string();
+    for i in 0..30 {
+        let name = format!("s{i}");
+        def = def.step(
+            StepDef::new(&name, "q", TaskSpec::new("slow").json(&json!({"ms": 30})))
+                .needs([prev.clone()]),
+        );
+        prev = name;
+    }
+    env.ax.put_flow(&def).await.unwrap();
+    let runs: Vec<String> =
+        futures::future::join_all((0..3).map(|_| env.ax.run_flow("chain", json!({"n": 40}))))
+            .await
+            .into_iter()
+            .map(Result::unwrap)
+            .collect();
+    for round in 0..4 {
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        if round == 0 {
+            let run = env.ax.flow_run(&runs[0]).await.unwrap().unwrap().0;
+            assert_eq!(
+                run.state,
+                RunState::Running,
+                "the first kill lands mid-flow"
+            );
+        }
+        let victim = round % 2;
+        servers[victim].kill9();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        servers[victim] = AxProc::spawn(&url, &args);
+    }
+    for run in &runs {
+        let ended = finish(&env.ax, run).await;
+        assert_eq!(
+            ended.state,
+            RunState::Succeeded,
+            "{run}: {:?}",
+            ended.reason
+        );
+    }
+    let calls = calls.lock().unwrap();
+    assert_eq!(calls.len(), 3 * (1 + 40 + 30), "every step task ran");
+    let twice: Vec<_> = calls.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(twice.is_empty(), "tasks run twice: {twice:?}");
+    drop(servers);
+}
