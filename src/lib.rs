@@ -23,7 +23,7 @@
 //! | [`worker`] | the Rust worker SDK |
 //! | [`trigger`] | cron / interval / once / event triggers, their engine and API |
 //! | [`client`] | the producer SDK |
-//! | [`flow`] | flow definitions (DAGs of tasks); the engine is not built yet |
+//! | [`flow`] | flows: DAGs of tasks, their engine (one leader), API, re-runs |
 //! | [`metrics`] | Prometheus metric names and exporter |
 #![warn(missing_docs, unreachable_pub, rustdoc::broken_intra_doc_links)]
 

@@ -115,12 +115,15 @@ async fn scan<T: DeserializeOwned>(
         .await
         .map_err(|e| broker(filter, "list", e))?;
     let mut out: std::collections::BTreeMap<String, T> = Default::default();
-    // An empty bucket delivers nothing: the watch answers "no pending" at once.
+    // An empty bucket delivers nothing, so look first. (Fresh stream info: `status()`
+    // answers from what was cached when the bucket was opened.)
     let pending = kv
-        .status()
+        .stream
+        .get_info()
         .await
         .map_err(|e| broker(filter, "list", e))?
-        .values();
+        .state
+        .messages;
     if pending == 0 {
         return Ok(Vec::new());
     }

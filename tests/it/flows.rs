@@ -127,6 +127,16 @@ async fn a_diamond_passes_outputs_by_step_name() {
     assert_eq!(s["d"].1, json!(25), "d sums its parents' outputs");
     assert_eq!(calls.lock().unwrap().len(), 4);
     assert_eq!(max_calls(&calls), 1, "each step ran once");
+    // Listing (the server opened the buckets while they were empty).
+    let listed = env
+        .ax
+        .flow("list", &json!({"flow": "diamond"}))
+        .await
+        .unwrap();
+    assert_eq!(listed[0]["run"], json!(run));
+    assert_eq!(listed[0]["state"], "succeeded");
+    let defs = env.ax.flow("defs", &json!({})).await.unwrap();
+    assert_eq!(defs[0]["name"], "diamond");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
