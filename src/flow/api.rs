@@ -166,33 +166,12 @@ impl FlowApi {
         input: Value,
         rerun_of: Option<String>,
     ) -> Result<Value, WireError> {
-        def.validate(&self.admission.limits)?;
-        let now = now_ms();
-        let run = FlowRun {
-            id: nuid::next().to_string(),
-            flow: def.name.clone(),
-            def,
-            input,
-            state: RunState::Running,
-            reason: None,
-            created_at_ms: now,
-            updated_at_ms: now,
-            finished_at_ms: None,
+        let start = Start {
             rerun_of,
-            reruns: 0,
-            cancel_requested: false,
-            extra: Default::default(),
+            ..Start::default()
         };
-        self.store.put_run(&run, None).await.map_err(|e| match e {
-            FlowStoreError::Broker { ref source, .. }
-                if source.to_string().contains("maximum payload") =>
-            {
-                WireError::field("input", "the run (definition + input) is over 1 MiB")
-            }
-            e => unavailable(e),
-        })?;
-        metrics::counter!(m::FLOW_RUNS_STARTED, "flow" => run.flow.clone()).increment(1);
-        Ok(json!({"run": run.id, "flow": run.flow}))
+        let (id, flow) = start_run(&self.store, &self.admission.limits, def, input, start).await?;
+        Ok(json!({"run": id, "flow": flow}))
     }
 
     async fn load(&self, id: &str) -> Result<(FlowRun, Vec<StepRun>), WireError> {
@@ -330,6 +309,70 @@ impl FlowApi {
             .collect();
         Ok(json!({"run": run.id, "steps": names}))
     }
+}
+
+/// Where a new run comes from (all optional).
+#[derive(Debug, Default)]
+pub(crate) struct Start {
+    /// A fixed run id (a trigger's fire); default a fresh NUID.
+    pub(crate) id: Option<String>,
+    /// The run this one re-runs.
+    pub(crate) rerun_of: Option<String>,
+    /// The trigger, its source and scheduled time.
+    pub(crate) trigger: Option<(String, String, u64)>,
+}
+
+/// Stores a new run of `def` (`running`); the engine's leader starts its root steps.
+/// With a fixed id that exists already (a fire made again), nothing changes. Returns the
+/// run id and flow name.
+pub(crate) async fn start_run(
+    store: &FlowStore,
+    limits: &crate::task::Limits,
+    def: FlowDef,
+    input: Value,
+    start: Start,
+) -> Result<(String, String), WireError> {
+    def.validate(limits)?;
+    let now = now_ms();
+    let fixed = start.id.is_some();
+    let (trigger, trigger_source, scheduled_at_ms) = match start.trigger {
+        Some((t, s, at)) => (Some(t), Some(s), Some(at)),
+        None => (None, None, None),
+    };
+    let run = FlowRun {
+        id: start.id.unwrap_or_else(|| nuid::next().to_string()),
+        flow: def.name.clone(),
+        def,
+        input,
+        state: RunState::Running,
+        reason: None,
+        created_at_ms: now,
+        updated_at_ms: now,
+        finished_at_ms: None,
+        rerun_of: start.rerun_of,
+        reruns: 0,
+        cancel_requested: false,
+        trigger,
+        trigger_source,
+        scheduled_at_ms,
+        extra: Default::default(),
+    };
+    match store.put_run(&run, None).await {
+        Ok(_) => {
+            metrics::counter!(m::FLOW_RUNS_STARTED, "flow" => run.flow.clone()).increment(1);
+        }
+        Err(FlowStoreError::Stale(_)) if fixed => {} // started by an earlier try of this fire
+        Err(FlowStoreError::Broker { ref source, .. })
+            if source.to_string().contains("maximum payload") =>
+        {
+            return Err(WireError::field(
+                "input",
+                "the run (definition + input) is over 1 MiB",
+            ))
+        }
+        Err(e) => return Err(unavailable(e)),
+    }
+    Ok((run.id, run.flow))
 }
 
 /// The steps a re-run starts again: those that did not succeed; with

@@ -125,6 +125,15 @@ pub struct FlowRun {
     /// Set by `cancel`; the engine ends the run `cancelled`.
     #[serde(default)]
     pub cancel_requested: bool,
+    /// The trigger whose fire started the run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trigger: Option<String>,
+    /// Why that trigger fired: `schedule`, `manual` or `event`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trigger_source: Option<String>,
+    /// The scheduled time that fire stands for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scheduled_at_ms: Option<u64>,
     /// Fields this version does not know, kept as they were.
     #[serde(flatten)]
     pub extra: serde_json::Map<String, serde_json::Value>,
@@ -196,9 +205,27 @@ pub fn step_key(run: &str, step: &str) -> String {
     format!("{run}.{step}")
 }
 
-/// True for a well-formed run id (a NUID: 22 of `A-Z a-z 0-9`).
+/// True for a well-formed run id: 1..=64 of `A-Z a-z 0-9` (a NUID for runs started by
+/// request, `t` + 32 hex digits for runs started by a trigger's fire).
 pub fn valid_run_id(id: &str) -> bool {
-    id.len() == 22 && id.bytes().all(|b| b.is_ascii_alphanumeric())
+    (1..=64).contains(&id.len()) && id.bytes().all(|b| b.is_ascii_alphanumeric())
+}
+
+/// The run id of flow start `j` of trigger `trigger`'s fire `tag`: the same on every
+/// server and every retry of that fire, so starting it again is a no-op (the run key's
+/// create-if-absent). `t` + two 64-bit FNV-1a hashes (different offset bases) in hex.
+pub fn trigger_run_id(trigger: &str, tag: &str, j: usize) -> String {
+    let text = format!("{trigger}\u{0}{tag}\u{0}{j}");
+    let fnv = |basis: u64| {
+        text.bytes().fold(basis, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+        })
+    };
+    format!(
+        "t{:016x}{:016x}",
+        fnv(0xcbf2_9ce4_8422_2325),
+        fnv(0x6c62_272e_07bb_0142)
+    )
 }
 
 #[cfg(test)]
@@ -221,5 +248,9 @@ mod tests {
         assert_eq!(parse_step_task("media.tr.x.1.0"), None);
         assert_eq!(parse_step_task("media.fl.R1.s.x.0"), None);
         assert_eq!(parse_step_task("media.fl.R1.s.0.0.9"), None);
+        let id = trigger_run_id("nightly", "1764400000000", 0);
+        assert_eq!(id, trigger_run_id("nightly", "1764400000000", 0));
+        assert_ne!(id, trigger_run_id("nightly", "1764400000000", 1));
+        assert!(valid_run_id(&id) && id.len() == 33, "{id}");
     }
 }

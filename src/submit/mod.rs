@@ -162,6 +162,8 @@ pub(crate) struct Admission {
     pub(crate) idempotency: kv::Store,
     pub(crate) limits: Limits,
     pub(crate) queues: Queues,
+    /// Flow buckets: trigger fires start flow runs.
+    pub(crate) flows: crate::flow::store::FlowStore,
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -187,12 +189,20 @@ impl Admission {
                     op: "open idempotency bucket",
                     source: e.into(),
                 })?;
+        let flows = crate::flow::store::FlowStore::open(&js)
+            .await
+            .map_err(|e| StateError::Broker {
+                id: "*".into(),
+                op: "open flow buckets",
+                source: e.into(),
+            })?;
         Ok(Admission {
             js,
             tasks,
             idempotency,
             limits,
             queues: Queues::new(queues),
+            flows,
         })
     }
 

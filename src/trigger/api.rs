@@ -192,10 +192,31 @@ impl TriggerApi {
         ))
     }
 
+    /// The flows a trigger starts must exist when it is stored (a flow deleted later makes
+    /// its fires fail and retry, logged, until it is back).
+    async fn check_flows(&self, def: &TriggerDef) -> Result<(), WireError> {
+        for (i, start) in def.flows.iter().enumerate() {
+            let found = self
+                .admission
+                .flows
+                .def(&start.flow)
+                .await
+                .map_err(|e| WireError::new(ErrorCode::Unavailable, e.to_string()))?;
+            if found.is_none() {
+                return Err(WireError::field(
+                    &format!("flows[{i}].flow"),
+                    format!("no flow {:?} (put it first)", start.flow),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Validates and stores a definition; `created`, `updated` or `unchanged`.
     async fn put(&self, def: TriggerDef) -> Result<&'static str, WireError> {
         def.validate()?;
         def.check_templates(&self.admission.limits)?;
+        self.check_flows(&def).await?;
         for queue in def.queues() {
             self.admission
                 .queues
@@ -239,6 +260,7 @@ impl TriggerApi {
             let def = TriggerDef::decode(value).map_err(at)?;
             def.validate().map_err(at)?;
             def.check_templates(&self.admission.limits).map_err(at)?;
+            self.check_flows(&def).await.map_err(at)?;
             defs.push(def);
         }
         for def in &defs {
@@ -271,7 +293,7 @@ impl TriggerApi {
         let (def, _) = self.def_of(name).await?;
         let (state, _) = self.state_of(name).await?;
         let rec = def.validate()?;
-        let mut running: Vec<String> = unfinished(&self.admission.tasks, tracked(&state))
+        let mut running: Vec<String> = unfinished(&self.admission, tracked(&state))
             .await
             .into_iter()
             .collect();
@@ -291,7 +313,7 @@ impl TriggerApi {
         let (def, _) = self.def_of(name).await?;
         let (state, rev) = self.state_of(name).await?;
         let known: Vec<String> = tracked(&state).cloned().collect();
-        let running = unfinished(&self.admission.tasks, known.iter()).await;
+        let running = unfinished(&self.admission, known.iter()).await;
         if !running.is_empty() && !force {
             let mut running: Vec<String> = running.into_iter().collect();
             running.sort();

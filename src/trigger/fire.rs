@@ -4,8 +4,9 @@
 
 use super::model::TriggerDef;
 use super::plan::{Source, TriggerState};
-use crate::protocol::WireError;
-use crate::state::TaskStore;
+use crate::flow::api::{start_run, Start};
+use crate::flow::model::trigger_run_id;
+use crate::protocol::{ErrorCode, WireError};
 use crate::submit::Admission;
 use crate::task::{Lineage, TaskMeta};
 use std::collections::HashSet;
@@ -87,17 +88,57 @@ pub(crate) async fn fire(
         });
         ids.push(admission.submit_prepared(meta, payload).await?.id);
     }
+    for (j, start) in def.flows.iter().enumerate() {
+        let input = match (&start.input, event) {
+            (Some(input), _) => input.clone(),
+            (None, Some(msg)) => serde_json::from_slice(&msg.payload).unwrap_or_else(|_| {
+                use base64::Engine as _;
+                serde_json::json!({"base64": base64::engine::general_purpose::STANDARD.encode(&msg.payload)})
+            }),
+            (None, None) => serde_json::Value::Null,
+        };
+        let flow = admission
+            .flows
+            .def(&start.flow)
+            .await
+            .map_err(|e| WireError::new(ErrorCode::Unavailable, e.to_string()))?
+            .ok_or_else(|| {
+                WireError::new(
+                    ErrorCode::NotFound,
+                    format!("trigger {}: no flow {:?}", def.name, start.flow),
+                )
+            })?;
+        let origin = Start {
+            id: Some(trigger_run_id(&def.name, tag, j)),
+            rerun_of: None,
+            trigger: Some((def.name.clone(), source.as_str().to_string(), scheduled_ms)),
+        };
+        let (run, _) = start_run(&admission.flows, &admission.limits, flow, input, origin).await?;
+        ids.push(format!("{FLOW_RUN_PREFIX}{run}"));
+    }
     Ok(ids)
 }
 
-/// Task ids among `ids` whose records are not finished, read concurrently. This is how
-/// completion tracking recovers: whatever the completion feed missed, the records tell.
+/// How a fire's flow run is listed among its "task ids" (`flow:<run id>`): overlap and
+/// fixed-delay wait for the run to end, read from its key in `AX_FLOW_RUNS`.
+pub(crate) const FLOW_RUN_PREFIX: &str = "flow:";
+
+/// Task ids among `ids` whose records are not finished (and flow runs, `flow:<run>`, not
+/// ended), read concurrently. This is how completion tracking recovers: whatever the
+/// completion feed missed, the records tell (flow runs are only seen this way).
 pub(crate) async fn unfinished<'a>(
-    tasks: &TaskStore,
+    admission: &Admission,
     ids: impl IntoIterator<Item = &'a String>,
 ) -> HashSet<String> {
     let ids: HashSet<&String> = ids.into_iter().collect();
+    let tasks = &admission.tasks;
     let reads = ids.into_iter().map(|id| async move {
+        if let Some(run) = id.strip_prefix(FLOW_RUN_PREFIX) {
+            return match admission.flows.run(run).await {
+                Ok(Some((r, _))) if r.state != crate::flow::RunState::Running => None,
+                _ => Some(id.clone()),
+            };
+        }
         match tasks.get(id).await {
             Ok(Some((rec, _))) if rec.state.is_terminal() => None,
             // Unknown or unreadable counts as running: never fire over a task we cannot see.

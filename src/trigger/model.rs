@@ -101,6 +101,18 @@ fn yes() -> bool {
     true
 }
 
+/// A flow run started at each fire (S4-3: flows started by cron, interval, once, event or
+/// manual runs; overlap policies count the run as the fire's work until it ends).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FlowStart {
+    /// The flow's name (its definition is read from `AX_FLOWS` at each fire).
+    pub flow: String,
+    /// The run's input; absent: an event's message body (JSON if it parses), else `null`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input: Option<serde_json::Value>,
+}
+
 /// A trigger definition. Decode it with [`TriggerDef::decode`], which refuses unknown
 /// fields (serde cannot, with the flattened kind).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -127,13 +139,17 @@ pub struct TriggerDef {
     pub overlap: OverlapPolicy,
     /// Tasks submitted at each fire: submit requests whose `queue` is required and which
     /// take no `delay_ms`, `run_at` or `idempotency_key` (ax sets the key).
+    #[serde(default)]
     pub tasks: Vec<SubmitRequest>,
+    /// Flow runs started at each fire (with `tasks`, 1..=16 in all).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub flows: Vec<FlowStart>,
 }
 
 /// Longest name, in bytes.
 const MAX_NAME: usize = 64;
 
-const COMMON_FIELDS: [&str; 8] = [
+const COMMON_FIELDS: [&str; 9] = [
     "name",
     "kind",
     "enabled",
@@ -142,6 +158,7 @@ const COMMON_FIELDS: [&str; 8] = [
     "max_catch_up",
     "overlap",
     "tasks",
+    "flows",
 ];
 
 impl TriggerDef {
@@ -180,8 +197,20 @@ impl TriggerDef {
                 "must be 1..=64 of A-Z a-z 0-9 _ -",
             ));
         }
-        if self.tasks.is_empty() || self.tasks.len() > 16 {
-            return Err(WireError::field("tasks", "give 1..=16 task templates"));
+        let work = self.tasks.len() + self.flows.len();
+        if work == 0 || work > 16 {
+            return Err(WireError::field(
+                "tasks",
+                "give 1..=16 task templates and flows in all",
+            ));
+        }
+        for (i, start) in self.flows.iter().enumerate() {
+            if !names::valid_token(&start.flow, MAX_NAME) {
+                return Err(WireError::field(
+                    &format!("flows[{i}].flow"),
+                    "must be 1..=64 of A-Z a-z 0-9 _ -",
+                ));
+            }
         }
         for (i, task) in self.tasks.iter().enumerate() {
             let field = |f: &str| format!("tasks[{i}].{f}");

@@ -484,3 +484,57 @@ async fn killing_the_leading_server_mid_flow_loses_nothing_and_runs_nothing_twic
     assert!(twice.is_empty(), "tasks run twice: {twice:?}");
     drop(servers);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trigger_starts_flow_runs_and_counts_a_running_run_as_its_fire_s_work() {
+    let env = Env::start(Env::server()).await;
+    let calls = Calls::default();
+    let (_stop, _w) = env.spawn_worker(flow_worker(calls.clone()));
+    let def = FlowDef::new("nightly")
+        .step(StepDef::new(
+            "a",
+            "q",
+            TaskSpec::new("slow").json(&json!({"ms": 1500})),
+        ))
+        .step(step("b", "seed").needs(["a"]));
+    env.ax.put_flow(&def).await.unwrap();
+    let missing = json!({"name": "t-missing", "kind": "interval", "every_ms": 3_600_000,
+                         "flows": [{"flow": "nope"}]});
+    let e = env.ax.trigger("put", &missing).await.unwrap_err();
+    let ax::ClientError::Refused(wire) = &e else {
+        panic!("{e}")
+    };
+    assert_eq!(wire.field.as_deref(), Some("flows[0].flow"), "{wire:?}");
+    let trigger = json!({"name": "nightly", "kind": "interval", "every_ms": 3_600_000,
+                         "overlap": "skip", "flows": [{"flow": "nightly", "input": {"x": 7}}]});
+    env.ax.trigger("put", &trigger).await.unwrap();
+    let fired = env
+        .ax
+        .trigger("run", &json!({"name": "nightly"}))
+        .await
+        .unwrap();
+    let id = fired["task_ids"][0].as_str().unwrap().to_string();
+    let run = id.strip_prefix("flow:").expect("a flow run").to_string();
+    // While the run runs, it is the fire's work: a second manual run is refused.
+    let e = env
+        .ax
+        .trigger("run", &json!({"name": "nightly"}))
+        .await
+        .unwrap_err();
+    let ax::ClientError::Refused(wire) = &e else {
+        panic!("{e}")
+    };
+    assert_eq!(wire.code.as_str(), "running", "{wire:?}");
+    let ended = finish(&env.ax, &run).await;
+    assert_eq!(ended.state, RunState::Succeeded, "{:?}", ended.reason);
+    assert_eq!(ended.trigger.as_deref(), Some("nightly"));
+    assert_eq!(ended.trigger_source.as_deref(), Some("manual"));
+    assert_eq!(steps(&env.ax, &run).await["b"].1, json!(7));
+    // Once it has ended, the trigger runs again (a new run).
+    let again = env
+        .ax
+        .trigger("run", &json!({"name": "nightly"}))
+        .await
+        .unwrap();
+    assert_ne!(again["task_ids"][0].as_str().unwrap(), id);
+}

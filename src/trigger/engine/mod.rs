@@ -173,7 +173,7 @@ impl Engine {
                 }
             }
         };
-        let active = unfinished(&self.admission.tasks, tracked_ids(&state)).await;
+        let active = unfinished(&self.admission, tracked_ids(&state)).await;
         let mut h = Held {
             def,
             rec,
@@ -278,7 +278,7 @@ impl Engine {
                     if state.leader > token {
                         return Ok(Stop::StepDown("a newer leader wrote trigger state"));
                     }
-                    h.active = unfinished(&self.admission.tasks, tracked_ids(&state)).await;
+                    h.active = unfinished(&self.admission, tracked_ids(&state)).await;
                     h.checked_at = Some(Instant::now());
                     h.state = state;
                     h.revision = entry.revision;
@@ -365,7 +365,7 @@ impl Engine {
                 }
                 if h.waits_on_tasks() && h.checked_at.is_none_or(|at| at.elapsed() >= RECHECK) {
                     // Recover completions no feed delivered (belt and braces).
-                    h.active = unfinished(&self.admission.tasks, h.active.iter()).await;
+                    h.active = unfinished(&self.admission, h.active.iter()).await;
                     h.checked_at = Some(Instant::now());
                     self.settle(h);
                 }
