@@ -243,6 +243,36 @@ async fn each_role_has_least_privilege() {
     )
     .await;
 
+    // Flows: the admin defines them, a producer may start runs, and the server drives
+    // them under its own permissions (its flow engine, the worker-default worker).
+    let flow = ax::flow::FlowDef::new("secure").step(ax::flow::StepDef::new(
+        "only",
+        "default",
+        TaskSpec::new("t"),
+    ));
+    assert!(producer.put_flow(&flow).await.is_err());
+    admin_view.put_flow(&flow).await.unwrap();
+    let run = producer
+        .run_flow("secure", serde_json::json!({}))
+        .await
+        .unwrap();
+    let ended = tokio::time::timeout(Duration::from_secs(20), admin_view.wait_flow(&run))
+        .await
+        .expect("the run ends")
+        .unwrap();
+    assert_eq!(
+        ended.state,
+        ax::flow::RunState::Succeeded,
+        "{:?}",
+        ended.reason
+    );
+    assert!(producer
+        .clone()
+        .wait_for_server(Duration::ZERO)
+        .cancel_flow(&run)
+        .await
+        .is_err_and(|e| e.kind() != ax::ErrorKind::NotFound));
+
     // The server cannot change the topology either.
     let sjs = async_nats::jetstream::new(connect(&url, "ax-server", "pw-server").await.unwrap());
     assert!(sjs.delete_stream("AX_DEAD").await.is_err());
