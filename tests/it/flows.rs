@@ -52,6 +52,10 @@ fn flow_worker(calls: Calls) -> Worker {
                         Ok(Output::json(&(i * i))?)
                     }
                     "fail" => Err(TaskError::permanent("boom", "this step always fails")),
+                    "late_fail" => {
+                        tokio::time::sleep(Duration::from_millis(300)).await;
+                        Err(TaskError::permanent("boom", "this step always fails"))
+                    }
                     "flaky" if p["input"]["fixed"] != json!(true) => {
                         Err(TaskError::permanent("bad_data", "input not fixed yet"))
                     }
@@ -170,10 +174,11 @@ async fn fail_fast_cancels_what_has_not_started_and_runs_cleanup() {
     let env = Env::start(Env::server()).await;
     let calls = Calls::default();
     let (_stop, _w) = env.spawn_worker(flow_worker(calls.clone()));
-    // a fails; b after a; slow runs alongside (finishes); after_slow must never start;
-    // cleanup (one_failed after a) runs and sees a's error.
+    // a fails (after 300 ms, so slow is surely running by then); b after a; slow runs
+    // alongside (finishes); after_slow must never start; cleanup (one_failed after a)
+    // runs and sees a's error.
     let def = FlowDef::new("ff")
-        .step(step("a", "fail"))
+        .step(step("a", "late_fail"))
         .step(step("b", "seed").needs(["a"]))
         .step(StepDef::new(
             "slow",
@@ -185,9 +190,20 @@ async fn fail_fast_cancels_what_has_not_started_and_runs_cleanup() {
             step("cleanup", "note")
                 .needs(["a"])
                 .trigger(TriggerRule::OneFailed),
+        )
+        // 40 tasks of 1 s on a worker running 16 at a time: most are queued at the failure.
+        .step(step("list", "range"))
+        .step(
+            StepDef::new(
+                "many",
+                "q",
+                TaskSpec::new("slow").json(&json!({"ms": 1000})),
+            )
+            .needs(["list"])
+            .for_each("list"),
         );
     env.ax.put_flow(&def).await.unwrap();
-    let run = env.ax.run_flow("ff", json!({})).await.unwrap();
+    let run = env.ax.run_flow("ff", json!({"n": 40})).await.unwrap();
     let ended = finish(&env.ax, &run).await;
     assert_eq!(ended.state, RunState::Failed);
     let reason = ended.reason.unwrap();
@@ -197,6 +213,11 @@ async fn fail_fast_cancels_what_has_not_started_and_runs_cleanup() {
     assert_eq!(s["b"].0, StepState::UpstreamFailed);
     assert_eq!(s["slow"].0, StepState::Succeeded, "running steps finish");
     assert_eq!(s["after_slow"].0, StepState::Cancelled);
+    let (_, st) = env.ax.flow_run(&run).await.unwrap().unwrap();
+    assert_eq!(
+        st[3].items, None,
+        "after_slow was never started (no task submitted)"
+    );
     assert_eq!(s["cleanup"].0, StepState::Succeeded);
     assert_eq!(
         s["cleanup"].1["a"]["class"], "boom",
@@ -208,6 +229,10 @@ async fn fail_fast_cancels_what_has_not_started_and_runs_cleanup() {
             .any(|id| id.contains(".b.") || id.contains(".after_slow.")),
         "{ran:?}"
     );
+    // The fan-out's queued tasks were cancelled; those running finished.
+    assert_eq!(s["many"].0, StepState::Cancelled);
+    let many = ran.iter().filter(|id| id.contains(".many.")).count();
+    assert!((1..40).contains(&many), "{many} of 40 fan-out tasks ran");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
