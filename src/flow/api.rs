@@ -82,6 +82,17 @@ fn unavailable(e: FlowStoreError) -> WireError {
     WireError::new(ErrorCode::Unavailable, e.to_string())
 }
 
+/// A lost compare-and-set during a re-run: retryable.
+fn changed_meanwhile(e: FlowStoreError) -> WireError {
+    match e {
+        FlowStoreError::Stale(_) => WireError::new(
+            ErrorCode::Unavailable,
+            "the run changed while re-running it; retry",
+        ),
+        e => unavailable(e),
+    }
+}
+
 fn not_found(what: String) -> WireError {
     WireError::new(ErrorCode::NotFound, what)
 }
@@ -278,13 +289,7 @@ impl FlowApi {
             self.store
                 .put_step(&run.id, name, &fresh, step_rev)
                 .await
-                .map_err(|e| match e {
-                    FlowStoreError::Stale(_) => WireError::new(
-                        ErrorCode::Unavailable,
-                        "the run changed while re-running it; retry",
-                    ),
-                    e => unavailable(e),
-                })?;
+                .map_err(changed_meanwhile)?;
         }
         run.state = RunState::Running;
         run.reason = None;
@@ -295,13 +300,7 @@ impl FlowApi {
         self.store
             .put_run(&run, Some(rev))
             .await
-            .map_err(|e| match e {
-                FlowStoreError::Stale(_) => WireError::new(
-                    ErrorCode::Unavailable,
-                    "the run changed while re-running it; retry",
-                ),
-                e => unavailable(e),
-            })?;
+            .map_err(changed_meanwhile)?;
         metrics::counter!(m::FLOW_RUNS_STARTED, "flow" => run.flow.clone()).increment(1);
         let names: Vec<&str> = chosen
             .iter()

@@ -5,7 +5,6 @@
 use crate::metrics as m;
 use crate::protocol::{ErrorCode, SubmitAccepted, SubmitReply, WireError};
 use crate::submit::Admission;
-use crate::trigger::api::TriggerApi;
 use futures::FutureExt;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
@@ -94,39 +93,24 @@ fn submit_reply(
     }
 }
 
-pub(crate) async fn trigger_api(
-    api: &TriggerApi,
+/// Answers one request of a management API (`ax.trigger.<op>`, `ax.flow.<op>`):
+/// `{"ok": value}` or `{"error": …}`.
+pub(crate) async fn management_api<F, Fut>(
+    api: &'static str,
+    prefix: &str,
     client: &async_nats::Client,
     msg: async_nats::Message,
-) {
+    handle: F,
+) where
+    F: FnOnce(String, bytes::Bytes) -> Fut,
+    Fut: Future<Output = Result<serde_json::Value, WireError>>,
+{
     let op = msg
         .subject
-        .strip_prefix(crate::names::TRIGGER_API_PREFIX)
+        .strip_prefix(prefix)
         .unwrap_or_default()
         .to_string();
-    let reply = match guarded("trigger", api.handle(&op, &msg.payload)).await {
-        Ok(value) => serde_json::json!({ "ok": value }),
-        Err(error) => serde_json::json!({ "error": error }),
-    };
-    answer(
-        client,
-        &msg,
-        serde_json::to_vec(&reply).expect("a reply serializes"),
-    )
-    .await;
-}
-
-pub(crate) async fn flow_api(
-    api: &crate::flow::api::FlowApi,
-    client: &async_nats::Client,
-    msg: async_nats::Message,
-) {
-    let op = msg
-        .subject
-        .strip_prefix(crate::names::FLOW_API_PREFIX)
-        .unwrap_or_default()
-        .to_string();
-    let reply = match guarded("flow", api.handle(&op, &msg.payload)).await {
+    let reply = match guarded(api, handle(op, msg.payload.clone())).await {
         Ok(value) => serde_json::json!({ "ok": value }),
         Err(error) => serde_json::json!({ "error": error }),
     };

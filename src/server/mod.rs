@@ -374,7 +374,10 @@ impl Server {
                     let api = trigger_api.clone().expect("checked");
                     let client = client.clone();
                     tracker.spawn(async move {
-                        handle::trigger_api(&api, &client, msg).await;
+                        handle::management_api("trigger", TRIGGER_API_PREFIX, &client, msg, |op, body| async move {
+                            api.handle(&op, &body).await
+                        })
+                        .await;
                         drop(permit);
                     });
                 }
@@ -383,7 +386,10 @@ impl Server {
                     let api = flow_api.clone();
                     let client = client.clone();
                     tracker.spawn(async move {
-                        handle::flow_api(&api, &client, msg).await;
+                        handle::management_api("flow", names::FLOW_API_PREFIX, &client, msg, |op, body| async move {
+                            api.handle(&op, &body).await
+                        })
+                        .await;
                         drop(permit);
                     });
                 }
