@@ -66,6 +66,32 @@ struct Running {
     generation: u64,
 }
 
+/// Starts run actors, each with a generation so that a late "ended" of an old actor never
+/// removes its successor.
+struct Spawner {
+    shared: Arc<Shared>,
+    token: CancellationToken,
+    ended: mpsc::UnboundedSender<(String, u64)>,
+    generation: u64,
+}
+
+impl Spawner {
+    fn spawn(&mut self, id: String) -> Running {
+        self.generation += 1;
+        let (tx, rx) = mpsc::unbounded_channel();
+        let actor = Actor::new(self.shared.clone(), id.clone());
+        let (token, ended, gen) = (self.token.clone(), self.ended.clone(), self.generation);
+        tokio::spawn(async move {
+            actor.drive(rx, token).await;
+            let _ = ended.send((id, gen));
+        });
+        Running {
+            tx,
+            generation: self.generation,
+        }
+    }
+}
+
 impl FlowEngine {
     pub(crate) async fn run(self, shutdown: CancellationToken) -> Result<(), FlowEngineError> {
         let js = self.admission.js.clone();
@@ -140,7 +166,12 @@ impl FlowEngine {
         });
         let (ended_tx, mut ended_rx) = mpsc::unbounded_channel::<(String, u64)>();
         let mut actors: HashMap<String, Running> = HashMap::new();
-        let mut generation = 0u64;
+        let mut spawner = Spawner {
+            shared,
+            token: actors_token.clone(),
+            ended: ended_tx,
+            generation: 0,
+        };
         let mut renew = tokio::time::interval(self.lease_ttl / 3);
         loop {
             tokio::select! {
@@ -168,16 +199,8 @@ impl FlowEngine {
                     if run.state != RunState::Running {
                         continue;
                     }
-                    generation += 1;
-                    let (tx, rx) = mpsc::unbounded_channel();
-                    let actor = Actor::new(shared.clone(), run.id.clone());
-                    let (token, ended, id, gen) =
-                        (actors_token.clone(), ended_tx.clone(), run.id.clone(), generation);
-                    tokio::spawn(async move {
-                        actor.drive(rx, token).await;
-                        let _ = ended.send((id, gen));
-                    });
-                    actors.insert(run.id, Running { tx, generation });
+                    let id = run.id.clone();
+                    actors.insert(run.id, spawner.spawn(id));
                     metrics::gauge!(m::FLOW_RUNS_ACTIVE).set(actors.len() as f64);
                 }
                 entry = tasks.next() => {
@@ -199,6 +222,13 @@ impl FlowEngine {
                 Some((id, gen)) = ended_rx.recv() => {
                     if actors.get(&id).is_some_and(|a| a.generation == gen) {
                         actors.remove(&id);
+                        // A re-run or a write that reached the actor as it was ending: the
+                        // run is running again and needs an actor.
+                        if let Ok(Some((run, _))) = store.run(&id).await {
+                            if run.state == RunState::Running {
+                                actors.insert(id.clone(), spawner.spawn(id));
+                            }
+                        }
                         metrics::gauge!(m::FLOW_RUNS_ACTIVE).set(actors.len() as f64);
                     }
                 }
