@@ -84,6 +84,11 @@ impl TaskSpec {
         self.0.idempotency_key = Some(key.into());
         self
     }
+    /// The key per-key limits count this task under (a customer id, a tenant).
+    pub fn limit_key(mut self, key: impl Into<String>) -> TaskSpec {
+        self.0.limit_key = Some(key.into());
+        self
+    }
     /// Attempts in all (default 5).
     pub fn max_attempts(mut self, n: u32) -> TaskSpec {
         self.0.max_attempts = Some(i64::from(n));
@@ -356,9 +361,30 @@ impl Client {
         op: &str,
         body: &serde_json::Value,
     ) -> Result<serde_json::Value, ClientError> {
+        self.management(names::TRIGGER_API_PREFIX, op, body).await
+    }
+
+    /// Calls the limits API: `op` is `put` (a limit definition), `get` / `delete`
+    /// (`{"queue", "name"}`) or `list` (`{"queue"?}`) (docs/PROTOCOL.md §7); returns the
+    /// `ok` value.
+    pub async fn limits(
+        &self,
+        op: &str,
+        body: &serde_json::Value,
+    ) -> Result<serde_json::Value, ClientError> {
+        self.management(names::LIMIT_API_PREFIX, op, body).await
+    }
+
+    /// A request to a management API (`<prefix><op>`), its `ok` value or its refusal.
+    pub(crate) async fn management(
+        &self,
+        prefix: &str,
+        op: &str,
+        body: &serde_json::Value,
+    ) -> Result<serde_json::Value, ClientError> {
         let payload = serde_json::to_vec(body).expect("JSON serializes");
         let msg = self
-            .request(format!("{}{op}", names::TRIGGER_API_PREFIX), payload.into())
+            .request(format!("{prefix}{op}"), payload.into())
             .await?;
         let mut reply: serde_json::Value = serde_json::from_slice(&msg.payload)?;
         if let Some(error) = reply.get("error") {

@@ -24,6 +24,7 @@
 //! | [`trigger`] | cron / interval / once / event triggers, their engine and API |
 //! | [`client`] | the producer SDK |
 //! | [`flow`] | flows: DAGs of tasks, their engine (one leader), API, re-runs |
+//! | [`limits`] | rate limits and concurrency caps shared by all workers |
 //! | [`metrics`] | Prometheus metric names and exporter |
 #![warn(missing_docs, unreachable_pub, rustdoc::broken_intra_doc_links)]
 
@@ -34,6 +35,7 @@ pub mod flow;
 #[cfg(feature = "test-hooks")]
 mod hooks;
 mod lease;
+pub mod limits;
 pub mod metrics;
 pub mod names;
 pub mod output;

@@ -62,6 +62,14 @@ pub const FLOW_RUNS_ACTIVE: &str = "ax_flow_runs_active";
 /// task's finish to the first task of the child step starting on a worker (both times from
 /// the task records).
 pub const FLOW_STEP_LATENCY: &str = "ax_flow_step_latency_seconds";
+/// Counter, worker `{queue, limit, reason}`: deliveries handed back by a limit
+/// (`rate_limit`, `concurrency`, `limits_unavailable`); no attempt is counted.
+pub const LIMIT_WAITS: &str = "ax_limit_waits_total";
+/// Gauge, worker `{queue, limit}`: concurrency slots this worker holds.
+pub const LIMIT_SLOTS_HELD: &str = "ax_limit_slots_held";
+/// Gauge, worker `{queue, limit}`: tokens left in a rate limit's bucket when this worker
+/// last took one (limits without `per_key` only).
+pub const LIMIT_TOKENS: &str = "ax_limit_tokens";
 
 /// Registers help texts for every metric.
 pub fn describe() {
@@ -108,6 +116,9 @@ pub fn describe() {
     );
     describe_histogram!(RUN_DURATION, Unit::Seconds, "Handler run time");
     describe_histogram!(QUEUE_WAIT, Unit::Seconds, "Ready to attempt start");
+    describe_counter!(LIMIT_WAITS, "Deliveries handed back by a limit, by reason");
+    describe_gauge!(LIMIT_SLOTS_HELD, "Concurrency slots this worker holds");
+    describe_gauge!(LIMIT_TOKENS, "Tokens left in a rate limit's bucket");
     describe_counter!(FLOW_RUNS_STARTED, "Flow runs started, by flow");
     describe_counter!(FLOW_RUNS_ENDED, "Flow runs ended, by flow and final state");
     describe_gauge!(FLOW_RUNS_ACTIVE, "Flow runs the engine's leader drives now");

@@ -30,6 +30,14 @@ pub const FLOWS_BUCKET: &str = "AX_FLOWS";
 pub const FLOW_RUNS_BUCKET: &str = "AX_FLOW_RUNS";
 /// Subject prefix of the flow API: `ax.flow.<op>`.
 pub const FLOW_API_PREFIX: &str = "ax.flow.";
+/// KV bucket of limit definitions (key `<queue>.<name>`).
+pub const LIMITS_BUCKET: &str = "AX_LIMITS";
+/// KV bucket of rate-limit state: one GCRA arrival time per bucket.
+pub const LIMIT_STATE_BUCKET: &str = "AX_LIMIT_STATE";
+/// KV bucket of concurrency slots (one key per held slot; `max_age` = the ack wait).
+pub const LIMIT_SLOTS_BUCKET: &str = "AX_LIMIT_SLOTS";
+/// Subject prefix of the limits API: `ax.limit.<op>`.
+pub const LIMIT_API_PREFIX: &str = "ax.limit.";
 /// Subject prefix of the trigger management API: `ax.trigger.<op>`.
 pub const TRIGGER_API_PREFIX: &str = "ax.trigger.";
 /// Queue group the ax servers' request handlers join.

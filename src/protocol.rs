@@ -35,6 +35,10 @@ pub struct SubmitRequest {
     /// window returns the first task's id and creates nothing.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub idempotency_key: Option<String>,
+    /// The key per-key limits count this task under (e.g. a customer id): 1..=128 of
+    /// `A-Z a-z 0-9 _ - . : @` (docs/PROTOCOL.md §7).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit_key: Option<String>,
     /// Attempts in all, including the first (default 5).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_attempts: Option<i64>,

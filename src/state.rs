@@ -137,10 +137,24 @@ pub struct TaskRecord {
     /// of its bytes in `AX_RESULTS`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output: Option<crate::output::StoredOutput>,
+    /// Why the task has not started yet, while a limit holds it back.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waiting: Option<Waiting>,
     /// Fields this version does not know, kept as they were so that a newer writer's
     /// fields survive this one's writes (docs/PROTOCOL.md §3).
     #[serde(flatten)]
     pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+/// Why a task waits (`waiting` in its record).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Waiting {
+    /// `rate_limit`, `concurrency` or `limits_unavailable`.
+    pub reason: String,
+    /// The limit's name.
+    pub limit: String,
+    /// When it was first seen waiting, ms since the epoch.
+    pub since_ms: u64,
 }
 
 impl TaskRecord {
@@ -161,6 +175,7 @@ impl TaskRecord {
         if state != TaskState::Retrying {
             self.next_retry_at_ms = None;
         }
+        self.waiting = None;
         self
     }
 }

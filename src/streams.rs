@@ -17,7 +17,7 @@ use serde_json::Value;
 use std::time::Duration;
 
 /// The stream definitions, by file name.
-pub const STREAM_FILES: [(&str, &str); 13] = [
+pub const STREAM_FILES: [(&str, &str); 16] = [
     (
         "AX_READY_HIGH.json",
         include_str!("../streams/AX_READY_HIGH.json"),
@@ -66,6 +66,18 @@ pub const STREAM_FILES: [(&str, &str); 13] = [
     (
         "KV_AX_FLOW_RUNS.json",
         include_str!("../streams/KV_AX_FLOW_RUNS.json"),
+    ),
+    (
+        "KV_AX_LIMITS.json",
+        include_str!("../streams/KV_AX_LIMITS.json"),
+    ),
+    (
+        "KV_AX_LIMIT_STATE.json",
+        include_str!("../streams/KV_AX_LIMIT_STATE.json"),
+    ),
+    (
+        "KV_AX_LIMIT_SLOTS.json",
+        include_str!("../streams/KV_AX_LIMIT_SLOTS.json"),
     ),
 ];
 
@@ -217,6 +229,10 @@ pub fn stream_configs(topology: &Topology) -> Result<Vec<stream::Config>, Stream
             }
             if config.name == names::DELAYED_STREAM {
                 config.max_messages = topology.max_delayed;
+            }
+            if config.name == format!("KV_{}", names::LIMIT_SLOTS_BUCKET) {
+                // A slot whose holder stopped rewriting it is freed after the ack wait.
+                config.max_age = topology.ack_wait;
             }
             Ok(config)
         })

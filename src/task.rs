@@ -58,6 +58,8 @@ pub mod header {
     /// comma-separated `max_attempts`, `timeout`, `backoff`, `retry_on`, `no_retry_on`.
     /// A worker's per-name options replace exactly these (docs/PROTOCOL.md §3).
     pub const DEFAULTED: &str = "Ax-Defaulted";
+    /// The key per-key limits count the task under.
+    pub const LIMIT_KEY: &str = "Ax-Limit-Key";
 }
 
 /// Where a trigger-made task came from: which trigger, why, for which scheduled time.
@@ -69,6 +71,14 @@ pub struct Lineage {
     pub source: String,
     /// The scheduled time of the fire.
     pub scheduled_at_ms: u64,
+}
+
+/// A limit key: 1..=128 of `A-Z a-z 0-9 _ - . : @` (safe in a header; hashed into KV keys).
+pub fn valid_limit_key(key: &str) -> bool {
+    (1..=128).contains(&key.len())
+        && key
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"_-.:@".contains(&b))
 }
 
 /// Bounds on submitted options; the server's are configurable, these are the defaults.
@@ -147,6 +157,8 @@ pub struct TaskMeta {
     pub run_at_ms: Option<u64>,
     /// Business idempotency key.
     pub idempotency_key: Option<String>,
+    /// The key per-key limits count the task under.
+    pub limit_key: Option<String>,
     /// Set for tasks a trigger created.
     pub lineage: Option<Lineage>,
     /// Options the producer left unset (header `Ax-Defaulted`).
@@ -299,6 +311,7 @@ impl TaskMeta {
             trigger_source: self.lineage.as_ref().map(|l| l.source.clone()),
             scheduled_at_ms: self.lineage.as_ref().map(|l| l.scheduled_at_ms),
             output: None,
+            waiting: None,
             extra: Default::default(),
         }
     }
@@ -403,6 +416,14 @@ impl TaskMeta {
         if let Some(key) = &req.idempotency_key {
             check_header_text("idempotency_key", key, 256)?;
         }
+        if let Some(key) = &req.limit_key {
+            if !valid_limit_key(key) {
+                return Err(WireError::field(
+                    "limit_key",
+                    "must be 1..=128 of A-Z a-z 0-9 _ - . : @",
+                ));
+            }
+        }
         let meta = TaskMeta {
             id: names::new_task_id(queue),
             queue: queue.to_string(),
@@ -417,6 +438,7 @@ impl TaskMeta {
             created_at_ms: now,
             run_at_ms,
             idempotency_key: req.idempotency_key,
+            limit_key: req.limit_key,
             lineage: None,
             defaulted,
         };
@@ -460,6 +482,9 @@ impl TaskMeta {
         }
         if let Some(key) = &self.idempotency_key {
             h.insert(header::IDEMPOTENCY_KEY, key.as_str());
+        }
+        if let Some(key) = &self.limit_key {
+            h.insert(header::LIMIT_KEY, key.as_str());
         }
         if let Some(defaulted) = self.defaulted.to_header() {
             h.insert(header::DEFAULTED, defaulted.as_str());
@@ -565,6 +590,10 @@ impl TaskMeta {
             idempotency_key: h
                 .get(header::IDEMPOTENCY_KEY)
                 .map(|v| v.as_str().to_string()),
+            limit_key: h
+                .get(header::LIMIT_KEY)
+                .map(|v| v.as_str().to_string())
+                .filter(|k| valid_limit_key(k)),
             lineage: match h.get(header::TRIGGER) {
                 Some(trigger) => Some(Lineage {
                     trigger: trigger.as_str().to_string(),

@@ -15,15 +15,7 @@ impl Client {
     /// Calls the flow API: `op` is `put`, `def`, `defs`, `delete`, `run`, `get`, `list`,
     /// `cancel` or `rerun` (docs/PROTOCOL.md §6); returns the `ok` value.
     pub async fn flow(&self, op: &str, body: &Value) -> Result<Value, ClientError> {
-        let payload = serde_json::to_vec(body).expect("JSON serializes");
-        let msg = self
-            .request(format!("{FLOW_API_PREFIX}{op}"), payload.into())
-            .await?;
-        let mut reply: Value = serde_json::from_slice(&msg.payload)?;
-        if let Some(error) = reply.get("error") {
-            return Err(ClientError::Refused(serde_json::from_value(error.clone())?));
-        }
-        Ok(reply["ok"].take())
+        self.management(FLOW_API_PREFIX, op, body).await
     }
 
     /// Stores a flow definition (checked by the server first; refused with

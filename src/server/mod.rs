@@ -8,6 +8,7 @@
 use crate::flow::api::FlowApi;
 use crate::flow::engine::FlowEngine;
 use crate::flow::store::{FlowStore, FlowStoreError};
+use crate::limits::api::LimitApi;
 use crate::metrics as m;
 use crate::names::{self, TRIGGER_API_PREFIX};
 use crate::retry;
@@ -291,6 +292,24 @@ impl Server {
             admission: admission.clone(),
             store: FlowStore::open(&js).await?,
         });
+        let limit_api =
+            Arc::new(
+                LimitApi::open(admission.clone())
+                    .await
+                    .map_err(|e| StateError::Broker {
+                        id: "*".into(),
+                        op: "open the limits bucket",
+                        source: e,
+                    })?,
+            );
+        let limit_subject = format!("{}*", names::LIMIT_API_PREFIX);
+        let mut limit_requests = client
+            .queue_subscribe(limit_subject.clone(), names::SERVER_QUEUE_GROUP.to_string())
+            .await
+            .map_err(|source| ServerError::Subscribe {
+                subject: limit_subject,
+                source,
+            })?;
         let flow_subject = format!("{}*", names::FLOW_API_PREFIX);
         let mut flow_requests = client
             .queue_subscribe(flow_subject.clone(), names::SERVER_QUEUE_GROUP.to_string())
@@ -381,6 +400,18 @@ impl Server {
                         drop(permit);
                     });
                 }
+                msg = limit_requests.next() => {
+                    let Some(msg) = msg else { break Ok(()) };
+                    let api = limit_api.clone();
+                    let client = client.clone();
+                    tracker.spawn(async move {
+                        handle::management_api("limit", names::LIMIT_API_PREFIX, &client, msg, |op, body| async move {
+                            api.handle(&op, &body).await
+                        })
+                        .await;
+                        drop(permit);
+                    });
+                }
                 msg = flow_requests.next() => {
                     let Some(msg) = msg else { break Ok(()) };
                     let api = flow_api.clone();
@@ -407,6 +438,7 @@ impl Server {
         let _ = requests.unsubscribe().await;
         let _ = api_requests.unsubscribe().await;
         let _ = flow_requests.unsubscribe().await;
+        let _ = limit_requests.unsubscribe().await;
         sched_token.cancel();
         engine_token.cancel();
         if let Some(events) = events {

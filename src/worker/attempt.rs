@@ -12,6 +12,7 @@ use super::labels::Labels;
 use super::options::Routes;
 use super::rate::TimeoutRate;
 use super::{is_json, Handler, Task, TaskError};
+use crate::limits::gate::{Admit, Reason};
 use crate::metrics as m;
 use crate::names;
 use crate::output::{Output, ResultStore, StoredOutput, MAX_OUTPUT_BYTES};
@@ -31,6 +32,8 @@ use tracing::{debug, error, warn};
 
 /// State shared by all attempts of one worker.
 pub(crate) struct Shared {
+    /// Rate limits and concurrency caps, checked before a claim.
+    pub(crate) gate: Arc<crate::limits::gate::Gate>,
     pub(crate) js: jetstream::Context,
     pub(crate) tasks: TaskStore,
     pub(crate) results: ResultStore,
@@ -228,6 +231,25 @@ async fn process(
             }
         }
     };
+    // Limits: tokens, then slots; over a limit the delivery goes back (no attempt counted).
+    let delivered = msg.info().map_or(1, |i| i.delivered);
+    let _limit_slots = match sh.gate.admit(meta, delivered).await {
+        Admit::Go(slots) => slots,
+        Admit::Wait {
+            delay,
+            reason,
+            limit,
+        } => {
+            metrics::counter!(m::LIMIT_WAITS, "queue" => sh.queue.clone(), "limit" => limit.clone(),
+                "reason" => reason.as_str())
+            .increment(1);
+            if delivered == 1 || delivered % 20 == 0 {
+                note_waiting(sh, meta, reason, &limit).await;
+            }
+            debug!(task_id = %meta.id, limit = %limit, reason = reason.as_str(), ?delay, "over a limit; handed back");
+            return reply(msg, AckKind::Nak(Some(delay))).await;
+        }
+    };
     // A revision conflict means another writer moved the record: read it again and decide
     // anew. A few in a row only happen under contention; then hand the delivery back.
     for _ in 0..5 {
@@ -240,6 +262,31 @@ async fn process(
         }
     }
     reply(msg, AckKind::Nak(Some(BROKER_RETRY))).await;
+}
+
+/// Writes why a task waits into its record (`waiting`), so an operator sees why it has
+/// not started; cleared by the transition that starts it. Best effort.
+async fn note_waiting(sh: &Shared, meta: &TaskMeta, reason: Reason, limit: &str) {
+    let Ok(Some((mut rec, rev))) = sh.tasks.get(&meta.id).await else {
+        return;
+    };
+    if rec.state.is_terminal() || rec.state == TaskState::Running {
+        return;
+    }
+    let waiting = crate::state::Waiting {
+        reason: reason.as_str().to_string(),
+        limit: limit.to_string(),
+        since_ms: rec.waiting.as_ref().map_or_else(now_ms, |w| w.since_ms),
+    };
+    if rec
+        .waiting
+        .as_ref()
+        .is_some_and(|w| w.reason == waiting.reason && w.limit == waiting.limit)
+    {
+        return;
+    }
+    rec.waiting = Some(waiting);
+    let _ = sh.tasks.cas(&rec, rev).await;
 }
 
 enum Claim {

@@ -82,7 +82,16 @@ pub(super) async fn run(
     shutdown: CancellationToken,
 ) -> Result<(), WorkerError> {
     let slots = Arc::new(Semaphore::new(worker.concurrency));
+    let heartbeat = (ack_wait / 3).max(Duration::from_millis(100));
+    let gate = crate::limits::gate::Gate::start(
+        js.clone(),
+        &worker.queue,
+        worker.id.clone(),
+        heartbeat,
+        shutdown.clone(),
+    );
     let shared = Arc::new(Shared {
+        gate,
         js,
         tasks,
         results,
@@ -92,7 +101,7 @@ pub(super) async fn run(
         slots: slots.clone(),
         concurrency: worker.concurrency,
         running: Default::default(),
-        heartbeat: (ack_wait / 3).max(Duration::from_millis(100)),
+        heartbeat,
         ack_wait,
         labels: Default::default(),
         shutdown: shutdown.clone(),

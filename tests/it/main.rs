@@ -8,6 +8,7 @@ mod delay;
 mod faults;
 mod first_attempt;
 mod flows;
+mod limits;
 mod names;
 /// The local nats-server harness (shared with the benches and `ax demo`; not library API).
 #[allow(dead_code)]

@@ -273,6 +273,35 @@ async fn each_role_has_least_privilege() {
         .await
         .is_err_and(|e| e.kind() != ax::ErrorKind::NotFound));
 
+    // Limits: the admin sets them; the worker follows them and takes tokens and slots
+    // under its own queue's keys.
+    assert!(producer
+        .clone()
+        .wait_for_server(Duration::ZERO)
+        .limits(
+            "put",
+            &serde_json::json!({"name": "one", "queue": "default", "concurrency": 1})
+        )
+        .await
+        .is_err());
+    admin_view
+        .limits(
+            "put",
+            &serde_json::json!({"name": "one", "queue": "default", "concurrency": 1, "rate": 100.0}),
+        )
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let limited = admin_view
+        .submit("default", TaskSpec::new("t"))
+        .await
+        .unwrap();
+    let done = tokio::time::timeout(Duration::from_secs(20), admin_view.wait(&limited.id))
+        .await
+        .expect("a limited task runs under least privilege")
+        .unwrap();
+    assert_eq!(done.record.state, TaskState::Succeeded);
+
     // The server cannot change the topology either.
     let sjs = async_nats::jetstream::new(connect(&url, "ax-server", "pw-server").await.unwrap());
     assert!(sjs.delete_stream("AX_DEAD").await.is_err());

@@ -3,6 +3,7 @@
 mod conn;
 mod demo;
 mod flow;
+mod limits;
 #[allow(dead_code)]
 #[path = "../../natsd.rs"]
 mod natsd;
@@ -55,6 +56,11 @@ enum Command {
     Streams {
         #[command(subcommand)]
         command: streams::StreamsCommand,
+    },
+    /// Rate limits and concurrency caps shared by every worker (set, get, list, delete).
+    Limits {
+        #[command(subcommand)]
+        command: limits::LimitsCommand,
     },
     /// Flows: DAGs of tasks (put, run, get, list, cancel, rerun).
     Flow {
@@ -126,6 +132,7 @@ async fn main() -> Result<()> {
         Command::Streams { command } => streams::run(command, conn).await,
         Command::Trigger { command } => trigger::run(command, conn).await,
         Command::Flow { command } => flow::run(command, conn).await,
+        Command::Limits { command } => limits::run(command, conn).await,
         Command::Apply { file, no_prune } => trigger::apply(&file, no_prune, conn).await,
         Command::Demo(args) => demo::run(args, conn).await,
     }

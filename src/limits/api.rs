@@ -1,0 +1,128 @@
+//! The limits API: requests on `ax.limit.<op>` (`put`, `get`, `list`, `delete`) with JSON
+//! bodies, answered `{"ok": …}` or `{"error": …}` (docs/PROTOCOL.md §7). Definitions live
+//! in `AX_LIMITS`; every worker of the queue follows them and applies a change within a
+//! second, to tasks already queued too (they pass the gate when they are delivered).
+
+use super::model::LimitDef;
+use crate::names::LIMITS_BUCKET;
+use crate::protocol::{ErrorCode, WireError};
+use crate::submit::Admission;
+use async_nats::jetstream::kv;
+use futures::StreamExt;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use std::sync::Arc;
+
+pub(crate) struct LimitApi {
+    pub(crate) admission: Arc<Admission>,
+    pub(crate) defs: kv::Store,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Named {
+    queue: String,
+    name: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ListRequest {
+    #[serde(default)]
+    queue: Option<String>,
+}
+
+fn bad(e: serde_json::Error) -> WireError {
+    WireError::new(ErrorCode::BadRequest, e.to_string())
+}
+
+fn unavailable(e: impl std::fmt::Display) -> WireError {
+    WireError::new(ErrorCode::Unavailable, e.to_string())
+}
+
+impl LimitApi {
+    pub(crate) async fn open(admission: Arc<Admission>) -> Result<LimitApi, async_nats::Error> {
+        let defs = admission.js.get_key_value(LIMITS_BUCKET).await?;
+        Ok(LimitApi { admission, defs })
+    }
+
+    pub(crate) async fn handle(&self, op: &str, body: &[u8]) -> Result<Value, WireError> {
+        match op {
+            "put" => {
+                let def: LimitDef = serde_json::from_slice(body).map_err(bad)?;
+                def.validate()?;
+                self.admission
+                    .queues
+                    .check(&self.admission.js, &def.queue)
+                    .await?;
+                let value = serde_json::to_vec(&def).expect("serializes");
+                self.defs
+                    .put(def.key(), value.into())
+                    .await
+                    .map_err(unavailable)?;
+                Ok(serde_json::to_value(&def).expect("serializes"))
+            }
+            "get" => {
+                let Named { queue, name } = serde_json::from_slice(body).map_err(bad)?;
+                let key = format!("{queue}.{name}");
+                if !crate::names::valid_queue(&queue) || !crate::names::valid_token(&name, 64) {
+                    return Err(WireError::field("name", "not a limit name"));
+                }
+                match self.defs.get(&key).await.map_err(unavailable)? {
+                    Some(v) => serde_json::from_slice(&v).map_err(unavailable),
+                    None => Err(WireError::new(
+                        ErrorCode::NotFound,
+                        format!("no limit {name:?} on queue {queue:?}"),
+                    )),
+                }
+            }
+            "delete" => {
+                let Named { queue, name } = serde_json::from_slice(body).map_err(bad)?;
+                if !crate::names::valid_queue(&queue) || !crate::names::valid_token(&name, 64) {
+                    return Err(WireError::field("name", "not a limit name"));
+                }
+                self.defs
+                    .delete(format!("{queue}.{name}"))
+                    .await
+                    .map_err(unavailable)?;
+                Ok(json!({"queue": queue, "name": name, "deleted": true}))
+            }
+            "list" => {
+                let req: ListRequest = serde_json::from_slice(body).map_err(bad)?;
+                let filter = match &req.queue {
+                    Some(q) if crate::names::valid_queue(q) => format!("{q}.>"),
+                    Some(_) => return Err(WireError::field("queue", "not a queue name")),
+                    None => ">".to_string(),
+                };
+                Ok(json!(self.list(&filter).await?))
+            }
+            _ => Err(WireError::new(
+                ErrorCode::BadRequest,
+                format!("unknown limits operation {op:?}"),
+            )),
+        }
+    }
+
+    async fn list(&self, filter: &str) -> Result<Vec<LimitDef>, WireError> {
+        let info = self.defs.stream.get_info().await.map_err(unavailable)?;
+        if info.state.messages == 0 {
+            return Ok(Vec::new());
+        }
+        let mut keys = self.defs.keys().await.map_err(unavailable)?;
+        let mut out = Vec::new();
+        while let Some(key) = keys.next().await {
+            let key = key.map_err(unavailable)?;
+            let matches = filter == ">" || key.starts_with(filter.trim_end_matches('>'));
+            if !matches {
+                continue;
+            }
+            if let Some(v) = self.defs.get(&key).await.map_err(unavailable)? {
+                if let Ok(def) = serde_json::from_slice::<LimitDef>(&v) {
+                    out.push(def);
+                }
+            }
+        }
+        out.sort_by(|a, b| (&a.queue, &a.name).cmp(&(&b.queue, &b.name)));
+        Ok(out)
+    }
+}

@@ -1,0 +1,440 @@
+//! The worker's gate: before a delivery is claimed (so no attempt is counted), the task
+//! takes a token of every rate limit that applies, most specific first (per key, task
+//! name, queue), then a slot of every concurrency cap. Over a limit, the delivery is handed
+//! back with a delay (Nak): the task is not failed, and tasks of other keys flow past it.
+//!
+//! Shared state lives in KV, so every worker process and server counts against the same
+//! limits: a bucket's TAT in `AX_LIMIT_STATE` (compare-and-set), a slot as a key of
+//! `AX_LIMIT_SLOTS` (create-if-absent; the bucket's `max_age` is the ack wait, and the
+//! holder rewrites its key every heartbeat, so a dead holder's slot expires by itself).
+
+use super::gcra;
+use super::model::LimitDef;
+use crate::metrics as m;
+use crate::names::{LIMITS_BUCKET, LIMIT_SLOTS_BUCKET, LIMIT_STATE_BUCKET};
+use crate::task::TaskMeta;
+use async_nats::jetstream::{self, kv};
+use bytes::Bytes;
+use futures::StreamExt;
+use rand::Rng;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+/// Most compare-and-set tries for one token before the delivery is handed back.
+const CAS_TRIES: usize = 8;
+
+/// Why a delivery waits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Reason {
+    RateLimit,
+    Concurrency,
+    Unavailable,
+}
+
+impl Reason {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Reason::RateLimit => "rate_limit",
+            Reason::Concurrency => "concurrency",
+            Reason::Unavailable => "limits_unavailable",
+        }
+    }
+}
+
+/// What the gate decided.
+pub(crate) enum Admit {
+    /// Start: hold these slots until the attempt ends.
+    Go(Vec<Slot>),
+    /// Hand the delivery back for `delay`.
+    Wait {
+        delay: Duration,
+        reason: Reason,
+        limit: String,
+    },
+}
+
+struct Buckets {
+    state: kv::Store,
+    slots: kv::Store,
+}
+
+/// A worker's view of its queue's limits, kept current by a KV watch.
+pub(crate) struct Gate {
+    queue: String,
+    holder: String,
+    defs: RwLock<HashMap<String, LimitDef>>,
+    buckets: RwLock<Option<Arc<Buckets>>>,
+    renew_every: Duration,
+    /// True once the definitions stored when the worker started have been read: until
+    /// then nothing is admitted (a fresh worker must not start a singleton's second task).
+    ready: tokio::sync::watch::Sender<bool>,
+}
+
+fn micros() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+}
+
+fn hex(s: &str) -> String {
+    s.bytes().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The KV key of a limit's bucket for a task: `<queue>.<limit>.all` or
+/// `<queue>.<limit>.k<hex of the limit key>`.
+pub(crate) fn bucket_key(def: &LimitDef, limit_key: Option<&str>) -> String {
+    match (def.per_key, limit_key) {
+        (true, Some(k)) => format!("{}.{}.k{}", def.queue, def.name, hex(k)),
+        _ => format!("{}.{}.all", def.queue, def.name),
+    }
+    // (A `key` limit has one bucket: `.all`, as only tasks of that key reach it.)
+}
+
+impl Gate {
+    /// A gate for `queue` that follows the limit definitions from now on (waiting for the
+    /// buckets, with one log line, if they do not exist yet).
+    pub(crate) fn start(
+        js: jetstream::Context,
+        queue: &str,
+        holder: String,
+        renew_every: Duration,
+        shutdown: CancellationToken,
+    ) -> Arc<Gate> {
+        let gate = Arc::new(Gate {
+            queue: queue.to_string(),
+            holder,
+            defs: RwLock::new(HashMap::new()),
+            buckets: RwLock::new(None),
+            renew_every,
+            ready: tokio::sync::watch::channel(false).0,
+        });
+        tokio::spawn(gate.clone().follow(js, shutdown));
+        gate
+    }
+
+    async fn follow(self: Arc<Gate>, js: jetstream::Context, shutdown: CancellationToken) {
+        loop {
+            let opened = crate::retry::until_ok(
+                "the limit buckets (AX_LIMITS, AX_LIMIT_STATE, AX_LIMIT_SLOTS)",
+                &shutdown,
+                || async {
+                    let defs = js
+                        .get_key_value(LIMITS_BUCKET)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    let state = js
+                        .get_key_value(LIMIT_STATE_BUCKET)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    let slots = js
+                        .get_key_value(LIMIT_SLOTS_BUCKET)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    let filter = format!("{}.>", self.queue);
+                    let watch = defs
+                        .watch_with_history(&filter)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    // Nothing stored for this queue: the watch will deliver nothing to
+                    // wait for, so the gate is ready at once.
+                    let mut stored = defs
+                        .stream
+                        .info_with_subjects(format!("$KV.{LIMITS_BUCKET}.{filter}"))
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    let none = stored.next().await.is_none();
+                    Ok::<_, String>((watch, Buckets { state, slots }, none))
+                },
+            )
+            .await;
+            let Some((mut watch, buckets, none)) = opened else {
+                return;
+            };
+            *self.buckets.write().expect("not poisoned") = Some(Arc::new(buckets));
+            if none {
+                self.ready.send_replace(true);
+            }
+            loop {
+                let entry = tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    entry = watch.next() => entry,
+                };
+                let Some(Ok(entry)) = entry else {
+                    warn!(queue = %self.queue, "limit definitions: watch ended; following again");
+                    break;
+                };
+                let caught_up = entry.delta == 0;
+                let mut defs = self.defs.write().expect("not poisoned");
+                let def = (entry.operation == kv::Operation::Put)
+                    .then(|| serde_json::from_slice::<LimitDef>(&entry.value).ok())
+                    .flatten()
+                    .filter(|d| d.validate().is_ok() && d.queue == self.queue);
+                match def {
+                    Some(def) => {
+                        info!(queue = %self.queue, limit = %def.name, rate = ?def.rate,
+                            concurrency = ?def.concurrency, per_key = def.per_key, "limit in force");
+                        defs.insert(entry.key.clone(), def);
+                    }
+                    None => {
+                        if defs.remove(&entry.key).is_some() {
+                            info!(queue = %self.queue, key = %entry.key, "limit removed");
+                        }
+                    }
+                }
+                drop(defs);
+                if caught_up {
+                    self.ready.send_replace(true);
+                }
+            }
+        }
+    }
+
+    /// The limits that apply to a task, most specific first.
+    fn applicable(&self, meta: &TaskMeta) -> Vec<LimitDef> {
+        let defs = self.defs.read().expect("not poisoned");
+        let mut found: Vec<LimitDef> = defs
+            .values()
+            .filter(|d| d.applies(&meta.name, meta.limit_key.as_deref()))
+            .cloned()
+            .collect();
+        found.sort_by_key(|d| {
+            std::cmp::Reverse((
+                u8::from(d.per_key),
+                u8::from(d.task.is_some()),
+                d.name.clone(),
+            ))
+        });
+        found
+    }
+
+    /// Decides whether a delivery of `meta` (its `delivered`-th) may start now.
+    pub(crate) async fn admit(&self, meta: &TaskMeta, delivered: i64) -> Admit {
+        if !*self.ready.borrow() {
+            let mut ready = self.ready.subscribe();
+            let waited = tokio::time::timeout(Duration::from_secs(2), ready.wait_for(|r| *r)).await;
+            if !matches!(waited, Ok(Ok(_))) {
+                return Admit::Wait {
+                    delay: Duration::from_secs(1),
+                    reason: Reason::Unavailable,
+                    limit: String::new(),
+                };
+            }
+        }
+        let limits = self.applicable(meta);
+        if limits.is_empty() {
+            return Admit::Go(Vec::new());
+        }
+        let Some(buckets) = self.buckets.read().expect("not poisoned").clone() else {
+            return Admit::Wait {
+                delay: Duration::from_secs(1),
+                reason: Reason::Unavailable,
+                limit: String::new(),
+            };
+        };
+        let key = meta.limit_key.as_deref();
+        for def in limits.iter().filter(|d| d.rate.is_some()) {
+            if let Err(delay) = self.take_token(&buckets.state, def, key).await {
+                return Admit::Wait {
+                    delay,
+                    reason: Reason::RateLimit,
+                    limit: def.name.clone(),
+                };
+            }
+        }
+        let mut held = Vec::new();
+        for def in limits.iter().filter(|d| d.concurrency.is_some()) {
+            match self.take_slot(&buckets.slots, def, key).await {
+                Ok(Some(slot)) => held.push(slot),
+                Ok(None) => {
+                    drop(held); // never keep a slot while waiting
+                    return Admit::Wait {
+                        delay: slot_delay(delivered),
+                        reason: Reason::Concurrency,
+                        limit: def.name.clone(),
+                    };
+                }
+                Err(()) => {
+                    drop(held);
+                    return Admit::Wait {
+                        delay: Duration::from_secs(1),
+                        reason: Reason::Unavailable,
+                        limit: def.name.clone(),
+                    };
+                }
+            }
+        }
+        Admit::Go(held)
+    }
+
+    /// Takes one token of `def`'s bucket, or says how long until one is due (with jitter,
+    /// so that many waiting tasks do not all come back at once).
+    async fn take_token(
+        &self,
+        state: &kv::Store,
+        def: &LimitDef,
+        limit_key: Option<&str>,
+    ) -> Result<(), Duration> {
+        let rate = def.rate.unwrap_or(1.0);
+        let interval = (1_000_000.0 / rate).max(1.0) as u64;
+        let burst = def.burst();
+        let key = bucket_key(def, limit_key);
+        for _ in 0..CAS_TRIES {
+            let entry = match state.entry(&key).await {
+                Ok(e) => e,
+                Err(e) => {
+                    warn!(limit = %def.name, cause = %e, "limit state unreadable; the task waits");
+                    return Err(Duration::from_secs(1));
+                }
+            };
+            let (tat, rev) = match &entry {
+                Some(e) if e.operation == kv::Operation::Put => (
+                    std::str::from_utf8(&e.value)
+                        .ok()
+                        .and_then(|t| t.parse::<u64>().ok()),
+                    Some(e.revision),
+                ),
+                Some(e) => (None, Some(e.revision)),
+                None => (None, None),
+            };
+            let now = micros();
+            match gcra::take(tat, now, interval, burst) {
+                Err(wait_us) => {
+                    if !def.per_key {
+                        metrics::gauge!(m::LIMIT_TOKENS, "queue" => def.queue.clone(), "limit" => def.name.clone())
+                            .set(0.0);
+                    }
+                    let spread = rand::rng().random_range(0..=interval.saturating_mul(4));
+                    return Err(Duration::from_micros(wait_us + spread));
+                }
+                Ok(next) => {
+                    let body = Bytes::from(next.to_string());
+                    let stored = match rev {
+                        Some(rev) => state.update(&key, body, rev).await.is_ok(),
+                        None => state.create(&key, body).await.is_ok(),
+                    };
+                    if stored {
+                        if !def.per_key {
+                            metrics::gauge!(m::LIMIT_TOKENS, "queue" => def.queue.clone(), "limit" => def.name.clone())
+                                .set(gcra::tokens(next, now, interval, burst));
+                        }
+                        return Ok(());
+                    }
+                }
+            }
+        }
+        Err(Duration::from_micros(interval))
+    }
+
+    /// Takes a free slot of `def`'s cap, trying them from a random one; `None` if all are
+    /// held.
+    async fn take_slot(
+        &self,
+        slots: &kv::Store,
+        def: &LimitDef,
+        limit_key: Option<&str>,
+    ) -> Result<Option<Slot>, ()> {
+        let cap = def.concurrency.unwrap_or(1);
+        let base = bucket_key(def, limit_key);
+        let start = rand::rng().random_range(0..cap);
+        let value = Bytes::from(self.holder.clone());
+        for j in 0..cap {
+            let key = format!("{base}.{}", (start + j) % cap);
+            match slots.create(&key, value.clone()).await {
+                Ok(rev) => {
+                    return Ok(Some(Slot::hold(
+                        slots.clone(),
+                        key,
+                        rev,
+                        value,
+                        self.renew_every,
+                        (def.queue.clone(), def.name.clone()),
+                    )))
+                }
+                Err(e) if crate::state::create_lost(&e) => continue,
+                Err(e) => {
+                    warn!(limit = %def.name, cause = %e, "limit slots unreadable; the task waits");
+                    return Err(());
+                }
+            }
+        }
+        Ok(None)
+    }
+}
+
+/// How long a delivery waits for a concurrency slot: 250 ms more per delivery so far, at
+/// most 2 s, shortened by up to 20 %.
+fn slot_delay(delivered: i64) -> Duration {
+    let base = Duration::from_millis(250).saturating_mul(delivered.clamp(1, 8) as u32);
+    base.mul_f64(1.0 - rand::rng().random_range(0.0..0.2))
+}
+
+/// A held concurrency slot: rewritten every heartbeat (compare-and-set, so a slot that
+/// expired and was taken by another is not taken back), deleted when dropped.
+pub(crate) struct Slot {
+    slots: kv::Store,
+    key: String,
+    rev: Arc<AtomicU64>,
+    renew: tokio::task::JoinHandle<()>,
+    labels: (String, String),
+}
+
+impl Slot {
+    fn hold(
+        slots: kv::Store,
+        key: String,
+        rev: u64,
+        value: Bytes,
+        every: Duration,
+        labels: (String, String),
+    ) -> Slot {
+        let rev = Arc::new(AtomicU64::new(rev));
+        let renew = tokio::spawn({
+            let (slots, key, rev) = (slots.clone(), key.clone(), rev.clone());
+            async move {
+                loop {
+                    tokio::time::sleep(every).await;
+                    match slots
+                        .update(&key, value.clone(), rev.load(Ordering::SeqCst))
+                        .await
+                    {
+                        Ok(new) => rev.store(new, Ordering::SeqCst),
+                        Err(e) => {
+                            warn!(slot = %key, cause = %e, "concurrency slot lost (expired and taken, or unreachable)");
+                            return;
+                        }
+                    }
+                }
+            }
+        });
+        metrics::gauge!(m::LIMIT_SLOTS_HELD, "queue" => labels.0.clone(), "limit" => labels.1.clone())
+            .increment(1.0);
+        Slot {
+            slots,
+            key,
+            rev,
+            renew,
+            labels,
+        }
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.renew.abort();
+        metrics::gauge!(m::LIMIT_SLOTS_HELD, "queue" => self.labels.0.clone(), "limit" => self.labels.1.clone())
+            .decrement(1.0);
+        let (slots, key, rev) = (
+            self.slots.clone(),
+            self.key.clone(),
+            self.rev.load(Ordering::SeqCst),
+        );
+        tokio::spawn(async move {
+            // Only if it is still ours; a failure leaves it to expire.
+            let _ = slots.delete_expect_revision(&key, Some(rev)).await;
+        });
+    }
+}

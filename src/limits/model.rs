@@ -1,0 +1,157 @@
+//! Limit definitions (`AX_LIMITS`, key `<queue>.<name>`), checked before they are stored.
+
+use crate::error::WireError;
+use crate::names;
+use serde::{Deserialize, Serialize};
+
+/// Most tasks per second a rate may allow.
+pub const MAX_RATE: f64 = 100_000.0;
+/// Largest concurrency cap (each slot is a KV key; taking one tries free slots in turn).
+pub const MAX_CONCURRENCY: u32 = 1_000;
+
+/// A limit on the tasks of one queue: all of them, those of one task name, or — with
+/// `per_key` — each `limit_key` value separately (tasks without a key are not limited by
+/// a per-key limit). A rate counts attempt *starts* (retries included) per second, with
+/// `burst` starts allowed at once; a concurrency cap counts attempts *running* at once
+/// (each holds a slot from its start to its end; a slot whose holder stops heartbeating is
+/// freed after the queue's ack wait).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitDef {
+    /// Name, unique in its queue: 1..=64 of `A-Z a-z 0-9 _ -`.
+    pub name: String,
+    /// The queue it limits.
+    pub queue: String,
+    /// Only tasks of this name (default: every task of the queue).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub task: Option<String>,
+    /// One limit per `limit_key` value instead of one for all matching tasks.
+    #[serde(default)]
+    pub per_key: bool,
+    /// Only tasks with this `limit_key` (one hot customer, say).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
+    /// Starts per second (> 0, at most 100,000).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate: Option<f64>,
+    /// Starts allowed at once above the rate (default: the rate rounded up, at least 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub burst: Option<u32>,
+    /// Attempts running at once (1 = a singleton; at most 1,000).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub concurrency: Option<u32>,
+}
+
+impl LimitDef {
+    /// Its key in `AX_LIMITS`.
+    pub fn key(&self) -> String {
+        format!("{}.{}", self.queue, self.name)
+    }
+
+    /// The burst in force.
+    pub fn burst(&self) -> u32 {
+        self.burst
+            .unwrap_or_else(|| self.rate.map_or(1, |r| r.ceil().max(1.0) as u32))
+    }
+
+    /// True if the limit applies to a task of `name` with `limit_key`.
+    pub fn applies(&self, name: &str, limit_key: Option<&str>) -> bool {
+        self.task.as_deref().is_none_or(|t| t == name)
+            && (!self.per_key || limit_key.is_some())
+            && self.key.as_deref().is_none_or(|k| Some(k) == limit_key)
+    }
+
+    /// Checks every field; the error names it.
+    pub fn validate(&self) -> Result<(), WireError> {
+        if !names::valid_token(&self.name, 64) {
+            return Err(WireError::field(
+                "name",
+                "must be 1..=64 of A-Z a-z 0-9 _ -",
+            ));
+        }
+        if !names::valid_queue(&self.queue) {
+            return Err(WireError::field("queue", "a valid queue is required"));
+        }
+        if let Some(task) = &self.task {
+            if task.is_empty() || task.len() > 128 {
+                return Err(WireError::field("task", "a task name, 1..=128 bytes"));
+            }
+        }
+        if let Some(key) = &self.key {
+            if self.per_key || !crate::task::valid_limit_key(key) {
+                return Err(WireError::field(
+                    "key",
+                    "a limit key (1..=128 of A-Z a-z 0-9 _ - . : @), not with per_key",
+                ));
+            }
+        }
+        match self.rate {
+            Some(r) if !(r > 0.0 && r <= MAX_RATE) => {
+                return Err(WireError::field(
+                    "rate",
+                    "starts per second, > 0 and at most 100000",
+                ))
+            }
+            _ => {}
+        }
+        if self.burst == Some(0) || (self.burst.is_some() && self.rate.is_none()) {
+            return Err(WireError::field(
+                "burst",
+                "at least 1, and only with a rate",
+            ));
+        }
+        match self.concurrency {
+            Some(c) if c == 0 || c > MAX_CONCURRENCY => {
+                return Err(WireError::field("concurrency", "1..=1000"))
+            }
+            _ => {}
+        }
+        if self.rate.is_none() && self.concurrency.is_none() {
+            return Err(WireError::field(
+                "rate",
+                "give a rate, a concurrency, or both",
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn def(v: serde_json::Value) -> LimitDef {
+        serde_json::from_value(v).unwrap()
+    }
+
+    #[test]
+    fn limits_are_checked_by_field_and_match_tasks() {
+        let ok = def(json!({"name": "c", "queue": "q", "per_key": true, "rate": 2.5}));
+        assert!(ok.validate().is_ok());
+        assert_eq!(ok.burst(), 3);
+        assert!(ok.applies("any", Some("k")) && !ok.applies("any", None));
+        let named = def(json!({"name": "s", "queue": "q", "task": "send", "concurrency": 1}));
+        assert!(named.applies("send", None) && !named.applies("other", None));
+        let one = def(json!({"name": "h", "queue": "q", "key": "hot", "rate": 20.0}));
+        assert!(one.applies("x", Some("hot")) && !one.applies("x", Some("cold")));
+        let field = |v| def(v).validate().unwrap_err().field.unwrap();
+        assert_eq!(field(json!({"name": "x", "queue": "q"})), "rate");
+        assert_eq!(
+            field(json!({"name": "x", "queue": "q", "rate": 0.0})),
+            "rate"
+        );
+        assert_eq!(
+            field(json!({"name": "x", "queue": "q", "concurrency": 0})),
+            "concurrency"
+        );
+        assert_eq!(
+            field(json!({"name": "x", "queue": "q", "concurrency": 2, "burst": 3})),
+            "burst"
+        );
+        assert_eq!(
+            field(json!({"name": "x y", "queue": "q", "rate": 1.0})),
+            "name"
+        );
+    }
+}
