@@ -65,6 +65,9 @@ pub const FLOW_STEP_LATENCY: &str = "ax_flow_step_latency_seconds";
 /// Counter, worker `{queue, limit, reason}`: deliveries handed back by a limit
 /// (`rate_limit`, `concurrency`, `limits_unavailable`); no attempt is counted.
 pub const LIMIT_WAITS: &str = "ax_limit_waits_total";
+/// Histogram, worker `{queue}`: seconds from a task first seen waiting for a limit to its
+/// attempt's start.
+pub const LIMIT_WAIT: &str = "ax_limit_wait_seconds";
 /// Gauge, worker `{queue, limit}`: concurrency slots this worker holds.
 pub const LIMIT_SLOTS_HELD: &str = "ax_limit_slots_held";
 /// Gauge, worker `{queue, limit}`: tokens left in a rate limit's bucket when this worker
@@ -118,6 +121,11 @@ pub fn describe() {
     describe_histogram!(QUEUE_WAIT, Unit::Seconds, "Ready to attempt start");
     describe_counter!(LIMIT_WAITS, "Deliveries handed back by a limit, by reason");
     describe_gauge!(LIMIT_SLOTS_HELD, "Concurrency slots this worker holds");
+    describe_histogram!(
+        LIMIT_WAIT,
+        Unit::Seconds,
+        "First seen waiting for a limit to start"
+    );
     describe_gauge!(LIMIT_TOKENS, "Tokens left in a rate limit's bucket");
     describe_counter!(FLOW_RUNS_STARTED, "Flow runs started, by flow");
     describe_counter!(FLOW_RUNS_ENDED, "Flow runs ended, by flow and final state");

@@ -264,6 +264,15 @@ async fn process(
     reply(msg, AckKind::Nak(Some(BROKER_RETRY))).await;
 }
 
+/// Observes how long a task starting now waited for a limit (from its record's
+/// `waiting.since_ms`).
+fn observe_limit_wait(sh: &Shared, found: Option<&(TaskRecord, u64)>) {
+    if let Some(w) = found.and_then(|(rec, _)| rec.waiting.as_ref()) {
+        metrics::histogram!(m::LIMIT_WAIT, "queue" => sh.queue.clone())
+            .record(now_ms().saturating_sub(w.since_ms) as f64 / 1000.0);
+    }
+}
+
 /// Writes why a task waits into its record (`waiting`), so an operator sees why it has
 /// not started; cleared by the transition that starts it. Best effort.
 async fn note_waiting(sh: &Shared, meta: &TaskMeta, reason: Reason, limit: &str) {
@@ -313,7 +322,11 @@ async fn claim(sh: &Shared, meta: &TaskMeta, msg: &jetstream::Message) -> Claim 
         }
     };
     let revision = found.as_ref().map_or(0, |(_, rev)| *rev);
-    match decide(found.as_ref().map(|(rec, _)| rec), meta, delivery) {
+    let decision = decide(found.as_ref().map(|(rec, _)| rec), meta, delivery);
+    if matches!(decision, Decision::Start { .. }) {
+        observe_limit_wait(sh, found.as_ref());
+    }
+    match decision {
         Decision::Create(rec) => match sh.tasks.create(&rec).await {
             Ok(_) | Err(StateError::Exists(_)) => Claim::Again,
             Err(e) => {

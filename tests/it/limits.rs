@@ -155,6 +155,25 @@ async fn a_rate_limited_key_stays_within_its_rate_while_another_key_runs_at_full
     .await;
     let hot = submit_keyed(&env, 100, "t", "hot", 5).await;
     let cold = submit_keyed(&env, 400, "t", "cold", 5).await;
+    // A waiting task says why in its record.
+    crate::support::eventually(
+        Duration::from_secs(10),
+        "a hot task's record to say it waits",
+        || async {
+            for id in hot.iter().rev().take(20) {
+                let (rec, _) = env.ax.task(id).await.ok()??;
+                if rec
+                    .waiting
+                    .as_ref()
+                    .is_some_and(|w| w.reason == "rate_limit" && w.limit == "hot")
+                {
+                    return Some(());
+                }
+            }
+            None
+        },
+    )
+    .await;
     all_done(&env, &cold, Duration::from_secs(30)).await;
     all_done(&env, &hot, Duration::from_secs(60)).await;
     let runs = runs(&w.journals);
@@ -208,8 +227,15 @@ async fn concurrency_caps_per_key_and_a_singleton_are_never_exceeded() {
         json!({"name": "one", "queue": "q", "task": "single", "concurrency": 1}),
     )
     .await;
+    // A ceiling over the per-key caps: 3 per key cannot become 3 × keys.
+    set(
+        &env,
+        json!({"name": "ceiling", "queue": "q", "task": "t", "concurrency": 5}),
+    )
+    .await;
     let a = submit_keyed(&env, 24, "t", "a", 150).await;
     let b = submit_keyed(&env, 24, "t", "b", 150).await;
+    let c = submit_keyed(&env, 24, "t", "c", 150).await;
     let mut single = Vec::new();
     for _ in 0..8 {
         single.push(
@@ -222,6 +248,7 @@ async fn concurrency_caps_per_key_and_a_singleton_are_never_exceeded() {
     }
     all_done(&env, &a, Duration::from_secs(60)).await;
     all_done(&env, &b, Duration::from_secs(60)).await;
+    all_done(&env, &c, Duration::from_secs(60)).await;
     all_done(&env, &single, Duration::from_secs(60)).await;
     let runs = runs(&w.journals);
     let overlap = |ids: &[String]| max_overlap(ids.iter().filter_map(|id| runs.get(id).copied()));
@@ -235,8 +262,12 @@ async fn concurrency_caps_per_key_and_a_singleton_are_never_exceeded() {
         3,
         "key b: at most 3 at once, and the cap is reached"
     );
-    let both: Vec<String> = a.iter().chain(&b).cloned().collect();
-    assert!(overlap(&both) > 3, "two keys run side by side");
+    let keys: Vec<String> = a.iter().chain(&b).chain(&c).cloned().collect();
+    let all = overlap(&keys);
+    assert!(
+        all > 3 && all <= 5,
+        "{all} at once: keys run side by side, under the ceiling of 5"
+    );
     assert_eq!(overlap(&single), 1, "the singleton ran one at a time");
     drop(w);
 }
@@ -264,7 +295,11 @@ async fn a_killed_worker_frees_its_slot_within_the_ack_wait() {
     crate::support::eventually(
         Duration::from_secs(10),
         "the long task to start on worker a",
-        || async { runs_started(std::slice::from_ref(&ja)).contains(&long).then_some(()) },
+        || async {
+            runs_started(std::slice::from_ref(&ja))
+                .contains(&long)
+                .then_some(())
+        },
     )
     .await;
     let next = env
