@@ -26,6 +26,24 @@ use tracing::{info, warn};
 
 /// Most compare-and-set tries for one token before the delivery is handed back.
 const CAS_TRIES: usize = 8;
+/// How long tokens a worker took in a batch stay usable (unused ones are dropped: never
+/// more starts than allowed, at most this much later than their token).
+const BATCH_LIFETIME: Duration = Duration::from_millis(10);
+
+/// Tokens this worker holds for one bucket.
+struct LocalBucket {
+    tokens: u32,
+    taken_at: std::time::Instant,
+}
+
+impl Default for LocalBucket {
+    fn default() -> Self {
+        LocalBucket {
+            tokens: 0,
+            taken_at: std::time::Instant::now(),
+        }
+    }
+}
 
 /// Why a delivery waits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -72,6 +90,9 @@ pub(crate) struct Gate {
     /// True once the definitions stored when the worker started have been read: until
     /// then nothing is admitted (a fresh worker must not start a singleton's second task).
     ready: tokio::sync::watch::Sender<bool>,
+    /// Per bucket: this worker's batch of tokens, and the lock that makes its takes of
+    /// one bucket go one at a time.
+    local: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<LocalBucket>>>>,
 }
 
 fn micros() -> u64 {
@@ -111,6 +132,7 @@ impl Gate {
             buckets: RwLock::new(None),
             renew_every,
             ready: tokio::sync::watch::channel(false).0,
+            local: Default::default(),
         });
         tokio::spawn(gate.clone().follow(js, shutdown));
         gate
@@ -270,8 +292,13 @@ impl Gate {
         Admit::Go(held)
     }
 
-    /// Takes one token of `def`'s bucket, or says how long until one is due (with jitter,
-    /// so that many waiting tasks do not all come back at once).
+    /// Takes one token of `def`'s bucket, or says how long until one is due, plus a random
+    /// spread of up to 4 intervals (so a backlog does not come back all at one instant;
+    /// spreading it further was measured: it left tokens unused, 0.65–0.76 of the rate). Within this worker the
+    /// takes of one bucket go one at a time, and each read-and-write fetches a small batch
+    /// (up to 10 ms of the rate, at most 64, never more than the burst allows) kept for
+    /// 10 ms: so a busy bucket costs one compare-and-set per batch, not a storm of
+    /// conflicting ones.
     async fn take_token(
         &self,
         state: &kv::Store,
@@ -282,6 +309,19 @@ impl Gate {
         let interval = (1_000_000.0 / rate).max(1.0) as u64;
         let burst = def.burst();
         let key = bucket_key(def, limit_key);
+        let local = {
+            let mut all = self.local.lock().expect("not poisoned");
+            if all.len() > 10_000 {
+                all.retain(|_, b| Arc::strong_count(b) > 1);
+            }
+            all.entry(key.clone()).or_default().clone()
+        };
+        let mut local = local.lock().await;
+        if local.tokens > 0 && local.taken_at.elapsed() < BATCH_LIFETIME {
+            local.tokens -= 1;
+            return Ok(());
+        }
+        let want = ((rate * BATCH_LIFETIME.as_secs_f64()).ceil() as u32).clamp(1, 64);
         for _ in 0..CAS_TRIES {
             let entry = match state.entry(&key).await {
                 Ok(e) => e,
@@ -301,7 +341,7 @@ impl Gate {
                 None => (None, None),
             };
             let now = micros();
-            match gcra::take(tat, now, interval, burst) {
+            match gcra::take_up_to(tat, now, interval, burst, want) {
                 Err(wait_us) => {
                     if !def.per_key {
                         metrics::gauge!(m::LIMIT_TOKENS, "queue" => def.queue.clone(), "limit" => def.name.clone())
@@ -310,7 +350,7 @@ impl Gate {
                     let spread = rand::rng().random_range(0..=interval.saturating_mul(4));
                     return Err(Duration::from_micros(wait_us + spread));
                 }
-                Ok(next) => {
+                Ok((got, next)) => {
                     let body = Bytes::from(next.to_string());
                     let stored = match rev {
                         Some(rev) => state.update(&key, body, rev).await.is_ok(),
@@ -321,6 +361,8 @@ impl Gate {
                             metrics::gauge!(m::LIMIT_TOKENS, "queue" => def.queue.clone(), "limit" => def.name.clone())
                                 .set(gcra::tokens(next, now, interval, burst));
                         }
+                        local.tokens = got - 1;
+                        local.taken_at = std::time::Instant::now();
                         return Ok(());
                     }
                 }

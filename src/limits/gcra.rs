@@ -15,6 +15,27 @@ pub fn take(tat_us: Option<u64>, now_us: u64, interval_us: u64, burst: u32) -> R
     }
 }
 
+/// Takes up to `want` tokens at once (a worker's batch): how many it got and the new TAT,
+/// or how long to wait for one (µs). Taking `k` is allowed when the `k`-th would be: the
+/// TAT moves `k` intervals on.
+pub fn take_up_to(
+    tat_us: Option<u64>,
+    now_us: u64,
+    interval_us: u64,
+    burst: u32,
+    want: u32,
+) -> Result<(u32, u64), u64> {
+    let tat = tat_us.unwrap_or(now_us).max(now_us);
+    let tolerance = interval_us.saturating_mul(u64::from(burst.max(1)) - 1);
+    let ahead = tat - now_us;
+    if ahead > tolerance {
+        return Err(ahead - tolerance);
+    }
+    let available = (tolerance - ahead) / interval_us.max(1) + 1;
+    let got = available.min(u64::from(want.max(1))) as u32;
+    Ok((got, tat + interval_us * u64::from(got)))
+}
+
 /// Tokens left at `now` (for the gauge): `burst − ceil((TAT − now) / interval)`, ≥ 0.
 pub fn tokens(tat_us: u64, now_us: u64, interval_us: u64, burst: u32) -> f64 {
     let ahead = tat_us.saturating_sub(now_us) as f64;
@@ -48,5 +69,20 @@ mod tests {
         assert!(passed <= 3 + 20, "{passed}");
         assert!(passed >= 20, "{passed}");
         assert_eq!(tokens(1_000_000, 1_000_000, interval, burst), 3.0);
+        // A batch takes what the burst allows, no more.
+        assert_eq!(
+            take_up_to(None, now, interval, burst, 10),
+            Ok((3, now + 3 * interval))
+        );
+        assert_eq!(
+            take_up_to(None, now, interval, burst, 2),
+            Ok((2, now + 2 * interval))
+        );
+        let full = Some(now + 3 * interval);
+        assert_eq!(take_up_to(full, now, interval, burst, 5), Err(interval));
+        assert_eq!(
+            take_up_to(full, now + interval, interval, burst, 5),
+            Ok((1, now + 4 * interval))
+        );
     }
 }

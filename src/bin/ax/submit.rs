@@ -39,6 +39,9 @@ pub(crate) struct SubmitArgs {
     /// Idempotency key.
     #[arg(long)]
     key: Option<String>,
+    /// The key per-key limits count this task under (`ax limits`).
+    #[arg(long)]
+    limit_key: Option<String>,
     /// Attempts in all.
     #[arg(long)]
     max_attempts: Option<u32>,
@@ -61,6 +64,7 @@ pub(crate) async fn run(args: SubmitArgs, conn: &Conn) -> Result<()> {
             || args.delay.is_some()
             || args.run_at.is_some()
             || args.key.is_some()
+            || args.limit_key.is_some()
             || args.max_attempts.is_some()
             || args.timeout.is_some()
         {
@@ -87,6 +91,9 @@ pub(crate) async fn run(args: SubmitArgs, conn: &Conn) -> Result<()> {
     }
     if let Some(k) = args.key {
         spec = spec.idempotency_key(k);
+    }
+    if let Some(k) = args.limit_key {
+        spec = spec.limit_key(k);
     }
     if let Some(n) = args.max_attempts {
         spec = spec.max_attempts(n);
