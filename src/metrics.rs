@@ -65,8 +65,8 @@ pub const FLOW_STEP_LATENCY: &str = "ax_flow_step_latency_seconds";
 /// Counter, worker `{queue, limit, reason}`: deliveries handed back by a limit
 /// (`rate_limit`, `concurrency`, `limits_unavailable`); no attempt is counted.
 pub const LIMIT_WAITS: &str = "ax_limit_waits_total";
-/// Histogram, worker `{queue}`: seconds from a task first seen waiting for a limit to its
-/// attempt's start.
+/// Histogram, worker `{queue, limit}`: seconds from a task first seen waiting for a limit
+/// to its attempt's start (`limit`: the one it last waited for).
 pub const LIMIT_WAIT: &str = "ax_limit_wait_seconds";
 /// Gauge, worker `{queue, limit}`: concurrency slots this worker holds.
 pub const LIMIT_SLOTS_HELD: &str = "ax_limit_slots_held";

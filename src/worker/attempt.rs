@@ -268,7 +268,7 @@ async fn process(
 /// `waiting.since_ms`).
 fn observe_limit_wait(sh: &Shared, found: Option<&(TaskRecord, u64)>) {
     if let Some(w) = found.and_then(|(rec, _)| rec.waiting.as_ref()) {
-        metrics::histogram!(m::LIMIT_WAIT, "queue" => sh.queue.clone())
+        metrics::histogram!(m::LIMIT_WAIT, "queue" => sh.queue.clone(), "limit" => w.limit.clone())
             .record(now_ms().saturating_sub(w.since_ms) as f64 / 1000.0);
     }
 }
