@@ -28,7 +28,7 @@ use tracing::{info, warn};
 const CAS_TRIES: usize = 8;
 /// How long tokens a worker took in a batch stay usable (unused ones are dropped: never
 /// more starts than allowed, at most this much later than their token).
-const BATCH_LIFETIME: Duration = Duration::from_millis(10);
+const BATCH_LIFETIME: Duration = Duration::from_millis(2);
 
 /// Tokens this worker holds for one bucket.
 struct LocalBucket {
@@ -296,8 +296,8 @@ impl Gate {
     /// spread of up to 4 intervals (so a backlog does not come back all at one instant;
     /// spreading it further was measured: it left tokens unused, 0.65–0.76 of the rate). Within this worker the
     /// takes of one bucket go one at a time, and each read-and-write fetches a small batch
-    /// (up to 10 ms of the rate, at most 64, never more than the burst allows) kept for
-    /// 10 ms: so a busy bucket costs one compare-and-set per batch, not a storm of
+    /// (up to 2 ms of the rate, at most 64, never more than the burst allows) kept for
+    /// 2 ms: so a busy bucket costs one compare-and-set per batch, not a storm of
     /// conflicting ones.
     async fn take_token(
         &self,

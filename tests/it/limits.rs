@@ -194,10 +194,12 @@ async fn a_rate_limited_key_stays_within_its_rate_while_another_key_runs_at_full
         span(&hot_starts) >= 4_000,
         "100 at 20/s after a burst of 5 take ≥ 4.75 s"
     );
+    // Not held up behind the hot key: far above its 20/s (a loaded machine still does
+    // hundreds per second here), while the hot key's starts were spread over ≥ 4 s.
+    let cold_rate = 400.0 * 1000.0 / span(&cold_starts).max(1) as f64;
     assert!(
-        span(&cold_starts) < span(&hot_starts) / 2,
-        "the cold key ran at full speed: {} ms vs {} ms",
-        span(&cold_starts),
+        cold_rate > 100.0,
+        "the cold key ran at {cold_rate:.0}/s (hot: {} ms for 100)",
         span(&hot_starts)
     );
     // Waiting counted no attempt.
