@@ -234,7 +234,7 @@ pub struct HeaderError {
     pub problem: &'static str,
 }
 
-fn valid_class(class: &str) -> bool {
+pub(crate) fn valid_class(class: &str) -> bool {
     !class.is_empty()
         && class.len() <= 64
         && class

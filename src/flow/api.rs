@@ -101,6 +101,16 @@ fn decode<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, WireError> {
     serde_json::from_slice(body).map_err(bad)
 }
 
+/// A flow name is checked before it is used as a KV key (an invalid key would be an
+/// `unavailable` broker error, not the caller's `invalid_field`).
+fn flow_name(name: &str, field: &str) -> Result<(), WireError> {
+    if crate::names::valid_token(name, 64) {
+        Ok(())
+    } else {
+        Err(WireError::field(field, "must be 1..=64 of A-Z a-z 0-9 _ -"))
+    }
+}
+
 impl FlowApi {
     pub(crate) async fn handle(&self, op: &str, body: &[u8]) -> Result<Value, WireError> {
         match op {
@@ -113,6 +123,7 @@ impl FlowApi {
             }
             "def" => {
                 let Named { name } = decode(body)?;
+                flow_name(&name, "name")?;
                 match self.store.def(&name).await.map_err(unavailable)? {
                     Some(def) => Ok(serde_json::to_value(def).expect("serializes")),
                     None => Err(not_found(format!("no flow {name:?}"))),
@@ -127,11 +138,13 @@ impl FlowApi {
             }
             "delete" => {
                 let Named { name } = decode(body)?;
+                flow_name(&name, "name")?;
                 self.store.delete_def(&name).await.map_err(unavailable)?;
                 Ok(json!({"name": name}))
             }
             "run" => {
                 let RunRequest { flow, input } = decode(body)?;
+                flow_name(&flow, "flow")?;
                 let def = self
                     .store
                     .def(&flow)
@@ -147,6 +160,9 @@ impl FlowApi {
             }
             "list" => {
                 let req: ListRequest = decode(body)?;
+                if let Some(flow) = &req.flow {
+                    flow_name(flow, "flow")?;
+                }
                 let mut runs = self.store.runs().await.map_err(unavailable)?;
                 runs.retain(|r| {
                     req.flow.as_ref().is_none_or(|f| *f == r.flow)

@@ -73,8 +73,11 @@ impl LimitDef {
             return Err(WireError::field("queue", "a valid queue is required"));
         }
         if let Some(task) = &self.task {
-            if task.is_empty() || task.len() > 128 {
-                return Err(WireError::field("task", "a task name, 1..=128 bytes"));
+            if !crate::task::valid_class(task) || task.len() > 128 {
+                return Err(WireError::field(
+                    "task",
+                    "a task name: 1..=128 of A-Z a-z 0-9 _ . : -",
+                ));
             }
         }
         if let Some(key) = &self.key {

@@ -288,20 +288,18 @@ impl Server {
         } else {
             None
         };
-        let flow_api = Arc::new(FlowApi {
+        let flow_api = FlowApi {
             admission: admission.clone(),
             store: FlowStore::open(&js).await?,
-        });
+        };
         let limit_api =
-            Arc::new(
-                LimitApi::open(admission.clone())
-                    .await
-                    .map_err(|e| StateError::Broker {
-                        id: "*".into(),
-                        op: "open the limits bucket",
-                        source: e,
-                    })?,
-            );
+            LimitApi::open(admission.clone())
+                .await
+                .map_err(|e| StateError::Broker {
+                    id: "*".into(),
+                    op: "open the limits bucket",
+                    source: e,
+                })?;
         let limit_subject = format!("{}*", names::LIMIT_API_PREFIX);
         let mut limit_requests = client
             .queue_subscribe(limit_subject.clone(), names::SERVER_QUEUE_GROUP.to_string())
@@ -377,6 +375,19 @@ impl Server {
 
         let permits = Arc::new(Semaphore::new(self.max_inflight_submits));
         let tracker = TaskTracker::new();
+        let apis = Arc::new(handle::Apis {
+            triggers: trigger_api,
+            flows: flow_api,
+            limits: limit_api,
+        });
+        // A management request (triggers, flows, limits) runs in the tracker on its slot.
+        let serve = |msg: async_nats::Message, permit: tokio::sync::OwnedSemaphorePermit| {
+            let (apis, client) = (apis.clone(), client.clone());
+            tracker.spawn(async move {
+                apis.handle(&client, msg).await;
+                drop(permit);
+            });
+        };
         let mut sched = std::pin::pin!(sched);
         let outcome = 'serve: loop {
             // A free handler slot first, so the request arms below never wait on one.
@@ -388,41 +399,17 @@ impl Server {
             tokio::select! {
                 _ = shutdown.cancelled() => break Ok(()),
                 done = &mut sched => break scheduler_ended(done),
-                msg = api_requests.next(), if trigger_api.is_some() => {
+                msg = api_requests.next(), if apis.triggers.is_some() => {
                     let Some(msg) = msg else { break Ok(()) };
-                    let api = trigger_api.clone().expect("checked");
-                    let client = client.clone();
-                    tracker.spawn(async move {
-                        handle::management_api("trigger", TRIGGER_API_PREFIX, &client, msg, |op, body| async move {
-                            api.handle(&op, &body).await
-                        })
-                        .await;
-                        drop(permit);
-                    });
+                    serve(msg, permit);
                 }
                 msg = limit_requests.next() => {
                     let Some(msg) = msg else { break Ok(()) };
-                    let api = limit_api.clone();
-                    let client = client.clone();
-                    tracker.spawn(async move {
-                        handle::management_api("limit", names::LIMIT_API_PREFIX, &client, msg, |op, body| async move {
-                            api.handle(&op, &body).await
-                        })
-                        .await;
-                        drop(permit);
-                    });
+                    serve(msg, permit);
                 }
                 msg = flow_requests.next() => {
                     let Some(msg) = msg else { break Ok(()) };
-                    let api = flow_api.clone();
-                    let client = client.clone();
-                    tracker.spawn(async move {
-                        handle::management_api("flow", names::FLOW_API_PREFIX, &client, msg, |op, body| async move {
-                            api.handle(&op, &body).await
-                        })
-                        .await;
-                        drop(permit);
-                    });
+                    serve(msg, permit);
                 }
                 msg = requests.next() => {
                     let Some(msg) = msg else { break Ok(()) };

@@ -267,6 +267,9 @@ async fn stored(js: &async_nats::jetstream::Context) -> u64 {
         "KV_AX_IDEMPOTENCY",
         "KV_AX_TRIGGERS",
         "KV_AX_TRIGGER_STATE",
+        "KV_AX_FLOWS",
+        "KV_AX_FLOW_RUNS",
+        "KV_AX_LIMITS",
     ] {
         let mut stream = js.get_stream(name).await.unwrap();
         sum += stream.info().await.unwrap().state.last_sequence;
@@ -395,6 +398,49 @@ async fn generated_requests_are_all_answered_and_refusals_store_nothing() {
                 serde_json::json!({"name": bad.clone()}),
             ));
         }
+        // Flows and limits: every name and key they take.
+        let flow_base = serde_json::json!({"name": "f", "steps": [
+            {"name": "a", "task": {"name": "t", "queue": "q"}},
+            {"name": "b", "needs": ["a"], "for_each": "a", "task": {"name": "t", "queue": "q"}}]});
+        for pointer in [
+            "/name",
+            "/steps/0/name",
+            "/steps/1/needs/0",
+            "/steps/1/for_each",
+            "/steps/0/task/name",
+            "/steps/0/task/queue",
+        ] {
+            let mut body = flow_base.clone();
+            *body.pointer_mut(pointer).unwrap() = bad.clone().into();
+            cases.push(("ax.flow.put".into(), body));
+        }
+        cases.push((
+            "ax.flow.run".into(),
+            serde_json::json!({"flow": bad.clone()}),
+        ));
+        for op in ["get", "cancel"] {
+            cases.push((
+                format!("ax.flow.{op}"),
+                serde_json::json!({"run": bad.clone()}),
+            ));
+        }
+        cases.push((
+            "ax.flow.rerun".into(),
+            serde_json::json!({"run": bad.clone(), "mode": "failed"}),
+        ));
+        let limit_base = serde_json::json!({"name": "l", "queue": "q", "task": "t", "key": "k",
+            "rate": 5.0});
+        for field in ["name", "queue", "task", "key"] {
+            let mut body = limit_base.clone();
+            body[field] = bad.clone().into();
+            cases.push(("ax.limit.put".into(), body));
+        }
+        for op in ["get", "delete"] {
+            cases.push((
+                format!("ax.limit.{op}"),
+                serde_json::json!({"queue": "q", "name": bad.clone()}),
+            ));
+        }
         for (subject, body) in cases {
             let text = body.to_string();
             let before = stored(&js).await;
@@ -448,9 +494,16 @@ async fn generated_requests_are_all_answered_and_refusals_store_nothing() {
                 submits.new_tree(&mut runner).unwrap().current(),
             )
         } else {
+            // Mostly triggers; every 6th request goes to the flow or the limits API with the
+            // same generated bodies (they must be answered, and refused without storing).
             let op = ops.new_tree(&mut runner).unwrap().current();
+            let api = match i % 12 {
+                5 => "flow",
+                11 => "limit",
+                _ => "trigger",
+            };
             (
-                format!("ax.trigger.{op}"),
+                format!("ax.{api}.{op}"),
                 triggers.new_tree(&mut runner).unwrap().current(),
             )
         };
