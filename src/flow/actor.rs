@@ -393,15 +393,12 @@ impl Actor {
     async fn step(&mut self) -> Result<Outcome, Fault> {
         loop {
             let cancel = self.run().cancel_requested;
-            let (def, parents, order) = (
-                self.run().def.clone(),
-                self.plan.parents.clone(),
-                self.plan.order.clone(),
-            );
+            // Disjoint fields: the definition and plan are read while the steps change.
+            let def = &self.run.as_ref().expect("loaded").0.def;
             let adv = advance(
-                &def,
-                &parents,
-                &order,
+                def,
+                &self.plan.parents,
+                &self.plan.order,
                 cancel,
                 &mut self.steps,
                 &self.progress,

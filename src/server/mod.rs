@@ -271,14 +271,17 @@ impl Server {
         }
         let admission =
             Arc::new(Admission::open(js.clone(), self.limits.clone(), &self.queues).await?);
-        let subject = "ax.submit.*".to_string();
-        let mut requests = client
-            .queue_subscribe(subject.clone(), names::SERVER_QUEUE_GROUP.to_string())
-            .await
-            .map_err(|source| ServerError::Subscribe {
-                subject: subject.clone(),
-                source,
-            })?;
+        // Every request subject is served in the queue group `ax`.
+        let subscribe = |subject: String| {
+            let client = client.clone();
+            async move {
+                client
+                    .queue_subscribe(subject.clone(), names::SERVER_QUEUE_GROUP.to_string())
+                    .await
+                    .map_err(|source| ServerError::Subscribe { subject, source })
+            }
+        };
+        let mut requests = subscribe("ax.submit.*".to_string()).await?;
         let trigger_api = if self.triggers {
             Some(Arc::new(TriggerApi {
                 admission: admission.clone(),
@@ -300,30 +303,9 @@ impl Server {
                     op: "open the limits bucket",
                     source: e,
                 })?;
-        let limit_subject = format!("{}*", names::LIMIT_API_PREFIX);
-        let mut limit_requests = client
-            .queue_subscribe(limit_subject.clone(), names::SERVER_QUEUE_GROUP.to_string())
-            .await
-            .map_err(|source| ServerError::Subscribe {
-                subject: limit_subject,
-                source,
-            })?;
-        let flow_subject = format!("{}*", names::FLOW_API_PREFIX);
-        let mut flow_requests = client
-            .queue_subscribe(flow_subject.clone(), names::SERVER_QUEUE_GROUP.to_string())
-            .await
-            .map_err(|source| ServerError::Subscribe {
-                subject: flow_subject,
-                source,
-            })?;
-        let api_subject = format!("{TRIGGER_API_PREFIX}*");
-        let mut api_requests = client
-            .queue_subscribe(api_subject.clone(), names::SERVER_QUEUE_GROUP.to_string())
-            .await
-            .map_err(|source| ServerError::Subscribe {
-                subject: api_subject,
-                source,
-            })?;
+        let mut limit_requests = subscribe(format!("{}*", names::LIMIT_API_PREFIX)).await?;
+        let mut flow_requests = subscribe(format!("{}*", names::FLOW_API_PREFIX)).await?;
+        let mut api_requests = subscribe(format!("{TRIGGER_API_PREFIX}*")).await?;
         let engine_token = shutdown.child_token();
         let engine = (self.triggers && self.trigger_engine).then(|| {
             tokio::spawn(
