@@ -25,6 +25,9 @@ pub enum ErrorCode {
     NotFound,
     /// A manual run was refused: the trigger's previous run is still running (S0-12).
     Running,
+    /// The task's state does not allow the operation (retrying a task that is not dead,
+    /// cancelling a finished one, ...).
+    Conflict,
 }
 
 impl ErrorCode {
@@ -39,6 +42,7 @@ impl ErrorCode {
             ErrorCode::Unavailable => "unavailable",
             ErrorCode::NotFound => "not_found",
             ErrorCode::Running => "running",
+            ErrorCode::Conflict => "conflict",
         }
     }
 
@@ -236,7 +240,7 @@ impl WireError {
             }
             ErrorCode::UnknownQueue | ErrorCode::NotFound => ErrorKind::NotFound,
             ErrorCode::Busy | ErrorCode::Unavailable => ErrorKind::Unavailable,
-            ErrorCode::Running => ErrorKind::Conflict,
+            ErrorCode::Running | ErrorCode::Conflict => ErrorKind::Conflict,
         }
     }
 }

@@ -38,6 +38,7 @@ mod lease;
 pub mod limits;
 pub mod metrics;
 pub mod names;
+pub mod ops;
 pub mod output;
 pub mod protocol;
 mod retry;

@@ -56,6 +56,12 @@ pub const FLOW_RUNS_STARTED: &str = "ax_flow_runs_started_total";
 /// Counter, server (the flow engine's leader) `{flow, state}`: flow runs that ended
 /// `succeeded`, `failed` or `cancelled`.
 pub const FLOW_RUNS_ENDED: &str = "ax_flow_runs_ended_total";
+/// Alerts published (`queue`, `kind`: `task_dead` / `flow_failed`).
+pub const ALERTS: &str = "ax_alerts_total";
+/// Terminal failures folded into an alert window instead of alerting (`queue`).
+pub const ALERTS_SUPPRESSED: &str = "ax_alerts_suppressed_total";
+/// Failures in a row per task name, reset by a success (`queue`, `task`).
+pub const CONSECUTIVE_FAILURES: &str = "ax_task_consecutive_failures";
 /// Gauge, server (the flow engine's leader): runs it is driving now.
 pub const FLOW_RUNS_ACTIVE: &str = "ax_flow_runs_active";
 /// Histogram, server (the flow engine's leader) `{flow}`: seconds from the last parent
@@ -129,6 +135,18 @@ pub fn describe() {
     describe_gauge!(LIMIT_TOKENS, "Tokens left in a rate limit's bucket");
     describe_counter!(FLOW_RUNS_STARTED, "Flow runs started, by flow");
     describe_counter!(FLOW_RUNS_ENDED, "Flow runs ended, by flow and final state");
+    describe_counter!(
+        ALERTS,
+        "Alerts published on terminal failures, by queue and kind"
+    );
+    describe_counter!(
+        ALERTS_SUPPRESSED,
+        "Terminal failures folded into an open alert window"
+    );
+    describe_gauge!(
+        CONSECUTIVE_FAILURES,
+        "Attempts of a task name that failed in a row (reset by a success)"
+    );
     describe_gauge!(FLOW_RUNS_ACTIVE, "Flow runs the engine's leader drives now");
     describe_histogram!(
         FLOW_STEP_LATENCY,

@@ -40,6 +40,20 @@ pub const LIMIT_SLOTS_BUCKET: &str = "AX_LIMIT_SLOTS";
 pub const LIMIT_API_PREFIX: &str = "ax.limit.";
 /// Subject prefix of the trigger management API: `ax.trigger.<op>`.
 pub const TRIGGER_API_PREFIX: &str = "ax.trigger.";
+/// KV bucket of alert windows (one key per queue, task name and error class).
+pub const ALERTS_BUCKET: &str = "AX_ALERTS";
+/// Stream keeping every task-state change (sourced from `KV_AX_TASKS`) for the retention
+/// period: the task-event history.
+pub const EVENTS_STREAM: &str = "AX_TASK_EVENTS";
+/// Subject prefix of the task operations API: `ax.task.<op>` (get, list, cancel, retry,
+/// replay, run_now, pause, resume, queues).
+pub const TASK_API_PREFIX: &str = "ax.task.";
+
+/// The subject on which a cancel reaches the workers of `queue`: `ax.cancel.<queue>`.
+pub fn cancel_subject(queue: &str) -> String {
+    format!("ax.cancel.{queue}")
+}
+
 /// Queue group the ax servers' request handlers join.
 pub const SERVER_QUEUE_GROUP: &str = "ax";
 

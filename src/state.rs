@@ -137,6 +137,25 @@ pub struct TaskRecord {
     /// of its bytes in `AX_RESULTS`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output: Option<crate::output::StoredOutput>,
+    /// `AX_DELAYED` sequence of a scheduled task's message (set at submit): "run now"
+    /// reads the message from there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delayed_seq: Option<u64>,
+    /// A ready message that "run now" replaced with a fresh copy: a delivery of it is
+    /// retired (Term) instead of starting an attempt early.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub superseded_seq: Option<u64>,
+    /// Set on a `running` record when an operator cancelled the task and no worker
+    /// answered the cancel signal: the next delivery records it `cancelled` unrun.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cancel_requested_at_ms: Option<u64>,
+    /// The last operator action on the task (`cancel`, `retry`, `run_now`), with who and
+    /// when.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub op: Option<OpNote>,
+    /// W3C trace context of the submit (`traceparent`), carried into every attempt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub traceparent: Option<String>,
     /// Why the task has not started yet, while a limit holds it back.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub waiting: Option<Waiting>,
@@ -144,6 +163,17 @@ pub struct TaskRecord {
     /// fields survive this one's writes (docs/PROTOCOL.md §3).
     #[serde(flatten)]
     pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+/// An operator action recorded on a task (`op` in its record).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OpNote {
+    /// `cancel`, `retry` or `run_now`.
+    pub op: String,
+    /// Who asked (the API caller's `by`, default `api`).
+    pub by: String,
+    /// When, ms since the epoch.
+    pub at_ms: u64,
 }
 
 /// Why a task waits (`waiting` in its record).

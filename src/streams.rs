@@ -17,7 +17,7 @@ use serde_json::Value;
 use std::time::Duration;
 
 /// The stream definitions, by file name.
-pub const STREAM_FILES: [(&str, &str); 16] = [
+pub const STREAM_FILES: [(&str, &str); 18] = [
     (
         "AX_READY_HIGH.json",
         include_str!("../streams/AX_READY_HIGH.json"),
@@ -78,6 +78,14 @@ pub const STREAM_FILES: [(&str, &str); 16] = [
     (
         "KV_AX_LIMIT_SLOTS.json",
         include_str!("../streams/KV_AX_LIMIT_SLOTS.json"),
+    ),
+    (
+        "KV_AX_ALERTS.json",
+        include_str!("../streams/KV_AX_ALERTS.json"),
+    ),
+    (
+        "AX_TASK_EVENTS.json",
+        include_str!("../streams/AX_TASK_EVENTS.json"),
     ),
 ];
 

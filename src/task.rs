@@ -311,6 +311,11 @@ impl TaskMeta {
             trigger_source: self.lineage.as_ref().map(|l| l.source.clone()),
             scheduled_at_ms: self.lineage.as_ref().map(|l| l.scheduled_at_ms),
             output: None,
+            delayed_seq: None,
+            superseded_seq: None,
+            cancel_requested_at_ms: None,
+            op: None,
+            traceparent: None,
             waiting: None,
             extra: Default::default(),
         }

@@ -36,6 +36,7 @@ pub(crate) struct Shared {
     pub(crate) admission: Arc<Admission>,
     pub(crate) store: FlowStore,
     pub(crate) results: ResultStore,
+    pub(crate) alerts: Option<crate::ops::alerts::Alerts>,
 }
 
 /// What the leader routes to a run's actor.
@@ -729,6 +730,9 @@ impl Actor {
         info!(run = %run.id, flow = %run.flow, state = %state, reason = %reason, "flow run ended");
         metrics::counter!(m::FLOW_RUNS_ENDED, "flow" => run.flow.clone(), "state" => state.as_str())
             .increment(1);
+        if let (RunState::Failed, Some(alerts)) = (state, &self.sh.alerts) {
+            alerts.flow_failed(&run, &reason, new).await;
+        }
         self.run = Some((run, new));
         Ok(())
     }

@@ -54,6 +54,7 @@ pub(crate) struct FlowEngine {
     pub(crate) admission: Arc<Admission>,
     pub(crate) lease_ttl: Duration,
     pub(crate) id: String,
+    pub(crate) alerts: Option<crate::ops::alerts::Alerts>,
 }
 
 enum Stop {
@@ -163,6 +164,7 @@ impl FlowEngine {
             admission: self.admission.clone(),
             store: store.clone(),
             results: results.clone(),
+            alerts: self.alerts.clone(),
         });
         let (ended_tx, mut ended_rx) = mpsc::unbounded_channel::<(String, u64)>();
         let mut actors: HashMap<String, Running> = HashMap::new();

@@ -30,6 +30,10 @@ const CAS_TRIES: usize = 8;
 /// more starts than allowed, at most this much later than their token).
 const BATCH_LIFETIME: Duration = Duration::from_millis(2);
 
+/// How long a delivery of a paused queue is handed back for (the worker stops fetching
+/// while paused; only deliveries already on their way meet this).
+const PAUSED_DELAY: Duration = Duration::from_secs(2);
+
 /// Tokens this worker holds for one bucket.
 struct LocalBucket {
     tokens: u32,
@@ -51,6 +55,7 @@ pub(crate) enum Reason {
     RateLimit,
     Concurrency,
     Unavailable,
+    Paused,
 }
 
 impl Reason {
@@ -59,6 +64,7 @@ impl Reason {
             Reason::RateLimit => "rate_limit",
             Reason::Concurrency => "concurrency",
             Reason::Unavailable => "limits_unavailable",
+            Reason::Paused => "paused",
         }
     }
 }
@@ -90,6 +96,8 @@ pub(crate) struct Gate {
     /// True once the definitions stored when the worker started have been read: until
     /// then nothing is admitted (a fresh worker must not start a singleton's second task).
     ready: tokio::sync::watch::Sender<bool>,
+    /// True while the queue is paused (key `<queue>.=paused` in `AX_LIMITS`).
+    paused: tokio::sync::watch::Sender<bool>,
     /// Per bucket: this worker's batch of tokens, and the lock that makes its takes of
     /// one bucket go one at a time.
     local: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<LocalBucket>>>>,
@@ -132,6 +140,7 @@ impl Gate {
             buckets: RwLock::new(None),
             renew_every,
             ready: tokio::sync::watch::channel(false).0,
+            paused: tokio::sync::watch::channel(false).0,
             local: Default::default(),
         });
         tokio::spawn(gate.clone().follow(js, shutdown));
@@ -190,6 +199,17 @@ impl Gate {
                     break;
                 };
                 let caught_up = entry.delta == 0;
+                if entry.key == super::pause_key(&self.queue) {
+                    let paused = entry.operation == kv::Operation::Put;
+                    if *self.paused.borrow() != paused {
+                        info!(queue = %self.queue, paused, "queue {}", if paused { "paused" } else { "resumed" });
+                    }
+                    self.paused.send_replace(paused);
+                    if caught_up {
+                        self.ready.send_replace(true);
+                    }
+                    continue;
+                }
                 let mut defs = self.defs.write().expect("not poisoned");
                 let def = (entry.operation == kv::Operation::Put)
                     .then(|| serde_json::from_slice::<LimitDef>(&entry.value).ok())
@@ -233,8 +253,26 @@ impl Gate {
         found
     }
 
+    /// True while the queue is paused.
+    pub(crate) fn paused(&self) -> bool {
+        *self.paused.borrow()
+    }
+
+    /// Returns once the queue is not paused (at once if it is not).
+    pub(crate) async fn wait_unpaused(&self) {
+        let mut paused = self.paused.subscribe();
+        let _ = paused.wait_for(|p| !*p).await;
+    }
+
     /// Decides whether a delivery of `meta` (its `delivered`-th) may start now.
     pub(crate) async fn admit(&self, meta: &TaskMeta, delivered: i64) -> Admit {
+        if self.paused() {
+            return Admit::Wait {
+                delay: PAUSED_DELAY,
+                reason: Reason::Paused,
+                limit: String::new(),
+            };
+        }
         if !*self.ready.borrow() {
             let mut ready = self.ready.subscribe();
             let waited = tokio::time::timeout(Duration::from_secs(2), ready.wait_for(|r| *r)).await;

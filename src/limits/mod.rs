@@ -13,3 +13,10 @@ pub mod gcra;
 pub mod model;
 
 pub use model::LimitDef;
+
+/// The `AX_LIMITS` key that pauses a queue while it exists: `<queue>.=paused` (`=` is
+/// never part of a limit name, so it cannot clash with one). Workers follow it with the
+/// limit definitions and stop taking the queue's tasks; submits are still accepted.
+pub fn pause_key(queue: &str) -> String {
+    format!("{queue}.=paused")
+}

@@ -122,18 +122,31 @@ pub(crate) async fn management_api<F, Fut>(
     .await;
 }
 
-/// The management APIs a server answers (`ax.trigger.*`, `ax.flow.*`, `ax.limit.*`).
+/// The management APIs a server answers (`ax.trigger.*`, `ax.flow.*`, `ax.limit.*`,
+/// `ax.task.*`).
 pub(crate) struct Apis {
     pub(crate) triggers: Option<std::sync::Arc<crate::trigger::api::TriggerApi>>,
     pub(crate) flows: crate::flow::api::FlowApi,
     pub(crate) limits: crate::limits::api::LimitApi,
+    pub(crate) tasks: crate::ops::actions::Ops,
 }
 
 impl Apis {
     /// Answers one management request, routed by its subject's prefix.
     pub(crate) async fn handle(&self, client: &async_nats::Client, msg: async_nats::Message) {
-        use crate::names::{FLOW_API_PREFIX, LIMIT_API_PREFIX, TRIGGER_API_PREFIX};
-        if msg.subject.starts_with(FLOW_API_PREFIX) {
+        use crate::names::{
+            FLOW_API_PREFIX, LIMIT_API_PREFIX, TASK_API_PREFIX, TRIGGER_API_PREFIX,
+        };
+        if msg.subject.starts_with(TASK_API_PREFIX) {
+            management_api(
+                "task",
+                TASK_API_PREFIX,
+                client,
+                msg,
+                |op, body| async move { self.tasks.handle(&op, &body).await },
+            )
+            .await
+        } else if msg.subject.starts_with(FLOW_API_PREFIX) {
             management_api(
                 "flow",
                 FLOW_API_PREFIX,

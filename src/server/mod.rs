@@ -94,6 +94,7 @@ pub struct Server {
     triggers: bool,
     trigger_engine: bool,
     flow_engine: bool,
+    alerts: crate::ops::AlertConfig,
     max_held_bytes: usize,
     lease_ttl: Duration,
     partition_ttl: Duration,
@@ -127,6 +128,7 @@ impl Default for ServerBuilder {
             triggers: true,
             trigger_engine: true,
             flow_engine: true,
+            alerts: Default::default(),
             max_held_bytes: 64 << 20,
             lease_ttl: Duration::from_secs(3),
             partition_ttl: Duration::from_millis(1500),
@@ -201,6 +203,12 @@ impl ServerBuilder {
     /// Off, the server still answers the flow API; another server drives the runs.
     pub fn flow_engine(mut self, on: bool) -> Self {
         self.0.flow_engine = on;
+        self
+    }
+    /// Alerts on terminal failures: dedup window, webhook, console link (default: 10 min
+    /// window, no webhook, no link). See [`crate::ops::AlertConfig`].
+    pub fn alerts(mut self, alerts: crate::ops::AlertConfig) -> Self {
+        self.0.alerts = alerts;
         self
     }
     /// Most payload and header bytes of delayed tasks held in memory ahead of their due
@@ -303,6 +311,25 @@ impl Server {
                     op: "open the limits bucket",
                     source: e,
                 })?;
+        let index_token = shutdown.child_token();
+        let alerts = crate::ops::alerts::Alerts::open(&js, self.alerts.clone())
+            .await
+            .map_err(|e| StateError::Broker {
+                id: "*".into(),
+                op: "open the alerts bucket",
+                source: e,
+            })?;
+        let (changes, dead) = tokio::sync::mpsc::channel(4096);
+        tokio::spawn(alerts.clone().follow(dead));
+        let task_index =
+            crate::ops::feed::TaskIndex::start(js.clone(), Some(changes), index_token.clone());
+        let ops = crate::ops::actions::Ops {
+            js: js.clone(),
+            tasks: crate::state::TaskStore::open(&js).await?,
+            limits: limit_api.defs.clone(),
+            index: task_index,
+        };
+        let mut task_requests = subscribe(format!("{}*", names::TASK_API_PREFIX)).await?;
         let mut limit_requests = subscribe(format!("{}*", names::LIMIT_API_PREFIX)).await?;
         let mut flow_requests = subscribe(format!("{}*", names::FLOW_API_PREFIX)).await?;
         let mut api_requests = subscribe(format!("{TRIGGER_API_PREFIX}*")).await?;
@@ -324,6 +351,7 @@ impl Server {
                     admission: admission.clone(),
                     lease_ttl: self.lease_ttl,
                     id: self.id.clone(),
+                    alerts: Some(alerts.clone()),
                 }
                 .run(engine_token.clone()),
             )
@@ -361,6 +389,7 @@ impl Server {
             triggers: trigger_api,
             flows: flow_api,
             limits: limit_api,
+            tasks: ops,
         });
         // A management request (triggers, flows, limits) runs in the tracker on its slot.
         let serve = |msg: async_nats::Message, permit: tokio::sync::OwnedSemaphorePermit| {
@@ -382,6 +411,10 @@ impl Server {
                 _ = shutdown.cancelled() => break Ok(()),
                 done = &mut sched => break scheduler_ended(done),
                 msg = api_requests.next(), if apis.triggers.is_some() => {
+                    let Some(msg) = msg else { break Ok(()) };
+                    serve(msg, permit);
+                }
+                msg = task_requests.next() => {
                     let Some(msg) = msg else { break Ok(()) };
                     serve(msg, permit);
                 }
@@ -408,8 +441,10 @@ impl Server {
         let _ = api_requests.unsubscribe().await;
         let _ = flow_requests.unsubscribe().await;
         let _ = limit_requests.unsubscribe().await;
+        let _ = task_requests.unsubscribe().await;
         sched_token.cancel();
         engine_token.cancel();
+        index_token.cancel();
         if let Some(events) = events {
             match events.await {
                 Ok(Ok(())) => {}

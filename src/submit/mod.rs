@@ -309,6 +309,9 @@ impl Admission {
             // exactly that message without a `running` write, and retires any other copy
             // (docs/PROTOCOL.md §3).
             record.ready_seq = Some(ack.sequence);
+        } else {
+            // "Run now" reads a scheduled task's message by this sequence.
+            record.delayed_seq = Some(ack.sequence);
         }
         match self.tasks.create(&record).await {
             // Exists: a worker already picked the task up and wrote its record.

@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{debug, error, warn};
+use tracing::{debug, error, info, warn};
 
 /// State shared by all attempts of one worker.
 pub(crate) struct Shared {
@@ -200,7 +200,6 @@ async fn process(
     permit: Option<OwnedSemaphorePermit>,
     slot: &Slot,
 ) {
-    let held = &slot.held;
     let _permit = match permit {
         Some(p) => p,
         None => tokio::select! {
@@ -255,7 +254,7 @@ async fn process(
     for _ in 0..5 {
         match claim(sh, meta, msg).await {
             Claim::Started(rec, token, deferred) => {
-                return run(sh, meta, route.handler, msg, *rec, token, deferred, held).await
+                return run(sh, meta, route.handler, msg, *rec, token, deferred, slot).await
             }
             Claim::Again => continue,
             Claim::Done => return,
@@ -344,6 +343,19 @@ async fn claim(sh: &Shared, meta: &TaskMeta, msg: &jetstream::Message) -> Claim 
             reply(msg, AckKind::Ack).await;
             Claim::Done
         }
+        Decision::Cancel(cancelled) => match sh.tasks.cas(&cancelled, revision).await {
+            Ok(_) => {
+                info!(task_id = %meta.id, "cancelled while its worker was away; not run");
+                reply(msg, AckKind::Ack).await;
+                Claim::Done
+            }
+            Err(StateError::Stale { .. }) => Claim::Again,
+            Err(e) => {
+                warn!(task_id = %meta.id, cause = %e, "cannot write cancelled");
+                reply(msg, AckKind::Nak(Some(BROKER_RETRY))).await;
+                Claim::Done
+            }
+        },
         Decision::FinishDead(error) => {
             let rec = found.map(|(rec, _)| rec).expect("dead implies a record");
             publish_dead_letter_and_term(sh, meta, msg, &rec, &error).await;
@@ -435,8 +447,9 @@ async fn run(
     rec: TaskRecord,
     token: u64,
     deferred: bool,
-    held: &Held,
+    slot: &Slot,
 ) {
+    let held = &slot.held;
     let queue = sh.queue.clone();
     let task_label = sh.labels.task(&meta.name);
     if rec.attempt == 1 {
@@ -458,6 +471,7 @@ async fn run(
         idempotency_key: meta.idempotency_key.clone(),
         created_at_ms: meta.created_at_ms,
         run_at_ms: meta.run_at_ms,
+        cancel: slot.cancel.clone(),
     };
     let started = Instant::now();
     let outcome = {
@@ -467,6 +481,7 @@ async fn run(
             tokio::select! {
                 r = tokio::time::timeout(meta.timeout, handler) => Some(r),
                 _ = sh.hard_stop.cancelled() => None,
+                _ = slot.cancel.cancelled() => None,
             }
         });
         if deferred {
@@ -534,6 +549,19 @@ async fn run(
                 ),
             );
             fail(sh, meta, msg, rec, token, e, true, held).await;
+        }
+        None if slot.cancel.is_cancelled() => {
+            // An operator cancelled the task while it ran (`ax.cancel.<queue>`).
+            let attempt = rec.attempt;
+            let mut cancelled = rec.transition(TaskState::Cancelled);
+            cancelled.last_error = Some(ErrorInfo {
+                class: "cancelled".into(),
+                message: "cancelled by an operator while running".into(),
+            });
+            if write(sh, &cancelled, token, held).await {
+                info!(task_id = %meta.id, attempt, "attempt cancelled");
+                reply(msg, AckKind::Ack).await;
+            }
         }
         None => {
             // Shutdown grace is over: hand the task back for another worker.
@@ -669,7 +697,10 @@ async fn publish_dead_letter_and_term(
     error: &ErrorInfo,
 ) {
     let mut headers = meta.to_headers();
-    headers.insert("Nats-Msg-Id", meta.id.as_str());
+    // One dead letter per death: a redelivery of the same message repeats the id, a task
+    // retried after it died dies again under a new one (its retry is a new message).
+    let seq = msg.info().map_or(0, |i| i.stream_sequence);
+    headers.insert("Nats-Msg-Id", format!("{}.{seq}", meta.id).as_str());
     let class = match header_safe(&error.class) {
         c if c.is_empty() => "unknown".to_string(),
         c => c,

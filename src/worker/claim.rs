@@ -26,6 +26,9 @@ pub(crate) enum Decision {
     AckDuplicate,
     /// The task was cancelled before it started: Ack without running it.
     AckCancelled,
+    /// An operator cancelled the running task and no worker answered the signal: write
+    /// this `cancelled` record (CAS on the revision read), then Ack without running.
+    Cancel(Box<TaskRecord>),
     /// The task is dead; the dead letter or the Term may be missing: publish the dead
     /// letter (idempotent by message id) with this error, then Term.
     FinishDead(ErrorInfo),
@@ -58,6 +61,20 @@ pub(crate) fn decide(found: Option<&TaskRecord>, meta: &TaskMeta, d: Delivery<'_
                 class: "dead".into(),
                 message: String::new(),
             }))
+        }
+        TaskState::Running if rec.cancel_requested_at_ms.is_some() => {
+            let mut cancelled = rec.transition_at(TaskState::Cancelled, d.now_ms);
+            cancelled.last_error = Some(ErrorInfo {
+                class: "cancelled".into(),
+                message: "cancelled by an operator while running".into(),
+            });
+            return Decision::Cancel(Box::new(cancelled));
+        }
+        // The message "run now" replaced: its copy carries the task on.
+        TaskState::Scheduled | TaskState::Pending | TaskState::Retrying
+            if rec.superseded_seq == Some(d.seq) =>
+        {
+            return Decision::RetireStray
         }
         // A `running` record names the message its attempt was claimed from: any other
         // message of the task is a stray copy. (A `pending` record's `ready_seq`, set at
@@ -191,6 +208,33 @@ mod tests {
             decide(Some(&dead), &meta(3), D),
             Decision::FinishDead(ErrorInfo { class, .. }) if class == "dead"
         ));
+    }
+
+    #[test]
+    fn a_running_task_cancelled_without_its_worker_ends_cancelled_unrun() {
+        let mut running = with(TaskState::Running, 1, Some(7));
+        running.cancel_requested_at_ms = Some(900);
+        match decide(Some(&running), &meta(3), D) {
+            Decision::Cancel(rec) => {
+                assert_eq!((rec.state, rec.attempt), (TaskState::Cancelled, 1));
+                assert_eq!(rec.finished_at_ms, Some(1000));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_message_run_now_replaced_is_retired() {
+        for state in [TaskState::Retrying, TaskState::Pending] {
+            let mut found = with(state, 1, Some(9));
+            found.superseded_seq = Some(7);
+            assert_eq!(decide(Some(&found), &meta(3), D), Decision::RetireStray);
+            found.superseded_seq = Some(5);
+            assert!(matches!(
+                decide(Some(&found), &meta(3), D),
+                Decision::Start { .. }
+            ));
+        }
     }
 
     #[test]

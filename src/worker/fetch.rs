@@ -111,6 +111,7 @@ pub(super) async fn run(
         lean_first_attempt: worker.lean_first_attempt,
         inflight: Default::default(),
     });
+    tokio::spawn(cancel_signals(shared.clone()));
     let consumers = Arc::new(consumers);
     let woken = Arc::new(Notify::new());
     let mut picker = Picker::new(worker.weights);
@@ -124,6 +125,13 @@ pub(super) async fn run(
     info!(queue = %worker.queue, concurrency = worker.concurrency, "worker started");
 
     'outer: loop {
+        // A paused queue: take nothing new until it is resumed (running attempts go on).
+        if shared.gate.paused() {
+            tokio::select! {
+                _ = shutdown.cancelled() => break,
+                _ = shared.gate.wait_unpaused() => {}
+            }
+        }
         let first = tokio::select! {
             _ = shutdown.cancelled() => break,
             p = slots.clone().acquire_owned() => p.expect("never closed"),
@@ -232,6 +240,43 @@ pub(super) async fn run(
     }
     info!(queue = %worker.queue, "worker stopped");
     Ok(())
+}
+
+/// Answers operators' cancel signals (`ax.cancel.<queue>`, body = task id): the attempt
+/// of that task running here stops and ends `cancelled`. A worker not holding the task
+/// stays silent, so the one that holds it answers.
+async fn cancel_signals(shared: Arc<Shared>) {
+    let client = shared.js.client();
+    let subject = crate::names::cancel_subject(&shared.queue);
+    let mut subscription = match crate::retry::until_ok(
+        "the cancel-signal subscription",
+        &shared.shutdown,
+        || async {
+            client
+                .subscribe(subject.clone())
+                .await
+                .map_err(|e| e.to_string())
+        },
+    )
+    .await
+    {
+        Some(s) => s,
+        None => return,
+    };
+    loop {
+        let msg = tokio::select! {
+            _ = shared.shutdown.cancelled() => return,
+            msg = subscription.next() => match msg { Some(m) => m, None => return },
+        };
+        let id = String::from_utf8_lossy(&msg.payload).to_string();
+        if shared.inflight.cancel(&id) {
+            info!(task_id = %id, "cancel signal: stopping the attempt");
+            if let Some(reply) = msg.reply {
+                let body = serde_json::json!({ "worker": shared.worker_id }).to_string();
+                let _ = client.publish(reply, body.into()).await;
+            }
+        }
+    }
 }
 
 #[cfg(test)]

@@ -34,6 +34,9 @@ pub(crate) struct Slot {
     pub(crate) held: Held,
     /// Held by the delivery whose claim or attempt runs; later deliveries wait for it.
     pub(crate) turn: tokio::sync::Mutex<()>,
+    /// Cancelled when an operator cancels the task while its attempt runs here
+    /// (`ax.cancel.<queue>`): the attempt stops and ends `cancelled`.
+    pub(crate) cancel: tokio_util::sync::CancellationToken,
 }
 
 /// The registry: task id → its slot and how many deliveries use it.
@@ -49,6 +52,7 @@ impl InFlight {
             let slot = Slot {
                 held: Held::now(),
                 turn: tokio::sync::Mutex::new(()),
+                cancel: Default::default(),
             };
             (Arc::new(slot), 0)
         });
@@ -58,6 +62,18 @@ impl InFlight {
             registry: self.clone(),
             id: id.to_string(),
             slot: slot.clone(),
+        }
+    }
+
+    /// Signals the attempt of task `id` held here to stop; false if none is held here.
+    pub(crate) fn cancel(&self, id: &str) -> bool {
+        let map = self.0.lock().expect("not poisoned");
+        match map.get(id) {
+            Some((slot, _)) => {
+                slot.cancel.cancel();
+                true
+            }
+            None => false,
         }
     }
 

@@ -101,6 +101,7 @@ pub struct Task {
     /// Due time of a delayed task, ms since the Unix epoch.
     pub run_at_ms: Option<u64>,
     pub(crate) fence: Arc<fence::Fence>,
+    pub(crate) cancel: tokio_util::sync::CancellationToken,
 }
 
 impl Task {
@@ -115,6 +116,13 @@ impl Task {
     /// be reached; retryable).
     pub async fn fencing_token(&self) -> Result<u64, TaskError> {
         self.fence.token().await
+    }
+
+    /// Cancelled when an operator cancels this task while the attempt runs. The worker
+    /// then drops the handler's future (as on a timeout) and records the task
+    /// `cancelled`; work the handler spawned elsewhere can watch this token to stop too.
+    pub fn cancellation(&self) -> tokio_util::sync::CancellationToken {
+        self.cancel.clone()
     }
 
     /// Decodes the JSON payload; a decode error is a non-retryable `bad_payload`.

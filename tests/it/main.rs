@@ -14,6 +14,7 @@ mod names;
 #[allow(dead_code)]
 #[path = "../../src/natsd.rs"]
 mod natsd;
+mod ops;
 mod outputs;
 mod partitions;
 mod procs;

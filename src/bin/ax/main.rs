@@ -7,6 +7,8 @@ mod limits;
 #[allow(dead_code)]
 #[path = "../../natsd.rs"]
 mod natsd;
+mod out;
+mod queue;
 mod server;
 mod streams;
 mod submit;
@@ -29,6 +31,9 @@ use tokio_util::sync::CancellationToken;
 struct Cli {
     #[command(flatten)]
     conn: conn::Conn,
+    /// Output: aligned tables for people, or JSON.
+    #[arg(short = 'o', long, global = true, value_enum, default_value_t = out::Output::Table)]
+    output: out::Output,
     #[command(subcommand)]
     command: Command,
 }
@@ -42,15 +47,27 @@ enum Command {
     Worker(worker::WorkerArgs),
     /// Submit one task, or many from a JSON-lines file (--file), and print the answers.
     Submit(submit::SubmitArgs),
-    /// Show one task.
+    /// One task: show, cancel, retry, run now.
     Task {
         #[command(subcommand)]
         command: task::TaskCommand,
     },
-    /// List tasks.
+    /// Find tasks by state, queue, name, error class, trigger, flow run, key and time;
+    /// replay dead ones.
     Tasks {
         #[command(subcommand)]
         command: task::TasksCommand,
+    },
+    /// Queues: list them, pause and resume.
+    Queue {
+        #[command(subcommand)]
+        command: queue::QueueCommand,
+    },
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell), e.g.
+    /// `ax completions bash > /etc/bash_completion.d/ax`.
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
     },
     /// Manage the JetStream topology.
     Streams {
@@ -127,8 +144,14 @@ async fn main() -> Result<()> {
         Command::Server(args) => server::run(args, conn).await,
         Command::Worker(args) => worker::run(args, conn).await,
         Command::Submit(args) => submit::run(args, conn).await,
-        Command::Task { command } => task::get(command, conn).await,
-        Command::Tasks { command } => task::list(command, conn).await,
+        Command::Task { command } => task::get(command, conn, cli.output).await,
+        Command::Tasks { command } => task::list(command, conn, cli.output).await,
+        Command::Queue { command } => queue::run(command, conn, cli.output).await,
+        Command::Completions { shell } => {
+            use clap::CommandFactory;
+            clap_complete::generate(shell, &mut Cli::command(), "ax", &mut std::io::stdout());
+            Ok(())
+        }
         Command::Streams { command } => streams::run(command, conn).await,
         Command::Trigger { command } => trigger::run(command, conn).await,
         Command::Flow { command } => flow::run(command, conn).await,

@@ -66,10 +66,24 @@ pub(crate) struct ServerArgs {
     /// Most bytes of delayed-task messages held in memory ahead of their due time.
     #[arg(long, default_value = "64MiB", value_parser = parse_bytes)]
     max_held_bytes: usize,
+    /// Fold repeats of a terminal failure (same queue, task name and error class) into one
+    /// alert per this window.
+    #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
+    alert_window: Duration,
+    /// POST every alert as JSON to this URL (http:// or https://).
+    #[arg(long, value_parser = check_webhook)]
+    alert_webhook: Option<String>,
+    /// The console's public base URL, for the links in alerts.
+    #[arg(long)]
+    console_url: Option<String>,
     /// This server's id in the trigger engine's lease (default `<pid>-<nuid>`); unique
     /// per process.
     #[arg(long)]
     id: Option<String>,
+}
+
+fn check_webhook(url: &str) -> Result<String, String> {
+    ax::ops::alerts::check_webhook(url).map(|()| url.to_string())
 }
 
 /// `64MiB`, `512KiB`, `1GiB` or a plain number of bytes.
@@ -110,6 +124,11 @@ pub(crate) async fn run(args: ServerArgs, conn: &Conn) -> Result<()> {
         .trigger_engine(!args.no_trigger_engine)
         .max_held_bytes(args.max_held_bytes)
         .dispatch_horizon(args.dispatch_horizon)
+        .alerts(ax::ops::AlertConfig {
+            window: args.alert_window,
+            webhook: args.alert_webhook,
+            console_url: args.console_url,
+        })
         .build()
         .run(client, shutdown)
         .await?;

@@ -1,0 +1,262 @@
+//! Alerts on terminal failures only (S4-13): a task that ends `dead`, a flow run that ends
+//! `failed`. One alert per (queue, task name, error class) — or (flow, error class) — per
+//! window: the first failure of a burst is published on `ax.events.alert.<queue>` (and
+//! POSTed to the webhook, if one is set); repeats within the window are counted, and the
+//! next alert after it says how many were suppressed.
+//!
+//! Every server sees every task change, so the window's state is a KV record in
+//! `AX_ALERTS` written by compare-and-set, carrying the highest task-state revision it
+//! has counted: a change is counted by exactly one server (the one whose write wins),
+//! however many servers run. An alert is published after its window write succeeds: a
+//! server killed between the two loses that alert (at most once, never twice).
+
+use crate::metrics as m;
+use crate::names::ALERTS_BUCKET;
+use crate::time::now_ms;
+use async_nats::jetstream::kv;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use std::time::Duration;
+use tracing::{info, warn};
+
+/// Alert settings of a server.
+#[derive(Debug, Clone)]
+pub struct AlertConfig {
+    /// Repeats of the same (queue, name, class) within this window are folded into one
+    /// alert (default 10 min).
+    pub window: Duration,
+    /// POST every alert as JSON here (`http://` or `https://`), if set.
+    pub webhook: Option<String>,
+    /// Base URL of the console, for the alert's `link` (e.g. `http://ax.internal:8080`).
+    pub console_url: Option<String>,
+}
+
+impl Default for AlertConfig {
+    fn default() -> Self {
+        AlertConfig {
+            window: Duration::from_secs(600),
+            webhook: None,
+            console_url: None,
+        }
+    }
+}
+
+/// Checks a webhook URL: `http://` or `https://` with a host.
+pub fn check_webhook(url: &str) -> Result<(), String> {
+    super::webhook::check(url)
+}
+
+/// The state of one alert key's window (`AX_ALERTS`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Window {
+    start_ms: u64,
+    /// Highest revision counted (task record or flow run): a change at or below it was
+    /// counted already.
+    last_rev: u64,
+    /// Failures in this window, the first included.
+    count: u64,
+    /// Failures folded into the previous alert's window and not yet reported.
+    #[serde(default)]
+    suppressed_before: u64,
+}
+
+/// One terminal failure to alert on.
+#[derive(Debug, Clone)]
+pub(crate) struct Failure {
+    /// `task_dead` or `flow_failed`.
+    pub(crate) kind: &'static str,
+    /// The queue (tasks) or `flows`.
+    pub(crate) queue: String,
+    /// Task name or flow name.
+    pub(crate) name: String,
+    pub(crate) class: String,
+    pub(crate) message: String,
+    /// Task id or run id.
+    pub(crate) subject_id: String,
+    pub(crate) attempts: u32,
+    /// Revision of the record that says it failed (orders changes across servers).
+    pub(crate) revision: u64,
+}
+
+fn hex(s: &str) -> String {
+    s.bytes().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Sends alerts; cheap to clone.
+#[derive(Clone)]
+pub(crate) struct Alerts {
+    kv: kv::Store,
+    client: async_nats::Client,
+    config: AlertConfig,
+}
+
+impl Alerts {
+    pub(crate) async fn open(
+        js: &async_nats::jetstream::Context,
+        config: AlertConfig,
+    ) -> Result<Alerts, async_nats::Error> {
+        Ok(Alerts {
+            kv: js.get_key_value(ALERTS_BUCKET).await?,
+            client: js.client(),
+            config,
+        })
+    }
+
+    /// Counts a failure in its window; publishes an alert if it opens a new window.
+    pub(crate) async fn failed(&self, f: Failure) {
+        let key = format!("{}.{}.{}", f.queue, hex(&f.name), hex(&f.class));
+        let now = now_ms();
+        let window = self.config.window.as_millis() as u64;
+        for _ in 0..10 {
+            let found = match self.kv.entry(&key).await {
+                Ok(found) => found.filter(|e| e.operation == kv::Operation::Put),
+                Err(e) => {
+                    warn!(cause = %e, "alert window not readable; alert skipped");
+                    return;
+                }
+            };
+            let current = found
+                .as_ref()
+                .and_then(|e| serde_json::from_slice::<Window>(&e.value).ok());
+            let (next, alert_with) = match &current {
+                Some(w) if f.revision <= w.last_rev => return, // counted already
+                Some(w) if now.saturating_sub(w.start_ms) < window => (
+                    Window {
+                        last_rev: f.revision,
+                        count: w.count + 1,
+                        ..w.clone()
+                    },
+                    None,
+                ),
+                Some(w) => (
+                    Window {
+                        start_ms: now,
+                        last_rev: f.revision,
+                        count: 1,
+                        suppressed_before: w.count.saturating_sub(1),
+                    },
+                    Some(w.count.saturating_sub(1)),
+                ),
+                None => (
+                    Window {
+                        start_ms: now,
+                        last_rev: f.revision,
+                        count: 1,
+                        suppressed_before: 0,
+                    },
+                    Some(0),
+                ),
+            };
+            let value = serde_json::to_vec(&next).expect("serializes").into();
+            let written = match &found {
+                Some(e) => self.kv.update(&key, value, e.revision).await.is_ok(),
+                None => self.kv.create(&key, value).await.is_ok(),
+            };
+            if !written {
+                continue; // another server moved the window: read it again
+            }
+            match alert_with {
+                Some(suppressed) => self.publish(&f, suppressed, window).await,
+                None => {
+                    metrics::counter!(m::ALERTS_SUPPRESSED, "queue" => f.queue.clone()).increment(1)
+                }
+            }
+            return;
+        }
+        warn!(key, "alert window contended; alert skipped");
+    }
+
+    async fn publish(&self, f: &Failure, suppressed: u64, window_ms: u64) {
+        let link = self.config.console_url.as_ref().map(|base| {
+            let base = base.trim_end_matches('/');
+            match f.kind {
+                "flow_failed" => format!("{base}/#/runs/{}", f.subject_id),
+                _ => format!("{base}/#/tasks/{}", f.subject_id),
+            }
+        });
+        let (id_field, name_field) = match f.kind {
+            "flow_failed" => ("run", "flow"),
+            _ => ("task", "name"),
+        };
+        let mut alert = json!({
+            "kind": f.kind,
+            "queue": f.queue,
+            "error_class": f.class,
+            "error_message": f.message,
+            "attempts": f.attempts,
+            "at_ms": now_ms(),
+            "window_ms": window_ms,
+            "suppressed_since_last": suppressed,
+            "link": link,
+        });
+        alert[id_field] = Value::String(f.subject_id.clone());
+        alert[name_field] = Value::String(f.name.clone());
+        let body = serde_json::to_vec(&alert).expect("serializes");
+        let subject = format!("ax.events.alert.{}", f.queue);
+        if let Err(e) = self.client.publish(subject, body.clone().into()).await {
+            warn!(cause = %e, "alert not published");
+        }
+        metrics::counter!(m::ALERTS, "queue" => f.queue.clone(), "kind" => f.kind).increment(1);
+        info!(kind = f.kind, queue = %f.queue, name = %f.name, class = %f.class,
+            id = %f.subject_id, suppressed, "alert");
+        if let Some(url) = &self.config.webhook {
+            let url = url.clone();
+            tokio::spawn(async move {
+                if let Err(e) = super::webhook::post(&url, body).await {
+                    warn!(url = %url, cause = %e, "alert webhook failed");
+                }
+            });
+        }
+    }
+
+    /// A flow run ended `failed` (its run key written at `revision`).
+    pub(crate) async fn flow_failed(
+        &self,
+        run: &crate::flow::model::FlowRun,
+        reason: &str,
+        revision: u64,
+    ) {
+        // The reason names the failed step and its error class: "step <s> failed: <class>: …".
+        let class = reason
+            .split(": ")
+            .nth(1)
+            .filter(|c| !c.is_empty() && c.len() <= 64 && !c.contains(' '))
+            .unwrap_or("failed")
+            .to_string();
+        self.failed(Failure {
+            kind: "flow_failed",
+            queue: "flows".into(),
+            name: run.flow.clone(),
+            class,
+            message: reason.to_string(),
+            subject_id: run.id.clone(),
+            attempts: 0,
+            revision,
+        })
+        .await;
+    }
+
+    /// Follows the index feed's changes: every task that turns `dead` is a failure.
+    pub(crate) async fn follow(
+        self,
+        mut changes: tokio::sync::mpsc::Receiver<super::feed::Change>,
+    ) {
+        while let Some(c) = changes.recv().await {
+            if c.record["state"] != "dead" {
+                continue;
+            }
+            let error = &c.record["last_error"];
+            let f = Failure {
+                kind: "task_dead",
+                queue: c.record["queue"].as_str().unwrap_or_default().to_string(),
+                name: c.record["name"].as_str().unwrap_or_default().to_string(),
+                class: error["class"].as_str().unwrap_or("dead").to_string(),
+                message: error["message"].as_str().unwrap_or_default().to_string(),
+                subject_id: c.id.clone(),
+                attempts: c.record["attempt"].as_u64().unwrap_or(0) as u32,
+                revision: c.revision,
+            };
+            self.failed(f).await;
+        }
+    }
+}

@@ -1,0 +1,303 @@
+//! The task operations API: requests on `ax.task.<op>` with JSON bodies, answered
+//! `{"ok": …}` or `{"error": …}` (docs/PROTOCOL.md §8).
+
+use super::actions::Ops;
+use super::index::{TaskQuery, TaskRow};
+use crate::protocol::{ErrorCode, WireError};
+use crate::state::TaskState;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use std::time::Duration;
+
+/// Most rows one `list` answers; most tasks one `replay` retries.
+pub(crate) const MAX_LIST: usize = 1000;
+pub(crate) const MAX_REPLAY: usize = 10_000;
+/// A `list` counts matches up to this many; beyond, `total` is null.
+const COUNT_CAP: usize = 100_000;
+
+fn bad(e: serde_json::Error) -> WireError {
+    WireError::new(ErrorCode::BadRequest, e.to_string())
+}
+
+fn by_default() -> String {
+    "api".into()
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct One {
+    id: String,
+    #[serde(default = "by_default")]
+    by: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Retry {
+    id: String,
+    #[serde(default)]
+    reset_attempts: bool,
+    #[serde(default = "by_default")]
+    by: String,
+}
+
+/// Where a page continues (the last row's `updated_at_ms` and `id`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PageCursor {
+    /// The last row's `updated_at_ms`.
+    pub updated_at_ms: u64,
+    /// The last row's id.
+    pub id: String,
+}
+
+/// A `list` request: a query, a page size and where to continue.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ListRequest {
+    /// The filters.
+    #[serde(flatten)]
+    pub query: TaskQuery,
+    /// Rows wanted (default 50, at most 1,000).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit: Option<usize>,
+    /// Continue after this row.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub after: Option<PageCursor>,
+}
+
+/// A `list` answer.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ListReply {
+    /// The rows, most recently changed first.
+    pub tasks: Vec<TaskRow>,
+    /// How many tasks match in all; null past 100,000.
+    pub total: Option<usize>,
+    /// Where the next page starts; null on the last page.
+    pub next: Option<PageCursor>,
+    /// False while the index is still loading after a server start (results partial).
+    pub complete: bool,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Replay {
+    #[serde(flatten)]
+    query: TaskQuery,
+    #[serde(default)]
+    limit: Option<usize>,
+    #[serde(default)]
+    reset_attempts: bool,
+    #[serde(default)]
+    dry_run: bool,
+    #[serde(default = "by_default")]
+    by: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Pause {
+    queue: String,
+    #[serde(default)]
+    reason: Option<String>,
+    #[serde(default = "by_default")]
+    by: String,
+}
+
+fn check_by(by: &str) -> Result<(), WireError> {
+    if by.is_empty() || by.len() > 128 || by.chars().any(char::is_control) {
+        return Err(WireError::field(
+            "by",
+            "1–128 characters, no control characters",
+        ));
+    }
+    Ok(())
+}
+
+impl Ops {
+    pub(crate) async fn handle(&self, op: &str, body: &[u8]) -> Result<Value, WireError> {
+        match op {
+            "get" => {
+                let One { id, .. } = serde_json::from_slice(body).map_err(bad)?;
+                let (record, revision) = self.get(&id).await?;
+                let history = self
+                    .tasks
+                    .history(&id)
+                    .await
+                    .map_err(|e| WireError::new(ErrorCode::Unavailable, e.to_string()))?;
+                let history: Vec<Value> = history
+                    .into_iter()
+                    .map(|(rec, rev)| json!({"revision": rev, "record": rec}))
+                    .collect();
+                Ok(
+                    json!({"record": record, "revision": revision, "history": history,
+                    "dead_letter": self.index.dead_letter(&id)}),
+                )
+            }
+            "list" => {
+                let req: ListRequest = serde_json::from_slice(body).map_err(bad)?;
+                Ok(serde_json::to_value(self.list(&req).await).expect("serializes"))
+            }
+            "cancel" => {
+                let One { id, by } = serde_json::from_slice(body).map_err(bad)?;
+                check_by(&by)?;
+                self.cancel(&id, &by).await
+            }
+            "retry" => {
+                let r: Retry = serde_json::from_slice(body).map_err(bad)?;
+                check_by(&r.by)?;
+                self.retry(&r.id, r.reset_attempts, &r.by).await
+            }
+            "run_now" => {
+                let One { id, by } = serde_json::from_slice(body).map_err(bad)?;
+                check_by(&by)?;
+                self.run_now(&id, &by).await
+            }
+            "replay" => {
+                let r: Replay = serde_json::from_slice(body).map_err(bad)?;
+                check_by(&r.by)?;
+                self.replay(r).await
+            }
+            "pause" | "resume" => {
+                let p: Pause = serde_json::from_slice(body).map_err(bad)?;
+                check_by(&p.by)?;
+                self.pause(&p.queue, op == "pause", p.reason.as_deref(), &p.by)
+                    .await
+            }
+            "queues" => self.queues().await,
+            "events" => {
+                let One { id, .. } = serde_json::from_slice(body).map_err(bad)?;
+                Ok(json!({"id": id, "events": self.events(&id).await?}))
+            }
+            _ => Err(WireError::new(
+                ErrorCode::BadRequest,
+                format!("unknown task operation {op:?}"),
+            )),
+        }
+    }
+
+    async fn get(&self, id: &str) -> Result<(crate::TaskRecord, u64), WireError> {
+        if crate::names::queue_of_task_id(id).is_none() {
+            return Err(WireError::field("id", "not a task id"));
+        }
+        self.tasks
+            .get(id)
+            .await
+            .map_err(|e| WireError::new(ErrorCode::Unavailable, e.to_string()))?
+            .ok_or_else(|| WireError::new(ErrorCode::NotFound, format!("no task {id}")))
+    }
+
+    async fn list(&self, req: &ListRequest) -> ListReply {
+        // A fresh server answers from what it has read so far, saying so.
+        let complete = self.index.loaded() || self.index.wait_loaded(Duration::from_secs(2)).await;
+        let limit = req.limit.unwrap_or(50).clamp(1, MAX_LIST);
+        let cursor = req.after.as_ref().map(|c| (c.updated_at_ms, c.id.clone()));
+        let (tasks, total) = self.index.index.read().expect("not poisoned").find(
+            &req.query,
+            limit,
+            cursor.as_ref(),
+            COUNT_CAP,
+        );
+        let next = (tasks.len() == limit).then(|| {
+            let last = tasks.last().expect("a full page");
+            PageCursor {
+                updated_at_ms: last.updated_at_ms,
+                id: last.id.clone(),
+            }
+        });
+        ListReply {
+            tasks,
+            total,
+            next,
+            complete,
+        }
+    }
+
+    async fn replay(&self, r: Replay) -> Result<Value, WireError> {
+        let mut query = r.query;
+        if query.state.is_some_and(|s| s != TaskState::Dead) {
+            return Err(WireError::field("state", "replay retries dead tasks only"));
+        }
+        query.state = Some(TaskState::Dead);
+        let limit = r.limit.unwrap_or(MAX_REPLAY).clamp(1, MAX_REPLAY);
+        let (rows, total) = self
+            .index
+            .index
+            .read()
+            .expect("not poisoned")
+            .find(&query, limit, None, COUNT_CAP);
+        if r.dry_run {
+            let ids: Vec<&str> = rows.iter().map(|t| t.id.as_str()).collect();
+            return Ok(json!({"matched": total, "would_retry": ids.len(), "ids": ids}));
+        }
+        let mut retried = 0usize;
+        let mut failed = Vec::new();
+        for row in &rows {
+            match self.retry(&row.id, r.reset_attempts, &r.by).await {
+                Ok(_) => retried += 1,
+                Err(e) => failed.push(json!({"id": row.id, "error": e})),
+            }
+        }
+        Ok(json!({"matched": total, "retried": retried, "failed": failed}))
+    }
+
+    async fn queues(&self) -> Result<Value, WireError> {
+        let paused = self.paused().await?;
+        let counts = self.index.index.read().expect("not poisoned").counts();
+        let mut names: Vec<String> = counts.iter().map(|(q, _)| q.clone()).collect();
+        names.extend(paused.iter().map(|(q, _)| q.clone()));
+        names.sort();
+        names.dedup();
+        let mut out = Vec::new();
+        for queue in names {
+            let c = counts
+                .iter()
+                .find(|(q, _)| *q == queue)
+                .map_or([0; 7], |(_, c)| *c);
+            let pause = paused
+                .iter()
+                .find(|(q, _)| *q == queue)
+                .map(|(_, v)| v.clone());
+            let depth = self.depth(&queue).await;
+            let states: serde_json::Map<String, Value> = [
+                TaskState::Scheduled,
+                TaskState::Pending,
+                TaskState::Running,
+                TaskState::Retrying,
+                TaskState::Succeeded,
+                TaskState::Dead,
+                TaskState::Cancelled,
+            ]
+            .iter()
+            .map(|s| (s.to_string(), json!(c[*s as usize])))
+            .collect();
+            out.push(json!({
+                "queue": queue,
+                "paused": pause.is_some(),
+                "pause": pause,
+                "ready": {"high": depth[0], "normal": depth[1], "low": depth[2]},
+                "tasks": states,
+            }));
+        }
+        Ok(json!({"queues": out, "complete": self.index.loaded()}))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_list_request_is_flat_and_refuses_unknown_fields() {
+        let req: ListRequest =
+            serde_json::from_str(r#"{"state":"dead","error_class":"timeout","limit":5}"#).unwrap();
+        assert_eq!(req.query.state, Some(TaskState::Dead));
+        assert_eq!(req.query.error_class.as_deref(), Some("timeout"));
+        assert_eq!(req.limit, Some(5));
+        assert!(serde_json::from_str::<ListRequest>(r#"{"stat":"dead"}"#).is_err());
+        let r: Result<Replay, _> = serde_json::from_str(r#"{"queue":"q","dry_run":true}"#);
+        assert!(r.is_ok());
+        let r: Result<Replay, _> = serde_json::from_str(r#"{"queue":"q","dryrun":true}"#);
+        assert!(r.is_err());
+    }
+}

@@ -1,0 +1,137 @@
+//! The operations calls of [`Client`]: find tasks, cancel, retry, replay, run now, pause
+//! and resume queues (docs/PROTOCOL.md §8).
+
+use super::api::{ListReply, ListRequest};
+use super::index::TaskQuery;
+use crate::client::{Client, ClientError};
+use crate::names::TASK_API_PREFIX;
+use crate::state::TaskState;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+/// What an operation on one task left it as.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OpOutcome {
+    /// Task id.
+    pub id: String,
+    /// The task's state after the operation.
+    pub state: TaskState,
+    /// Cancel of a running task: the worker that stopped it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub worker: Option<String>,
+    /// Cancel of a running task no worker answered for: recorded, applied at its next
+    /// delivery.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub cancel_requested: bool,
+}
+
+/// The answer to a replay.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ReplayOutcome {
+    /// Dead tasks matching the filter (null past 100,000).
+    pub matched: Option<usize>,
+    /// Tasks retried (absent for a dry run).
+    #[serde(default)]
+    pub retried: usize,
+    /// Tasks a dry run would retry.
+    #[serde(default)]
+    pub would_retry: usize,
+    /// Ids a dry run would retry.
+    #[serde(default)]
+    pub ids: Vec<String>,
+    /// Tasks that could not be retried, with why.
+    #[serde(default)]
+    pub failed: Vec<Value>,
+}
+
+impl Client {
+    /// Calls the task operations API: `op` is `get`, `list`, `cancel`, `retry`, `replay`,
+    /// `run_now`, `pause`, `resume` or `queues`; returns the `ok` value.
+    pub async fn task_op(&self, op: &str, body: &Value) -> Result<Value, ClientError> {
+        self.management(TASK_API_PREFIX, op, body).await
+    }
+
+    /// Finds tasks through the servers' index (most recently changed first).
+    pub async fn find_tasks(&self, req: &ListRequest) -> Result<ListReply, ClientError> {
+        let ok = self
+            .task_op("list", &serde_json::to_value(req).expect("serializes"))
+            .await?;
+        Ok(serde_json::from_value(ok)?)
+    }
+
+    /// Cancels a task: not started, it never runs; running, its handler is stopped and the
+    /// attempt ends `cancelled`. Refused `conflict` for a finished task.
+    pub async fn cancel_task(&self, id: &str) -> Result<OpOutcome, ClientError> {
+        let ok = self.task_op("cancel", &json!({ "id": id })).await?;
+        Ok(serde_json::from_value(ok)?)
+    }
+
+    /// Runs a dead task again: one more attempt, or with `reset_attempts` all its attempts
+    /// from zero. Refused `conflict` unless the task is dead.
+    pub async fn retry_task(
+        &self,
+        id: &str,
+        reset_attempts: bool,
+    ) -> Result<OpOutcome, ClientError> {
+        let ok = self
+            .task_op(
+                "retry",
+                &json!({ "id": id, "reset_attempts": reset_attempts }),
+            )
+            .await?;
+        Ok(serde_json::from_value(ok)?)
+    }
+
+    /// Retries every dead task matching `query` (at most `limit`, default 10,000);
+    /// `dry_run` only says which.
+    pub async fn replay_dead(
+        &self,
+        query: &TaskQuery,
+        limit: Option<usize>,
+        reset_attempts: bool,
+        dry_run: bool,
+    ) -> Result<ReplayOutcome, ClientError> {
+        let mut body = serde_json::to_value(query).expect("serializes");
+        body["reset_attempts"] = reset_attempts.into();
+        body["dry_run"] = dry_run.into();
+        if let Some(limit) = limit {
+            body["limit"] = limit.into();
+        }
+        let ok = self.task_op("replay", &body).await?;
+        Ok(serde_json::from_value(ok)?)
+    }
+
+    /// Starts a scheduled or retrying task now.
+    pub async fn run_now(&self, id: &str) -> Result<OpOutcome, ClientError> {
+        let ok = self.task_op("run_now", &json!({ "id": id })).await?;
+        Ok(serde_json::from_value(ok)?)
+    }
+
+    /// Pauses a queue: workers take none of its tasks until it is resumed (running ones
+    /// finish; submits are still accepted).
+    pub async fn pause_queue(&self, queue: &str, reason: Option<&str>) -> Result<(), ClientError> {
+        self.task_op("pause", &json!({ "queue": queue, "reason": reason }))
+            .await
+            .map(|_| ())
+    }
+
+    /// Resumes a paused queue.
+    pub async fn resume_queue(&self, queue: &str) -> Result<(), ClientError> {
+        self.task_op("resume", &json!({ "queue": queue }))
+            .await
+            .map(|_| ())
+    }
+
+    /// Every change of a task, oldest first (kept 30 days in `AX_TASK_EVENTS`, however
+    /// many revisions the record has had): `{event, at_ms, state, attempt, actor,
+    /// reason, next_retry_at_ms}`.
+    pub async fn task_events(&self, id: &str) -> Result<Vec<Value>, ClientError> {
+        let mut ok = self.task_op("events", &json!({ "id": id })).await?;
+        Ok(serde_json::from_value(ok["events"].take())?)
+    }
+
+    /// Every queue with tasks: paused or not, ready depth per priority, tasks by state.
+    pub async fn queues(&self) -> Result<Value, ClientError> {
+        self.task_op("queues", &json!({})).await
+    }
+}

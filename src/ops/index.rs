@@ -1,0 +1,438 @@
+//! The task index: every task record's searchable fields, kept in memory by each server
+//! from the task-state feed (`KV_AX_TASKS`, last value per key, then every change) and
+//! rebuilt from it on start. It is a cache of the bucket (principle 1): a lost index is
+//! read again, nothing is written from it.
+//!
+//! Each filterable field has postings (value → set of `(updated_at_ms, slot)`), so a
+//! query walks the smallest posting among its filters, newest first, and checks the
+//! other filters on each entry: finding the 12 dead tasks of one error class among a
+//! million records reads 12 entries, not a million.
+
+use crate::state::TaskState;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
+
+/// A searchable field with postings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Field {
+    Queue,
+    Name,
+    Class,
+    Trigger,
+    Run,
+    Idem,
+}
+
+/// A task as the index holds it.
+#[derive(Debug, Clone)]
+struct Entry {
+    id: Arc<str>,
+    state: TaskState,
+    /// Symbols of queue, name, error class, trigger (0 = none), flow run, idempotency key.
+    syms: [u32; 6],
+    created_ms: u64,
+    updated_ms: u64,
+    attempt: u32,
+    revision: u64,
+}
+
+/// The fields of a stored record the index reads (the rest of the JSON is skipped).
+#[derive(Debug, Deserialize)]
+pub(crate) struct Indexed<'a> {
+    #[serde(borrow)]
+    queue: &'a str,
+    #[serde(borrow)]
+    name: &'a str,
+    state: TaskState,
+    #[serde(default)]
+    attempt: u32,
+    created_at_ms: u64,
+    updated_at_ms: u64,
+    #[serde(default, borrow)]
+    last_error: Option<IndexedError<'a>>,
+    #[serde(default, borrow)]
+    trigger: Option<&'a str>,
+    #[serde(default)]
+    idempotency_key: Option<String>,
+}
+
+impl Indexed<'_> {
+    /// The record's state.
+    pub(crate) fn state(&self) -> TaskState {
+        self.state
+    }
+    pub(crate) fn queue(&self) -> &str {
+        self.queue
+    }
+    pub(crate) fn name(&self) -> &str {
+        self.name
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct IndexedError<'a> {
+    #[serde(borrow)]
+    class: std::borrow::Cow<'a, str>,
+}
+
+/// What to find (every given filter must match). Times are on `updated_at_ms`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TaskQuery {
+    /// Only this state.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state: Option<TaskState>,
+    /// Only this queue.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue: Option<String>,
+    /// Only this task name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// Only tasks whose last error has this class.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error_class: Option<String>,
+    /// Only tasks made by this trigger.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trigger: Option<String>,
+    /// Only step tasks of this flow run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flow_run: Option<String>,
+    /// Only the task with this idempotency key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idempotency_key: Option<String>,
+    /// Only tasks last changed at or after this time (ms since the epoch).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from_ms: Option<u64>,
+    /// Only tasks last changed before this time (ms since the epoch).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub to_ms: Option<u64>,
+}
+
+/// One task found: enough for a table row (read the record for the rest).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TaskRow {
+    /// Task id.
+    pub id: String,
+    /// Queue.
+    pub queue: String,
+    /// Task name.
+    pub name: String,
+    /// State.
+    pub state: TaskState,
+    /// Attempts started.
+    pub attempt: u32,
+    /// Class of the last error.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error_class: Option<String>,
+    /// Trigger that made it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trigger: Option<String>,
+    /// Created, ms since the epoch.
+    pub created_at_ms: u64,
+    /// Last change, ms since the epoch.
+    pub updated_at_ms: u64,
+    /// Revision of the record indexed.
+    pub revision: u64,
+}
+
+/// Where a page of results continues: the last row's `(updated_at_ms, id)`.
+pub(crate) type Cursor = (u64, String);
+
+type Posting = BTreeSet<(u64, u32)>;
+
+/// The index. Not synchronized: the server holds it behind a lock.
+#[derive(Default)]
+pub(crate) struct Index {
+    entries: Vec<Option<Entry>>,
+    free: Vec<u32>,
+    by_id: HashMap<Arc<str>, u32>,
+    /// Interned strings; symbol 0 is "none".
+    names: Vec<Arc<str>>,
+    symbols: HashMap<Arc<str>, u32>,
+    postings: HashMap<(Field, u32), Posting>,
+    states: [Posting; 7],
+    /// Per queue symbol: tasks by state.
+    counts: HashMap<u32, [u64; 7]>,
+}
+
+const FIELDS: [Field; 6] = [
+    Field::Queue,
+    Field::Name,
+    Field::Class,
+    Field::Trigger,
+    Field::Run,
+    Field::Idem,
+];
+
+fn state_index(s: TaskState) -> usize {
+    s as usize
+}
+
+/// The flow run of a step task id (`<queue>.fl.<run>.<step>.<epoch>.<item>`).
+fn flow_run(id: &str) -> Option<&str> {
+    let mut parts = id.splitn(4, '.');
+    let (_, fl, run) = (parts.next()?, parts.next()?, parts.next()?);
+    (fl == "fl" && parts.next().is_some()).then_some(run)
+}
+
+impl Index {
+    fn intern(&mut self, s: &str) -> u32 {
+        if let Some(&sym) = self.symbols.get(s) {
+            return sym;
+        }
+        if self.names.is_empty() {
+            self.names.push(Arc::from(""));
+        }
+        let sym = self.names.len() as u32;
+        let arc: Arc<str> = Arc::from(s);
+        self.names.push(arc.clone());
+        self.symbols.insert(arc, sym);
+        sym
+    }
+
+    fn lookup(&self, s: &str) -> Option<u32> {
+        self.symbols.get(s).copied()
+    }
+
+    fn name(&self, sym: u32) -> Option<String> {
+        (sym != 0).then(|| self.names[sym as usize].to_string())
+    }
+
+    /// Tasks indexed.
+    pub(crate) fn len(&self) -> usize {
+        self.by_id.len()
+    }
+
+    /// Indexes a record (`revision` is its KV revision); an older revision than the one
+    /// held is ignored.
+    pub(crate) fn put(&mut self, id: &str, revision: u64, rec: &Indexed<'_>) {
+        if let Some(&slot) = self.by_id.get(id) {
+            let old = self.entries[slot as usize].as_ref().expect("live slot");
+            if old.revision >= revision {
+                return;
+            }
+            self.unlink(slot);
+        }
+        let syms = [
+            self.intern(rec.queue),
+            self.intern(rec.name),
+            match &rec.last_error {
+                Some(e) => self.intern(&e.class),
+                None => 0,
+            },
+            rec.trigger.map_or(0, |t| self.intern(t)),
+            flow_run(id).map_or(0, |r| self.intern(r)),
+            rec.idempotency_key.as_deref().map_or(0, |k| self.intern(k)),
+        ];
+        let id: Arc<str> = match self.by_id.get_key_value(id) {
+            Some((k, _)) => k.clone(),
+            None => Arc::from(id),
+        };
+        let entry = Entry {
+            id: id.clone(),
+            state: rec.state,
+            syms,
+            created_ms: rec.created_at_ms,
+            updated_ms: rec.updated_at_ms,
+            attempt: rec.attempt,
+            revision,
+        };
+        let slot = match self.by_id.get(&id) {
+            Some(&slot) => slot,
+            None => {
+                let slot = self.free.pop().unwrap_or_else(|| {
+                    self.entries.push(None);
+                    (self.entries.len() - 1) as u32
+                });
+                self.by_id.insert(id, slot);
+                slot
+            }
+        };
+        self.entries[slot as usize] = Some(entry);
+        self.link(slot);
+    }
+
+    /// Forgets a task (its record was deleted or purged).
+    pub(crate) fn remove(&mut self, id: &str) {
+        if let Some(slot) = self.by_id.remove(id) {
+            self.unlink(slot);
+            self.entries[slot as usize] = None;
+            self.free.push(slot);
+        }
+    }
+
+    fn link(&mut self, slot: u32) {
+        let e = self.entries[slot as usize].as_ref().expect("live slot");
+        let key = (e.updated_ms, slot);
+        let (state, syms) = (e.state, e.syms);
+        self.states[state_index(state)].insert(key);
+        for (field, sym) in FIELDS.iter().zip(syms) {
+            if sym != 0 && !matches!(field, Field::Queue) {
+                self.postings.entry((*field, sym)).or_default().insert(key);
+            }
+        }
+        self.postings
+            .entry((Field::Queue, syms[0]))
+            .or_default()
+            .insert(key);
+        self.counts.entry(syms[0]).or_default()[state_index(state)] += 1;
+    }
+
+    fn unlink(&mut self, slot: u32) {
+        let e = self.entries[slot as usize].as_ref().expect("live slot");
+        let key = (e.updated_ms, slot);
+        let (state, syms) = (e.state, e.syms);
+        self.states[state_index(state)].remove(&key);
+        for (field, sym) in FIELDS.iter().zip(syms) {
+            if sym == 0 {
+                continue;
+            }
+            if let Some(p) = self.postings.get_mut(&(*field, sym)) {
+                p.remove(&key);
+                if p.is_empty() {
+                    self.postings.remove(&(*field, sym));
+                }
+            }
+        }
+        if let Some(c) = self.counts.get_mut(&syms[0]) {
+            c[state_index(state)] -= 1;
+        }
+    }
+
+    /// The postings a query's filters name; `None` if a filter names a value no task has.
+    fn candidates(&self, q: &TaskQuery) -> Option<Vec<&Posting>> {
+        let mut out = Vec::new();
+        if let Some(s) = q.state {
+            out.push(&self.states[state_index(s)]);
+        }
+        let wanted = [
+            (Field::Queue, &q.queue),
+            (Field::Name, &q.name),
+            (Field::Class, &q.error_class),
+            (Field::Trigger, &q.trigger),
+            (Field::Run, &q.flow_run),
+            (Field::Idem, &q.idempotency_key),
+        ];
+        for (field, value) in wanted {
+            if let Some(v) = value {
+                let sym = self.lookup(v)?;
+                out.push(self.postings.get(&(field, sym))?);
+            }
+        }
+        Some(out)
+    }
+
+    fn matches(&self, e: &Entry, q: &TaskQuery, syms: &[Option<u32>; 6]) -> bool {
+        q.state.is_none_or(|s| s == e.state)
+            && syms
+                .iter()
+                .zip(e.syms)
+                .all(|(want, have)| want.is_none_or(|w| w == have))
+            && q.from_ms.is_none_or(|t| e.updated_ms >= t)
+            && q.to_ms.is_none_or(|t| e.updated_ms < t)
+    }
+
+    /// Up to `limit` tasks matching `q`, most recently changed first, after `cursor`; and
+    /// how many match in all (counted up to `count_cap`, then `None`).
+    pub(crate) fn find(
+        &self,
+        q: &TaskQuery,
+        limit: usize,
+        cursor: Option<&Cursor>,
+        count_cap: usize,
+    ) -> (Vec<TaskRow>, Option<usize>) {
+        let Some(postings) = self.candidates(q) else {
+            return (Vec::new(), Some(0));
+        };
+        let syms = [
+            q.queue.as_deref().and_then(|v| self.lookup(v)),
+            q.name.as_deref().and_then(|v| self.lookup(v)),
+            q.error_class.as_deref().and_then(|v| self.lookup(v)),
+            q.trigger.as_deref().and_then(|v| self.lookup(v)),
+            q.flow_run.as_deref().and_then(|v| self.lookup(v)),
+            q.idempotency_key.as_deref().and_then(|v| self.lookup(v)),
+        ];
+        // The smallest posting a filter names; with no field filter, every state's
+        // posting merged (together they hold every task once).
+        let walk: Vec<&Posting> = match postings.iter().min_by_key(|p| p.len()) {
+            Some(p) => vec![*p],
+            None => self.states.iter().collect(),
+        };
+        let upper = q.to_ms.unwrap_or(u64::MAX);
+        let lower = q.from_ms.unwrap_or(0);
+        let before = match cursor {
+            Some((t, id)) => (*t, self.by_id.get(id.as_str()).copied().unwrap_or(0)),
+            None => (upper, 0),
+        };
+        let mut iters: Vec<_> = walk
+            .iter()
+            .map(|p| p.range(..before).rev().peekable())
+            .collect();
+        let range = std::iter::from_fn(|| {
+            let (i, _) = iters
+                .iter_mut()
+                .enumerate()
+                .filter_map(|(i, it)| it.peek().map(|k| (i, **k)))
+                .max_by_key(|(_, k)| *k)?;
+            iters[i].next().copied()
+        });
+        let mut rows = Vec::new();
+        let mut count = 0usize;
+        let mut capped = false;
+        for (updated, slot) in range {
+            if updated < lower {
+                break;
+            }
+            let e = self.entries[slot as usize].as_ref().expect("live slot");
+            if !self.matches(e, q, &syms) {
+                continue;
+            }
+            count += 1;
+            if rows.len() < limit {
+                rows.push(self.row(e));
+            } else if count >= count_cap {
+                capped = true;
+                break;
+            }
+        }
+        (rows, (!capped).then_some(count))
+    }
+
+    fn row(&self, e: &Entry) -> TaskRow {
+        TaskRow {
+            id: e.id.to_string(),
+            queue: self.name(e.syms[0]).unwrap_or_default(),
+            name: self.name(e.syms[1]).unwrap_or_default(),
+            state: e.state,
+            attempt: e.attempt,
+            error_class: self.name(e.syms[2]),
+            trigger: self.name(e.syms[3]),
+            created_at_ms: e.created_ms,
+            updated_at_ms: e.updated_ms,
+            revision: e.revision,
+        }
+    }
+
+    /// The state of task `id` as indexed.
+    pub(crate) fn state_of(&self, id: &str) -> Option<TaskState> {
+        let slot = *self.by_id.get(id)?;
+        self.entries[slot as usize].as_ref().map(|e| e.state)
+    }
+
+    /// Per queue: tasks by state (`scheduled, pending, running, retrying, succeeded, dead,
+    /// cancelled`).
+    pub(crate) fn counts(&self) -> Vec<(String, [u64; 7])> {
+        let mut out: Vec<_> = self
+            .counts
+            .iter()
+            .filter(|(_, c)| c.iter().any(|&n| n > 0))
+            .map(|(&q, c)| (self.name(q).unwrap_or_default(), *c))
+            .collect();
+        out.sort();
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests;

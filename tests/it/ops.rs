@@ -1,0 +1,592 @@
+//! Task operations (issue 11) against a real nats-server: find, cancel, retry, replay,
+//! run now, pause and resume, through the SDK and the CLI. Handler runs are counted per
+//! task id by the handlers themselves.
+
+use crate::support::{eventually, within, Env};
+use ax::ops::{ListRequest, TaskQuery};
+use ax::worker::{Task, TaskError, Worker};
+use ax::{ErrorKind, TaskSpec, TaskState};
+use futures::StreamExt;
+use serde_json::{json, Value};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+type Runs = Arc<Mutex<HashMap<String, u32>>>;
+
+fn runs_of(runs: &Runs, id: &str) -> u32 {
+    runs.lock().unwrap().get(id).copied().unwrap_or(0)
+}
+
+/// A worker on `q`: payload `{"fail": true}` fails with the permanent class
+/// `card_declined` until `fixed` is set; `{"block": true}` sleeps a minute; `{"flaky":
+/// true}` fails (retryably) its first attempt.
+fn worker(fixed: Arc<AtomicBool>) -> (Worker, Runs, Arc<Mutex<u32>>) {
+    let runs: Runs = Arc::default();
+    let finished_blocks = Arc::new(Mutex::new(0));
+    let w = Worker::builder("q")
+        .concurrency(8)
+        .handler({
+            let (runs, finished_blocks) = (runs.clone(), finished_blocks.clone());
+            move |task: Task| {
+                let (runs, fixed, finished_blocks) =
+                    (runs.clone(), fixed.clone(), finished_blocks.clone());
+                async move {
+                    *runs.lock().unwrap().entry(task.id.clone()).or_default() += 1;
+                    let p: Value = serde_json::from_slice(&task.payload).unwrap_or_default();
+                    if p["fail"] == true && !fixed.load(Ordering::SeqCst) {
+                        return Err(TaskError::permanent(
+                            "card_declined",
+                            "the card was declined",
+                        ));
+                    }
+                    if p["flaky"] == true && task.attempt == 1 {
+                        return Err(TaskError::new("io", "first attempt fails"));
+                    }
+                    if p["block"] == true {
+                        tokio::time::sleep(Duration::from_secs(60)).await;
+                        *finished_blocks.lock().unwrap() += 1;
+                    }
+                    Ok(())
+                }
+            }
+        })
+        .build()
+        .unwrap();
+    (w, runs, finished_blocks)
+}
+
+fn query(state: Option<TaskState>, class: Option<&str>) -> ListRequest {
+    ListRequest {
+        query: TaskQuery {
+            state,
+            error_class: class.map(str::to_string),
+            ..Default::default()
+        },
+        ..Default::default()
+    }
+}
+
+/// Runs the `ax` command (without blocking the runtime the in-process server runs on).
+async fn cli(env: &Env, args: &[&str]) -> std::process::Output {
+    tokio::process::Command::new(env!("CARGO_BIN_EXE_ax"))
+        .args(args)
+        .env("NATS_URL", env.nats.url())
+        .output()
+        .await
+        .unwrap()
+}
+
+async fn submit(env: &Env, spec: TaskSpec) -> String {
+    env.ax.submit("q", spec).await.unwrap().id
+}
+
+#[tokio::test]
+async fn a_dead_task_is_found_by_its_error_class_among_many_retried_and_succeeds() {
+    within(Duration::from_secs(90), "find and retry", async {
+        let env = Env::start(Env::server()).await;
+        let fixed = Arc::new(AtomicBool::new(false));
+        let (w, runs, _) = worker(fixed.clone());
+        let _w = env.spawn_worker(w);
+        let mut ok = Vec::new();
+        for i in 0..200 {
+            ok.push(submit(&env, TaskSpec::new("charge").json(&json!({"i": i}))).await);
+        }
+        let mut dead = Vec::new();
+        for _ in 0..3 {
+            let spec = TaskSpec::new("charge")
+                .json(&json!({"fail": true}))
+                .max_attempts(2);
+            dead.push(submit(&env, spec).await);
+        }
+        let found = eventually(Duration::from_secs(20), "3 dead tasks in the index", || {
+            let ax = env.ax.clone();
+            async move {
+                let r = ax
+                    .find_tasks(&query(Some(TaskState::Dead), Some("card_declined")))
+                    .await
+                    .ok()?;
+                (r.total == Some(3)).then_some(r)
+            }
+        })
+        .await;
+        let mut ids: Vec<&str> = found.tasks.iter().map(|t| t.id.as_str()).collect();
+        ids.sort();
+        let mut want: Vec<&str> = dead.iter().map(String::as_str).collect();
+        want.sort();
+        assert_eq!(ids, want);
+        assert!(found
+            .tasks
+            .iter()
+            .all(|t| t.error_class.as_deref() == Some("card_declined")));
+        let other = env
+            .ax
+            .find_tasks(&query(None, Some("timeout")))
+            .await
+            .unwrap();
+        assert_eq!((other.total, other.tasks.len()), (Some(0), 0));
+        eventually(
+            Duration::from_secs(20),
+            "200 succeeded in the index",
+            || {
+                let ax = env.ax.clone();
+                async move {
+                    let r = ax
+                        .find_tasks(&query(Some(TaskState::Succeeded), None))
+                        .await
+                        .ok()?;
+                    (r.total == Some(200)).then_some(())
+                }
+            },
+        )
+        .await;
+
+        // The CLI finds them too, as a table and as JSON.
+        let table = cli(
+            &env,
+            &[
+                "tasks",
+                "list",
+                "--state",
+                "dead",
+                "--error-class",
+                "card_declined",
+            ],
+        )
+        .await;
+        assert!(table.status.success(), "{table:?}");
+        let text = String::from_utf8_lossy(&table.stdout);
+        assert!(text.starts_with("ID"), "{text}");
+        assert_eq!(text.lines().count(), 4, "{text}");
+        let listed = cli(&env, &["tasks", "list", "--state", "dead", "-o", "json"]).await;
+        let listed: Value = serde_json::from_slice(&listed.stdout).unwrap();
+        assert_eq!(listed["total"], 3);
+
+        // Retry without a reset: one more attempt (still failing: dead again, with a new
+        // dead letter of its own).
+        let d0 = &dead[0];
+        let letters = env.stream_len("AX_DEAD").await;
+        let out = env.ax.retry_task(d0, false).await.unwrap();
+        assert_eq!(out.state, TaskState::Pending);
+        let again = eventually(
+            Duration::from_secs(10),
+            "the retried task dead again",
+            || {
+                let ax = env.ax.clone();
+                async move {
+                    let (rec, _) = ax.task(d0).await.ok()??;
+                    (rec.state == TaskState::Dead && rec.attempt == 2).then_some(rec)
+                }
+            },
+        )
+        .await;
+        assert_eq!(again.max_attempts, 2);
+        assert_eq!(runs_of(&runs, d0), 2);
+        eventually(Duration::from_secs(5), "a second dead letter", || {
+            let env = &env;
+            async move { (env.stream_len("AX_DEAD").await == letters + 1).then_some(()) }
+        })
+        .await;
+
+        // Fixed: retry with a reset runs it from attempt 1, and it succeeds.
+        fixed.store(true, Ordering::SeqCst);
+        env.ax.retry_task(d0, true).await.unwrap();
+        let done = env
+            .wait_state(d0, TaskState::Succeeded, Duration::from_secs(10))
+            .await;
+        assert_eq!(done.attempt, 1, "attempts were reset");
+        assert_eq!(done.op.as_ref().map(|o| o.op.as_str()), Some("retry"));
+        assert_eq!(runs_of(&runs, d0), 3);
+        let refused = env.ax.retry_task(d0, false).await.unwrap_err();
+        assert_eq!(refused.kind(), ErrorKind::Conflict, "{refused}");
+
+        // Replay the other two by filter: a dry run names them, the replay runs them.
+        let q = TaskQuery {
+            error_class: Some("card_declined".into()),
+            ..Default::default()
+        };
+        let dry = env.ax.replay_dead(&q, None, false, true).await.unwrap();
+        assert_eq!(dry.would_retry, 2);
+        assert_eq!(runs_of(&runs, &dead[1]), 1, "a dry run retries nothing");
+        let replayed = env.ax.replay_dead(&q, None, false, false).await.unwrap();
+        assert_eq!((replayed.retried, replayed.failed.len()), (2, 0));
+        for id in &dead[1..] {
+            env.wait_state(id, TaskState::Succeeded, Duration::from_secs(10))
+                .await;
+            assert_eq!(runs_of(&runs, id), 2);
+        }
+        assert!(ok.iter().all(|id| runs_of(&runs, id) == 1));
+    })
+    .await
+}
+
+#[tokio::test]
+async fn cancel_stops_a_task_before_and_during_its_attempt() {
+    within(Duration::from_secs(60), "cancel", async {
+        let env = Env::start(Env::server()).await;
+
+        // Scheduled: cancelled, its delayed message removed; a second cancel is refused.
+        let later = submit(&env, TaskSpec::new("t").delay(Duration::from_secs(3600))).await;
+        assert_eq!(env.stream_len("AX_DELAYED").await, 1);
+        let out = env.ax.cancel_task(&later).await.unwrap();
+        assert_eq!(out.state, TaskState::Cancelled);
+        assert_eq!(env.stream_len("AX_DELAYED").await, 0);
+        let refused = env.ax.cancel_task(&later).await.unwrap_err();
+        assert_eq!(refused.kind(), ErrorKind::Conflict);
+
+        // Running on a worker that is gone (its record says running; nobody answers the
+        // signal): the cancel is recorded and the next delivery ends it unrun.
+        let orphan = submit(&env, TaskSpec::new("t")).await;
+        let store = env.store().await;
+        let (rec, rev) = store.get(&orphan).await.unwrap().unwrap();
+        let mut running = rec.transition(TaskState::Running);
+        running.attempt = 1;
+        running.worker = Some("gone".into());
+        store.cas(&running, rev).await.unwrap();
+        let out = env.ax.cancel_task(&orphan).await.unwrap();
+        assert!(
+            out.cancel_requested && out.state == TaskState::Running,
+            "{out:?}"
+        );
+
+        let (w, runs, finished) = worker(Arc::new(AtomicBool::new(false)));
+        let _w = env.spawn_worker(w);
+        let rec = env
+            .wait_state(&orphan, TaskState::Cancelled, Duration::from_secs(10))
+            .await;
+        assert_eq!(rec.attempt, 1);
+        assert_eq!(runs_of(&runs, &orphan), 0, "cancelled unrun");
+
+        // Running here: the handler is stopped, the attempt ends cancelled, nothing reruns.
+        let block = submit(&env, TaskSpec::new("t").json(&json!({"block": true}))).await;
+        env.wait_state(&block, TaskState::Running, Duration::from_secs(10))
+            .await;
+        eventually(Duration::from_secs(5), "the handler to start", || async {
+            (runs_of(&runs, &block) == 1).then_some(())
+        })
+        .await;
+        let out = env.ax.cancel_task(&block).await.unwrap();
+        assert_eq!(out.state, TaskState::Cancelled, "{out:?}");
+        assert!(out.worker.is_some());
+        let rec = env.record(&block).await;
+        assert_eq!(rec.state, TaskState::Cancelled);
+        assert_eq!(rec.last_error.unwrap().class, "cancelled");
+        tokio::time::sleep(Duration::from_millis(2500)).await; // 2.5 ack waits
+        assert_eq!(runs_of(&runs, &block), 1, "no redelivery ran it again");
+        assert_eq!(
+            *finished.lock().unwrap(),
+            0,
+            "the handler did not run to its end"
+        );
+        assert_eq!(env.record(&block).await.state, TaskState::Cancelled);
+    })
+    .await
+}
+
+#[tokio::test]
+async fn run_now_starts_scheduled_and_retrying_tasks_at_once() {
+    within(Duration::from_secs(60), "run now", async {
+        let env = Env::start(Env::server()).await;
+        let (w, runs, _) = worker(Arc::new(AtomicBool::new(false)));
+        let _w = env.spawn_worker(w);
+
+        let later = submit(&env, TaskSpec::new("t").delay(Duration::from_secs(3600))).await;
+        let out = env.ax.run_now(&later).await.unwrap();
+        assert_eq!(out.state, TaskState::Pending);
+        env.wait_state(&later, TaskState::Succeeded, Duration::from_secs(10))
+            .await;
+        assert_eq!(runs_of(&runs, &later), 1);
+        eventually(
+            Duration::from_secs(5),
+            "the delayed message removed",
+            || {
+                let env = &env;
+                async move { (env.stream_len("AX_DELAYED").await == 0).then_some(()) }
+            },
+        )
+        .await;
+
+        // Retrying with an hour's backoff: run now starts the next attempt at once.
+        let spec = TaskSpec::new("t").json(&json!({"flaky": true})).backoff(
+            Duration::from_secs(3600),
+            Duration::from_secs(3600),
+            0.0,
+        );
+        let flaky = submit(&env, spec).await;
+        let rec = env
+            .wait_state(&flaky, TaskState::Retrying, Duration::from_secs(10))
+            .await;
+        assert!(rec.next_retry_at_ms.unwrap() > ax::time::now_ms() + 3_000_000);
+        env.ax.run_now(&flaky).await.unwrap();
+        let done = env
+            .wait_state(&flaky, TaskState::Succeeded, Duration::from_secs(10))
+            .await;
+        assert_eq!(done.attempt, 2);
+        assert_eq!(done.op.as_ref().map(|o| o.op.as_str()), Some("run_now"));
+        assert_eq!(runs_of(&runs, &flaky), 2);
+        let refused = env.ax.run_now(&flaky).await.unwrap_err();
+        assert_eq!(refused.kind(), ErrorKind::Conflict);
+    })
+    .await
+}
+
+#[tokio::test]
+async fn a_paused_queue_takes_nothing_until_resumed() {
+    within(Duration::from_secs(60), "pause", async {
+        let env = Env::start(Env::server()).await;
+        let (w, runs, _) = worker(Arc::new(AtomicBool::new(false)));
+        let _w = env.spawn_worker(w);
+        let first = submit(&env, TaskSpec::new("t")).await;
+        env.wait_state(&first, TaskState::Succeeded, Duration::from_secs(10))
+            .await;
+
+        let paused = cli(&env, &["queue", "pause", "q", "--reason", "deploy"]).await;
+        assert!(paused.status.success(), "{paused:?}");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let mut held = Vec::new();
+        for _ in 0..20 {
+            held.push(submit(&env, TaskSpec::new("t")).await);
+        }
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        assert!(
+            held.iter().all(|id| runs_of(&runs, id) == 0),
+            "a paused queue ran a task"
+        );
+        let queues = env.ax.queues().await.unwrap();
+        let q = &queues["queues"][0];
+        assert_eq!(
+            (q["queue"].as_str(), q["paused"].as_bool()),
+            (Some("q"), Some(true))
+        );
+        assert_eq!(q["pause"]["reason"], "deploy");
+        assert_eq!(q["ready"]["normal"], 20);
+        let table = cli(&env, &["queue", "list"]).await;
+        let text = String::from_utf8_lossy(&table.stdout);
+        assert!(
+            text.lines()
+                .nth(1)
+                .is_some_and(|l| l.starts_with("q ") && l.contains("paused")),
+            "{text}"
+        );
+
+        env.ax.resume_queue("q").await.unwrap();
+        for id in &held {
+            env.wait_state(id, TaskState::Succeeded, Duration::from_secs(15))
+                .await;
+            assert_eq!(runs_of(&runs, id), 1);
+        }
+        let completions = cli(&env, &["completions", "bash"]).await;
+        assert!(String::from_utf8_lossy(&completions.stdout).contains("complete -F"));
+    })
+    .await
+}
+
+/// A webhook receiver: answers 200 to every POST and keeps the bodies.
+async fn webhook() -> (String, Arc<Mutex<Vec<Value>>>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/hook", listener.local_addr().unwrap());
+    let bodies: Arc<Mutex<Vec<Value>>> = Arc::default();
+    let kept = bodies.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut sock, _)) = listener.accept().await else {
+                return;
+            };
+            let kept = kept.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                loop {
+                    let n = sock.read(&mut chunk).await.unwrap_or(0);
+                    if n == 0 {
+                        return;
+                    }
+                    buf.extend_from_slice(&chunk[..n]);
+                    let text = String::from_utf8_lossy(&buf).to_string();
+                    if let Some(end) = text.find("\r\n\r\n") {
+                        let len: usize = text[..end]
+                            .lines()
+                            .find_map(|l| {
+                                l.to_ascii_lowercase()
+                                    .strip_prefix("content-length:")
+                                    .map(|v| v.trim().parse().unwrap())
+                            })
+                            .unwrap_or(0);
+                        if buf.len() >= end + 4 + len {
+                            let body =
+                                serde_json::from_slice(&buf[end + 4..end + 4 + len]).unwrap();
+                            kept.lock().unwrap().push(body);
+                            let _ = sock
+                                .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                                .await;
+                            return;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    (url, bodies)
+}
+
+#[tokio::test]
+async fn alerts_fire_once_per_failure_burst_across_servers() {
+    within(Duration::from_secs(60), "alerts", async {
+        let (url, hooked) = webhook().await;
+        let alerts = ax::ops::AlertConfig {
+            window: Duration::from_secs(3),
+            webhook: Some(url),
+            console_url: Some("http://console.test".into()),
+        };
+        let env = Env::start(Env::server().alerts(alerts.clone())).await;
+        // A second server on the same broker sees every failure too.
+        let second = CancellationToken::new();
+        let client = async_nats::connect(env.nats.url()).await.unwrap();
+        tokio::spawn(
+            Env::server()
+                .alerts(alerts)
+                .build()
+                .run(client, second.clone()),
+        );
+        let _stop = second.clone().drop_guard();
+        let mut events = env.client.subscribe("ax.events.alert.q").await.unwrap();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+
+        let (w, _, _) = worker(Arc::new(AtomicBool::new(false)));
+        let _w = env.spawn_worker(w);
+        let fail = || {
+            TaskSpec::new("charge")
+                .json(&json!({"fail": true}))
+                .max_attempts(1)
+        };
+        let mut burst = Vec::new();
+        for _ in 0..5 {
+            burst.push(submit(&env, fail()).await);
+        }
+        for id in &burst {
+            env.wait_state(id, TaskState::Dead, Duration::from_secs(10))
+                .await;
+        }
+        let first = tokio::time::timeout(Duration::from_secs(5), events.next())
+            .await
+            .unwrap()
+            .unwrap();
+        let first: Value = serde_json::from_slice(&first.payload).unwrap();
+        assert_eq!(first["kind"], "task_dead");
+        assert_eq!(
+            (first["queue"].as_str(), first["name"].as_str()),
+            (Some("q"), Some("charge"))
+        );
+        assert_eq!(first["error_class"], "card_declined");
+        assert_eq!(first["suppressed_since_last"], 0);
+        assert!(burst.iter().any(|id| first["task"] == id.as_str()));
+        assert!(first["link"]
+            .as_str()
+            .unwrap()
+            .starts_with("http://console.test/#/tasks/q."));
+        let quiet = tokio::time::timeout(Duration::from_millis(1500), events.next()).await;
+        assert!(
+            quiet.is_err(),
+            "a repeat within the window alerted: {quiet:?}"
+        );
+
+        // After the window, the next failure alerts again and counts the 4 folded ones.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let late = submit(&env, fail()).await;
+        let next = tokio::time::timeout(Duration::from_secs(10), events.next())
+            .await
+            .unwrap()
+            .unwrap();
+        let next: Value = serde_json::from_slice(&next.payload).unwrap();
+        assert_eq!(next["task"], late.as_str());
+        assert_eq!(next["suppressed_since_last"], 4);
+        eventually(
+            Duration::from_secs(10),
+            "both alerts at the webhook",
+            || async { (hooked.lock().unwrap().len() == 2).then_some(()) },
+        )
+        .await;
+        let hooked = hooked.lock().unwrap().clone();
+        assert_eq!(hooked, vec![first, next]);
+        assert!(
+            tokio::time::timeout(Duration::from_millis(500), events.next())
+                .await
+                .is_err()
+        );
+    })
+    .await
+}
+
+#[tokio::test]
+async fn a_tasks_events_outlive_its_sixteen_stored_revisions() {
+    within(Duration::from_secs(60), "events", async {
+        let env = Env::start(Env::server()).await;
+        // The broker starts copying a moment after the stream is made (changes overwritten
+        // in the record's 16 revisions before then are not copied: docs/PROTOCOL.md §8).
+        eventually(Duration::from_secs(10), "the event copy to run", || {
+            let js = env.js.clone();
+            async move {
+                let mut s = js.get_stream("AX_TASK_EVENTS").await.ok()?;
+                let info = s.info().await.ok()?;
+                info.sources.first()?.active.map(|_| ())
+            }
+        })
+        .await;
+        // Fails 11 times, then succeeds: 1 submit + 12 starts + 11 retries + 1 success = 25
+        // writes.
+        let w = Worker::builder("q")
+            .handler(|task: Task| async move {
+                if task.attempt <= 11 {
+                    return Err(TaskError::new(
+                        "io",
+                        format!("attempt {} fails", task.attempt),
+                    ));
+                }
+                Ok(())
+            })
+            .build()
+            .unwrap();
+        let _w = env.spawn_worker(w);
+        let spec = TaskSpec::new("t").max_attempts(20).backoff(
+            Duration::from_millis(1),
+            Duration::from_millis(5),
+            0.0,
+        );
+        let id = submit(&env, spec).await;
+        env.wait_state(&id, TaskState::Succeeded, Duration::from_secs(30))
+            .await;
+        assert_eq!(
+            env.ax.history(&id).await.unwrap().len(),
+            16,
+            "the record keeps 16"
+        );
+        let events = eventually(Duration::from_secs(5), "25 events", || {
+            let ax = env.ax.clone();
+            let id = id.clone();
+            async move {
+                let e = ax.task_events(&id).await.ok()?;
+                (e.len() == 25).then_some(e)
+            }
+        })
+        .await;
+        let names: Vec<&str> = events
+            .iter()
+            .map(|e| e["event"].as_str().unwrap())
+            .collect();
+        assert_eq!(names[0], "submitted");
+        assert_eq!(names.iter().filter(|n| **n == "started").count(), 12);
+        assert_eq!(
+            names.iter().filter(|n| **n == "failed_will_retry").count(),
+            11
+        );
+        assert_eq!(names[24], "succeeded");
+        assert_eq!(events[2]["reason"], "io: attempt 1 fails");
+        assert!(events[1]["actor"].as_str().unwrap().starts_with("worker "));
+        let table = cli(&env, &["task", "events", &id]).await;
+        assert_eq!(String::from_utf8_lossy(&table.stdout).lines().count(), 26);
+    })
+    .await
+}
