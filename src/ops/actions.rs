@@ -175,6 +175,9 @@ impl Ops {
             }
             Err(StateError::Stale { .. }) => {
                 let (now, _) = self.read(&id).await?;
+                if now.state == TaskState::Cancelled {
+                    return Ok(json!({"id": id, "state": "cancelled"}));
+                }
                 Err(conflict(format!(
                     "task {id} changed while it was being cancelled (now {}); try again",
                     now.state

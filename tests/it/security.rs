@@ -116,7 +116,12 @@ async fn each_role_has_least_privilege() {
     let worker_conn = connect(&url, "worker-default", "pw-worker").await.unwrap();
     // Its outputs are larger than the inline limit: they go to AX_RESULTS.
     let worker = Worker::builder("default")
-        .handler(|_t: Task| async { Ok(ax::Output::bytes(vec![7u8; 2048])) })
+        .handler(|t: Task| async move {
+            if t.payload.as_ref() == b"\"block\"" {
+                tokio::time::sleep(Duration::from_secs(60)).await;
+            }
+            Ok(ax::Output::bytes(vec![7u8; 2048]))
+        })
         .build()
         .unwrap();
     let wstop = CancellationToken::new();
@@ -301,6 +306,68 @@ async fn each_role_has_least_privilege() {
         .expect("a limited task runs under least privilege")
         .unwrap();
     assert_eq!(done.record.state, TaskState::Succeeded);
+
+    // Operations: the producer may not use them; the admin finds tasks through the
+    // server's index, runs a delayed task now, cancels a running one (the worker hears
+    // the signal on its queue's subject), pauses and resumes, reads a task's events.
+    assert!(producer
+        .clone()
+        .wait_for_server(Duration::ZERO)
+        .task_op("list", &serde_json::json!({}))
+        .await
+        .is_err());
+    eventually(
+        Duration::from_secs(10),
+        "the index to find the tasks",
+        || async {
+            let q = ax::ops::ListRequest {
+                query: ax::ops::TaskQuery {
+                    state: Some(TaskState::Succeeded),
+                    queue: Some("default".into()),
+                    ..Default::default()
+                },
+                ..Default::default()
+            };
+            let found = admin_view.find_tasks(&q).await.ok()?;
+            (found.total >= Some(3)).then_some(())
+        },
+    )
+    .await;
+    let held = admin_view
+        .submit(
+            "default",
+            TaskSpec::new("t").delay(Duration::from_secs(3600)),
+        )
+        .await
+        .unwrap();
+    admin_view.run_now(&held.id).await.unwrap();
+    let done = tokio::time::timeout(Duration::from_secs(20), admin_view.wait(&held.id))
+        .await
+        .expect("run now under least privilege")
+        .unwrap();
+    assert_eq!(done.record.state, TaskState::Succeeded);
+    let blocked = admin_view
+        .submit("default", TaskSpec::new("t").json(&"block"))
+        .await
+        .unwrap();
+    eventually(
+        Duration::from_secs(10),
+        "the blocking task to run",
+        || async {
+            let (rec, _) = admin_view.task(&blocked.id).await.ok()??;
+            (rec.state == TaskState::Running).then_some(())
+        },
+    )
+    .await;
+    let cancelled = admin_view.cancel_task(&blocked.id).await.unwrap();
+    assert_eq!(cancelled.state, TaskState::Cancelled, "{cancelled:?}");
+    admin_view.pause_queue("default", None).await.unwrap();
+    admin_view.resume_queue("default").await.unwrap();
+    assert!(!admin_view
+        .task_events(&done.record.id)
+        .await
+        .unwrap()
+        .is_empty());
 
     // The server cannot change the topology either.
     let sjs = async_nats::jetstream::new(connect(&url, "ax-server", "pw-server").await.unwrap());
