@@ -60,7 +60,8 @@ pub const FLOW_RUNS_ENDED: &str = "ax_flow_runs_ended_total";
 pub const ALERTS: &str = "ax_alerts_total";
 /// Terminal failures folded into an alert window instead of alerting (`queue`).
 pub const ALERTS_SUPPRESSED: &str = "ax_alerts_suppressed_total";
-/// Failures in a row per task name, reset by a success (`queue`, `task`).
+/// Failed attempts in a row per task name in one worker process, reset by a success
+/// (`queue`, `task`).
 pub const CONSECUTIVE_FAILURES: &str = "ax_task_consecutive_failures";
 /// Gauge, server (the flow engine's leader): runs it is driving now.
 pub const FLOW_RUNS_ACTIVE: &str = "ax_flow_runs_active";

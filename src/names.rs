@@ -54,6 +54,8 @@ pub fn cancel_subject(queue: &str) -> String {
     format!("ax.cancel.{queue}")
 }
 
+/// Queue group of the servers that keep a task index (they answer its operations).
+pub const INDEX_QUEUE_GROUP: &str = "ax-index";
 /// Queue group the ax servers' request handlers join.
 pub const SERVER_QUEUE_GROUP: &str = "ax";
 
@@ -205,6 +207,13 @@ pub fn delayed_filters(partition: u32) -> Vec<String> {
 /// Subject of dead-lettered tasks of one queue.
 pub fn dead_subject(queue: &str) -> String {
     format!("ax.dead.{queue}")
+}
+
+/// Subject of a task's dead letter: `ax.dead.<task id>` (the queue is its first token, so
+/// `ax.dead.<queue>.>` holds a queue's dead letters, and a task's latest one is a direct
+/// get by subject).
+pub fn task_dead_subject(task_id: &str) -> String {
+    format!("ax.dead.{task_id}")
 }
 
 /// Durable consumer name of one queue and priority.

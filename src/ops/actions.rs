@@ -26,7 +26,8 @@ pub(crate) struct Ops {
     pub(crate) tasks: TaskStore,
     /// `AX_LIMITS`: a queue's pause is a key there (`limits::pause_key`).
     pub(crate) limits: kv::Store,
-    pub(crate) index: Arc<TaskIndex>,
+    /// The task index, on a server that keeps one (`ServerBuilder::task_index`).
+    pub(crate) index: Option<Arc<TaskIndex>>,
 }
 
 fn unavailable(e: impl std::fmt::Display) -> WireError {
@@ -212,12 +213,7 @@ impl Ops {
                 rec.state
             )));
         }
-        let seq = self.index.dead_letter(id).ok_or_else(|| {
-            conflict(format!(
-                "no dead letter of task {id} (kept 30 days): its payload is gone"
-            ))
-        })?;
-        let letter = self.message(names::DEAD_STREAM, seq).await?;
+        let letter = self.dead_letter(id).await?;
         let mut meta = TaskMeta::from_headers(&letter.0)
             .map_err(|e| conflict(format!("dead letter of {id} unreadable: {e}")))?;
         let attempt = if reset { 0 } else { rec.attempt };
@@ -433,6 +429,28 @@ impl Ops {
             before = Some(rec);
         }
         Ok(out)
+    }
+
+    /// A task's latest dead letter (`ax.dead.<task id>`, a direct get by subject).
+    async fn dead_letter(&self, id: &str) -> Result<(async_nats::HeaderMap, Bytes), WireError> {
+        let stream = self
+            .js
+            .get_stream(names::DEAD_STREAM)
+            .await
+            .map_err(unavailable)?;
+        match stream
+            .get_last_raw_message_by_subject(&names::task_dead_subject(id))
+            .await
+        {
+            Ok(msg) => Ok((msg.headers, msg.payload)),
+            Err(e) if e.kind() == jetstream::stream::LastRawMessageErrorKind::NoMessageFound => {
+                Err(conflict(format!(
+                    "no dead letter of task {id} (kept 30 days; before version 0.2 dead letters \
+                     were stored per queue): its payload is gone"
+                )))
+            }
+            Err(e) => Err(unavailable(e)),
+        }
     }
 
     async fn message(

@@ -236,27 +236,74 @@ impl Alerts {
         .await;
     }
 
-    /// Follows the index feed's changes: every task that turns `dead` is a failure.
-    pub(crate) async fn follow(
-        self,
-        mut changes: tokio::sync::mpsc::Receiver<super::feed::Change>,
-    ) {
-        while let Some(c) = changes.recv().await {
-            if c.record["state"] != "dead" {
-                continue;
+    /// Follows the dead letters (`AX_DEAD`, headers only) from a minute before now, so a
+    /// failure during a quick restart still alerts: every task that ends `dead` is a
+    /// failure, its dead letter's sequence its revision.
+    pub(crate) async fn follow(self, shutdown: tokio_util::sync::CancellationToken) {
+        use crate::task::header;
+        use async_nats::jetstream::consumer;
+        use futures::StreamExt;
+        let js = async_nats::jetstream::new(self.client.clone());
+        loop {
+            let since_ns = (now_ms().saturating_sub(60_000) as i128) * 1_000_000;
+            let start_time = async_nats::datetime::from_nanos(since_ns)
+                .unwrap_or_else(|_| async_nats::datetime::now());
+            let opened =
+                crate::retry::until_ok("the dead-letter feed (AX_DEAD)", &shutdown, || {
+                    let js = js.clone();
+                    async move {
+                        js.get_stream(crate::names::DEAD_STREAM)
+                            .await
+                            .map_err(|e| e.to_string())?
+                            .create_consumer(consumer::pull::OrderedConfig {
+                                deliver_policy: consumer::DeliverPolicy::ByStartTime { start_time },
+                                headers_only: true,
+                                max_expires: Duration::from_secs(2),
+                                ..Default::default()
+                            })
+                            .await
+                            .map_err(|e| e.to_string())?
+                            .messages()
+                            .await
+                            .map_err(|e| e.to_string())
+                    }
+                })
+                .await;
+            let Some(mut messages) = opened else { return };
+            loop {
+                let msg = tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    msg = messages.next() => msg,
+                };
+                let Some(Ok(msg)) = msg else {
+                    warn!("dead-letter feed broke; following it again");
+                    break;
+                };
+                let Ok(info) = msg.info() else { continue };
+                let revision = info.stream_sequence;
+                let h = msg.headers.clone().unwrap_or_default();
+                let get = |name: &str| h.get(name).map(|v| v.as_str().to_string());
+                let queue = get(header::QUEUE).unwrap_or_else(|| {
+                    msg.subject
+                        .split('.')
+                        .nth(2)
+                        .unwrap_or_default()
+                        .to_string()
+                });
+                let f = Failure {
+                    kind: "task_dead",
+                    queue,
+                    name: get(header::NAME).unwrap_or_else(|| "(unreadable)".into()),
+                    class: get(header::ERROR_CLASS).unwrap_or_else(|| "dead".into()),
+                    message: get(header::ERROR_MESSAGE).unwrap_or_default(),
+                    subject_id: get(header::ID).unwrap_or_default(),
+                    attempts: get(header::ATTEMPTS)
+                        .and_then(|a| a.parse().ok())
+                        .unwrap_or(0),
+                    revision,
+                };
+                self.failed(f).await;
             }
-            let error = &c.record["last_error"];
-            let f = Failure {
-                kind: "task_dead",
-                queue: c.record["queue"].as_str().unwrap_or_default().to_string(),
-                name: c.record["name"].as_str().unwrap_or_default().to_string(),
-                class: error["class"].as_str().unwrap_or("dead").to_string(),
-                message: error["message"].as_str().unwrap_or_default().to_string(),
-                subject_id: c.id.clone(),
-                attempts: c.record["attempt"].as_u64().unwrap_or(0) as u32,
-                revision: c.revision,
-            };
-            self.failed(f).await;
         }
     }
 }

@@ -9,6 +9,13 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use std::time::Duration;
 
+/// The task operations every server answers.
+pub(crate) const OPS: [&str; 7] = [
+    "get", "events", "cancel", "retry", "run_now", "pause", "resume",
+];
+/// The operations only a server with a task index answers.
+pub(crate) const INDEX_OPS: [&str; 3] = ["list", "replay", "queues"];
+
 /// Most rows one `list` answers; most tasks one `replay` retries.
 pub(crate) const MAX_LIST: usize = 1000;
 pub(crate) const MAX_REPLAY: usize = 10_000;
@@ -129,14 +136,11 @@ impl Ops {
                     .into_iter()
                     .map(|(rec, rev)| json!({"revision": rev, "record": rec}))
                     .collect();
-                Ok(
-                    json!({"record": record, "revision": revision, "history": history,
-                    "dead_letter": self.index.dead_letter(&id)}),
-                )
+                Ok(json!({"record": record, "revision": revision, "history": history}))
             }
             "list" => {
                 let req: ListRequest = serde_json::from_slice(body).map_err(bad)?;
-                Ok(serde_json::to_value(self.list(&req).await).expect("serializes"))
+                Ok(serde_json::to_value(self.list(&req).await?).expect("serializes"))
             }
             "cancel" => {
                 let One { id, by } = serde_json::from_slice(body).map_err(bad)?;
@@ -187,12 +191,24 @@ impl Ops {
             .ok_or_else(|| WireError::new(ErrorCode::NotFound, format!("no task {id}")))
     }
 
-    async fn list(&self, req: &ListRequest) -> ListReply {
+    /// The index, or the error a server without one answers (it subscribes to the index
+    /// operations only when it keeps one, so this answers only a misrouted request).
+    fn index(&self) -> Result<&super::feed::TaskIndex, WireError> {
+        self.index.as_deref().ok_or_else(|| {
+            WireError::new(
+                ErrorCode::Unavailable,
+                "this server keeps no task index (start one with `ax server --task-index`)",
+            )
+        })
+    }
+
+    async fn list(&self, req: &ListRequest) -> Result<ListReply, WireError> {
+        let index = self.index()?;
         // A fresh server answers from what it has read so far, saying so.
-        let complete = self.index.loaded() || self.index.wait_loaded(Duration::from_secs(2)).await;
+        let complete = index.loaded() || index.wait_loaded(Duration::from_secs(2)).await;
         let limit = req.limit.unwrap_or(50).clamp(1, MAX_LIST);
         let cursor = req.after.as_ref().map(|c| (c.updated_at_ms, c.id.clone()));
-        let (tasks, total) = self.index.index.read().expect("not poisoned").find(
+        let (tasks, total) = index.index.read().expect("not poisoned").find(
             &req.query,
             limit,
             cursor.as_ref(),
@@ -205,12 +221,12 @@ impl Ops {
                 id: last.id.clone(),
             }
         });
-        ListReply {
+        Ok(ListReply {
             tasks,
             total,
             next,
             complete,
-        }
+        })
     }
 
     async fn replay(&self, r: Replay) -> Result<Value, WireError> {
@@ -221,7 +237,7 @@ impl Ops {
         query.state = Some(TaskState::Dead);
         let limit = r.limit.unwrap_or(MAX_REPLAY).clamp(1, MAX_REPLAY);
         let (rows, total) = self
-            .index
+            .index()?
             .index
             .read()
             .expect("not poisoned")
@@ -243,7 +259,8 @@ impl Ops {
 
     async fn queues(&self) -> Result<Value, WireError> {
         let paused = self.paused().await?;
-        let counts = self.index.index.read().expect("not poisoned").counts();
+        let index = self.index()?;
+        let counts = index.index.read().expect("not poisoned").counts();
         let mut names: Vec<String> = counts.iter().map(|(q, _)| q.clone()).collect();
         names.extend(paused.iter().map(|(q, _)| q.clone()));
         names.sort();
@@ -279,7 +296,7 @@ impl Ops {
                 "tasks": states,
             }));
         }
-        Ok(json!({"queues": out, "complete": self.index.loaded()}))
+        Ok(json!({"queues": out, "complete": index.loaded()}))
     }
 }
 

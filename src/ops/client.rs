@@ -44,7 +44,28 @@ pub struct ReplayOutcome {
     pub failed: Vec<Value>,
 }
 
+/// How long an index operation waits for a server that keeps the index.
+const INDEX_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
+
 impl Client {
+    /// An operation only servers with a task index answer: without one, a clear refusal
+    /// instead of a wait.
+    async fn index_op(&self, op: &str, body: &Value) -> Result<Value, ClientError> {
+        let client = self.clone().wait_for_server(INDEX_WAIT);
+        match client.task_op(op, body).await {
+            Err(ClientError::Request(e))
+                if e.kind() == async_nats::RequestErrorKind::NoResponders =>
+            {
+                Err(ClientError::Refused(crate::protocol::WireError::new(
+                    crate::protocol::ErrorCode::Unavailable,
+                    "no ax server keeps a task index: start one with `ax server --task-index` \
+                     (the console's server keeps one)",
+                )))
+            }
+            other => other,
+        }
+    }
+
     /// Calls the task operations API: `op` is `get`, `list`, `cancel`, `retry`, `replay`,
     /// `run_now`, `pause`, `resume` or `queues`; returns the `ok` value.
     pub async fn task_op(&self, op: &str, body: &Value) -> Result<Value, ClientError> {
@@ -54,7 +75,7 @@ impl Client {
     /// Finds tasks through the servers' index (most recently changed first).
     pub async fn find_tasks(&self, req: &ListRequest) -> Result<ListReply, ClientError> {
         let ok = self
-            .task_op("list", &serde_json::to_value(req).expect("serializes"))
+            .index_op("list", &serde_json::to_value(req).expect("serializes"))
             .await?;
         Ok(serde_json::from_value(ok)?)
     }
@@ -97,7 +118,7 @@ impl Client {
         if let Some(limit) = limit {
             body["limit"] = limit.into();
         }
-        let ok = self.task_op("replay", &body).await?;
+        let ok = self.index_op("replay", &body).await?;
         Ok(serde_json::from_value(ok)?)
     }
 
@@ -132,6 +153,6 @@ impl Client {
 
     /// Every queue with tasks: paused or not, ready depth per priority, tasks by state.
     pub async fn queues(&self) -> Result<Value, ClientError> {
-        self.task_op("queues", &json!({})).await
+        self.index_op("queues", &json!({})).await
     }
 }

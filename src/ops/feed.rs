@@ -1,38 +1,19 @@
 //! Keeps the task index current: an ordered consumer over `KV_AX_TASKS` (the last value
-//! of every key, then every change) and one over `AX_DEAD` (headers only: task id →
-//! its latest dead letter's sequence, which `retry` and `replay` read the payload from).
-//! A feed that breaks is followed again from the start; the index ignores revisions older
+//! of every key, then every change). A feed that breaks is followed again from the start; the index ignores revisions older
 //! than the ones it holds, so reading again is harmless.
 
 use super::index::{Index, Indexed};
-use crate::metrics as m;
-use crate::names::{DEAD_STREAM, TASKS_BUCKET};
-use crate::state::TaskState;
-use crate::task::header;
+use crate::names::TASKS_BUCKET;
 use async_nats::jetstream::{self, consumer};
 use futures::StreamExt;
-use std::collections::HashMap;
-use std::sync::{Mutex, RwLock};
+use std::sync::RwLock;
 use std::time::{Duration, Instant};
-use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-/// A task that just changed state (after the initial load): what alerts see.
-#[derive(Debug, Clone)]
-pub(crate) struct Change {
-    pub(crate) id: String,
-    /// The record's revision (its sequence in `KV_AX_TASKS`).
-    pub(crate) revision: u64,
-    pub(crate) record: serde_json::Value,
-}
-
-/// The index and the dead-letter map, shared by the API handlers.
+/// The index, shared by the API handlers.
 pub(crate) struct TaskIndex {
     pub(crate) index: RwLock<Index>,
-    dead: Mutex<HashMap<String, u64>>,
-    /// Failed attempts in a row per (queue, task name).
-    streaks: Mutex<HashMap<(String, String), u64>>,
     /// True once the feed has read every record stored when it started.
     loaded: tokio::sync::watch::Sender<bool>,
 }
@@ -40,24 +21,16 @@ pub(crate) struct TaskIndex {
 const FEED_EXPIRES: Duration = Duration::from_secs(2);
 
 impl TaskIndex {
-    /// Starts following the feeds; `changes` receives every state change seen after the
-    /// initial load (dropped, not waited for, if the receiver lags).
+    /// Starts following the task-state feed.
     pub(crate) fn start(
         js: jetstream::Context,
-        changes: Option<mpsc::Sender<Change>>,
         shutdown: CancellationToken,
     ) -> std::sync::Arc<TaskIndex> {
         let ix = std::sync::Arc::new(TaskIndex {
             index: RwLock::new(Index::default()),
-            dead: Mutex::new(HashMap::new()),
-            streaks: Mutex::new(HashMap::new()),
             loaded: tokio::sync::watch::channel(false).0,
         });
-        tokio::spawn(
-            ix.clone()
-                .follow_tasks(js.clone(), changes, shutdown.clone()),
-        );
-        tokio::spawn(ix.clone().follow_dead(js, shutdown));
+        tokio::spawn(ix.clone().follow_tasks(js, shutdown));
         ix
     }
 
@@ -76,15 +49,9 @@ impl TaskIndex {
         loaded
     }
 
-    /// The sequence in `AX_DEAD` of task `id`'s latest dead letter.
-    pub(crate) fn dead_letter(&self, id: &str) -> Option<u64> {
-        self.dead.lock().expect("not poisoned").get(id).copied()
-    }
-
     async fn follow_tasks(
         self: std::sync::Arc<Self>,
         js: jetstream::Context,
-        changes: Option<mpsc::Sender<Change>>,
         shutdown: CancellationToken,
     ) {
         let prefix = format!("$KV.{TASKS_BUCKET}.");
@@ -150,25 +117,10 @@ impl TaskIndex {
                 if deleted {
                     self.index.write().expect("not poisoned").remove(id);
                 } else if let Ok(parsed) = serde_json::from_slice::<Indexed<'_>>(&msg.payload) {
-                    let before = {
-                        let mut ix = self.index.write().expect("not poisoned");
-                        let before = ix.state_of(id);
-                        ix.put(id, revision, &parsed);
-                        before
-                    };
-                    let state = parsed.state();
-                    if loaded && before != Some(state) {
-                        self.count_streak(&parsed);
-                        if let (TaskState::Dead, Some(tx)) = (state, &changes) {
-                            if let Ok(record) = serde_json::from_slice(&msg.payload) {
-                                let _ = tx.try_send(Change {
-                                    id: id.to_string(),
-                                    revision,
-                                    record,
-                                });
-                            }
-                        }
-                    }
+                    self.index
+                        .write()
+                        .expect("not poisoned")
+                        .put(id, revision, &parsed);
                 }
                 seen += 1;
                 if !loaded {
@@ -183,35 +135,6 @@ impl TaskIndex {
         }
     }
 
-    /// `ax_task_consecutive_failures{queue, task}`: failed attempts of a name in a row
-    /// (`retrying` or `dead`), reset by a success.
-    fn count_streak(&self, rec: &Indexed<'_>) {
-        let streak = match rec.state() {
-            TaskState::Retrying | TaskState::Dead => {
-                let mut streaks = self.streaks.lock().expect("not poisoned");
-                let n = streaks
-                    .entry((rec.queue().to_string(), rec.name().to_string()))
-                    .or_default();
-                *n += 1;
-                *n
-            }
-            TaskState::Succeeded => {
-                let mut streaks = self.streaks.lock().expect("not poisoned");
-                match streaks.get_mut(&(rec.queue().to_string(), rec.name().to_string())) {
-                    Some(n) if *n > 0 => {
-                        *n = 0;
-                        0
-                    }
-                    _ => return,
-                }
-            }
-            _ => return,
-        };
-        metrics::gauge!(m::CONSECUTIVE_FAILURES, "queue" => rec.queue().to_string(),
-            "task" => rec.name().to_string())
-        .set(streak as f64);
-    }
-
     fn mark_loaded(&self, n: u64, started: Instant) {
         let tasks = self.index.read().expect("not poisoned").len();
         info!(
@@ -221,54 +144,5 @@ impl TaskIndex {
             "task index loaded"
         );
         self.loaded.send_replace(true);
-    }
-
-    async fn follow_dead(
-        self: std::sync::Arc<Self>,
-        js: jetstream::Context,
-        shutdown: CancellationToken,
-    ) {
-        loop {
-            let opened =
-                crate::retry::until_ok("the dead-letter feed (AX_DEAD)", &shutdown, || {
-                    let js = js.clone();
-                    async move {
-                        js.get_stream(DEAD_STREAM)
-                            .await
-                            .map_err(|e| e.to_string())?
-                            .create_consumer(consumer::pull::OrderedConfig {
-                                deliver_policy: consumer::DeliverPolicy::All,
-                                headers_only: true,
-                                max_expires: FEED_EXPIRES,
-                                ..Default::default()
-                            })
-                            .await
-                            .map_err(|e| e.to_string())?
-                            .messages()
-                            .await
-                            .map_err(|e| e.to_string())
-                    }
-                })
-                .await;
-            let Some(mut messages) = opened else { return };
-            loop {
-                let msg = tokio::select! {
-                    _ = shutdown.cancelled() => return,
-                    msg = messages.next() => msg,
-                };
-                let Some(Ok(msg)) = msg else {
-                    warn!("dead-letter feed broke; following it again");
-                    break;
-                };
-                let Ok(info) = msg.info() else { continue };
-                let seq = info.stream_sequence;
-                if let Some(id) = msg.headers.as_ref().and_then(|h| h.get(header::ID)) {
-                    self.dead
-                        .lock()
-                        .expect("not poisoned")
-                        .insert(id.to_string(), seq);
-                }
-            }
-        }
     }
 }

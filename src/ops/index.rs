@@ -57,19 +57,6 @@ pub(crate) struct Indexed<'a> {
     idempotency_key: Option<String>,
 }
 
-impl Indexed<'_> {
-    /// The record's state.
-    pub(crate) fn state(&self) -> TaskState {
-        self.state
-    }
-    pub(crate) fn queue(&self) -> &str {
-        self.queue
-    }
-    pub(crate) fn name(&self) -> &str {
-        self.name
-    }
-}
-
 #[derive(Debug, Deserialize)]
 struct IndexedError<'a> {
     #[serde(borrow)]
@@ -415,6 +402,7 @@ impl Index {
     }
 
     /// The state of task `id` as indexed.
+    #[cfg(test)]
     pub(crate) fn state_of(&self, id: &str) -> Option<TaskState> {
         let slot = *self.by_id.get(id)?;
         self.entries[slot as usize].as_ref().map(|e| e.state)

@@ -94,6 +94,7 @@ pub struct Server {
     triggers: bool,
     trigger_engine: bool,
     flow_engine: bool,
+    task_index: bool,
     alerts: crate::ops::AlertConfig,
     max_held_bytes: usize,
     lease_ttl: Duration,
@@ -128,6 +129,7 @@ impl Default for ServerBuilder {
             triggers: true,
             trigger_engine: true,
             flow_engine: true,
+            task_index: false,
             alerts: Default::default(),
             max_held_bytes: 64 << 20,
             lease_ttl: Duration::from_secs(3),
@@ -203,6 +205,14 @@ impl ServerBuilder {
     /// Off, the server still answers the flow API; another server drives the runs.
     pub fn flow_engine(mut self, on: bool) -> Self {
         self.0.flow_engine = on;
+        self
+    }
+    /// Keep the task index and answer `ax.task.list`, `replay` and `queues` (default
+    /// false). The index follows every task-state change (one more delivery per record
+    /// write, and about 300 bytes of memory per task: docs/PERFORMANCE.md), so it runs
+    /// only where asked for: one or two servers of a cluster, or the console's.
+    pub fn task_index(mut self, on: bool) -> Self {
+        self.0.task_index = on;
         self
     }
     /// Alerts on terminal failures: dedup window, webhook, console link (default: 10 min
@@ -319,20 +329,39 @@ impl Server {
                 op: "open the alerts bucket",
                 source: e,
             })?;
-        let (changes, dead) = tokio::sync::mpsc::channel(4096);
-        tokio::spawn(alerts.clone().follow(dead));
-        let task_index =
-            crate::ops::feed::TaskIndex::start(js.clone(), Some(changes), index_token.clone());
+        tokio::spawn(alerts.clone().follow(index_token.clone()));
+        let task_index = self
+            .task_index
+            .then(|| crate::ops::feed::TaskIndex::start(js.clone(), index_token.clone()));
         let ops = crate::ops::actions::Ops {
             js: js.clone(),
             tasks: crate::state::TaskStore::open(&js).await?,
             limits: limit_api.defs.clone(),
             index: task_index,
         };
-        let mut task_requests = subscribe(format!("{}*", names::TASK_API_PREFIX)).await?;
-        let mut limit_requests = subscribe(format!("{}*", names::LIMIT_API_PREFIX)).await?;
-        let mut flow_requests = subscribe(format!("{}*", names::FLOW_API_PREFIX)).await?;
-        let mut api_requests = subscribe(format!("{TRIGGER_API_PREFIX}*")).await?;
+        // The management APIs, merged into one stream of requests. The task index's
+        // operations go only to servers that keep one (their own queue group).
+        let mut management = vec![
+            subscribe(format!("{}*", names::LIMIT_API_PREFIX)).await?,
+            subscribe(format!("{}*", names::FLOW_API_PREFIX)).await?,
+        ];
+        if self.triggers {
+            management.push(subscribe(format!("{TRIGGER_API_PREFIX}*")).await?);
+        }
+        for op in crate::ops::api::OPS {
+            management.push(subscribe(format!("{}{op}", names::TASK_API_PREFIX)).await?);
+        }
+        if self.task_index {
+            for op in crate::ops::api::INDEX_OPS {
+                let subject = format!("{}{op}", names::TASK_API_PREFIX);
+                let sub = client
+                    .queue_subscribe(subject.clone(), names::INDEX_QUEUE_GROUP.to_string())
+                    .await
+                    .map_err(|source| ServerError::Subscribe { subject, source })?;
+                management.push(sub);
+            }
+        }
+        let mut management = futures::stream::select_all(management);
         let engine_token = shutdown.child_token();
         let engine = (self.triggers && self.trigger_engine).then(|| {
             tokio::spawn(
@@ -410,19 +439,7 @@ impl Server {
             tokio::select! {
                 _ = shutdown.cancelled() => break Ok(()),
                 done = &mut sched => break scheduler_ended(done),
-                msg = api_requests.next(), if apis.triggers.is_some() => {
-                    let Some(msg) = msg else { break Ok(()) };
-                    serve(msg, permit);
-                }
-                msg = task_requests.next() => {
-                    let Some(msg) = msg else { break Ok(()) };
-                    serve(msg, permit);
-                }
-                msg = limit_requests.next() => {
-                    let Some(msg) = msg else { break Ok(()) };
-                    serve(msg, permit);
-                }
-                msg = flow_requests.next() => {
+                msg = management.next() => {
                     let Some(msg) = msg else { break Ok(()) };
                     serve(msg, permit);
                 }
@@ -438,10 +455,9 @@ impl Server {
             }
         };
         let _ = requests.unsubscribe().await;
-        let _ = api_requests.unsubscribe().await;
-        let _ = flow_requests.unsubscribe().await;
-        let _ = limit_requests.unsubscribe().await;
-        let _ = task_requests.unsubscribe().await;
+        for mut sub in management.into_iter() {
+            let _ = sub.unsubscribe().await;
+        }
         sched_token.cancel();
         engine_token.cancel();
         index_token.cancel();

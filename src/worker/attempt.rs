@@ -56,6 +56,8 @@ pub(crate) struct Shared {
     pub(crate) lean_first_attempt: bool,
     /// The tasks held here now: one attempt of a task at a time.
     pub(crate) inflight: Arc<InFlight>,
+    /// Failed attempts in a row per task name (`ax_task_consecutive_failures`).
+    pub(crate) streaks: std::sync::Mutex<std::collections::HashMap<String, u64>>,
 }
 
 /// Retry pause when the broker cannot be reached for a state read or write.
@@ -527,6 +529,7 @@ async fn run(
                 done.output = Some(stored);
             }
             if write(sh, &done, token, held).await {
+                streak(sh, &task_label, false);
                 metrics::counter!(m::SUCCEEDED, "queue" => queue, "task" => task_label)
                     .increment(1);
                 reply(msg, AckKind::Ack).await;
@@ -631,6 +634,31 @@ async fn write(sh: &Shared, rec: &TaskRecord, token: u64, held: &Held) -> bool {
     }
 }
 
+/// Counts a failed attempt of a task name in a row, or ends the run of failures with a
+/// success: the gauge `ax_task_consecutive_failures{queue, task}` of this worker.
+fn streak(sh: &Shared, task_label: &str, failed: bool) {
+    let n = {
+        let mut streaks = sh.streaks.lock().expect("not poisoned");
+        match (failed, streaks.get_mut(task_label)) {
+            (true, Some(n)) => {
+                *n += 1;
+                *n
+            }
+            (true, None) => {
+                streaks.insert(task_label.to_string(), 1);
+                1
+            }
+            (false, Some(n)) if *n > 0 => {
+                *n = 0;
+                0
+            }
+            (false, _) => return,
+        }
+    };
+    metrics::gauge!(m::CONSECUTIVE_FAILURES, "queue" => sh.queue.clone(), "task" => task_label.to_string())
+        .set(n as f64);
+}
+
 /// Stores a large output in `AX_RESULTS`, retrying like [`write`]; false if the delivery
 /// was lost meanwhile (it will be redelivered).
 async fn put_output(sh: &Shared, id: &str, key: &str, bytes: bytes::Bytes, held: &Held) -> bool {
@@ -656,6 +684,7 @@ async fn fail(
     metrics::counter!(m::FAILED, "queue" => queue.clone(), "task" => task_label.clone(), "class" => sh.labels.class(&e.class))
         .increment(1);
     metrics::gauge!(m::TASK_TIMEOUT_RATE, "queue" => queue.clone()).set(sh.rate.record(timed_out));
+    streak(sh, &task_label, true);
     let error = ErrorInfo {
         class: e.class.clone(),
         message: e.message.clone(),
@@ -708,7 +737,7 @@ async fn publish_dead_letter_and_term(
     headers.insert(header::ERROR_CLASS, class.as_str());
     headers.insert(header::ERROR_MESSAGE, header_safe(&error.message).as_str());
     headers.insert(header::ATTEMPTS, rec.attempt.to_string().as_str());
-    dead_letter_and_term(sh, &meta.queue, msg, headers).await;
+    dead_letter_and_term(sh, names::task_dead_subject(&meta.id), msg, headers).await;
 }
 
 /// A message on a ready subject that is not a task ax can read: dead-letter it as is.
@@ -717,28 +746,40 @@ async fn reject_malformed(sh: &Shared, msg: &jetstream::Message, why: &str) {
     let mut headers = msg.headers.clone().unwrap_or_default();
     headers.insert(header::ERROR_CLASS, "bad_message");
     headers.insert(header::ERROR_MESSAGE, header_safe(why).as_str());
-    dead_letter_and_term(sh, &sh.queue, msg, headers).await;
+    dead_letter_and_term(sh, names::dead_subject(&sh.queue), msg, headers).await;
 }
 
 /// Stores the delivery's payload in `AX_DEAD` with `headers`, then Terms the delivery; if
 /// the dead letter is not acknowledged, naks it instead so a redelivery tries again.
 async fn dead_letter_and_term(
     sh: &Shared,
-    queue: &str,
+    subject: String,
     msg: &jetstream::Message,
     headers: async_nats::HeaderMap,
 ) {
-    let publish = jetstream::message::PublishMessage::build()
-        .headers(headers)
-        .payload(msg.payload.clone());
-    let sent = match sh
-        .js
-        .send_publish(names::dead_subject(queue), publish)
-        .await
-    {
-        Ok(ack) => ack.await.map(|_| ()),
-        Err(e) => Err(e),
+    let publish = |subject: String, headers| async {
+        let publish = jetstream::message::PublishMessage::build()
+            .headers(headers)
+            .payload(msg.payload.clone());
+        match sh.js.send_publish(subject, publish).await {
+            Ok(ack) => ack.await.map(|_| ()),
+            Err(e) => Err(e),
+        }
     };
+    let mut sent = publish(subject.clone(), headers.clone()).await;
+    if let Err(e) = &sent {
+        // An `AX_DEAD` made before dead letters were per task (subjects `ax.dead.*`) does
+        // not take `ax.dead.<task id>`: store it under the queue's subject, as then.
+        let queue_subject = names::dead_subject(
+            names::queue_of_task_id(subject.strip_prefix("ax.dead.").unwrap_or_default())
+                .unwrap_or(&sh.queue),
+        );
+        if e.kind() == jetstream::context::PublishErrorKind::StreamNotFound
+            && queue_subject != subject
+        {
+            sent = publish(queue_subject, headers).await;
+        }
+    }
     match sent {
         Ok(()) => reply(msg, AckKind::Term).await,
         Err(e) => {

@@ -110,6 +110,7 @@ pub(super) async fn run(
         tracker: TaskTracker::new(),
         lean_first_attempt: worker.lean_first_attempt,
         inflight: Default::default(),
+        streaks: Default::default(),
     });
     tokio::spawn(cancel_signals(shared.clone()));
     let consumers = Arc::new(consumers);

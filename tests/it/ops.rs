@@ -86,7 +86,7 @@ async fn submit(env: &Env, spec: TaskSpec) -> String {
 #[tokio::test]
 async fn a_dead_task_is_found_by_its_error_class_among_many_retried_and_succeeds() {
     within(Duration::from_secs(90), "find and retry", async {
-        let env = Env::start(Env::server()).await;
+        let env = Env::start(Env::server().task_index(true)).await;
         let fixed = Arc::new(AtomicBool::new(false));
         let (w, runs, _) = worker(fixed.clone());
         let _w = env.spawn_worker(w);
@@ -227,6 +227,11 @@ async fn cancel_stops_a_task_before_and_during_its_attempt() {
     within(Duration::from_secs(60), "cancel", async {
         let env = Env::start(Env::server()).await;
 
+        // This server keeps no task index: finding tasks is refused, saying what to do.
+        let refused = env.ax.find_tasks(&query(None, None)).await.unwrap_err();
+        assert_eq!(refused.kind(), ErrorKind::Unavailable);
+        assert!(refused.to_string().contains("--task-index"), "{refused}");
+
         // Scheduled: cancelled, its delayed message removed; a second cancel is refused.
         let later = submit(&env, TaskSpec::new("t").delay(Duration::from_secs(3600))).await;
         assert_eq!(env.stream_len("AX_DELAYED").await, 1);
@@ -335,7 +340,7 @@ async fn run_now_starts_scheduled_and_retrying_tasks_at_once() {
 #[tokio::test]
 async fn a_paused_queue_takes_nothing_until_resumed() {
     within(Duration::from_secs(60), "pause", async {
-        let env = Env::start(Env::server()).await;
+        let env = Env::start(Env::server().task_index(true)).await;
         let (w, runs, _) = worker(Arc::new(AtomicBool::new(false)));
         let _w = env.spawn_worker(w);
         let first = submit(&env, TaskSpec::new("t")).await;

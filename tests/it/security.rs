@@ -73,6 +73,7 @@ async fn admin_applies_and_server_runs(
     let stop = CancellationToken::new();
     let server = tokio::spawn(
         ax::Server::builder()
+            .task_index(true)
             .queues(["default"])
             .apply_streams(false)
             .build()

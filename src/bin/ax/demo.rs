@@ -47,6 +47,7 @@ pub(crate) async fn run(args: DemoArgs, conn: &Conn) -> Result<()> {
     let shutdown = CancellationToken::new();
     let server = tokio::spawn(
         Server::builder()
+            .task_index(true)
             .queues(["demo"])
             .ack_wait(Duration::from_secs(5))
             .build()

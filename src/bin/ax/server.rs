@@ -66,6 +66,10 @@ pub(crate) struct ServerArgs {
     /// Most bytes of delayed-task messages held in memory ahead of their due time.
     #[arg(long, default_value = "64MiB", value_parser = parse_bytes)]
     max_held_bytes: usize,
+    /// Keep the task index (every task's state, searchable) and answer `ax tasks list`,
+    /// `ax tasks replay` and `ax queue list`. Costs one more delivery per record write.
+    #[arg(long)]
+    task_index: bool,
     /// Fold repeats of a terminal failure (same queue, task name and error class) into one
     /// alert per this window.
     #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
@@ -124,6 +128,7 @@ pub(crate) async fn run(args: ServerArgs, conn: &Conn) -> Result<()> {
         .trigger_engine(!args.no_trigger_engine)
         .max_held_bytes(args.max_held_bytes)
         .dispatch_horizon(args.dispatch_horizon)
+        .task_index(args.task_index)
         .alerts(ax::ops::AlertConfig {
             window: args.alert_window,
             webhook: args.alert_webhook,
