@@ -89,6 +89,11 @@ pub const STREAM_FILES: [(&str, &str); 18] = [
     ),
 ];
 
+/// Streams made only when asked for (`Topology::task_events`).
+fn is_optional(file: &str) -> bool {
+    file.trim_end_matches(".json") == names::EVENTS_STREAM
+}
+
 /// The ready-consumer template (`{queue}` and `{priority}` are substituted).
 pub const READY_CONSUMER_TEMPLATE: &str = include_str!("../streams/consumers/ready.json");
 
@@ -107,6 +112,11 @@ pub struct Topology {
     pub max_ack_pending: i64,
     /// Stream replicas (default 1; use 3 on a cluster).
     pub replicas: usize,
+    /// Keep every task-state change for 30 days in `AX_TASK_EVENTS` (default false: the
+    /// broker copying each record write cost about a tenth of end-to-end throughput,
+    /// docs/PERFORMANCE.md). Without it a task's history is its record's last 16
+    /// revisions.
+    pub task_events: bool,
 }
 
 impl Default for Topology {
@@ -117,6 +127,7 @@ impl Default for Topology {
             ack_wait: Duration::from_secs(30),
             max_ack_pending: 10_000,
             replicas: 1,
+            task_events: false,
         }
     }
 }
@@ -223,6 +234,7 @@ const CONSUMER_FIXED: [&str; 4] = [
 pub fn stream_configs(topology: &Topology) -> Result<Vec<stream::Config>, StreamsError> {
     STREAM_FILES
         .iter()
+        .filter(|(file, _)| topology.task_events || !is_optional(file))
         .map(|(file, text)| {
             let mut config: stream::Config =
                 serde_json::from_str(text).map_err(|source| StreamsError::Definition {
@@ -310,7 +322,7 @@ fn settle(mode: Mode, diffs: &[Difference]) -> Outcome {
     }
 }
 
-fn is_not_found(e: &jetstream::context::GetStreamError) -> bool {
+pub(crate) fn is_not_found(e: &jetstream::context::GetStreamError) -> bool {
     matches!(e.kind(), jetstream::context::GetStreamErrorKind::JetStream(js)
         if js.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND)
 }
@@ -396,7 +408,7 @@ pub async fn missing(
     queues: &[String],
 ) -> Result<Vec<String>, StreamsError> {
     let mut out = Vec::new();
-    for (file, _) in STREAM_FILES {
+    for (file, _) in STREAM_FILES.iter().filter(|(f, _)| !is_optional(f)) {
         let name = file.trim_end_matches(".json");
         match js.get_stream(name).await {
             Ok(_) => {}

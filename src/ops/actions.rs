@@ -381,16 +381,28 @@ impl Ops {
     /// Every stored change of task `id`, oldest first, from `AX_TASK_EVENTS` (kept 30
     /// days, however many revisions the record has had): one event per change, named
     /// for what happened, with who did it.
-    pub(crate) async fn events(&self, id: &str) -> Result<Vec<Value>, WireError> {
+    ///
+    /// Without that stream (it is optional: `Topology::task_events`), the record's own
+    /// history (its last 16 revisions); `complete` says which.
+    pub(crate) async fn events(&self, id: &str) -> Result<(Vec<Value>, bool), WireError> {
         use futures::StreamExt;
         if names::queue_of_task_id(id).is_none() {
             return Err(WireError::field("id", "not a task id"));
         }
-        let stream = self
-            .js
-            .get_stream(names::EVENTS_STREAM)
-            .await
-            .map_err(unavailable)?;
+        let stream = match self.js.get_stream(names::EVENTS_STREAM).await {
+            Ok(stream) => stream,
+            Err(e) if crate::streams::is_not_found(&e) => {
+                let history = self.tasks.history(id).await.map_err(state_err)?;
+                let mut before: Option<TaskRecord> = None;
+                let mut out = Vec::new();
+                for (rec, _) in history {
+                    out.push(event(before.as_ref(), &rec));
+                    before = Some(rec);
+                }
+                return Ok((out, false));
+            }
+            Err(e) => return Err(unavailable(e)),
+        };
         let subject = format!("$KV.{}.{id}", names::TASKS_BUCKET);
         let mut info = stream
             .info_with_subjects(subject.clone())
@@ -402,7 +414,7 @@ impl Ops {
         }
         let mut out = Vec::new();
         if stored == 0 {
-            return Ok(out);
+            return Ok((out, true));
         }
         let mut messages = stream
             .create_consumer(jetstream::consumer::pull::OrderedConfig {
@@ -428,7 +440,7 @@ impl Ops {
             out.push(event(before.as_ref(), &rec));
             before = Some(rec);
         }
-        Ok(out)
+        Ok((out, true))
     }
 
     /// A task's latest dead letter (`ax.dead.<task id>`, a direct get by subject).

@@ -171,7 +171,8 @@ impl Ops {
             "queues" => self.queues().await,
             "events" => {
                 let One { id, .. } = serde_json::from_slice(body).map_err(bad)?;
-                Ok(json!({"id": id, "events": self.events(&id).await?}))
+                let (events, complete) = self.events(&id).await?;
+                Ok(json!({"id": id, "events": events, "complete": complete}))
             }
             _ => Err(WireError::new(
                 ErrorCode::BadRequest,

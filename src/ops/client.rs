@@ -143,12 +143,14 @@ impl Client {
             .map(|_| ())
     }
 
-    /// Every change of a task, oldest first (kept 30 days in `AX_TASK_EVENTS`, however
-    /// many revisions the record has had): `{event, at_ms, state, attempt, actor,
-    /// reason, next_retry_at_ms}`.
-    pub async fn task_events(&self, id: &str) -> Result<Vec<Value>, ClientError> {
+    /// Every change of a task, oldest first: `{event, at_ms, state, attempt, actor,
+    /// reason, next_retry_at_ms}`. With the `AX_TASK_EVENTS` stream (`--task-events`)
+    /// every change of the last 30 days (`complete` true); without it, the record's last
+    /// 16 changes.
+    pub async fn task_events(&self, id: &str) -> Result<(Vec<Value>, bool), ClientError> {
         let mut ok = self.task_op("events", &json!({ "id": id })).await?;
-        Ok(serde_json::from_value(ok["events"].take())?)
+        let complete = ok["complete"].as_bool().unwrap_or(false);
+        Ok((serde_json::from_value(ok["events"].take())?, complete))
     }
 
     /// Every queue with tasks: paused or not, ready depth per priority, tasks by state.

@@ -207,6 +207,12 @@ impl ServerBuilder {
         self.0.flow_engine = on;
         self
     }
+    /// Keep every task-state change for 30 days in `AX_TASK_EVENTS` (default false; see
+    /// [`Topology::task_events`]). Only creates the stream when it is missing.
+    pub fn task_events(mut self, on: bool) -> Self {
+        self.0.topology.task_events = on;
+        self
+    }
     /// Keep the task index and answer `ax.task.list`, `replay` and `queues` (default
     /// false). The index follows every task-state change (one more delivery per record
     /// write, and about 300 bytes of memory per task: docs/PERFORMANCE.md), so it runs

@@ -528,7 +528,7 @@ async fn alerts_fire_once_per_failure_burst_across_servers() {
 #[tokio::test]
 async fn a_tasks_events_outlive_its_sixteen_stored_revisions() {
     within(Duration::from_secs(60), "events", async {
-        let env = Env::start(Env::server()).await;
+        let env = Env::start(Env::server().task_events(true)).await;
         // The broker starts copying a moment after the stream is made (changes overwritten
         // in the record's 16 revisions before then are not copied: docs/PROTOCOL.md §8).
         eventually(Duration::from_secs(10), "the event copy to run", || {
@@ -572,8 +572,8 @@ async fn a_tasks_events_outlive_its_sixteen_stored_revisions() {
             let ax = env.ax.clone();
             let id = id.clone();
             async move {
-                let e = ax.task_events(&id).await.ok()?;
-                (e.len() == 25).then_some(e)
+                let (e, complete) = ax.task_events(&id).await.ok()?;
+                (complete && e.len() == 25).then_some(e)
             }
         })
         .await;
@@ -592,6 +592,26 @@ async fn a_tasks_events_outlive_its_sixteen_stored_revisions() {
         assert!(events[1]["actor"].as_str().unwrap().starts_with("worker "));
         let table = cli(&env, &["task", "events", &id]).await;
         assert_eq!(String::from_utf8_lossy(&table.stdout).lines().count(), 26);
+
+        // Without the stream (the default), the record's last 16 changes, said so.
+        let plain = Env::start(Env::server()).await;
+        let _pw = plain.spawn_worker(
+            Worker::builder("q")
+                .handler(|_t: Task| async { Ok(()) })
+                .build()
+                .unwrap(),
+        );
+        let one = plain.ax.submit("q", TaskSpec::new("t")).await.unwrap().id;
+        plain
+            .wait_state(&one, TaskState::Succeeded, Duration::from_secs(10))
+            .await;
+        let (events, complete) = plain.ax.task_events(&one).await.unwrap();
+        assert!(!complete);
+        let names: Vec<&str> = events
+            .iter()
+            .map(|e| e["event"].as_str().unwrap())
+            .collect();
+        assert_eq!(names, ["submitted", "started", "succeeded"]);
     })
     .await
 }

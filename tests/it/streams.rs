@@ -10,7 +10,8 @@ async fn apply_is_idempotent_and_refuses_incompatible_changes() {
     let js = async_nats::jetstream::new(client);
     let queues = vec!["a".to_string(), "b".to_string()];
     let first = apply(&js, &Topology::default(), &queues).await.unwrap();
-    assert_eq!(first.len(), ax::streams::STREAM_FILES.len() + 6);
+    // Every stream but the optional AX_TASK_EVENTS, and 2 queues × 3 consumers.
+    assert_eq!(first.len(), ax::streams::STREAM_FILES.len() - 1 + 6);
     assert!(
         first.iter().all(|a| a.outcome == Outcome::Created),
         "{first:?}"
@@ -20,6 +21,17 @@ async fn apply_is_idempotent_and_refuses_incompatible_changes() {
         again.iter().all(|a| a.outcome == Outcome::Unchanged),
         "{again:?}"
     );
+    let events = Topology {
+        task_events: true,
+        ..Topology::default()
+    };
+    let with_events = apply(&js, &events, &queues).await.unwrap();
+    let created: Vec<&str> = with_events
+        .iter()
+        .filter(|a| a.outcome == Outcome::Created)
+        .map(|a| a.object.as_str())
+        .collect();
+    assert_eq!(created, ["stream AX_TASK_EVENTS"]);
 
     let bigger = Topology {
         capacity: [10, 5000, 10000],

@@ -162,9 +162,12 @@ pub(crate) async fn get(command: TaskCommand, conn: &Conn, output: Output) -> Re
             return print_outcome(&done, output, "run now");
         }
         TaskCommand::Events { id } => {
-            let events = client.task_events(&id).await?;
+            let (events, complete) = client.task_events(&id).await?;
             if output == Output::Json {
-                return out::json(&events);
+                return out::json(&serde_json::json!({"events": events, "complete": complete}));
+            }
+            if !complete {
+                eprintln!("(the record's last 16 changes: keep them all with `--task-events`)");
             }
             let text = |v: &serde_json::Value| v.as_str().unwrap_or("-").to_string();
             let rows: Vec<Vec<String>> = events
