@@ -21,7 +21,6 @@ enum Field {
     Class,
     Trigger,
     Run,
-    Idem,
 }
 
 /// A task as the index holds it.
@@ -29,8 +28,10 @@ enum Field {
 struct Entry {
     id: Arc<str>,
     state: TaskState,
-    /// Symbols of queue, name, error class, trigger (0 = none), flow run, idempotency key.
-    syms: [u32; 6],
+    /// Symbols of queue, name, error class, trigger, flow run (0 = none).
+    syms: [u32; 5],
+    /// The idempotency key (unique per task in practice: looked up by key, not posted).
+    idem: Option<Box<str>>,
     created_ms: u64,
     updated_ms: u64,
     attempt: u32,
@@ -141,16 +142,24 @@ pub(crate) struct Index {
     states: [Posting; 7],
     /// Per queue symbol: tasks by state.
     counts: HashMap<u32, [u64; 7]>,
+    /// Idempotency key → its tasks.
+    keys: HashMap<Box<str>, Slots>,
 }
 
-const FIELDS: [Field; 6] = [
+const FIELDS: [Field; 5] = [
     Field::Queue,
     Field::Name,
     Field::Class,
     Field::Trigger,
     Field::Run,
-    Field::Idem,
 ];
+
+/// The tasks with one idempotency key: nearly always one.
+#[derive(Debug)]
+enum Slots {
+    One(u32),
+    Many(Vec<u32>),
+}
 
 fn state_index(s: TaskState) -> usize {
     s as usize
@@ -210,7 +219,6 @@ impl Index {
             },
             rec.trigger.map_or(0, |t| self.intern(t)),
             flow_run(id).map_or(0, |r| self.intern(r)),
-            rec.idempotency_key.as_deref().map_or(0, |k| self.intern(k)),
         ];
         let id: Arc<str> = match self.by_id.get_key_value(id) {
             Some((k, _)) => k.clone(),
@@ -220,6 +228,7 @@ impl Index {
             id: id.clone(),
             state: rec.state,
             syms,
+            idem: rec.idempotency_key.as_deref().map(Box::from),
             created_ms: rec.created_at_ms,
             updated_ms: rec.updated_at_ms,
             attempt: rec.attempt,
@@ -253,6 +262,18 @@ impl Index {
         let e = self.entries[slot as usize].as_ref().expect("live slot");
         let key = (e.updated_ms, slot);
         let (state, syms) = (e.state, e.syms);
+        if let Some(k) = e.idem.clone() {
+            match self.keys.get_mut(&k) {
+                None => {
+                    self.keys.insert(k, Slots::One(slot));
+                }
+                Some(Slots::One(other)) => {
+                    let other = *other;
+                    self.keys.insert(k, Slots::Many(vec![other, slot]));
+                }
+                Some(Slots::Many(v)) => v.push(slot),
+            }
+        }
         self.states[state_index(state)].insert(key);
         for (field, sym) in FIELDS.iter().zip(syms) {
             if sym != 0 && !matches!(field, Field::Queue) {
@@ -270,6 +291,19 @@ impl Index {
         let e = self.entries[slot as usize].as_ref().expect("live slot");
         let key = (e.updated_ms, slot);
         let (state, syms) = (e.state, e.syms);
+        if let Some(k) = &e.idem {
+            let gone = match self.keys.get_mut(k) {
+                Some(Slots::Many(v)) => {
+                    v.retain(|&s| s != slot);
+                    v.is_empty()
+                }
+                Some(Slots::One(_)) => true,
+                None => false,
+            };
+            if gone {
+                self.keys.remove(k);
+            }
+        }
         self.states[state_index(state)].remove(&key);
         for (field, sym) in FIELDS.iter().zip(syms) {
             if sym == 0 {
@@ -299,7 +333,6 @@ impl Index {
             (Field::Class, &q.error_class),
             (Field::Trigger, &q.trigger),
             (Field::Run, &q.flow_run),
-            (Field::Idem, &q.idempotency_key),
         ];
         for (field, value) in wanted {
             if let Some(v) = value {
@@ -310,8 +343,11 @@ impl Index {
         Some(out)
     }
 
-    fn matches(&self, e: &Entry, q: &TaskQuery, syms: &[Option<u32>; 6]) -> bool {
+    fn matches(&self, e: &Entry, q: &TaskQuery, syms: &[Option<u32>; 5]) -> bool {
         q.state.is_none_or(|s| s == e.state)
+            && q.idempotency_key
+                .as_deref()
+                .is_none_or(|k| e.idem.as_deref() == Some(k))
             && syms
                 .iter()
                 .zip(e.syms)
@@ -338,14 +374,30 @@ impl Index {
             q.error_class.as_deref().and_then(|v| self.lookup(v)),
             q.trigger.as_deref().and_then(|v| self.lookup(v)),
             q.flow_run.as_deref().and_then(|v| self.lookup(v)),
-            q.idempotency_key.as_deref().and_then(|v| self.lookup(v)),
         ];
-        // The smallest posting a filter names; with no field filter, every state's
-        // posting merged (together they hold every task once).
-        let walk: Vec<&Posting> = match postings.iter().min_by_key(|p| p.len()) {
-            Some(p) => vec![*p],
-            None => self.states.iter().collect(),
-        };
+        // An idempotency key names its few tasks directly; else the smallest posting a
+        // filter names; with no field filter, every state's posting merged (together they
+        // hold every task once).
+        let by_key: Posting;
+        let walk: Vec<&Posting> =
+            match (&q.idempotency_key, postings.iter().min_by_key(|p| p.len())) {
+                (Some(k), _) => {
+                    let slots: &[u32] = match self.keys.get(k.as_str()) {
+                        Some(Slots::One(s)) => std::slice::from_ref(s),
+                        Some(Slots::Many(v)) => v,
+                        None => &[],
+                    };
+                    by_key = slots
+                        .iter()
+                        .filter_map(|&s| {
+                            self.entries[s as usize].as_ref().map(|e| (e.updated_ms, s))
+                        })
+                        .collect();
+                    vec![&by_key]
+                }
+                (None, Some(p)) => vec![*p],
+                (None, None) => self.states.iter().collect(),
+            };
         let upper = q.to_ms.unwrap_or(u64::MAX);
         let lower = q.from_ms.unwrap_or(0);
         let before = match cursor {

@@ -215,7 +215,7 @@ impl ServerBuilder {
     }
     /// Keep the task index and answer `ax.task.list`, `replay` and `queues` (default
     /// false). The index follows every task-state change (one more delivery per record
-    /// write, and about 300 bytes of memory per task: docs/PERFORMANCE.md), so it runs
+    /// write, and about 450 bytes of memory per task: docs/PERFORMANCE.md), so it runs
     /// only where asked for: one or two servers of a cluster, or the console's.
     pub fn task_index(mut self, on: bool) -> Self {
         self.0.task_index = on;

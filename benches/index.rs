@@ -1,0 +1,212 @@
+//! The task index at scale (issue 11): N task records (default 1,000,000) in `AX_TASKS`,
+//! then a server with `task_index(true)` loads them and answers searches.
+//!
+//! Run: `./dev bench index` (AX_BENCH_RECORDS to change N).
+//!
+//! Printed (not asserted; docs/PERFORMANCE.md "Finding tasks"):
+//! - raw baseline: reading every record once with an ordered consumer, no index;
+//! - the server's index load time (ratio to the baseline) and the process's resident
+//!   memory before and after (per record);
+//! - search round trips (request → reply through NATS) for: the 12 dead tasks of one
+//!   error class among N; a page of 50 of the ~N succeeded ones; one idempotency key;
+//!   one task name in a time window.
+
+mod common;
+
+use ax::ops::{ListRequest, TaskQuery};
+use ax::{Client, Server};
+use common::natsd::LocalNats;
+use common::*;
+use futures::StreamExt;
+use std::future::IntoFuture;
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+
+fn rss_kib() -> u64 {
+    usage(std::process::id()).1
+}
+
+fn record(i: usize, base_ms: u64) -> (String, String) {
+    let id = format!("q.t{i:08}");
+    let (state, error) = match i {
+        // 12 dead of a rare class among a million.
+        _ if i % 83_333 == 7 => (
+            "dead",
+            r#","last_error":{"class":"card_declined","message":"declined"}"#,
+        ),
+        _ if i % 100 == 1 => (
+            "dead",
+            r#","last_error":{"class":"timeout","message":"slow"}"#,
+        ),
+        _ if i % 50 == 2 => (
+            "retrying",
+            r#","last_error":{"class":"io","message":"reset"}"#,
+        ),
+        _ => ("succeeded", ""),
+    };
+    let name = ["send_email", "charge", "resize", "report"][i % 4];
+    let updated = base_ms + i as u64;
+    let body = format!(
+        r#"{{"id":"{id}","queue":"q","name":"{name}","priority":"normal","state":"{state}","attempt":1,"max_attempts":5,"created_at_ms":{updated},"updated_at_ms":{updated},"idempotency_key":"order-{i}","worker":"w-1"{error}}}"#
+    );
+    (id, body)
+}
+
+#[tokio::main]
+async fn main() {
+    let n = env_or("AX_BENCH_RECORDS", 1_000_000);
+    let nats = LocalNats::start().expect("nats-server (set AX_NATS_SERVER or run ./dev bench)");
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let js = async_nats::jetstream::new(client.clone());
+    ax::streams::apply(&js, &Default::default(), &["q".to_string()])
+        .await
+        .unwrap();
+    println!("records: {n}");
+
+    // Write the records (pipelined publishes; not timed as part of any figure).
+    let base_ms = now_ms() - n as u64 - 1000;
+    let started = Instant::now();
+    let mut acks = futures::stream::FuturesUnordered::new();
+    for i in 0..n {
+        let (id, body) = record(i, base_ms);
+        acks.push(
+            js.publish(format!("$KV.AX_TASKS.{id}"), body.into())
+                .await
+                .unwrap()
+                .into_future(),
+        );
+        if acks.len() >= 4096 {
+            acks.next().await.unwrap().unwrap();
+        }
+        if i > 0 && i % 200_000 == 0 {
+            eprintln!("  ... {i} written");
+        }
+    }
+    while let Some(a) = acks.next().await {
+        a.unwrap();
+    }
+    eprintln!("  written in {:.1?}", started.elapsed());
+
+    // Baseline: read every record once with an ordered consumer.
+    let stream = js.get_stream("KV_AX_TASKS").await.unwrap();
+    let started = Instant::now();
+    let mut msgs = stream
+        .create_consumer(async_nats::jetstream::consumer::pull::OrderedConfig {
+            deliver_policy: async_nats::jetstream::consumer::DeliverPolicy::LastPerSubject,
+            filter_subject: "$KV.AX_TASKS.>".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .messages()
+        .await
+        .unwrap();
+    let mut read = 0;
+    while read < n {
+        msgs.next().await.unwrap().unwrap();
+        read += 1;
+    }
+    let raw = started.elapsed();
+    drop(msgs);
+    println!(
+        "raw read of every record (ordered consumer): {:.2} s",
+        raw.as_secs_f64()
+    );
+
+    // The index: load time and memory.
+    let rss_before = rss_kib();
+    let shutdown = CancellationToken::new();
+    let started = Instant::now();
+    let server = tokio::spawn(
+        Server::builder()
+            .queues(["q"])
+            .task_index(true)
+            .trigger_engine(false)
+            .flow_engine(false)
+            .build()
+            .run(client.clone(), shutdown.clone()),
+    );
+    let ax = Client::new(client.clone());
+    let probe = ListRequest {
+        limit: Some(1),
+        ..Default::default()
+    };
+    loop {
+        if let Ok(r) = ax.find_tasks(&probe).await {
+            if r.complete {
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let load = started.elapsed();
+    let rss_after = rss_kib();
+    println!(
+        "index load: {:.2} s (ratio to the raw read {:.2})",
+        load.as_secs_f64(),
+        load.as_secs_f64() / raw.as_secs_f64()
+    );
+    println!(
+        "process resident memory: {} MiB before the server, {} MiB with the index loaded: {:.0} bytes per record",
+        rss_before / 1024,
+        rss_after / 1024,
+        (rss_after.saturating_sub(rss_before) * 1024) as f64 / n as f64
+    );
+
+    let queries = [
+        (
+            "12 dead of one error class",
+            TaskQuery {
+                state: Some(ax::TaskState::Dead),
+                error_class: Some("card_declined".into()),
+                ..Default::default()
+            },
+        ),
+        (
+            "a page of 50 succeeded",
+            TaskQuery {
+                state: Some(ax::TaskState::Succeeded),
+                ..Default::default()
+            },
+        ),
+        (
+            "one idempotency key",
+            TaskQuery {
+                idempotency_key: Some(format!("order-{}", n / 2)),
+                ..Default::default()
+            },
+        ),
+        (
+            "one name in a 10 s window",
+            TaskQuery {
+                name: Some("charge".into()),
+                from_ms: Some(base_ms + n as u64 / 2),
+                to_ms: Some(base_ms + n as u64 / 2 + 10_000),
+                ..Default::default()
+            },
+        ),
+    ];
+    for (what, query) in queries {
+        let req = ListRequest {
+            query,
+            limit: Some(50),
+            ..Default::default()
+        };
+        let mut samples = Vec::new();
+        let mut found = None;
+        for _ in 0..200 {
+            let t = Instant::now();
+            let r = ax.find_tasks(&req).await.unwrap();
+            samples.push(t.elapsed().as_secs_f64() * 1000.0);
+            found = Some((r.tasks.len(), r.total));
+        }
+        let (p50, p99, max) = percentiles(samples);
+        let (rows, total) = found.unwrap();
+        let total = total.map_or("over 100000".to_string(), |t| t.to_string());
+        println!(
+            "search {what}: {rows} rows of {total}: p50 {p50:.2} ms  p99 {p99:.2} ms  max {max:.2} ms"
+        );
+    }
+    shutdown.cancel();
+    let _ = server.await;
+}
