@@ -84,6 +84,12 @@ impl TaskSpec {
         self.0.idempotency_key = Some(key.into());
         self
     }
+    /// The caller's W3C trace context (`00-<trace id>-<parent id>-<flags>`): every attempt
+    /// of the task logs inside a span carrying it.
+    pub fn traceparent(mut self, traceparent: impl Into<String>) -> TaskSpec {
+        self.0.traceparent = Some(traceparent.into());
+        self
+    }
     /// The key per-key limits count this task under (a customer id, a tenant).
     pub fn limit_key(mut self, key: impl Into<String>) -> TaskSpec {
         self.0.limit_key = Some(key.into());

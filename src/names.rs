@@ -54,6 +54,8 @@ pub fn cancel_subject(queue: &str) -> String {
     format!("ax.cancel.{queue}")
 }
 
+/// The NATS service (micro) name the servers register their request APIs under.
+pub const SERVICE_NAME: &str = "ax";
 /// Queue group of the servers that keep a task index (they answer its operations).
 pub const INDEX_QUEUE_GROUP: &str = "ax-index";
 /// Queue group the ax servers' request handlers join.

@@ -39,6 +39,10 @@ pub struct SubmitRequest {
     /// `A-Z a-z 0-9 _ - . : @` (docs/PROTOCOL.md §7).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub limit_key: Option<String>,
+    /// W3C trace context of the caller (`00-<trace id>-<parent id>-<flags>`), carried in
+    /// the task message and record into every attempt's logs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub traceparent: Option<String>,
     /// Attempts in all, including the first (default 5).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_attempts: Option<i64>,

@@ -497,10 +497,14 @@ mod tests {
         let topology = Topology {
             capacity: [1, 2, 3],
             replicas: 3,
+            task_events: true,
             ..Topology::default()
         };
         let configs = stream_configs(&topology).unwrap();
         assert_eq!(configs.len(), STREAM_FILES.len());
+        let without = stream_configs(&Topology::default()).unwrap();
+        assert!(without.iter().all(|c| c.name != "AX_TASK_EVENTS"));
+        assert_eq!(without.len(), STREAM_FILES.len() - 1);
         let high = configs.iter().find(|c| c.name == "AX_READY_HIGH").unwrap();
         assert_eq!(high.max_messages_per_subject, 1);
         assert!(high.discard_new_per_subject);
@@ -520,6 +524,10 @@ mod tests {
             .iter()
             .map(|(_, t)| serde_json::from_str(t).unwrap())
             .collect();
-        assert_eq!(from_files, stream_configs(&Topology::default()).unwrap());
+        let all = Topology {
+            task_events: true,
+            ..Topology::default()
+        };
+        assert_eq!(from_files, stream_configs(&all).unwrap());
     }
 }

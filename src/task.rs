@@ -60,6 +60,8 @@ pub mod header {
     pub const DEFAULTED: &str = "Ax-Defaulted";
     /// The key per-key limits count the task under.
     pub const LIMIT_KEY: &str = "Ax-Limit-Key";
+    /// W3C trace context of the submit (the standard header name).
+    pub const TRACEPARENT: &str = "traceparent";
 }
 
 /// Where a trigger-made task came from: which trigger, why, for which scheduled time.
@@ -71,6 +73,25 @@ pub struct Lineage {
     pub source: String,
     /// The scheduled time of the fire.
     pub scheduled_at_ms: u64,
+}
+
+/// A W3C `traceparent`: `<version>-<32 hex trace id>-<16 hex parent id>-<2 hex flags>`,
+/// lowercase, ids not all zero, version not `ff`.
+pub fn valid_traceparent(t: &str) -> bool {
+    let parts: Vec<&str> = t.split('-').collect();
+    let hex = |s: &str, n: usize| {
+        s.len() == n
+            && s.bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    };
+    parts.len() == 4
+        && hex(parts[0], 2)
+        && parts[0] != "ff"
+        && hex(parts[1], 32)
+        && parts[1].bytes().any(|b| b != b'0')
+        && hex(parts[2], 16)
+        && parts[2].bytes().any(|b| b != b'0')
+        && hex(parts[3], 2)
 }
 
 /// A limit key: 1..=128 of `A-Z a-z 0-9 _ - . : @` (safe in a header; hashed into KV keys).
@@ -159,6 +180,8 @@ pub struct TaskMeta {
     pub idempotency_key: Option<String>,
     /// The key per-key limits count the task under.
     pub limit_key: Option<String>,
+    /// W3C trace context of the submit.
+    pub traceparent: Option<String>,
     /// Set for tasks a trigger created.
     pub lineage: Option<Lineage>,
     /// Options the producer left unset (header `Ax-Defaulted`).
@@ -315,7 +338,7 @@ impl TaskMeta {
             superseded_seq: None,
             cancel_requested_at_ms: None,
             op: None,
-            traceparent: None,
+            traceparent: self.traceparent.clone(),
             waiting: None,
             extra: Default::default(),
         }
@@ -429,6 +452,14 @@ impl TaskMeta {
                 ));
             }
         }
+        if let Some(t) = &req.traceparent {
+            if !valid_traceparent(t) {
+                return Err(WireError::field(
+                    "traceparent",
+                    "must be a W3C traceparent: 00-<32 hex>-<16 hex>-<2 hex>",
+                ));
+            }
+        }
         let meta = TaskMeta {
             id: names::new_task_id(queue),
             queue: queue.to_string(),
@@ -444,6 +475,7 @@ impl TaskMeta {
             run_at_ms,
             idempotency_key: req.idempotency_key,
             limit_key: req.limit_key,
+            traceparent: req.traceparent,
             lineage: None,
             defaulted,
         };
@@ -490,6 +522,9 @@ impl TaskMeta {
         }
         if let Some(key) = &self.limit_key {
             h.insert(header::LIMIT_KEY, key.as_str());
+        }
+        if let Some(t) = &self.traceparent {
+            h.insert(header::TRACEPARENT, t.as_str());
         }
         if let Some(defaulted) = self.defaulted.to_header() {
             h.insert(header::DEFAULTED, defaulted.as_str());
@@ -599,6 +634,10 @@ impl TaskMeta {
                 .get(header::LIMIT_KEY)
                 .map(|v| v.as_str().to_string())
                 .filter(|k| valid_limit_key(k)),
+            traceparent: h
+                .get(header::TRACEPARENT)
+                .map(|v| v.as_str().to_string())
+                .filter(|t| valid_traceparent(t)),
             lineage: match h.get(header::TRIGGER) {
                 Some(trigger) => Some(Lineage {
                     trigger: trigger.as_str().to_string(),

@@ -5,6 +5,7 @@
 use crate::metrics as m;
 use crate::protocol::{ErrorCode, SubmitAccepted, SubmitReply, WireError};
 use crate::submit::Admission;
+use async_nats::service::Request;
 use futures::FutureExt;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
@@ -29,19 +30,17 @@ pub(crate) async fn guarded<T>(
     }
 }
 
-async fn answer(client: &async_nats::Client, msg: &async_nats::Message, body: Vec<u8>) {
-    if let Some(to) = &msg.reply {
-        if let Err(e) = client.publish(to.clone(), body.into()).await {
+/// Answers a request (through the service endpoint, which counts it in `$SRV.STATS`).
+async fn answer(req: &Request, body: Vec<u8>) {
+    if req.message.reply.is_some() {
+        if let Err(e) = req.respond(Ok(body.into())).await {
             warn!(cause = %e, "could not send a reply");
         }
     }
 }
 
-pub(crate) async fn submit(
-    admission: &Admission,
-    client: &async_nats::Client,
-    msg: async_nats::Message,
-) {
+pub(crate) async fn submit(admission: &Admission, req: Request) {
+    let msg = &req.message;
     let queue = msg
         .subject
         .strip_prefix("ax.submit.")
@@ -66,7 +65,7 @@ pub(crate) async fn submit(
         let label = admission.queues.label(&queue);
         serde_json::to_vec(&submit_reply(&queue, &label, result))
     };
-    answer(client, &msg, body.expect("a reply serializes")).await;
+    answer(&req, body.expect("a reply serializes")).await;
 }
 
 /// The reply to one submitted task, counted in the submit metrics.
@@ -95,28 +94,23 @@ fn submit_reply(
 
 /// Answers one request of a management API (`ax.trigger.<op>`, `ax.flow.<op>`):
 /// `{"ok": value}` or `{"error": …}`.
-pub(crate) async fn management_api<F, Fut>(
-    api: &'static str,
-    prefix: &str,
-    client: &async_nats::Client,
-    msg: async_nats::Message,
-    handle: F,
-) where
+pub(crate) async fn management_api<F, Fut>(api: &'static str, prefix: &str, req: Request, handle: F)
+where
     F: FnOnce(String, bytes::Bytes) -> Fut,
     Fut: Future<Output = Result<serde_json::Value, WireError>>,
 {
-    let op = msg
+    let op = req
+        .message
         .subject
         .strip_prefix(prefix)
         .unwrap_or_default()
         .to_string();
-    let reply = match guarded(api, handle(op, msg.payload.clone())).await {
+    let reply = match guarded(api, handle(op, req.message.payload.clone())).await {
         Ok(value) => serde_json::json!({ "ok": value }),
         Err(error) => serde_json::json!({ "error": error }),
     };
     answer(
-        client,
-        &msg,
+        &req,
         serde_json::to_vec(&reply).expect("a reply serializes"),
     )
     .await;
@@ -133,45 +127,30 @@ pub(crate) struct Apis {
 
 impl Apis {
     /// Answers one management request, routed by its subject's prefix.
-    pub(crate) async fn handle(&self, client: &async_nats::Client, msg: async_nats::Message) {
+    pub(crate) async fn handle(&self, req: Request) {
+        let subject = req.message.subject.clone();
         use crate::names::{
             FLOW_API_PREFIX, LIMIT_API_PREFIX, TASK_API_PREFIX, TRIGGER_API_PREFIX,
         };
-        if msg.subject.starts_with(TASK_API_PREFIX) {
-            management_api(
-                "task",
-                TASK_API_PREFIX,
-                client,
-                msg,
-                |op, body| async move { self.tasks.handle(&op, &body).await },
-            )
+        if subject.starts_with(TASK_API_PREFIX) {
+            management_api("task", TASK_API_PREFIX, req, |op, body| async move {
+                self.tasks.handle(&op, &body).await
+            })
             .await
-        } else if msg.subject.starts_with(FLOW_API_PREFIX) {
-            management_api(
-                "flow",
-                FLOW_API_PREFIX,
-                client,
-                msg,
-                |op, body| async move { self.flows.handle(&op, &body).await },
-            )
+        } else if subject.starts_with(FLOW_API_PREFIX) {
+            management_api("flow", FLOW_API_PREFIX, req, |op, body| async move {
+                self.flows.handle(&op, &body).await
+            })
             .await
-        } else if msg.subject.starts_with(LIMIT_API_PREFIX) {
-            management_api(
-                "limit",
-                LIMIT_API_PREFIX,
-                client,
-                msg,
-                |op, body| async move { self.limits.handle(&op, &body).await },
-            )
+        } else if subject.starts_with(LIMIT_API_PREFIX) {
+            management_api("limit", LIMIT_API_PREFIX, req, |op, body| async move {
+                self.limits.handle(&op, &body).await
+            })
             .await
         } else if let Some(api) = &self.triggers {
-            management_api(
-                "trigger",
-                TRIGGER_API_PREFIX,
-                client,
-                msg,
-                |op, body| async move { api.handle(&op, &body).await },
-            )
+            management_api("trigger", TRIGGER_API_PREFIX, req, |op, body| async move {
+                api.handle(&op, &body).await
+            })
             .await
         }
     }

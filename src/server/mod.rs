@@ -54,6 +54,14 @@ pub enum ServerError {
     /// Opening the flow buckets failed.
     #[error(transparent)]
     Flows(#[from] FlowStoreError),
+    /// Registering the service `ax` or one of its endpoints failed.
+    #[error("service endpoint {subject}: {source}")]
+    Service {
+        /// Subject.
+        subject: String,
+        /// Underlying error.
+        source: async_nats::Error,
+    },
     /// Subscribing to the submit subject failed.
     #[error("subscribe to {subject}: {source}")]
     Subscribe {
@@ -76,6 +84,7 @@ impl ServerError {
             ServerError::Triggers(e) => e.kind(),
             ServerError::Flows(e) => e.kind(),
             ServerError::Subscribe { source, .. } => ErrorKind::of(source),
+            ServerError::Service { source, .. } => ErrorKind::of(source.as_ref()),
         }
     }
 }
@@ -295,15 +304,38 @@ impl Server {
         }
         let admission =
             Arc::new(Admission::open(js.clone(), self.limits.clone(), &self.queues).await?);
-        // Every request subject is served in the queue group `ax`.
-        let subscribe = |subject: String| {
-            let client = client.clone();
+        // Every request API is an endpoint of the NATS service `ax` (`nats micro ls`,
+        // `info`, `stats`), served in the queue group `ax`.
+        use async_nats::service::ServiceExt;
+        let service = client
+            .service_builder()
+            .description("ax task scheduler: submit, triggers, flows, limits, task operations")
+            .metadata(std::collections::HashMap::from([(
+                "server_id".to_string(),
+                self.id.clone(),
+            )]))
+            .queue_group(names::SERVER_QUEUE_GROUP)
+            .start(names::SERVICE_NAME, env!("CARGO_PKG_VERSION"))
+            .await
+            .map_err(|source| ServerError::Service {
+                subject: "$SRV".into(),
+                source,
+            })?;
+        let endpoint = |name: String, subject: String, group: &'static str| {
+            let builder = service.endpoint_builder().name(name).queue_group(group);
             async move {
-                client
-                    .queue_subscribe(subject.clone(), names::SERVER_QUEUE_GROUP.to_string())
+                builder
+                    .add(subject.clone())
                     .await
-                    .map_err(|source| ServerError::Subscribe { subject, source })
+                    .map_err(|source| ServerError::Service { subject, source })
             }
+        };
+        let subscribe = |subject: String| {
+            let name = subject
+                .trim_start_matches("ax.")
+                .trim_end_matches(".*")
+                .replace('.', "-");
+            endpoint(name, subject, names::SERVER_QUEUE_GROUP)
         };
         let mut requests = subscribe("ax.submit.*".to_string()).await?;
         let trigger_api = if self.triggers {
@@ -360,11 +392,8 @@ impl Server {
         if self.task_index {
             for op in crate::ops::api::INDEX_OPS {
                 let subject = format!("{}{op}", names::TASK_API_PREFIX);
-                let sub = client
-                    .queue_subscribe(subject.clone(), names::INDEX_QUEUE_GROUP.to_string())
-                    .await
-                    .map_err(|source| ServerError::Subscribe { subject, source })?;
-                management.push(sub);
+                let name = format!("task-{op}");
+                management.push(endpoint(name, subject, names::INDEX_QUEUE_GROUP).await?);
             }
         }
         let mut management = futures::stream::select_all(management);
@@ -427,10 +456,11 @@ impl Server {
             tasks: ops,
         });
         // A management request (triggers, flows, limits) runs in the tracker on its slot.
-        let serve = |msg: async_nats::Message, permit: tokio::sync::OwnedSemaphorePermit| {
-            let (apis, client) = (apis.clone(), client.clone());
+        let serve = |req: async_nats::service::Request,
+                     permit: tokio::sync::OwnedSemaphorePermit| {
+            let apis = apis.clone();
             tracker.spawn(async move {
-                apis.handle(&client, msg).await;
+                apis.handle(req).await;
                 drop(permit);
             });
         };
@@ -449,20 +479,19 @@ impl Server {
                     let Some(msg) = msg else { break Ok(()) };
                     serve(msg, permit);
                 }
-                msg = requests.next() => {
-                    let Some(msg) = msg else { break Ok(()) };
+                req = requests.next() => {
+                    let Some(req) = req else { break Ok(()) };
                     let admission = admission.clone();
-                    let client = client.clone();
                     tracker.spawn(async move {
-                        handle::submit(&admission, &client, msg).await;
+                        handle::submit(&admission, req).await;
                         drop(permit);
                     });
                 }
             }
         };
-        let _ = requests.unsubscribe().await;
-        for mut sub in management.into_iter() {
-            let _ = sub.unsubscribe().await;
+        drop((requests, management));
+        if let Err(e) = service.stop().await {
+            warn!(cause = %e, "service endpoints not stopped cleanly");
         }
         sched_token.cancel();
         engine_token.cancel();

@@ -473,12 +473,37 @@ async fn run(
         idempotency_key: meta.idempotency_key.clone(),
         created_at_ms: meta.created_at_ms,
         run_at_ms: meta.run_at_ms,
+        traceparent: meta.traceparent.clone(),
         cancel: slot.cancel.clone(),
     };
+    // Every attempt runs in a span with the task's identity (S4-12): the handler's own log
+    // lines carry it.
+    let span = tracing::info_span!(
+        "task",
+        task_id = %meta.id,
+        name = %meta.name,
+        queue = %meta.queue,
+        attempt = rec.attempt,
+        idempotency_key = tracing::field::Empty,
+        trigger = tracing::field::Empty,
+        trace_id = tracing::field::Empty,
+    );
+    if let Some(key) = &meta.idempotency_key {
+        span.record("idempotency_key", tracing::field::display(key));
+    }
+    if let Some(l) = &meta.lineage {
+        span.record("trigger", tracing::field::display(&l.trigger));
+    }
+    if let Some(t) = &meta.traceparent {
+        span.record("trace_id", tracing::field::display(trace_id(t)));
+    }
+    let input_bytes = msg.payload.len();
     let started = Instant::now();
     let outcome = {
         let _busy = Busy::start(sh);
-        let handler = AssertUnwindSafe(handler(task)).catch_unwind();
+        let handler =
+            AssertUnwindSafe(tracing::Instrument::instrument(handler(task), span.clone()))
+                .catch_unwind();
         let mut attempt = std::pin::pin!(async {
             tokio::select! {
                 r = tokio::time::timeout(meta.timeout, handler) => Some(r),
@@ -498,6 +523,7 @@ async fn run(
             attempt.await
         }
     };
+    log_attempt(&span, &outcome, slot, started.elapsed(), input_bytes);
     // The revision the outcome is written against (the `running` write's, if made).
     let token = fence.revision().await;
     metrics::histogram!(m::RUN_DURATION, "queue" => queue.clone(), "task" => task_label.clone())
@@ -632,6 +658,41 @@ async fn write(sh: &Shared, rec: &TaskRecord, token: u64, held: &Held) -> bool {
         }
         Err(_) => false,
     }
+}
+
+/// The trace id of a W3C `traceparent` (its second field).
+fn trace_id(traceparent: &str) -> &str {
+    traceparent.split('-').nth(1).unwrap_or("")
+}
+
+type Outcome = Option<
+    Result<
+        Result<Result<Output, TaskError>, Box<dyn std::any::Any + Send>>,
+        tokio::time::error::Elapsed,
+    >,
+>;
+
+/// One log line per finished attempt (target `ax::attempt`, in the task's span): outcome,
+/// error class, duration, input and output sizes.
+fn log_attempt(
+    span: &tracing::Span,
+    outcome: &Outcome,
+    slot: &Slot,
+    took: std::time::Duration,
+    input_bytes: usize,
+) {
+    let (result, class, output_bytes) = match outcome {
+        Some(Ok(Ok(Ok(Output(out))))) => {
+            ("succeeded", "", out.as_ref().map_or(0, |o| o.bytes.len()))
+        }
+        Some(Ok(Ok(Err(e)))) => ("failed", e.class.as_str(), 0),
+        Some(Ok(Err(_))) => ("failed", "panic", 0),
+        Some(Err(_)) => ("failed", "timeout", 0),
+        None if slot.cancel.is_cancelled() => ("cancelled", "", 0),
+        None => ("handed_back", "shutdown", 0),
+    };
+    info!(target: "ax::attempt", parent: span, outcome = result, class,
+        duration_ms = took.as_millis() as u64, input_bytes, output_bytes, "attempt finished");
 }
 
 /// Counts a failed attempt of a task name in a row, or ends the run of failures with a

@@ -100,6 +100,8 @@ pub struct Task {
     pub created_at_ms: u64,
     /// Due time of a delayed task, ms since the Unix epoch.
     pub run_at_ms: Option<u64>,
+    /// The W3C trace context the task was submitted with, if any.
+    pub traceparent: Option<String>,
     pub(crate) fence: Arc<fence::Fence>,
     pub(crate) cancel: tokio_util::sync::CancellationToken,
 }

@@ -615,3 +615,163 @@ async fn a_tasks_events_outlive_its_sixteen_stored_revisions() {
     })
     .await
 }
+
+#[tokio::test]
+async fn the_request_apis_are_a_nats_service() {
+    within(Duration::from_secs(30), "micro", async {
+        let env = Env::start(Env::server().task_index(true)).await;
+        let ask = |subject: &'static str| {
+            let client = env.client.clone();
+            async move {
+                let reply = client.request(subject, "".into()).await.unwrap();
+                serde_json::from_slice::<Value>(&reply.payload).unwrap()
+            }
+        };
+        let ping = ask("$SRV.PING.ax").await;
+        assert_eq!(ping["name"], "ax");
+        assert_eq!(ping["version"], env!("CARGO_PKG_VERSION"));
+        let info = ask("$SRV.INFO.ax").await;
+        let endpoints: HashMap<String, String> = info["endpoints"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| {
+                (
+                    e["name"].as_str().unwrap().to_string(),
+                    e["subject"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect();
+        for (name, subject) in [
+            ("submit", "ax.submit.*"),
+            ("flow", "ax.flow.*"),
+            ("limit", "ax.limit.*"),
+            ("trigger", "ax.trigger.*"),
+            ("task-cancel", "ax.task.cancel"),
+            ("task-list", "ax.task.list"),
+        ] {
+            assert_eq!(
+                endpoints.get(name).map(String::as_str),
+                Some(subject),
+                "{info}"
+            );
+        }
+        for _ in 0..3 {
+            submit(&env, TaskSpec::new("t")).await;
+        }
+        env.ax.find_tasks(&query(None, None)).await.unwrap();
+        let stats = ask("$SRV.STATS.ax").await;
+        let count = |name: &str| {
+            stats["endpoints"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|e| e["name"] == name)
+                .map(|e| e["num_requests"].as_u64().unwrap())
+        };
+        assert!(count("submit") >= Some(4), "{stats}"); // 3 + the start probe
+        assert_eq!(count("task-list"), Some(1), "{stats}");
+    })
+    .await
+}
+
+/// Log output captured on this thread (the test's runtime runs every task on it).
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn every_attempt_logs_in_a_span_with_the_task_and_its_trace() {
+    let logs = Captured::default();
+    let sink = logs.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || sink.clone())
+        .with_ansi(false)
+        .with_env_filter("ax=info,handler=info")
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    within(Duration::from_secs(30), "spans", async {
+        let env = Env::start(Env::server()).await;
+        let w = Worker::builder("q")
+            .handler(|task: Task| async move {
+                tracing::info!(target: "handler", "charging the card");
+                if task.attempt == 1 {
+                    return Err(TaskError::new("io", "reset"));
+                }
+                ax::Output::json(&json!({"ok": true}))
+            })
+            .build()
+            .unwrap();
+        let _w = env.spawn_worker(w);
+        let trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+        let tp = format!("00-{trace}-00f067aa0ba902b7-01");
+        let spec = TaskSpec::new("charge")
+            .json(&json!({"order": 7}))
+            .idempotency_key("order-7")
+            .traceparent(tp.clone())
+            .backoff(Duration::from_millis(10), Duration::from_millis(10), 0.0);
+        let id = submit(&env, spec).await;
+        let rec = env
+            .wait_state(&id, TaskState::Succeeded, Duration::from_secs(10))
+            .await;
+        assert_eq!(rec.traceparent.as_deref(), Some(tp.as_str()));
+        let bad = env
+            .ax
+            .submit("q", TaskSpec::new("t").traceparent("00-xyz"))
+            .await
+            .unwrap_err();
+        assert_eq!(bad.kind(), ErrorKind::Invalid, "{bad}");
+        assert!(bad.to_string().contains("traceparent"), "{bad}");
+    })
+    .await;
+    let text = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+    let handler_lines: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("charging the card"))
+        .collect();
+    assert_eq!(handler_lines.len(), 2, "{text}");
+    for (n, line) in handler_lines.iter().enumerate() {
+        for want in [
+            "task_id=q.".to_string(),
+            "name=charge".into(),
+            "queue=q".into(),
+            format!("attempt={}", n + 1),
+            "idempotency_key=order-7".into(),
+            "trace_id=4bf92f3577b34da6a3ce929d0e0e4736".into(),
+        ] {
+            assert!(line.contains(&want), "{want} not in {line}");
+        }
+    }
+    let finished: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("attempt finished"))
+        .collect();
+    assert_eq!(finished.len(), 2, "{text}");
+    assert!(
+        finished[0].contains("outcome=\"failed\"") || finished[0].contains("outcome=failed"),
+        "{}",
+        finished[0]
+    );
+    assert!(
+        finished[0].contains("class=\"io\"") || finished[0].contains("class=io"),
+        "{}",
+        finished[0]
+    );
+    assert!(
+        finished[1].contains("succeeded")
+            && finished[1].contains("input_bytes=11")
+            && finished[1].contains("output_bytes=11"),
+        "{}",
+        finished[1]
+    );
+    assert!(finished.iter().all(|l| l.contains("duration_ms=")));
+}
