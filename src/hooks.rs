@@ -8,6 +8,9 @@
 //!   ready subject and before its delayed message is deleted.
 //! - `AX_TEST_ABORT_AFTER_FIRE=N`: after the trigger engine's N-th scheduled fire is
 //!   submitted and before the trigger's state records it.
+//!
+//! And one that widens a window instead: [`set_retry_gap_ms`] delays an operator's retry
+//! between its message publish and its record write.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
@@ -44,4 +47,21 @@ pub(crate) fn after_fire() {
     static LIMIT: OnceLock<u64> = OnceLock::new();
     static COUNT: AtomicU64 = AtomicU64::new(0);
     trip("AX_TEST_ABORT_AFTER_FIRE", &LIMIT, &COUNT);
+}
+
+/// Milliseconds an operator's retry waits between its message publish and its record
+/// write (0: none); set by tests to widen that window.
+static RETRY_GAP_MS: AtomicU64 = AtomicU64::new(0);
+
+/// Sets the retry gap (tests only).
+pub fn set_retry_gap_ms(ms: u64) {
+    RETRY_GAP_MS.store(ms, Ordering::SeqCst);
+}
+
+/// Between a retry's message publish and its record write.
+pub(crate) async fn retry_published() {
+    let ms = RETRY_GAP_MS.load(Ordering::SeqCst);
+    if ms > 0 {
+        tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+    }
 }

@@ -30,10 +30,12 @@
 
 pub mod backoff;
 pub mod client;
+pub mod console;
 pub mod error;
 pub mod flow;
 #[cfg(feature = "test-hooks")]
-mod hooks;
+#[doc(hidden)]
+pub mod hooks;
 mod lease;
 pub mod limits;
 pub mod metrics;

@@ -60,6 +60,10 @@ pub mod header {
     pub const DEFAULTED: &str = "Ax-Defaulted";
     /// The key per-key limits count the task under.
     pub const LIMIT_KEY: &str = "Ax-Limit-Key";
+    /// On a retry's message: the revision of the `dead` record it retries (the record is
+    /// moved to `pending` right after the publish; a delivery that finds it still at that
+    /// revision waits for that write instead of dead-lettering the task again).
+    pub const RETRY_OF: &str = "Ax-Retry-Of";
     /// W3C trace context of the submit (the standard header name).
     pub const TRACEPARENT: &str = "traceparent";
 }
@@ -182,6 +186,8 @@ pub struct TaskMeta {
     pub limit_key: Option<String>,
     /// W3C trace context of the submit.
     pub traceparent: Option<String>,
+    /// On an operator's retry: the revision of the `dead` record it retries.
+    pub retry_of: Option<u64>,
     /// Set for tasks a trigger created.
     pub lineage: Option<Lineage>,
     /// Options the producer left unset (header `Ax-Defaulted`).
@@ -476,6 +482,7 @@ impl TaskMeta {
             idempotency_key: req.idempotency_key,
             limit_key: req.limit_key,
             traceparent: req.traceparent,
+            retry_of: None,
             lineage: None,
             defaulted,
         };
@@ -525,6 +532,9 @@ impl TaskMeta {
         }
         if let Some(t) = &self.traceparent {
             h.insert(header::TRACEPARENT, t.as_str());
+        }
+        if let Some(r) = self.retry_of {
+            h.insert(header::RETRY_OF, r.to_string().as_str());
         }
         if let Some(defaulted) = self.defaulted.to_header() {
             h.insert(header::DEFAULTED, defaulted.as_str());
@@ -638,6 +648,9 @@ impl TaskMeta {
                 .get(header::TRACEPARENT)
                 .map(|v| v.as_str().to_string())
                 .filter(|t| valid_traceparent(t)),
+            retry_of: h
+                .get(header::RETRY_OF)
+                .and_then(|v| v.as_str().parse().ok()),
             lineage: match h.get(header::TRIGGER) {
                 Some(trigger) => Some(Lineage {
                     trigger: trigger.as_str().to_string(),

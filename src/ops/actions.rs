@@ -222,11 +222,14 @@ impl Ops {
             meta.max_attempts = rec.attempt + 1;
             meta.defaulted.max_attempts = false;
         }
+        meta.retry_of = Some(rev);
         let subject = names::ready_subject(&meta.queue, meta.priority);
         let msg_id = format!("{id}.retry.{rev}");
         let ack = self
             .publish(subject, meta.to_headers(), &msg_id, letter.1)
             .await?;
+        #[cfg(feature = "test-hooks")]
+        crate::hooks::retry_published().await;
         let mut again = rec.transition(TaskState::Pending);
         again.attempt = attempt;
         again.max_attempts = meta.max_attempts;

@@ -14,6 +14,8 @@ use tracing::{info, warn};
 /// The index, shared by the API handlers.
 pub(crate) struct TaskIndex {
     pub(crate) index: RwLock<Index>,
+    /// Changes applied so far (the console's live updates watch it).
+    version: std::sync::atomic::AtomicU64,
     /// True once the feed has read every record stored when it started.
     loaded: tokio::sync::watch::Sender<bool>,
 }
@@ -28,10 +30,16 @@ impl TaskIndex {
     ) -> std::sync::Arc<TaskIndex> {
         let ix = std::sync::Arc::new(TaskIndex {
             index: RwLock::new(Index::default()),
+            version: Default::default(),
             loaded: tokio::sync::watch::channel(false).0,
         });
         tokio::spawn(ix.clone().follow_tasks(js, shutdown));
         ix
+    }
+
+    /// How many changes the index has applied (moves whenever a task changes).
+    pub(crate) fn version(&self) -> u64 {
+        self.version.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// True once the records stored at start are all indexed.
@@ -123,6 +131,8 @@ impl TaskIndex {
                         .put(id, revision, &parsed);
                 }
                 seen += 1;
+                self.version
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 if !loaded {
                     if pending == 0 {
                         self.mark_loaded(seen, started);

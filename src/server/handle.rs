@@ -126,6 +126,26 @@ pub(crate) struct Apis {
 }
 
 impl Apis {
+    /// Runs `op` of the API `api` (`task`, `flow`, `limit`, `trigger`) in this server, as
+    /// a request to `ax.<api>.<op>` would; `None` for an unknown API.
+    pub(crate) async fn call(
+        &self,
+        api: &str,
+        op: &str,
+        body: bytes::Bytes,
+    ) -> Option<Result<serde_json::Value, WireError>> {
+        Some(match api {
+            "task" => guarded("task", self.tasks.handle(op, &body)).await,
+            "flow" => guarded("flow", self.flows.handle(op, &body)).await,
+            "limit" => guarded("limit", self.limits.handle(op, &body)).await,
+            "trigger" => match &self.triggers {
+                Some(t) => guarded("trigger", t.handle(op, &body)).await,
+                None => return None,
+            },
+            _ => return None,
+        })
+    }
+
     /// Answers one management request, routed by its subject's prefix.
     pub(crate) async fn handle(&self, req: Request) {
         let subject = req.message.subject.clone();

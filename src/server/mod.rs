@@ -31,7 +31,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
-mod handle;
+pub(crate) mod handle;
 
 /// Errors that stop a server.
 #[derive(Debug, thiserror::Error)]
@@ -54,6 +54,9 @@ pub enum ServerError {
     /// Opening the flow buckets failed.
     #[error(transparent)]
     Flows(#[from] FlowStoreError),
+    /// The console could not start.
+    #[error(transparent)]
+    Console(#[from] crate::console::ConsoleError),
     /// Registering the service `ax` or one of its endpoints failed.
     #[error("service endpoint {subject}: {source}")]
     Service {
@@ -85,6 +88,7 @@ impl ServerError {
             ServerError::Flows(e) => e.kind(),
             ServerError::Subscribe { source, .. } => ErrorKind::of(source),
             ServerError::Service { source, .. } => ErrorKind::of(source.as_ref()),
+            ServerError::Console(_) => ErrorKind::Invalid,
         }
     }
 }
@@ -104,6 +108,7 @@ pub struct Server {
     trigger_engine: bool,
     flow_engine: bool,
     task_index: bool,
+    console: Option<crate::console::ConsoleConfig>,
     alerts: crate::ops::AlertConfig,
     max_held_bytes: usize,
     lease_ttl: Duration,
@@ -139,6 +144,7 @@ impl Default for ServerBuilder {
             trigger_engine: true,
             flow_engine: true,
             task_index: false,
+            console: None,
             alerts: Default::default(),
             max_held_bytes: 64 << 20,
             lease_ttl: Duration::from_secs(3),
@@ -214,6 +220,13 @@ impl ServerBuilder {
     /// Off, the server still answers the flow API; another server drives the runs.
     pub fn flow_engine(mut self, on: bool) -> Self {
         self.0.flow_engine = on;
+        self
+    }
+    /// Serve the web console (default: none). It needs the task index, so it turns that on
+    /// too. Refused at start on a non-loopback address without a token.
+    pub fn console(mut self, console: crate::console::ConsoleConfig) -> Self {
+        self.0.console = Some(console);
+        self.0.task_index = true;
         self
     }
     /// Keep every task-state change for 30 days in `AX_TASK_EVENTS` (default false; see
@@ -375,7 +388,7 @@ impl Server {
             js: js.clone(),
             tasks: crate::state::TaskStore::open(&js).await?,
             limits: limit_api.defs.clone(),
-            index: task_index,
+            index: task_index.clone(),
         };
         // The management APIs, merged into one stream of requests. The task index's
         // operations go only to servers that keep one (their own queue group).
@@ -455,6 +468,18 @@ impl Server {
             limits: limit_api,
             tasks: ops,
         });
+        let console = match (&self.console, &task_index) {
+            (Some(config), Some(index)) => Some(
+                crate::console::start(
+                    config.clone(),
+                    apis.clone(),
+                    index.clone(),
+                    index_token.clone(),
+                )
+                .await?,
+            ),
+            _ => None,
+        };
         // A management request (triggers, flows, limits) runs in the tracker on its slot.
         let serve = |req: async_nats::service::Request,
                      permit: tokio::sync::OwnedSemaphorePermit| {
@@ -496,6 +521,9 @@ impl Server {
         sched_token.cancel();
         engine_token.cancel();
         index_token.cancel();
+        if let Some(console) = console {
+            let _ = console.await;
+        }
         if let Some(events) = events {
             match events.await {
                 Ok(Ok(())) => {}

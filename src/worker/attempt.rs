@@ -60,6 +60,9 @@ pub(crate) struct Shared {
     pub(crate) streaks: std::sync::Mutex<std::collections::HashMap<String, u64>>,
 }
 
+/// Deliveries of an operator's retry that wait for its record write (200 ms apart).
+const RETRY_WAITS: i64 = 25;
+
 /// Retry pause when the broker cannot be reached for a state read or write.
 const BROKER_RETRY: Duration = Duration::from_secs(1);
 
@@ -323,6 +326,17 @@ async fn claim(sh: &Shared, meta: &TaskMeta, msg: &jetstream::Message) -> Claim 
         }
     };
     let revision = found.as_ref().map_or(0, |(_, rev)| *rev);
+    // An operator's retry publishes its message, then moves the `dead` record to
+    // `pending`: a delivery faster than that write waits for it (a bounded number of
+    // times: if the write never comes, the retry was lost and the task stays dead).
+    if let Some((rec, rev)) = &found {
+        let delivered = msg.info().map_or(1, |i| i.delivered);
+        if rec.state == TaskState::Dead && meta.retry_of == Some(*rev) && delivered < RETRY_WAITS {
+            debug!(task_id = %meta.id, "retry delivered before its record moved; waiting");
+            reply(msg, AckKind::Nak(Some(Duration::from_millis(200)))).await;
+            return Claim::Done;
+        }
+    }
     let decision = decide(found.as_ref().map(|(rec, _)| rec), meta, delivery);
     if matches!(decision, Decision::Start { .. }) {
         observe_limit_wait(sh, found.as_ref());

@@ -3,6 +3,7 @@
 
 mod batch;
 mod chaos;
+mod console;
 mod decoders;
 mod delay;
 mod faults;

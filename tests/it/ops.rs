@@ -775,3 +775,35 @@ async fn every_attempt_logs_in_a_span_with_the_task_and_its_trace() {
     );
     assert!(finished.iter().all(|l| l.contains("duration_ms=")));
 }
+
+#[tokio::test]
+async fn a_retry_delivered_before_its_record_moves_waits_for_it_and_runs() {
+    within(Duration::from_secs(30), "retry race", async {
+        let env = Env::start(Env::server()).await;
+        let fixed = Arc::new(AtomicBool::new(false));
+        let (w, runs, _) = worker(fixed.clone());
+        let _w = env.spawn_worker(w);
+        let id = submit(
+            &env,
+            TaskSpec::new("t")
+                .json(&json!({"fail": true}))
+                .max_attempts(1),
+        )
+        .await;
+        env.wait_state(&id, TaskState::Dead, Duration::from_secs(10))
+            .await;
+        fixed.store(true, Ordering::SeqCst);
+        // The retry's message reaches the idle worker long before its record says
+        // `pending`: the worker must wait for that write, not dead-letter the task again.
+        ax::hooks::set_retry_gap_ms(800);
+        let retried = env.ax.retry_task(&id, false).await;
+        ax::hooks::set_retry_gap_ms(0);
+        assert_eq!(retried.unwrap().state, TaskState::Pending);
+        let rec = env
+            .wait_state(&id, TaskState::Succeeded, Duration::from_secs(10))
+            .await;
+        assert_eq!(rec.attempt, 2);
+        assert_eq!(runs_of(&runs, &id), 2);
+    })
+    .await
+}

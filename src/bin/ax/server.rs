@@ -72,6 +72,15 @@ pub(crate) struct ServerArgs {
     /// Most bytes of delayed-task messages held in memory ahead of their due time.
     #[arg(long, default_value = "64MiB", value_parser = parse_bytes)]
     max_held_bytes: usize,
+    /// Serve the web console here (e.g. 127.0.0.1:8080); keeps the task index too.
+    #[arg(long)]
+    console_addr: Option<std::net::SocketAddr>,
+    /// The console's admin token (needed off loopback).
+    #[arg(long, env = "AX_CONSOLE_TOKEN", hide_env_values = true)]
+    console_token: Option<String>,
+    /// A console token that may only read.
+    #[arg(long, env = "AX_CONSOLE_READONLY_TOKEN", hide_env_values = true)]
+    console_readonly_token: Option<String>,
     /// Keep the task index (every task's state, searchable) and answer `ax tasks list`,
     /// `ax tasks replay` and `ax queue list`. Costs one more delivery per record write.
     #[arg(long)]
@@ -124,6 +133,15 @@ pub(crate) async fn run(args: ServerArgs, conn: &Conn) -> Result<()> {
         return Ok(());
     };
     let mut builder = Server::builder();
+    if let Some(addr) = args.console_addr {
+        let console = ax::console::ConsoleConfig {
+            addr,
+            token: args.console_token.clone(),
+            readonly_token: args.console_readonly_token.clone(),
+        };
+        console.check()?;
+        builder = builder.console(console);
+    }
     if let Some(id) = &args.id {
         builder = builder.id(id.clone());
     }
@@ -134,7 +152,7 @@ pub(crate) async fn run(args: ServerArgs, conn: &Conn) -> Result<()> {
         .trigger_engine(!args.no_trigger_engine)
         .max_held_bytes(args.max_held_bytes)
         .dispatch_horizon(args.dispatch_horizon)
-        .task_index(args.task_index)
+        .task_index(args.task_index || args.console_addr.is_some())
         .alerts(ax::ops::AlertConfig {
             window: args.alert_window,
             webhook: args.alert_webhook,
