@@ -66,8 +66,8 @@ fn read_only(api: &str, op: &str) -> bool {
         (api, op),
         ("task", "get" | "list" | "events" | "queues")
             | ("flow", "get" | "list" | "def" | "defs")
-            | ("trigger", "list" | "get")
-            | ("limit", "get" | "list")
+            | ("trigger", "list" | "get" | "leader")
+            | ("limit", "get" | "list" | "status")
     )
 }
 

@@ -87,20 +87,88 @@ impl LimitApi {
                     .map_err(unavailable)?;
                 Ok(json!({"queue": queue, "name": name, "deleted": true}))
             }
-            "list" => {
+            "status" | "list" => {
                 let req: ListRequest = serde_json::from_slice(body).map_err(bad)?;
                 let filter = match &req.queue {
                     Some(q) if crate::names::valid_queue(q) => format!("{q}.>"),
                     Some(_) => return Err(WireError::field("queue", "not a queue name")),
                     None => ">".to_string(),
                 };
-                Ok(json!(self.list(&filter).await?))
+                let defs = self.list(&filter).await?;
+                if op == "status" {
+                    self.status(defs).await
+                } else {
+                    Ok(json!(defs))
+                }
             }
             _ => Err(WireError::new(
                 ErrorCode::BadRequest,
                 format!("unknown limits operation {op:?}"),
             )),
         }
+    }
+
+    /// Each limit with what it holds now: tokens left in a queue- or name-wide rate bucket
+    /// (per-key buckets are many: not listed), and the concurrency slots held, by whom.
+    async fn status(&self, defs: Vec<LimitDef>) -> Result<Value, WireError> {
+        use crate::names::{LIMIT_SLOTS_BUCKET, LIMIT_STATE_BUCKET};
+        let js = &self.admission.js;
+        let state = js
+            .get_key_value(LIMIT_STATE_BUCKET)
+            .await
+            .map_err(unavailable)?;
+        let slots = js
+            .get_key_value(LIMIT_SLOTS_BUCKET)
+            .await
+            .map_err(unavailable)?;
+        let mut held: Vec<(String, String)> = Vec::new();
+        if slots
+            .stream
+            .get_info()
+            .await
+            .map_err(unavailable)?
+            .state
+            .messages
+            > 0
+        {
+            let mut keys = slots.keys().await.map_err(unavailable)?;
+            while let Some(key) = keys.next().await {
+                let key = key.map_err(unavailable)?;
+                if let Ok(Some(v)) = slots.get(&key).await {
+                    held.push((key, String::from_utf8_lossy(&v).to_string()));
+                }
+            }
+        }
+        let now_us = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_micros() as u64);
+        let mut out = Vec::new();
+        for def in defs {
+            let tokens = match (def.rate, def.per_key) {
+                (Some(rate), false) => {
+                    let interval = (1_000_000.0 / rate).max(1.0) as u64;
+                    let key = super::gate::bucket_key(&def, None);
+                    let tat = state
+                        .get(&key)
+                        .await
+                        .ok()
+                        .flatten()
+                        .and_then(|v| String::from_utf8_lossy(&v).parse::<u64>().ok());
+                    Some(tat.map_or(f64::from(def.burst()), |t| {
+                        super::gcra::tokens(t, now_us, interval, def.burst())
+                    }))
+                }
+                _ => None,
+            };
+            let prefix = format!("{}.{}.", def.queue, def.name);
+            let holders: Vec<Value> = held
+                .iter()
+                .filter(|(k, _)| k.starts_with(&prefix))
+                .map(|(k, h)| json!({"slot": k, "holder": h}))
+                .collect();
+            out.push(json!({"limit": def, "tokens": tokens, "slots_held": holders}));
+        }
+        Ok(Value::Array(out))
     }
 
     async fn list(&self, filter: &str) -> Result<Vec<LimitDef>, WireError> {

@@ -14,7 +14,7 @@ pub(crate) const OPS: [&str; 7] = [
     "get", "events", "cancel", "retry", "run_now", "pause", "resume",
 ];
 /// The operations only a server with a task index answers.
-pub(crate) const INDEX_OPS: [&str; 3] = ["list", "replay", "queues"];
+pub(crate) const INDEX_OPS: [&str; 4] = ["list", "replay", "queues", "cancel_many"];
 
 /// Most rows one `list` answers; most tasks one `replay` retries.
 pub(crate) const MAX_LIST: usize = 1000;
@@ -162,6 +162,14 @@ impl Ops {
                 check_by(&r.by)?;
                 self.replay(r).await
             }
+            "cancel_many" => {
+                let r: Replay = serde_json::from_slice(body).map_err(bad)?;
+                if r.reset_attempts {
+                    return Err(WireError::field("reset_attempts", "not a cancel option"));
+                }
+                check_by(&r.by)?;
+                self.cancel_many(r).await
+            }
             "pause" | "resume" => {
                 let p: Pause = serde_json::from_slice(body).map_err(bad)?;
                 check_by(&p.by)?;
@@ -258,6 +266,64 @@ impl Ops {
         Ok(json!({"matched": total, "retried": retried, "failed": failed}))
     }
 
+    /// Cancels every task matching the filters that is not finished (at most `limit`),
+    /// 32 at a time; a dry run only says which.
+    async fn cancel_many(&self, r: Replay) -> Result<Value, WireError> {
+        if r.query.state.is_some_and(TaskState::is_terminal) {
+            return Err(WireError::field(
+                "state",
+                "finished tasks cannot be cancelled",
+            ));
+        }
+        let limit = r.limit.unwrap_or(MAX_REPLAY).clamp(1, MAX_REPLAY);
+        let (rows, total) = {
+            let index = self.index()?.index.read().expect("not poisoned");
+            if r.query.state.is_some() {
+                index.find(&r.query, limit, None, COUNT_CAP)
+            } else {
+                // Every state a task can be cancelled in, newest first within each.
+                let mut rows = Vec::new();
+                let mut total = Some(0);
+                for s in [
+                    TaskState::Scheduled,
+                    TaskState::Pending,
+                    TaskState::Retrying,
+                    TaskState::Running,
+                ] {
+                    let q = TaskQuery {
+                        state: Some(s),
+                        ..r.query.clone()
+                    };
+                    let (found, n) = index.find(&q, limit - rows.len(), None, COUNT_CAP);
+                    rows.extend(found);
+                    total = total.zip(n).map(|(a, b)| a + b);
+                    if rows.len() >= limit {
+                        break;
+                    }
+                }
+                (rows, total)
+            }
+        };
+        if r.dry_run {
+            let ids: Vec<&str> = rows.iter().map(|t| t.id.as_str()).collect();
+            return Ok(json!({"matched": total, "would_cancel": ids.len(), "ids": ids}));
+        }
+        let mut cancelled = 0usize;
+        let mut failed = Vec::new();
+        for chunk in rows.chunks(32) {
+            let outcomes =
+                futures::future::join_all(chunk.iter().map(|row| self.cancel(&row.id, &r.by)))
+                    .await;
+            for (row, outcome) in chunk.iter().zip(outcomes) {
+                match outcome {
+                    Ok(_) => cancelled += 1,
+                    Err(e) => failed.push(json!({"id": row.id, "error": e})),
+                }
+            }
+        }
+        Ok(json!({"matched": total, "cancelled": cancelled, "failed": failed}))
+    }
+
     async fn queues(&self) -> Result<Value, WireError> {
         let paused = self.paused().await?;
         let index = self.index()?;
@@ -297,7 +363,24 @@ impl Ops {
                 "tasks": states,
             }));
         }
-        Ok(json!({"queues": out, "complete": index.loaded()}))
+        // Throughput over the last minute, all queues: tasks that reached each end state.
+        let since = crate::time::now_ms().saturating_sub(60_000);
+        let ix = index.index.read().expect("not poisoned");
+        let per_minute = |s: TaskState| {
+            let q = TaskQuery {
+                state: Some(s),
+                from_ms: Some(since),
+                ..Default::default()
+            };
+            ix.find(&q, 0, None, COUNT_CAP).1
+        };
+        let last_minute = json!({
+            "succeeded": per_minute(TaskState::Succeeded),
+            "dead": per_minute(TaskState::Dead),
+            "retrying": per_minute(TaskState::Retrying),
+        });
+        drop(ix);
+        Ok(json!({"queues": out, "complete": index.loaded(), "last_minute": last_minute}))
     }
 }
 

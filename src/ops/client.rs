@@ -122,6 +122,23 @@ impl Client {
         Ok(serde_json::from_value(ok)?)
     }
 
+    /// Cancels every unfinished task matching `query` (at most `limit`, default 10,000);
+    /// `dry_run` only says which. Answers `{matched, cancelled, failed}` (a dry run:
+    /// `{matched, would_cancel, ids}`).
+    pub async fn cancel_matching(
+        &self,
+        query: &TaskQuery,
+        limit: Option<usize>,
+        dry_run: bool,
+    ) -> Result<Value, ClientError> {
+        let mut body = serde_json::to_value(query).expect("serializes");
+        body["dry_run"] = dry_run.into();
+        if let Some(limit) = limit {
+            body["limit"] = limit.into();
+        }
+        self.index_op("cancel_many", &body).await
+    }
+
     /// Starts a scheduled or retrying task now.
     pub async fn run_now(&self, id: &str) -> Result<OpOutcome, ClientError> {
         let ok = self.task_op("run_now", &json!({ "id": id })).await?;

@@ -671,6 +671,12 @@ async fn the_request_apis_are_a_nats_service() {
         };
         assert!(count("submit") >= Some(4), "{stats}"); // 3 + the start probe
         assert_eq!(count("task-list"), Some(1), "{stats}");
+        let leader = eventually(Duration::from_secs(10), "a trigger leader", || async {
+            let l = env.ax.trigger("leader", &json!({})).await.ok()?;
+            l["leader"].as_str().map(str::to_string)
+        })
+        .await;
+        assert!(!leader.is_empty());
     })
     .await
 }
@@ -804,6 +810,103 @@ async fn a_retry_delivered_before_its_record_moves_waits_for_it_and_runs() {
             .await;
         assert_eq!(rec.attempt, 2);
         assert_eq!(runs_of(&runs, &id), 2);
+    })
+    .await
+}
+
+#[tokio::test]
+async fn unfinished_tasks_matching_a_filter_are_cancelled_in_bulk() {
+    within(Duration::from_secs(30), "bulk cancel", async {
+        let env = Env::start(Env::server().task_index(true)).await;
+        let mut later = Vec::new();
+        for _ in 0..10 {
+            later.push(
+                submit(
+                    &env,
+                    TaskSpec::new("later").delay(Duration::from_secs(3600)),
+                )
+                .await,
+            );
+        }
+        let other = submit(
+            &env,
+            TaskSpec::new("other").delay(Duration::from_secs(3600)),
+        )
+        .await;
+        let q = TaskQuery {
+            name: Some("later".into()),
+            ..Default::default()
+        };
+        let dry = eventually(Duration::from_secs(10), "the index to hold the 10", || {
+            let (ax, q) = (env.ax.clone(), q.clone());
+            async move {
+                let d = ax.cancel_matching(&q, None, true).await.ok()?;
+                (d["would_cancel"] == 10).then_some(d)
+            }
+        })
+        .await;
+        assert_eq!(dry["ids"].as_array().unwrap().len(), 10);
+        assert_eq!(
+            env.record(&later[0]).await.state,
+            TaskState::Scheduled,
+            "a dry run cancels nothing"
+        );
+        let done = env.ax.cancel_matching(&q, None, false).await.unwrap();
+        assert_eq!(
+            (
+                done["cancelled"].as_u64(),
+                done["failed"].as_array().map(Vec::len)
+            ),
+            (Some(10), Some(0))
+        );
+        for id in &later {
+            assert_eq!(env.record(id).await.state, TaskState::Cancelled);
+        }
+        assert_eq!(
+            env.record(&other).await.state,
+            TaskState::Scheduled,
+            "outside the filter"
+        );
+        let queues = env.ax.queues().await.unwrap();
+        assert!(queues["last_minute"]["succeeded"].is_u64(), "{queues}");
+    })
+    .await
+}
+
+#[tokio::test]
+async fn limit_status_shows_tokens_left_and_who_holds_the_slots() {
+    within(Duration::from_secs(30), "limit status", async {
+        let env = Env::start(Env::server()).await;
+        env.ax
+            .limits(
+                "put",
+                &json!({"name": "one", "queue": "q", "rate": 5.0, "burst": 5, "concurrency": 1}),
+            )
+            .await
+            .unwrap();
+        let (w, runs, _) = worker(Arc::new(AtomicBool::new(false)));
+        let _w = env.spawn_worker(w);
+        let block = submit(&env, TaskSpec::new("t").json(&json!({"block": true}))).await;
+        eventually(Duration::from_secs(10), "the handler to start", || async {
+            (runs_of(&runs, &block) == 1).then_some(())
+        })
+        .await;
+        let status = env
+            .ax
+            .limits("status", &json!({"queue": "q"}))
+            .await
+            .unwrap();
+        let one = &status[0];
+        assert_eq!(one["limit"]["name"], "one");
+        let tokens = one["tokens"].as_f64().unwrap();
+        assert!(
+            (3.0..5.0).contains(&tokens),
+            "one token taken of 5: {tokens}"
+        );
+        let held = one["slots_held"].as_array().unwrap();
+        assert_eq!(held.len(), 1, "{status}");
+        assert!(held[0]["slot"].as_str().unwrap().starts_with("q.one."));
+        env.ax.cancel_task(&block).await.unwrap();
     })
     .await
 }

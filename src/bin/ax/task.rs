@@ -117,6 +117,17 @@ pub(crate) enum TasksCommand {
         #[arg(long)]
         after: Option<String>,
     },
+    /// Cancel every unfinished task matching the filters.
+    Cancel {
+        #[command(flatten)]
+        filters: Filters,
+        /// At most this many (up to 10,000).
+        #[arg(long)]
+        limit: Option<usize>,
+        /// Only print which tasks would be cancelled.
+        #[arg(long)]
+        dry_run: bool,
+    },
     /// Retry every dead task matching the filters.
     Replay {
         #[command(flatten)]
@@ -400,6 +411,35 @@ pub(crate) async fn list(command: TasksCommand, conn: &Conn, output: Output) -> 
             );
             if let Some(next) = reply.next {
                 eprintln!("next page: --after {}:{}", next.updated_at_ms, next.id);
+            }
+        }
+        TasksCommand::Cancel {
+            filters,
+            limit,
+            dry_run,
+        } => {
+            let done = client
+                .cancel_matching(&filters.query(), limit, dry_run)
+                .await?;
+            if output == Output::Json {
+                return out::json(&done);
+            }
+            let matched = done["matched"]
+                .as_u64()
+                .map_or("over 100000".into(), |n| n.to_string());
+            if dry_run {
+                for id in done["ids"].as_array().into_iter().flatten() {
+                    println!("{}", id.as_str().unwrap_or_default());
+                }
+                eprintln!(
+                    "{} of {matched} task(s) would be cancelled",
+                    done["would_cancel"]
+                );
+            } else {
+                for f in done["failed"].as_array().into_iter().flatten() {
+                    eprintln!("not cancelled: {f}");
+                }
+                println!("cancelled {} of {matched} task(s)", done["cancelled"]);
             }
         }
         TasksCommand::Replay {

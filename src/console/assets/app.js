@@ -60,8 +60,11 @@ const btn = (label, onclick, cls = "") => admin() ? `<button class="${cls}" data
 async function overview() {
   const q = await call("task", "queues");
   const total = (s) => q.queues.reduce((n, x) => n + x.tasks[s], 0);
+  const rate = (s) => q.last_minute?.[s] ?? "-";
   const cards = ["pending", "running", "retrying", "scheduled", "dead"].map((s) =>
-    `<div class="card"><span class="muted">${s}</span><b>${total(s)}</b></div>`).join("");
+    `<div class="card"><span class="muted">${s}</span><b>${total(s)}</b></div>`).join("") +
+    `<div class="card" id="rates"><span class="muted">last minute</span><b>${rate("succeeded")}</b>
+     succeeded · ${rate("retrying")} retried · ${rate("dead")} dead</div>`;
   const rows = q.queues.map((x) => `<tr>
     <td><a href="#/tasks?queue=${esc(x.queue)}">${esc(x.queue)}</a></td>
     <td>${x.paused ? `<span class="badge s-retrying">paused</span>` : "active"}</td>
@@ -101,7 +104,10 @@ async function tasks(params) {
       <button class="primary" id="search">Search</button>
     </form>
     <p id="count">${r.tasks.length} of ${r.total ?? "over 100,000"} task(s)${r.complete ? "" : " (index loading)"}</p>
-    ${query.state === "dead" || !query.state ? `<div class="actions">${btn("Replay the dead tasks matching this filter", `replay`, "danger")}</div>` : ""}
+    <div class="actions">
+      ${query.state === "dead" || !query.state ? btn("Replay the dead tasks matching this filter", "replay", "danger") : ""}
+      ${!["succeeded", "dead", "cancelled"].includes(query.state) ? btn("Cancel the unfinished tasks matching this filter", "cancel-many", "danger") : ""}
+    </div>
     <table id="results"><tr><th>id</th><th>name</th><th>state</th><th>attempt</th><th>error class</th><th>changed</th></tr>${rows}</table>
     <p>${next}</p>`;
   const form = document.getElementById("filters");
@@ -111,6 +117,13 @@ async function tasks(params) {
     const p = new URLSearchParams();
     for (const [k, v] of new FormData(ev.target)) if (v) p.set(k, v);
     location.hash = `#/tasks?${p}`;
+  };
+  const cancelMany = view.querySelector('[data-act="cancel-many"]');
+  if (cancelMany) cancelMany.onclick = async () => {
+    const dry = await call("task", "cancel_many", { ...query, dry_run: true });
+    if (!confirm(`Cancel ${dry.would_cancel} task(s)?`)) return;
+    const done = await call("task", "cancel_many", { ...query, by: "console" });
+    toast(`cancelled ${done.cancelled}`); render();
   };
   const replay = view.querySelector('[data-act="replay"]');
   if (replay) replay.onclick = async () => {
@@ -235,20 +248,24 @@ async function run(id) {
 }
 
 async function triggers() {
-  const list = await call("trigger", "list", {});
-  view.innerHTML = `<h1>Triggers</h1><table><tr><th>name</th><th>kind</th><th>enabled</th><th>next fire</th><th>fires</th><th></th></tr>
+  const [list, lead] = await Promise.all([call("trigger", "list", {}), call("trigger", "leader", {})]);
+  view.innerHTML = `<h1>Triggers</h1><p>Leader (fires the scheduled triggers): <span class="mono" id="leader">${esc(lead.leader || "none")}</span></p>
+    <table><tr><th>name</th><th>kind</th><th>enabled</th><th>next fire</th><th>fires</th><th>last fire</th><th>last result</th><th></th></tr>
     ${list.map((t) => `<tr><td>${esc(t.name)}</td><td>${esc(t.kind)}</td><td>${t.enabled ? "yes" : "paused"}</td>
-    <td>${esc(t.next ?? "-")}</td><td>${t.fires ?? 0}</td>
+    <td>${esc(t.next ?? "-")}</td><td>${t.fires ?? 0}</td><td>${ago(t.last_fired_at_ms)}</td><td>${esc((t.last_result || []).join(", "))}</td>
     <td>${btn(t.enabled ? "Pause" : "Resume", `trigger/${t.enabled ? "pause" : "resume"}/${JSON.stringify({ name: t.name })}`)}
         ${btn("Run now", `trigger/run/${JSON.stringify({ name: t.name })}`)}</td></tr>`).join("")}</table>`;
 }
 
 async function limits() {
-  const list = await call("limit", "list", {});
-  view.innerHTML = `<h1>Limits</h1><table><tr><th>queue</th><th>name</th><th>task</th><th>per key</th><th>rate/s</th><th>burst</th><th>concurrency</th></tr>
-    ${list.map((l) => `<tr><td>${esc(l.queue)}</td><td>${esc(l.name)}</td><td>${esc(l.task || "all")}</td><td>${l.per_key ? "yes" : ""}</td>
-    <td>${l.rate ?? ""}</td><td>${l.burst ?? ""}</td><td>${l.concurrency ?? ""}</td></tr>`).join("")}</table>
-    <p class="muted">Tokens left and slots held per worker: <code>ax_limit_tokens</code>, <code>ax_limit_slots_held</code>; waiting tasks carry <code>waiting</code> in their record.</p>`;
+  const list = await call("limit", "status", {});
+  view.innerHTML = `<h1>Limits</h1><table id="limits"><tr><th>queue</th><th>name</th><th>task</th><th>per key</th><th>rate/s</th><th>burst</th>
+    <th>tokens left</th><th>concurrency</th><th>slots held</th></tr>
+    ${list.map(({ limit: l, tokens, slots_held }) => `<tr><td>${esc(l.queue)}</td><td>${esc(l.name)}</td><td>${esc(l.task || "all")}</td>
+    <td>${l.per_key ? "yes" : ""}</td><td>${l.rate ?? ""}</td><td>${l.burst ?? ""}</td>
+    <td>${tokens === null ? (l.rate ? "per key" : "") : tokens.toFixed(1)}</td><td>${l.concurrency ?? ""}</td>
+    <td>${slots_held.length}${slots_held.length ? `: <span class="mono">${slots_held.map((s) => esc(s.holder)).join(", ")}</span>` : ""}</td></tr>`).join("")}</table>
+    <p class="muted">Tasks waiting for a limit carry <code>waiting</code> in their record (shown on the task page).</p>`;
 }
 
 // ---- routing, actions, live updates ----
