@@ -363,7 +363,22 @@ async fn each_role_has_least_privilege() {
     let cancelled = admin_view.cancel_task(&blocked.id).await.unwrap();
     assert_eq!(cancelled.state, TaskState::Cancelled, "{cancelled:?}");
     admin_view.pause_queue("default", None).await.unwrap();
+    let queues = admin_view.queues().await.unwrap();
+    assert_eq!(queues["queues"][0]["paused"], true, "{queues}");
     admin_view.resume_queue("default").await.unwrap();
+    let status = admin_view
+        .limits("status", &serde_json::json!({"queue": "default"}))
+        .await
+        .unwrap();
+    assert_eq!(status[0]["limit"]["name"], "one", "{status}");
+    assert!(admin_view
+        .limits("list", &serde_json::json!({}))
+        .await
+        .is_ok());
+    assert!(admin_view
+        .trigger("leader", &serde_json::json!({}))
+        .await
+        .is_ok());
     assert!(!admin_view
         .task_events(&done.record.id)
         .await
