@@ -910,3 +910,28 @@ async fn limit_status_shows_tokens_left_and_who_holds_the_slots() {
     })
     .await
 }
+
+#[tokio::test]
+async fn a_console_open_to_other_hosts_without_a_token_is_refused_at_once() {
+    // No NATS at that address: the refusal must not wait for one.
+    let out = tokio::time::timeout(
+        Duration::from_secs(10),
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_ax"))
+            .args([
+                "--url",
+                "nats://127.0.0.1:1",
+                "server",
+                "--console-addr",
+                "0.0.0.0:0",
+            ])
+            .args(["--metrics-addr", "off"])
+            .env("RUST_BACKTRACE", "0")
+            .output(),
+    )
+    .await
+    .expect("refused without waiting for NATS")
+    .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--console-token"), "{err}");
+}

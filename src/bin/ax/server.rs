@@ -129,9 +129,7 @@ pub(crate) async fn run(args: ServerArgs, conn: &Conn) -> Result<()> {
     crate::metrics_at(&args.metrics_addr)?;
     let shutdown = crate::shutdown_on_signal();
     let topology = args.topology.topology()?;
-    let Some(client) = conn.connect_waiting(&shutdown).await? else {
-        return Ok(());
-    };
+    // Settings that cannot get better by waiting fail before NATS is awaited.
     let mut builder = Server::builder();
     if let Some(addr) = args.console_addr {
         let console = ax::console::ConsoleConfig {
@@ -142,6 +140,9 @@ pub(crate) async fn run(args: ServerArgs, conn: &Conn) -> Result<()> {
         console.check()?;
         builder = builder.console(console);
     }
+    let Some(client) = conn.connect_waiting(&shutdown).await? else {
+        return Ok(());
+    };
     if let Some(id) = &args.id {
         builder = builder.id(id.clone());
     }
