@@ -360,7 +360,9 @@ impl Engine {
                     continue;
                 };
                 if h.unsure {
-                    self.repair(h).await;
+                    if !self.repair(h).await {
+                        continue; // the broker did not answer: decide nothing yet
+                    }
                     h.unsure = false;
                 }
                 if h.waits_on_tasks() && h.checked_at.is_none_or(|at| at.elapsed() >= RECHECK) {

@@ -58,8 +58,11 @@ impl Engine {
     /// fired a scheduled time and died (or failed to write its state) before recording it.
     /// Without this the next plan could count that time as skipped or buffered while its
     /// task runs, and overlap would not wait for it. Looks at the latest
-    /// [`REPAIR_WINDOW`] scheduled times (and a buffered one), a read each.
-    pub(super) async fn repair(&self, h: &mut Held) {
+    /// [`REPAIR_WINDOW`] scheduled times (and a buffered one), a read each. Returns false
+    /// if a read got no answer: then nothing is decided (a fire whose task could not be
+    /// read is not "not fired"; counting it skipped broke the R3 fault campaign, seed
+    /// 1501476970834158491) and the caller tries again before planning.
+    pub(super) async fn repair(&self, h: &mut Held) -> bool {
         let now = self.clock.now_ms();
         let (total, times) = crate::trigger::plan::times_due(&h.rec, &h.state, now, REPAIR_WINDOW);
         let mut candidates = times.clone();
@@ -80,19 +83,23 @@ impl Engine {
             let first = ids_of(t).into_iter().next();
             async move {
                 let exists = match first {
-                    Some(id) => matches!(tasks.get(&id).await, Ok(Some(_))),
-                    None => false,
+                    Some(id) => tasks.get(&id).await.ok().map(|found| found.is_some()),
+                    None => Some(false),
                 };
                 (t, exists)
             }
         });
-        let fired: Vec<u64> = futures::future::join_all(checks)
-            .await
+        let answers = futures::future::join_all(checks).await;
+        if answers.iter().any(|(_, exists)| exists.is_none()) {
+            warn!(trigger = %h.def.name, "cannot read the fires to repair; trying again before planning");
+            return false;
+        }
+        let fired: Vec<u64> = answers
             .into_iter()
-            .filter_map(|(t, exists)| exists.then_some(t))
+            .filter_map(|(t, exists)| (exists == Some(true)).then_some(t))
             .collect();
         if fired.is_empty() {
-            return;
+            return true;
         }
         if let Some(b) = h.state.buffered_ms.filter(|b| fired.contains(b)) {
             h.state.record_fire(&[b], now, Source::Schedule, &ids_of(b));
@@ -116,6 +123,7 @@ impl Engine {
         h.checked_at = None;
         warn!(trigger = %h.def.name, fires = ?fired,
             "found fires a previous leader made but did not record; recorded them");
+        true
     }
 
     /// A trigger whose last fire's tasks are all finished but whose stored state does not
