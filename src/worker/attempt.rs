@@ -247,7 +247,9 @@ async fn process(
             metrics::counter!(m::LIMIT_WAITS, "queue" => sh.queue.clone(), "limit" => limit.clone(),
                 "reason" => reason.as_str())
             .increment(1);
-            if delivered == 1 || delivered % 20 == 0 {
+            // The first two deliveries (the first may have met a gate still reading its limits)
+            // and every 20th say why in the record.
+            if delivered <= 2 || delivered % 20 == 0 {
                 note_waiting(sh, meta, reason, &limit).await;
             }
             debug!(task_id = %meta.id, limit = %limit, reason = reason.as_str(), ?delay, "over a limit; handed back");
