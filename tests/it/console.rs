@@ -194,6 +194,19 @@ impl Browser {
         }
     }
 
+    /// Opens the console and logs in with the admin token.
+    async fn login(&self, site: &str) {
+        self.go(site).await;
+        self.type_in("#token", "s3cret").await;
+        self.click("#login button").await;
+        self.until(
+            "the overview",
+            15,
+            "return document.querySelector('h1')?.textContent === 'Overview'",
+        )
+        .await;
+    }
+
     async fn screenshot(&self, name: &str) {
         if std::env::var("AX_SCREENSHOTS").is_err() {
             return;
@@ -206,6 +219,26 @@ impl Browser {
         let path = format!("{}/docs/{name}", env!("CARGO_MANIFEST_DIR"));
         std::fs::write(path, bytes).unwrap();
     }
+}
+
+/// A worker on `q` whose tasks named `name` fail for good with `class` until `fixed` is
+/// set; every other task succeeds.
+fn failing_until_fixed(name: &'static str, class: &'static str) -> (Worker, Arc<AtomicBool>) {
+    let fixed = Arc::new(AtomicBool::new(false));
+    let flag = fixed.clone();
+    let w = Worker::builder("q")
+        .handler(move |task: Task| {
+            let fixed = flag.clone();
+            async move {
+                if task.name == name && !fixed.load(Ordering::SeqCst) {
+                    return Err(TaskError::permanent(class, "failed until fixed"));
+                }
+                Ok(())
+            }
+        })
+        .build()
+        .unwrap();
+    (w, fixed)
 }
 
 fn console_env_server(port: u16) -> ax::ServerBuilder {
@@ -222,22 +255,7 @@ async fn find_a_dead_task_by_error_class_retry_it_and_watch_it_succeed() {
         let port = free_port();
         let env = Env::start(console_env_server(port)).await;
         let site = format!("http://127.0.0.1:{port}");
-        let fixed = Arc::new(AtomicBool::new(false));
-        let w = Worker::builder("q")
-            .handler({
-                let fixed = fixed.clone();
-                move |task: Task| {
-                    let fixed = fixed.clone();
-                    async move {
-                        if task.name == "charge" && !fixed.load(Ordering::SeqCst) {
-                            return Err(TaskError::permanent("card_declined", "the card was declined"));
-                        }
-                        Ok(())
-                    }
-                }
-            })
-            .build()
-            .unwrap();
+        let (w, fixed) = failing_until_fixed("charge", "card_declined");
         let _w = env.spawn_worker(w);
         for i in 0..30 {
             env.ax.submit("q", TaskSpec::new("send").json(&i)).await.unwrap();
@@ -260,10 +278,7 @@ async fn find_a_dead_task_by_error_class_retry_it_and_watch_it_succeed() {
         assert_eq!(status, 403);
 
         let b = Browser::start().await;
-        b.go(&site).await;
-        b.type_in("#token", "s3cret").await;
-        b.click("#login button").await;
-        b.until("the overview", 15, "return document.querySelector('h1')?.textContent === 'Overview'").await;
+        b.login(&site).await;
         b.screenshot("console-overview.png").await;
 
         b.go(&format!("{site}/#/tasks")).await;
@@ -305,22 +320,7 @@ async fn a_failed_flow_step_shows_red_and_is_re_run() {
         let port = free_port();
         let env = Env::start(console_env_server(port)).await;
         let site = format!("http://127.0.0.1:{port}");
-        let fixed = Arc::new(AtomicBool::new(false));
-        let w = Worker::builder("q")
-            .handler({
-                let fixed = fixed.clone();
-                move |task: Task| {
-                    let fixed = fixed.clone();
-                    async move {
-                        if task.name == "boom" && !fixed.load(Ordering::SeqCst) {
-                            return Err(TaskError::permanent("boom", "the step failed"));
-                        }
-                        Ok(())
-                    }
-                }
-            })
-            .build()
-            .unwrap();
+        let (w, fixed) = failing_until_fixed("boom", "boom");
         let _w = env.spawn_worker(w);
         let def = FlowDef::new("pipeline")
             .step(StepDef::new("extract", "q", TaskSpec::new("ok")))
@@ -335,10 +335,7 @@ async fn a_failed_flow_step_shows_red_and_is_re_run() {
         assert_eq!(ended.state, ax::flow::RunState::Failed);
 
         let b = Browser::start().await;
-        b.go(&site).await;
-        b.type_in("#token", "s3cret").await;
-        b.click("#login button").await;
-        b.until("the overview", 15, "return document.querySelector('h1')?.textContent === 'Overview'").await;
+        b.login(&site).await;
         b.go(&format!("{site}/#/run/{run}")).await;
         b.until("the failed step drawn red", 15,
             "const g = document.querySelector('g[data-step=transform]'); \
