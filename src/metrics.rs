@@ -60,6 +60,9 @@ pub const FLOW_RUNS_ENDED: &str = "ax_flow_runs_ended_total";
 pub const ALERTS: &str = "ax_alerts_total";
 /// Terminal failures folded into an alert window instead of alerting (`queue`).
 pub const ALERTS_SUPPRESSED: &str = "ax_alerts_suppressed_total";
+/// Counter, server (with a task index): task records the index could not read (not JSON
+/// of a task record's shape); each is logged with its key and left out of the index.
+pub const INDEX_UNREADABLE: &str = "ax_index_unreadable_records_total";
 /// Failed attempts in a row per task name in one worker process, reset by a success
 /// (`queue`, `task`).
 pub const CONSECUTIVE_FAILURES: &str = "ax_task_consecutive_failures";
@@ -80,6 +83,9 @@ pub const LIMIT_SLOTS_HELD: &str = "ax_limit_slots_held";
 /// Gauge, worker `{queue, limit}`: tokens left in a rate limit's bucket when this worker
 /// last took one (limits without `per_key` only).
 pub const LIMIT_TOKENS: &str = "ax_limit_tokens";
+/// Counter, server: console connections closed at once because the console had its
+/// most connections open (`ConsoleConfig::max_connections`).
+pub const CONSOLE_CONNECTIONS_REFUSED: &str = "ax_console_connections_refused_total";
 
 /// Registers help texts for every metric.
 pub fn describe() {
@@ -144,9 +150,17 @@ pub fn describe() {
         ALERTS_SUPPRESSED,
         "Terminal failures folded into an open alert window"
     );
+    describe_counter!(
+        INDEX_UNREADABLE,
+        "Task records the task index could not read (left out of it)"
+    );
     describe_gauge!(
         CONSECUTIVE_FAILURES,
         "Attempts of a task name that failed in a row (reset by a success)"
+    );
+    describe_counter!(
+        CONSOLE_CONNECTIONS_REFUSED,
+        "Console connections closed at once: too many were open"
     );
     describe_gauge!(FLOW_RUNS_ACTIVE, "Flow runs the engine's leader drives now");
     describe_histogram!(

@@ -197,7 +197,7 @@ impl Browser {
     /// Opens the console and logs in with the admin token.
     async fn login(&self, site: &str) {
         self.go(site).await;
-        self.type_in("#token", "s3cret").await;
+        self.type_in("#token", "s3cret-admin").await;
         self.click("#login button").await;
         self.until(
             "the overview",
@@ -242,11 +242,11 @@ fn failing_until_fixed(name: &'static str, class: &'static str) -> (Worker, Arc<
 }
 
 fn console_env_server(port: u16) -> ax::ServerBuilder {
-    Env::server().console(ax::console::ConsoleConfig {
-        addr: format!("127.0.0.1:{port}").parse().unwrap(),
-        token: Some("s3cret".into()),
-        readonly_token: Some("viewer".into()),
-    })
+    Env::server().console(
+        ax::console::ConsoleConfig::new(format!("127.0.0.1:{port}").parse().unwrap())
+            .token("s3cret-admin")
+            .readonly_token("viewer-token"),
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -271,7 +271,7 @@ async fn find_a_dead_task_by_error_class_retry_it_and_watch_it_succeed() {
         // The API refuses without a token, and the read-only token may not act.
         let (status, _) = http("POST", &format!("{site}/api/task/list"), &[], Some(json!({}))).await;
         assert_eq!(status, 401);
-        let viewer = [("authorization", "Bearer viewer")];
+        let viewer = [("authorization", "Bearer viewer-token")];
         let (status, found) = http("POST", &format!("{site}/api/task/list"), &viewer, Some(json!({"state": "dead"}))).await;
         assert_eq!((status, found["ok"]["total"].as_u64()), (200, Some(1)), "{found}");
         let (status, _) = http("POST", &format!("{site}/api/task/retry"), &viewer, Some(json!({"id": dead}))).await;

@@ -4,6 +4,7 @@
 mod batch;
 mod chaos;
 mod console;
+mod console_guard;
 mod decoders;
 mod delay;
 mod faults;

@@ -913,25 +913,48 @@ async fn limit_status_shows_tokens_left_and_who_holds_the_slots() {
 
 #[tokio::test]
 async fn a_console_open_to_other_hosts_without_a_token_is_refused_at_once() {
-    // No NATS at that address: the refusal must not wait for one.
-    let out = tokio::time::timeout(
-        Duration::from_secs(10),
-        tokio::process::Command::new(env!("CARGO_BIN_EXE_ax"))
-            .args([
-                "--url",
-                "nats://127.0.0.1:1",
-                "server",
+    // No NATS at that address: the refusal must not wait for one. An empty token (from
+    // the flag or the environment) is no token; a read-only token alone would make
+    // everyone admin.
+    let cases: [(&[&str], &[(&str, &str)], &str); 4] = [
+        (&["--console-addr", "0.0.0.0:0"], &[], "--console-token"),
+        (
+            &["--console-addr", "0.0.0.0:0", "--console-token", ""],
+            &[],
+            "--console-token",
+        ),
+        (
+            &["--console-addr", "0.0.0.0:0"],
+            &[("AX_CONSOLE_TOKEN", "")],
+            "--console-token",
+        ),
+        (
+            &[
                 "--console-addr",
-                "0.0.0.0:0",
-            ])
-            .args(["--metrics-addr", "off"])
-            .env("RUST_BACKTRACE", "0")
-            .output(),
-    )
-    .await
-    .expect("refused without waiting for NATS")
-    .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("--console-token"), "{err}");
+                "127.0.0.1:0",
+                "--console-readonly-token",
+                "viewer-token",
+            ],
+            &[],
+            "needs --console-token",
+        ),
+    ];
+    for (args, env, said) in cases {
+        let out = tokio::time::timeout(
+            Duration::from_secs(10),
+            tokio::process::Command::new(env!("CARGO_BIN_EXE_ax"))
+                .args(["--url", "nats://127.0.0.1:1", "server"])
+                .args(args)
+                .args(["--metrics-addr", "off"])
+                .envs(env.iter().copied())
+                .env("RUST_BACKTRACE", "0")
+                .output(),
+        )
+        .await
+        .expect("refused without waiting for NATS")
+        .unwrap();
+        assert!(!out.status.success(), "{args:?} {env:?} started");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(said), "{args:?} {env:?}: {err}");
+    }
 }

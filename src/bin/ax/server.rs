@@ -75,10 +75,10 @@ pub(crate) struct ServerArgs {
     /// Serve the web console here (e.g. 127.0.0.1:8080); keeps the task index too.
     #[arg(long)]
     console_addr: Option<std::net::SocketAddr>,
-    /// The console's admin token (needed off loopback).
+    /// The console's admin token (needed off loopback; at least 8 characters, no spaces).
     #[arg(long, env = "AX_CONSOLE_TOKEN", hide_env_values = true)]
     console_token: Option<String>,
-    /// A console token that may only read.
+    /// A console token that may only read (needs --console-token).
     #[arg(long, env = "AX_CONSOLE_READONLY_TOKEN", hide_env_values = true)]
     console_readonly_token: Option<String>,
     /// Keep the task index (every task's state, searchable) and answer `ax tasks list`,
@@ -92,9 +92,17 @@ pub(crate) struct ServerArgs {
     /// POST every alert as JSON to this URL (http:// or https://).
     #[arg(long, value_parser = check_webhook)]
     alert_webhook: Option<String>,
-    /// The console's public base URL, for the links in alerts.
+    /// The console's public base URL (https://ax.example.com): the links in alerts; its
+    /// host is accepted in requests' Host and Origin (behind a proxy); https marks the
+    /// session cookie Secure.
     #[arg(long)]
     console_url: Option<String>,
+    /// Most console connections open at once; more are closed at once.
+    #[arg(long, default_value_t = 256)]
+    console_max_connections: usize,
+    /// Time a console client has to send a request's headers, and each part of its body.
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    console_request_timeout: Duration,
     /// This server's id in the trigger engine's lease (default `<pid>-<nuid>`); unique
     /// per process.
     #[arg(long)]
@@ -132,11 +140,12 @@ pub(crate) async fn run(args: ServerArgs, conn: &Conn) -> Result<()> {
     // Settings that cannot get better by waiting fail before NATS is awaited.
     let mut builder = Server::builder();
     if let Some(addr) = args.console_addr {
-        let console = ax::console::ConsoleConfig {
-            addr,
-            token: args.console_token.clone(),
-            readonly_token: args.console_readonly_token.clone(),
-        };
+        let mut console = ax::console::ConsoleConfig::new(addr)
+            .request_timeout(args.console_request_timeout)
+            .max_connections(args.console_max_connections);
+        console.token = args.console_token.clone();
+        console.readonly_token = args.console_readonly_token.clone();
+        console.url = args.console_url.clone();
         console.check()?;
         builder = builder.console(console);
     }

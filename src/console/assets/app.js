@@ -39,8 +39,9 @@ function showLogin() {
     <button class="primary">Log in</button> <span id="login-error" class="error"></span></form>`;
   document.getElementById("login").onsubmit = async (ev) => {
     ev.preventDefault();
-    const r = await fetch("/api/login", { method: "POST", body: JSON.stringify({ token: document.getElementById("token").value }) });
-    if (r.ok) { await whoami(); render(); } else document.getElementById("login-error").textContent = "wrong token";
+    const r = await fetch("/api/login", { method: "POST", headers: { "content-type": "application/json" }, body: JSON.stringify({ token: document.getElementById("token").value }) });
+    if (r.ok) { await whoami(); render(); }
+    else document.getElementById("login-error").textContent = r.status === 429 ? "too many wrong tokens: wait a minute" : "wrong token";
   };
 }
 
