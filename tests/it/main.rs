@@ -2,6 +2,7 @@
 //! Run with `./dev test` (it installs the pinned nats-server when none is found).
 
 mod batch;
+mod browser;
 mod chaos;
 mod console;
 mod console_guard;
