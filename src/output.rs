@@ -182,6 +182,12 @@ impl ResultStore {
         Ok(())
     }
 
+    /// Removes an output (its task is purged).
+    pub(crate) async fn delete(&self, key: &str) -> Result<(), async_nats::Error> {
+        self.kv.purge(key).await?;
+        Ok(())
+    }
+
     /// The bytes of an output kept here (`stored.key`); `None` if the entry is gone.
     pub(crate) async fn read(
         &self,

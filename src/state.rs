@@ -76,6 +76,10 @@ pub struct ErrorInfo {
     pub class: String,
     /// Message.
     pub message: String,
+    /// What the worker sent beyond the message (a stack trace, a response body), at most
+    /// 8 KiB; none if it sent nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
 }
 
 /// The stored state of one task (JSON in `AX_TASKS`, key = task id).
@@ -295,6 +299,15 @@ impl TaskStore {
             })
     }
 
+    /// Removes a record and its history, if it is still at `revision` (an operator's
+    /// purge of a finished task).
+    pub async fn purge(&self, id: &str, revision: u64) -> Result<(), StateError> {
+        self.kv
+            .purge_expect_revision(id, Some(revision))
+            .await
+            .map_err(|e| broker(id, "purge", e))
+    }
+
     /// The current record and its revision.
     pub async fn get(&self, id: &str) -> Result<Option<(TaskRecord, u64)>, StateError> {
         let entry = self.kv.entry(id).await.map_err(|e| broker(id, "get", e))?;
@@ -347,6 +360,7 @@ impl TaskStore {
             }
             let mut cancelled = rec.transition(TaskState::Cancelled);
             cancelled.last_error = Some(ErrorInfo {
+                detail: None,
                 class: "cancelled".into(),
                 message: reason.to_string(),
             });

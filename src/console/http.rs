@@ -24,6 +24,7 @@ use tracing::warn;
 
 const INDEX_HTML: &str = include_str!("assets/index.html");
 const APP_JS: &str = include_str!("assets/app.js");
+const CHART_JS: &str = include_str!("assets/chart.js");
 const APP_CSS: &str = include_str!("assets/app.css");
 /// Largest API request body.
 const MAX_BODY: usize = 1 << 20;
@@ -222,6 +223,9 @@ async fn route(
         }
         (&Method::GET, "/app.js") => {
             respond(StatusCode::OK, "text/javascript; charset=utf-8", APP_JS)
+        }
+        (&Method::GET, "/chart.js") => {
+            respond(StatusCode::OK, "text/javascript; charset=utf-8", CHART_JS)
         }
         (&Method::GET, "/app.css") => respond(StatusCode::OK, "text/css; charset=utf-8", APP_CSS),
         (&Method::POST, "/api/login") => login(state, req, peer).await,

@@ -187,8 +187,10 @@ pub(crate) enum Role {
 fn read_only(api: &str, op: &str) -> bool {
     matches!(
         (api, op),
-        ("task", "get" | "list" | "events" | "queues" | "series")
-            | ("flow", "get" | "list" | "def" | "defs")
+        (
+            "task",
+            "get" | "list" | "events" | "queues" | "series" | "payload"
+        ) | ("flow", "get" | "list" | "def" | "defs")
             | ("trigger", "list" | "get" | "leader")
             | ("limit", "get" | "list" | "status")
     )

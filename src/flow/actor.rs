@@ -261,6 +261,7 @@ impl Actor {
                 if self.first_failed_item[i].is_none_or(|f| item < f) {
                     self.first_failed_item[i] = Some(item);
                     p.first_error = Some(done.error.clone().unwrap_or(ErrorInfo {
+                        detail: None,
                         class: "dead".into(),
                         message: String::new(),
                     }));
@@ -514,6 +515,7 @@ impl Actor {
                 self.items[p] = vec![None; n as usize];
             }
             self.read_items(p).await.map_err(|e| ErrorInfo {
+                detail: None,
                 class: "input_unavailable".into(),
                 message: format!("reading parent {:?}: {e}", self.run().def.steps[p].name),
             })?;
@@ -526,6 +528,7 @@ impl Actor {
                 Some(stored) => match stored.inline() {
                     Some(out) => Some(out),
                     None => self.sh.results.read(&stored).await.map_err(|e| ErrorInfo {
+                        detail: None,
                         class: "input_unavailable".into(),
                         message: format!(
                             "reading an output of {:?}: {e}",
@@ -585,6 +588,7 @@ impl Actor {
             Parent::Output(Value::Array(list)) => list,
             Parent::Output(other) => {
                 return Err(ErrorInfo {
+                    detail: None,
                     class: "bad_fan_out".into(),
                     message: format!(
                         "for_each {over:?}: its output is not a JSON array but {}",
@@ -594,6 +598,7 @@ impl Actor {
             }
             Parent::Ended { state, .. } => {
                 return Err(ErrorInfo {
+                    detail: None,
                     class: "bad_fan_out".into(),
                     message: format!("for_each {over:?}: it ended {state}, with no output"),
                 })
@@ -601,6 +606,7 @@ impl Actor {
         };
         if list.len() > MAX_FAN_OUT {
             return Err(ErrorInfo {
+                detail: None,
                 class: "fan_out_too_large".into(),
                 message: format!(
                     "for_each {over:?}: {} items, at most {MAX_FAN_OUT}",
@@ -632,6 +638,7 @@ impl Actor {
                     _ => "invalid_step_task",
                 };
                 ErrorInfo {
+                    detail: None,
                     class: class.into(),
                     message: e.message,
                 }
@@ -747,6 +754,7 @@ fn refused(e: WireError) -> Done {
         state: TaskState::Dead,
         output: None,
         error: Some(ErrorInfo {
+            detail: None,
             class: e.code.as_str().to_string(),
             message: e.message,
         }),

@@ -47,6 +47,7 @@ pub struct Advance {
 
 fn why(class: &str, message: String) -> Option<ErrorInfo> {
     Some(ErrorInfo {
+        detail: None,
         class: class.to_string(),
         message,
     })

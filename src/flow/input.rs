@@ -109,6 +109,7 @@ mod tests {
                     Parent::Ended {
                         state: "failed",
                         error: Some(ErrorInfo {
+                            detail: None,
                             class: "boom".into(),
                             message: "m".into(),
                         }),

@@ -447,7 +447,10 @@ impl Ops {
     }
 
     /// A task's latest dead letter (`ax.dead.<task id>`, a direct get by subject).
-    async fn dead_letter(&self, id: &str) -> Result<(async_nats::HeaderMap, Bytes), WireError> {
+    pub(super) async fn dead_letter(
+        &self,
+        id: &str,
+    ) -> Result<(async_nats::HeaderMap, Bytes), WireError> {
         let stream = self
             .js
             .get_stream(names::DEAD_STREAM)
@@ -468,7 +471,7 @@ impl Ops {
         }
     }
 
-    async fn message(
+    pub(super) async fn message(
         &self,
         stream: &str,
         seq: u64,

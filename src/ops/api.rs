@@ -10,11 +10,12 @@ use serde_json::{json, Value};
 use std::time::Duration;
 
 /// The task operations every server answers.
-pub(crate) const OPS: [&str; 7] = [
-    "get", "events", "cancel", "retry", "run_now", "pause", "resume",
+pub(crate) const OPS: [&str; 8] = [
+    "get", "events", "cancel", "retry", "run_now", "pause", "resume", "payload",
 ];
 /// The operations only a server with a task index answers.
-pub(crate) const INDEX_OPS: [&str; 4] = ["list", "replay", "queues", "cancel_many"];
+pub(crate) const INDEX_OPS: [&str; 6] =
+    ["list", "replay", "queues", "cancel_many", "series", "purge"];
 
 /// Most rows one `list` answers; most tasks one `replay` retries.
 pub(crate) const MAX_LIST: usize = 1000;
@@ -26,7 +27,7 @@ fn bad(e: serde_json::Error) -> WireError {
     WireError::new(ErrorCode::BadRequest, e.to_string())
 }
 
-fn by_default() -> String {
+pub(super) fn by_default() -> String {
     "api".into()
 }
 
@@ -177,6 +178,27 @@ impl Ops {
                     .await
             }
             "queues" => self.queues().await,
+            "series" => {
+                #[derive(Deserialize)]
+                #[serde(deny_unknown_fields)]
+                struct SeriesRequest {
+                    #[serde(default)]
+                    queue: Option<String>,
+                }
+                let r: SeriesRequest = serde_json::from_slice(body).map_err(bad)?;
+                let index = self.index()?;
+                let ix = index.index.read().expect("not poisoned");
+                Ok(ix.series.answer(r.queue.as_deref(), crate::time::now_ms()))
+            }
+            "purge" => {
+                let r: super::purge::Purge = serde_json::from_slice(body).map_err(bad)?;
+                check_by(&r.by)?;
+                self.purge(r, crate::time::now_ms()).await
+            }
+            "payload" => {
+                let One { id, .. } = serde_json::from_slice(body).map_err(bad)?;
+                self.payload(&id).await
+            }
             "events" => {
                 let One { id, .. } = serde_json::from_slice(body).map_err(bad)?;
                 let (events, complete) = self.events(&id).await?;
@@ -202,6 +224,10 @@ impl Ops {
 
     /// The index, or the error a server without one answers (it subscribes to the index
     /// operations only when it keeps one, so this answers only a misrouted request).
+    pub(super) fn index_or_refuse(&self) -> Result<&super::feed::TaskIndex, WireError> {
+        self.index()
+    }
+
     fn index(&self) -> Result<&super::feed::TaskIndex, WireError> {
         self.index.as_deref().ok_or_else(|| {
             WireError::new(
@@ -330,6 +356,7 @@ impl Ops {
         let counts = index.index.read().expect("not poisoned").counts();
         let mut names: Vec<String> = counts.iter().map(|(q, _)| q.clone()).collect();
         names.extend(paused.iter().map(|(q, _)| q.clone()));
+        names.extend(self.declared().await);
         names.sort();
         names.dedup();
         let mut out = Vec::new();

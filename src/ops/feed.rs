@@ -22,6 +22,39 @@ pub(crate) struct TaskIndex {
 
 const FEED_EXPIRES: Duration = Duration::from_secs(2);
 
+/// Records the index could not read: each counted (`ax_index_unreadable_records_total`)
+/// and logged with its key, at most one line per [`UNREADABLE_LOG_EVERY`] (the lines in
+/// between are counted in the next).
+#[derive(Default)]
+struct Unreadable {
+    last_log: Option<Instant>,
+    not_logged: u64,
+}
+
+const UNREADABLE_LOG_EVERY: Duration = Duration::from_secs(10);
+
+impl Unreadable {
+    fn note(&mut self, id: &str, revision: u64, e: &serde_json::Error) {
+        metrics::counter!(crate::metrics::INDEX_UNREADABLE).increment(1);
+        if self
+            .last_log
+            .is_some_and(|t| t.elapsed() < UNREADABLE_LOG_EVERY)
+        {
+            self.not_logged += 1;
+            return;
+        }
+        warn!(
+            task_id = id,
+            revision,
+            cause = %e,
+            more_not_logged = self.not_logged,
+            "task index: record unreadable, left out of the index"
+        );
+        self.last_log = Some(Instant::now());
+        self.not_logged = 0;
+    }
+}
+
 impl TaskIndex {
     /// Starts following the task-state feed.
     pub(crate) fn start(
@@ -95,6 +128,7 @@ impl TaskIndex {
             let started = Instant::now();
             let mut last_log = started;
             let mut seen = 0u64;
+            let mut unreadable = Unreadable::default();
             if total == 0 {
                 self.mark_loaded(0, started);
             }
@@ -124,11 +158,23 @@ impl TaskIndex {
                 let loaded = self.loaded();
                 if deleted {
                     self.index.write().expect("not poisoned").remove(id);
-                } else if let Ok(parsed) = serde_json::from_slice::<Indexed<'_>>(&msg.payload) {
-                    self.index
-                        .write()
-                        .expect("not poisoned")
-                        .put(id, revision, &parsed);
+                } else {
+                    match serde_json::from_slice::<Indexed<'_>>(&msg.payload) {
+                        Ok(parsed) => {
+                            self.index
+                                .write()
+                                .expect("not poisoned")
+                                .put(id, revision, &parsed);
+                        }
+                        Err(e) => {
+                            // What the index held of it is older than this: not kept.
+                            self.index
+                                .write()
+                                .expect("not poisoned")
+                                .forget_older(id, revision);
+                            unreadable.note(id, revision, &e);
+                        }
+                    }
                 }
                 seen += 1;
                 self.version

@@ -10,6 +10,7 @@
 
 use crate::state::TaskState;
 use serde::{Deserialize, Serialize};
+use std::borrow::Cow;
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
@@ -32,6 +33,9 @@ struct Entry {
     syms: [u32; 5],
     /// The idempotency key (unique per task in practice: looked up by key, not posted).
     idem: Option<Box<str>>,
+    /// The last error as `class: message`, lowercased, at most 256 bytes (`error_text`
+    /// searches it); none without an error.
+    err: Option<Box<str>>,
     created_ms: u64,
     updated_ms: u64,
     attempt: u32,
@@ -39,12 +43,16 @@ struct Entry {
 }
 
 /// The fields of a stored record the index reads (the rest of the JSON is skipped).
+///
+/// Text is borrowed from the record where it can be and copied where it cannot: a JSON
+/// writer may escape any character (`\"`, `\n`, `\u00e9`), and an escaped string
+/// cannot be borrowed.
 #[derive(Debug, Deserialize)]
 pub(crate) struct Indexed<'a> {
     #[serde(borrow)]
-    queue: &'a str,
+    queue: Cow<'a, str>,
     #[serde(borrow)]
-    name: &'a str,
+    name: Cow<'a, str>,
     state: TaskState,
     #[serde(default)]
     attempt: u32,
@@ -53,15 +61,50 @@ pub(crate) struct Indexed<'a> {
     #[serde(default, borrow)]
     last_error: Option<IndexedError<'a>>,
     #[serde(default, borrow)]
-    trigger: Option<&'a str>,
+    trigger: Option<Text<'a>>,
     #[serde(default)]
     idempotency_key: Option<String>,
+    #[serde(default)]
+    run_at_ms: Option<u64>,
+    #[serde(default)]
+    started_at_ms: Option<u64>,
+    #[serde(default)]
+    finished_at_ms: Option<u64>,
 }
+
+/// A string field that borrows when it can (serde borrows `Cow<str>` itself, not
+/// inside an `Option`).
+#[derive(Debug, Deserialize)]
+#[serde(transparent)]
+struct Text<'a>(#[serde(borrow)] Cow<'a, str>);
 
 #[derive(Debug, Deserialize)]
 struct IndexedError<'a> {
     #[serde(borrow)]
-    class: std::borrow::Cow<'a, str>,
+    class: Cow<'a, str>,
+    #[serde(default, borrow)]
+    message: Option<Text<'a>>,
+}
+
+/// Most bytes of an error kept for `error_text`.
+const ERR_TEXT: usize = 256;
+
+/// `class: message`, lowercased, cut at a character boundary.
+fn error_text(e: &IndexedError<'_>) -> Box<str> {
+    let mut t = format!(
+        "{}: {}",
+        e.class,
+        e.message.as_ref().map_or("", |m| m.0.as_ref())
+    )
+    .to_lowercase();
+    if t.len() > ERR_TEXT {
+        let mut end = ERR_TEXT;
+        while !t.is_char_boundary(end) {
+            end -= 1;
+        }
+        t.truncate(end);
+    }
+    t.into_boxed_str()
 }
 
 /// What to find (every given filter must match). Times are on `updated_at_ms`.
@@ -89,6 +132,13 @@ pub struct TaskQuery {
     /// Only the task with this idempotency key.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub idempotency_key: Option<String>,
+    /// Only the task with this id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    /// Only tasks whose last error's `class: message` contains this text (ignoring case;
+    /// the first 256 bytes of the error are searched).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error_text: Option<String>,
     /// Only tasks last changed at or after this time (ms since the epoch).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub from_ms: Option<u64>,
@@ -135,15 +185,22 @@ pub(crate) struct Index {
     entries: Vec<Option<Entry>>,
     free: Vec<u32>,
     by_id: HashMap<Arc<str>, u32>,
-    /// Interned strings; symbol 0 is "none".
-    names: Vec<Arc<str>>,
+    /// Interned strings by symbol; symbol 0 is "none". Each live entry holds one reference
+    /// to each symbol it uses: a symbol no entry uses any more (a finished flow run, an
+    /// error class no task has now) is removed and its slot reused, so the table holds
+    /// what the live entries use, not every string ever seen.
+    names: Vec<Symbol>,
     symbols: HashMap<Arc<str>, u32>,
+    /// Symbol slots free for reuse.
+    free_syms: Vec<u32>,
     postings: HashMap<(Field, u32), Posting>,
     states: [Posting; 7],
     /// Per queue symbol: tasks by state.
     counts: HashMap<u32, [u64; 7]>,
     /// Idempotency key → its tasks.
     keys: HashMap<Box<str>, Slots>,
+    /// Per-minute series of the last hour, per queue (the console's charts).
+    pub(crate) series: super::series::Series,
 }
 
 const FIELDS: [Field; 5] = [
@@ -153,6 +210,14 @@ const FIELDS: [Field; 5] = [
     Field::Trigger,
     Field::Run,
 ];
+
+/// One interned string and how many references live entries hold to it.
+#[derive(Debug, Default)]
+struct Symbol {
+    /// `None` while the slot is free.
+    text: Option<Arc<str>>,
+    refs: u32,
+}
 
 /// The tasks with one idempotency key: nearly always one.
 #[derive(Debug)]
@@ -173,18 +238,50 @@ fn flow_run(id: &str) -> Option<&str> {
 }
 
 impl Index {
+    /// The symbol of `s`, with one more reference to it (see [`Index::release`]).
     fn intern(&mut self, s: &str) -> u32 {
         if let Some(&sym) = self.symbols.get(s) {
+            self.names[sym as usize].refs += 1;
             return sym;
         }
         if self.names.is_empty() {
-            self.names.push(Arc::from(""));
+            self.names.push(Symbol::default());
         }
-        let sym = self.names.len() as u32;
         let arc: Arc<str> = Arc::from(s);
-        self.names.push(arc.clone());
+        let symbol = Symbol {
+            text: Some(arc.clone()),
+            refs: 1,
+        };
+        let sym = match self.free_syms.pop() {
+            Some(sym) => {
+                self.names[sym as usize] = symbol;
+                sym
+            }
+            None => {
+                self.names.push(symbol);
+                (self.names.len() - 1) as u32
+            }
+        };
         self.symbols.insert(arc, sym);
         sym
+    }
+
+    /// Drops one reference to `sym` (0 is "none"); at the last, the string is forgotten
+    /// (with the queue counts it keyed) and its slot is free for another.
+    fn release(&mut self, sym: u32) {
+        if sym == 0 {
+            return;
+        }
+        let symbol = &mut self.names[sym as usize];
+        symbol.refs -= 1;
+        if symbol.refs > 0 {
+            return;
+        }
+        if let Some(text) = symbol.text.take() {
+            self.symbols.remove(&text);
+        }
+        self.counts.remove(&sym);
+        self.free_syms.push(sym);
     }
 
     fn lookup(&self, s: &str) -> Option<u32> {
@@ -192,7 +289,13 @@ impl Index {
     }
 
     fn name(&self, sym: u32) -> Option<String> {
-        (sym != 0).then(|| self.names[sym as usize].to_string())
+        (sym != 0).then(|| {
+            self.names[sym as usize]
+                .text
+                .as_deref()
+                .unwrap_or_default()
+                .to_string()
+        })
     }
 
     /// Tasks indexed.
@@ -203,23 +306,30 @@ impl Index {
     /// Indexes a record (`revision` is its KV revision); an older revision than the one
     /// held is ignored.
     pub(crate) fn put(&mut self, id: &str, revision: u64, rec: &Indexed<'_>) {
-        if let Some(&slot) = self.by_id.get(id) {
+        let held = self.by_id.get(id).copied();
+        let mut before = None;
+        if let Some(slot) = held {
             let old = self.entries[slot as usize].as_ref().expect("live slot");
             if old.revision >= revision {
                 return;
             }
-            self.unlink(slot);
+            before = Some(old.state);
         }
+        // The new symbols are taken before the old ones are released, so a value the
+        // task keeps (nearly all of them) is not freed and interned again.
         let syms = [
-            self.intern(rec.queue),
-            self.intern(rec.name),
+            self.intern(&rec.queue),
+            self.intern(&rec.name),
             match &rec.last_error {
                 Some(e) => self.intern(&e.class),
                 None => 0,
             },
-            rec.trigger.map_or(0, |t| self.intern(t)),
+            rec.trigger.as_ref().map_or(0, |t| self.intern(&t.0)),
             flow_run(id).map_or(0, |r| self.intern(r)),
         ];
+        if let Some(slot) = held {
+            self.unlink(slot);
+        }
         let id: Arc<str> = match self.by_id.get_key_value(id) {
             Some((k, _)) => k.clone(),
             None => Arc::from(id),
@@ -229,6 +339,7 @@ impl Index {
             state: rec.state,
             syms,
             idem: rec.idempotency_key.as_deref().map(Box::from),
+            err: rec.last_error.as_ref().map(error_text),
             created_ms: rec.created_at_ms,
             updated_ms: rec.updated_at_ms,
             attempt: rec.attempt,
@@ -247,6 +358,21 @@ impl Index {
         };
         self.entries[slot as usize] = Some(entry);
         self.link(slot);
+        if before != Some(rec.state) {
+            self.series.record(
+                &super::series::Moved {
+                    queue: &rec.queue,
+                    state: rec.state,
+                    attempt: rec.attempt,
+                    created_at_ms: rec.created_at_ms,
+                    updated_at_ms: rec.updated_at_ms,
+                    run_at_ms: rec.run_at_ms,
+                    started_at_ms: rec.started_at_ms,
+                    finished_at_ms: rec.finished_at_ms,
+                },
+                crate::time::now_ms(),
+            );
+        }
     }
 
     /// Forgets a task (its record was deleted or purged).
@@ -255,6 +381,19 @@ impl Index {
             self.unlink(slot);
             self.entries[slot as usize] = None;
             self.free.push(slot);
+        }
+    }
+
+    /// Forgets a task if the revision held is older than `revision` (a newer record the
+    /// index could not read: what it held no longer says what the task is).
+    pub(crate) fn forget_older(&mut self, id: &str, revision: u64) {
+        let older = self
+            .by_id
+            .get(id)
+            .and_then(|&slot| self.entries[slot as usize].as_ref())
+            .is_some_and(|e| e.revision < revision);
+        if older {
+            self.remove(id);
         }
     }
 
@@ -319,6 +458,9 @@ impl Index {
         if let Some(c) = self.counts.get_mut(&syms[0]) {
             c[state_index(state)] -= 1;
         }
+        for sym in syms {
+            self.release(sym);
+        }
     }
 
     /// The postings a query's filters name; `None` if a filter names a value no task has.
@@ -352,6 +494,12 @@ impl Index {
                 .iter()
                 .zip(e.syms)
                 .all(|(want, have)| want.is_none_or(|w| w == have))
+            && q.id.as_deref().is_none_or(|id| *e.id == *id)
+            && q.error_text.as_deref().is_none_or(|t| {
+                e.err
+                    .as_deref()
+                    .is_some_and(|have| have.contains(&t.to_lowercase()))
+            })
             && q.from_ms.is_none_or(|t| e.updated_ms >= t)
             && q.to_ms.is_none_or(|t| e.updated_ms < t)
     }
@@ -381,6 +529,16 @@ impl Index {
         let by_key: Posting;
         let walk: Vec<&Posting> =
             match (&q.idempotency_key, postings.iter().min_by_key(|p| p.len())) {
+                _ if q.id.is_some() => {
+                    by_key = q
+                        .id
+                        .as_deref()
+                        .and_then(|id| self.by_id.get(id))
+                        .and_then(|&s| self.entries[s as usize].as_ref().map(|e| (e.updated_ms, s)))
+                        .into_iter()
+                        .collect();
+                    vec![&by_key]
+                }
                 (Some(k), _) => {
                     let slots: &[u32] = match self.keys.get(k.as_str()) {
                         Some(Slots::One(s)) => std::slice::from_ref(s),
@@ -451,6 +609,18 @@ impl Index {
             updated_at_ms: e.updated_ms,
             revision: e.revision,
         }
+    }
+
+    /// Strings interned now (queue, name, class, trigger and flow-run values in use).
+    #[cfg(test)]
+    pub(crate) fn symbols_live(&self) -> usize {
+        self.symbols.len()
+    }
+
+    /// Symbol slots allocated (live or free for reuse), "none" included.
+    #[cfg(test)]
+    pub(crate) fn symbol_slots(&self) -> usize {
+        self.names.len()
     }
 
     /// The state of task `id` as indexed.

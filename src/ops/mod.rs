@@ -12,6 +12,9 @@ pub(crate) mod api;
 mod client;
 pub(crate) mod feed;
 pub(crate) mod index;
+mod inspect;
+mod purge;
+pub(crate) mod series;
 mod webhook;
 
 pub use alerts::AlertConfig;

@@ -600,6 +600,7 @@ async fn run(
             let attempt = rec.attempt;
             let mut cancelled = rec.transition(TaskState::Cancelled);
             cancelled.last_error = Some(ErrorInfo {
+                detail: None,
                 class: "cancelled".into(),
                 message: "cancelled by an operator while running".into(),
             });
@@ -612,6 +613,7 @@ async fn run(
             // Shutdown grace is over: hand the task back for another worker.
             let mut back = rec.transition(TaskState::Retrying);
             back.last_error = Some(ErrorInfo {
+                detail: None,
                 class: "shutdown".into(),
                 message: "worker shut down during the attempt".into(),
             });
@@ -763,6 +765,10 @@ async fn fail(
     metrics::gauge!(m::TASK_TIMEOUT_RATE, "queue" => queue.clone()).set(sh.rate.record(timed_out));
     streak(sh, &task_label, true);
     let error = ErrorInfo {
+        detail: e
+            .detail
+            .as_deref()
+            .map(|d| truncate(d, MAX_DETAIL).to_string()),
         class: e.class.clone(),
         message: e.message.clone(),
     };
@@ -864,4 +870,19 @@ async fn dead_letter_and_term(
             reply(msg, AckKind::Nak(Some(BROKER_RETRY))).await;
         }
     }
+}
+
+/// Most bytes of an error's detail kept in the record.
+const MAX_DETAIL: usize = 8 * 1024;
+
+/// `s` cut to at most `max` bytes, at a character boundary.
+fn truncate(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
 }

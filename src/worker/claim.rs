@@ -58,6 +58,7 @@ pub(crate) fn decide(found: Option<&TaskRecord>, meta: &TaskMeta, d: Delivery<'_
         TaskState::Cancelled => return Decision::AckCancelled,
         TaskState::Dead => {
             return Decision::FinishDead(rec.last_error.clone().unwrap_or(ErrorInfo {
+                detail: None,
                 class: "dead".into(),
                 message: String::new(),
             }))
@@ -65,6 +66,7 @@ pub(crate) fn decide(found: Option<&TaskRecord>, meta: &TaskMeta, d: Delivery<'_
         TaskState::Running if rec.cancel_requested_at_ms.is_some() => {
             let mut cancelled = rec.transition_at(TaskState::Cancelled, d.now_ms);
             cancelled.last_error = Some(ErrorInfo {
+                detail: None,
                 class: "cancelled".into(),
                 message: "cancelled by an operator while running".into(),
             });
@@ -86,6 +88,7 @@ pub(crate) fn decide(found: Option<&TaskRecord>, meta: &TaskMeta, d: Delivery<'_
         TaskState::Running => {
             lost = true;
             rec.last_error = Some(ErrorInfo {
+                detail: None,
                 class: "heartbeat_timeout".into(),
                 message: format!(
                     "attempt {} on worker {} stopped heartbeating",
@@ -100,6 +103,7 @@ pub(crate) fn decide(found: Option<&TaskRecord>, meta: &TaskMeta, d: Delivery<'_
     rec.max_attempts = meta.max_attempts;
     if rec.attempt >= meta.max_attempts {
         let error = rec.last_error.clone().unwrap_or(ErrorInfo {
+            detail: None,
             class: "attempts_exhausted".into(),
             message: format!("{} attempts made", rec.attempt),
         });
@@ -196,6 +200,7 @@ mod tests {
         );
         let mut dead = with(TaskState::Dead, 3, Some(7));
         dead.last_error = Some(ErrorInfo {
+            detail: None,
             class: "io".into(),
             message: "x".into(),
         });
@@ -277,6 +282,7 @@ mod tests {
     fn used_up_attempts_go_dead_with_the_last_error() {
         let mut retrying = with(TaskState::Retrying, 3, Some(7));
         retrying.last_error = Some(ErrorInfo {
+            detail: None,
             class: "io".into(),
             message: "reset".into(),
         });

@@ -144,6 +144,9 @@ pub struct TaskError {
     pub message: String,
     /// Never retry, whatever the task's lists say.
     pub permanent: bool,
+    /// More than the message (a stack trace, a response body), kept in the record's
+    /// `last_error.detail` up to 8 KiB and shown on the console's task page.
+    pub detail: Option<String>,
 }
 
 impl TaskError {
@@ -153,7 +156,14 @@ impl TaskError {
             class: class.into(),
             message: message.into(),
             permanent: false,
+            detail: None,
         }
+    }
+
+    /// Adds a detail (a stack trace, a response body) to the error.
+    pub fn with_detail(mut self, detail: impl Into<String>) -> Self {
+        self.detail = Some(detail.into());
+        self
     }
 
     /// A failure that is never retried.

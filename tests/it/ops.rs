@@ -488,10 +488,9 @@ async fn alerts_fire_once_per_failure_burst_across_servers() {
         assert_eq!(first["error_class"], "card_declined");
         assert_eq!(first["suppressed_since_last"], 0);
         assert!(burst.iter().any(|id| first["task"] == id.as_str()));
-        assert!(first["link"]
-            .as_str()
-            .unwrap()
-            .starts_with("http://console.test/#/tasks/q."));
+        // The console's route for one task.
+        let id = first["task"].as_str().unwrap();
+        assert_eq!(first["link"], format!("http://console.test/#/task/{id}"));
         let quiet = tokio::time::timeout(Duration::from_millis(1500), events.next()).await;
         assert!(
             quiet.is_err(),
@@ -957,4 +956,155 @@ async fn a_console_open_to_other_hosts_without_a_token_is_refused_at_once() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains(said), "{args:?} {env:?}: {err}");
     }
+}
+
+/// Finds tasks matching `query` once the index shows exactly `n` of them.
+async fn find_n(env: &Env, query: TaskQuery, n: usize) -> ax::ops::ListReply {
+    let what = format!("{n} tasks matching {query:?}");
+    let req = ListRequest {
+        query,
+        ..Default::default()
+    };
+    eventually(Duration::from_secs(15), &what, || {
+        let (ax, req) = (env.ax.clone(), req.clone());
+        async move {
+            let r = ax.find_tasks(&req).await.ok()?;
+            (r.total == Some(n)).then_some(r)
+        }
+    })
+    .await
+}
+
+#[tokio::test]
+async fn records_with_json_escapes_are_found_in_their_final_state() {
+    within(Duration::from_secs(60), "escapes", async {
+        let env = Env::start(Env::server().task_index(true)).await;
+        // A record as another client's JSON writer may store it: any character may be
+        // escaped (here the name and trigger, `\u0061` for `a`).
+        let kv = env.js.get_key_value("AX_TASKS").await.unwrap();
+        let id = "q.escaped0000000000001";
+        let record = |state: &str, name: &str, trigger: &str| {
+            format!(
+                r#"{{"id":"{id}","queue":"q","name":"{name}","priority":"normal","state":"{state}","attempt":1,"max_attempts":3,"created_at_ms":1,"updated_at_ms":{},"trigger":"{trigger}"}}"#,
+                ax::time::now_ms()
+            )
+        };
+        kv.put(id, record("running", "charge", "nightly").into())
+            .await
+            .unwrap();
+        let by_name = |state| TaskQuery {
+            name: Some("charge".into()),
+            state: Some(state),
+            ..Default::default()
+        };
+        find_n(&env, by_name(TaskState::Running), 1).await;
+        kv.put(
+            id,
+            record("succeeded", r"ch\u0061rge", r"n\u0069ghtly").into(),
+        )
+        .await
+        .unwrap();
+        let done = find_n(&env, by_name(TaskState::Succeeded), 1).await;
+        assert_eq!(done.tasks[0].id, id);
+        assert_eq!(done.tasks[0].trigger.as_deref(), Some("nightly"));
+        find_n(&env, by_name(TaskState::Running), 0).await;
+
+        // A worker's error message with a quote and a line break (escaped in the record).
+        let w = Worker::builder("q")
+            .handler(|_task: Task| async move {
+                Err::<(), _>(TaskError::permanent(
+                    "bad_input",
+                    "field \"amount\" is missing\nsecond line",
+                ))
+            })
+            .build()
+            .unwrap();
+        let _w = env.spawn_worker(w);
+        let dead = submit(&env, TaskSpec::new("parse").max_attempts(1)).await;
+        env.wait_state(&dead, TaskState::Dead, Duration::from_secs(10))
+            .await;
+        let q = TaskQuery {
+            name: Some("parse".into()),
+            state: Some(TaskState::Dead),
+            ..Default::default()
+        };
+        let found = find_n(&env, q, 1).await;
+        assert_eq!(found.tasks[0].id, dead);
+        assert_eq!(found.tasks[0].error_class.as_deref(), Some("bad_input"));
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_an_operator_sees_and_purges() {
+    within(Duration::from_secs(60), "payload, search, series, purge", async {
+        let env = Env::start(Env::server().task_index(true)).await;
+        let w = Worker::builder("q")
+            .handler(|task: Task| async move {
+                if task.name == "charge" {
+                    return Err(TaskError::permanent("card_declined", "Card Declined by bank")
+                        .with_detail("trace:\n  at charge (billing.rs:42)"));
+                }
+                Ok(())
+            })
+            .build()
+            .unwrap();
+        let _w = env.spawn_worker(w);
+        let mut ok = Vec::new();
+        for i in 0..10 {
+            ok.push(submit(&env, TaskSpec::new("send").json(&i)).await);
+        }
+        let dead = submit(&env, TaskSpec::new("charge").json(&json!({"card": "4242"})).max_attempts(1)).await;
+        env.wait_state(&dead, TaskState::Dead, Duration::from_secs(10)).await;
+        let later = submit(
+            &env,
+            TaskSpec::new("send").json(&json!({"later": true})).delay(Duration::from_secs(3600)),
+        )
+        .await;
+
+        // The payload and options come from the message; the error's detail is stored.
+        let p = env.ax.task_op("payload", &json!({"id": dead})).await.unwrap();
+        assert_eq!((p["source"].as_str(), &p["payload"]["json"]), (Some("dead letter"), &json!({"card": "4242"})));
+        assert_eq!(p["options"]["max_attempts"], 1);
+        let p = env.ax.task_op("payload", &json!({"id": later})).await.unwrap();
+        assert_eq!((p["source"].as_str(), &p["payload"]["json"]), (Some("delayed"), &json!({"later": true})));
+        let rec = env.record(&dead).await;
+        assert_eq!(rec.last_error.unwrap().detail.as_deref(), Some("trace:\n  at charge (billing.rs:42)"));
+
+        // Search by error text (any case, class or message) and by id.
+        for text in ["declined by", "CARD_DECL"] {
+            let r = find_n(&env, TaskQuery { error_text: Some(text.into()), ..Default::default() }, 1).await;
+            assert_eq!(r.tasks[0].id, dead, "{text}");
+        }
+        let r = find_n(&env, TaskQuery { id: Some(ok[3].clone()), ..Default::default() }, 1).await;
+        assert_eq!(r.tasks[0].id, ok[3]);
+        find_n(&env, TaskQuery { error_text: Some("nope".into()), ..Default::default() }, 0).await;
+
+        // The series of this minute counts what ended in it.
+        let s = env.ax.task_op("series", &json!({"queue": "q"})).await.unwrap();
+        let points = s["queues"]["q"].as_array().unwrap();
+        assert_eq!(points.len(), 60);
+        let sum = |f: &str| points.iter().map(|p| p[f].as_u64().unwrap()).sum::<u64>();
+        assert_eq!((sum("succeeded"), sum("dead")), (10, 1));
+        assert!(points.iter().any(|p| p["run_p50_ms"].is_number()));
+
+        // Purge: only finished tasks, only older than asked.
+        let none = env.ax.task_op("purge", &json!({"older_than_ms": 3_600_000, "dry_run": true})).await.unwrap();
+        assert_eq!(none["would_purge"], 0);
+        let refused = env.ax.task_op("purge", &json!({"state": "scheduled", "older_than_ms": 0})).await;
+        assert!(matches!(&refused, Err(ax::ClientError::Refused(e)) if e.field.as_deref() == Some("state")), "{refused:?}");
+        let done = env
+            .ax
+            .task_op("purge", &json!({"queue": "q", "state": "succeeded", "older_than_ms": 0, "by": "test"}))
+            .await
+            .unwrap();
+        assert_eq!(done["purged"], 10, "{done}");
+        for id in &ok {
+            assert!(env.store().await.get(id).await.unwrap().is_none(), "{id} kept");
+        }
+        find_n(&env, TaskQuery { state: Some(TaskState::Succeeded), ..Default::default() }, 0).await;
+        assert_eq!(env.record(&later).await.state, TaskState::Scheduled);
+        assert_eq!(env.record(&dead).await.state, TaskState::Dead);
+    })
+    .await
 }

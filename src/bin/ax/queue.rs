@@ -8,7 +8,8 @@ use clap::Subcommand;
 
 #[derive(Subcommand)]
 pub(crate) enum QueueCommand {
-    /// Every queue with tasks: paused or not, ready tasks per priority, tasks by state.
+    /// Every declared queue and every queue with tasks: paused or not (by whom, why,
+    /// since when), ready tasks per priority, tasks by state.
     List,
     /// Stop workers taking the queue's tasks (running ones finish; submits are accepted).
     Pause {
@@ -51,12 +52,7 @@ pub(crate) async fn run(command: QueueCommand, conn: &Conn, output: Output) -> R
                     let r = &q["ready"];
                     vec![
                         q["queue"].as_str().unwrap_or("?").to_string(),
-                        if q["paused"].as_bool().unwrap_or(false) {
-                            "paused"
-                        } else {
-                            "active"
-                        }
-                        .into(),
+                        status(q),
                         format!("{}/{}/{}", n(&r["high"]), n(&r["normal"]), n(&r["low"])),
                         n(&t["scheduled"]),
                         n(&t["pending"]),
@@ -86,4 +82,24 @@ pub(crate) async fn run(command: QueueCommand, conn: &Conn, output: Output) -> R
         }
     }
     Ok(())
+}
+
+/// `active`, or `paused by <who> <when> ago: <why>`.
+fn status(q: &serde_json::Value) -> String {
+    if !q["paused"].as_bool().unwrap_or(false) {
+        return "active".into();
+    }
+    let p = &q["pause"];
+    let mut s = format!("paused by {}", p["by"].as_str().unwrap_or("?"));
+    if let Some(at) = p["paused_at_ms"].as_u64() {
+        let secs = ax::time::now_ms().saturating_sub(at) / 1000;
+        s.push_str(&format!(
+            " {} ago",
+            humantime::format_duration(std::time::Duration::from_secs(secs))
+        ));
+    }
+    if let Some(why) = p["reason"].as_str() {
+        s.push_str(&format!(": {why}"));
+    }
+    s
 }

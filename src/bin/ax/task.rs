@@ -77,6 +77,9 @@ pub(crate) struct Filters {
     /// Only the task with this idempotency key.
     #[arg(long)]
     key: Option<String>,
+    /// Only tasks whose last error (class or message) contains this text, ignoring case.
+    #[arg(long)]
+    error_text: Option<String>,
     /// Only tasks changed within this long (e.g. `1h`).
     #[arg(long, value_parser = humantime::parse_duration)]
     since: Option<Duration>,
@@ -96,6 +99,8 @@ impl Filters {
             trigger: self.trigger,
             flow_run: self.flow_run,
             idempotency_key: self.key,
+            id: None,
+            error_text: self.error_text,
             from_ms: self.since.map(|d| now.saturating_sub(d.as_millis() as u64)),
             to_ms: self
                 .older_than

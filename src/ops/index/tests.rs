@@ -172,3 +172,103 @@ fn flow_runs_triggers_and_keys_are_searchable() {
     };
     assert_eq!(ix.find(&key, 10, None, 100).1, Some(1));
 }
+
+#[test]
+fn a_record_with_json_escapes_is_indexed() {
+    let mut ix = Index::default();
+    // A name, trigger and class written with escapes (`\"`, `\n`, `\u00e9`): a JSON
+    // writer may escape any character, so the index must not need the text verbatim.
+    let json = r#"{"queue":"q","name":"na\"me\n","state":"dead","attempt":2,"created_at_ms":1,"updated_at_ms":9,"trigger":"caf\u00e9","last_error":{"class":"t\u0069meout","message":"line\none \"quoted\""}}"#;
+    put(&mut ix, "q.esc", 3, json);
+    assert_eq!(ix.state_of("q.esc"), Some(TaskState::Dead));
+    let q = TaskQuery {
+        name: Some("na\"me\n".into()),
+        trigger: Some("café".into()),
+        error_class: Some("timeout".into()),
+        ..Default::default()
+    };
+    let (rows, total) = ix.find(&q, 10, None, 100);
+    assert_eq!((ids(&rows), total), (vec!["q.esc"], Some(1)));
+    assert_eq!(rows[0].name, "na\"me\n");
+    assert_eq!(rows[0].trigger.as_deref(), Some("café"));
+}
+
+#[test]
+fn plain_text_is_borrowed_and_an_unreadable_newer_record_drops_the_stale_entry() {
+    let json = rec("q", "work", "running", 5, None)
+        .replace(r#""state""#, r#""trigger":"nightly","state""#);
+    let parsed: Indexed<'_> = serde_json::from_str(&json).unwrap();
+    assert!(matches!(parsed.queue, Cow::Borrowed(_)));
+    assert!(matches!(parsed.name, Cow::Borrowed(_)));
+    assert!(matches!(parsed.trigger, Some(Text(Cow::Borrowed(_)))));
+    let mut ix = Index::default();
+    ix.put("q.a", 5, &parsed);
+    ix.forget_older("q.a", 4);
+    assert_eq!(ix.state_of("q.a"), Some(TaskState::Running), "older: kept");
+    ix.forget_older("q.a", 6);
+    assert_eq!(
+        ix.state_of("q.a"),
+        None,
+        "a newer unreadable record: not running"
+    );
+}
+
+#[test]
+fn symbols_no_task_uses_any_more_are_released_and_their_slots_reused() {
+    let mut ix = Index::default();
+    let n = 10_000u64;
+    let step = |i: u64, gen: u64| format!("q.fl.run{gen}x{i}.charge.0.0");
+    for i in 0..n {
+        let class = format!("class{i}");
+        put(
+            &mut ix,
+            &step(i, 0),
+            i + 1,
+            &rec("q", "charge", "retrying", i, Some(&class)),
+        );
+    }
+    assert_eq!(
+        ix.symbols_live(),
+        2 + 2 * n as usize,
+        "q, charge, runs, classes"
+    );
+    // Overwritten without an error: the classes go, the runs stay (their tasks do).
+    for i in 0..n {
+        put(
+            &mut ix,
+            &step(i, 0),
+            n + i + 1,
+            &rec("q", "charge", "succeeded", n + i, None),
+        );
+    }
+    assert_eq!(ix.symbols_live(), 2 + n as usize);
+    let class0 = TaskQuery {
+        error_class: Some("class0".into()),
+        ..Default::default()
+    };
+    assert_eq!(ix.find(&class0, 10, None, 100).1, Some(0));
+    // The tasks removed: nothing is left, not even the queue's counts.
+    for i in 0..n {
+        ix.remove(&step(i, 0));
+    }
+    assert_eq!(ix.symbols_live(), 0);
+    assert_eq!(ix.counts(), vec![]);
+    let slots = ix.symbol_slots();
+    // Runs of a new generation reuse the freed slots.
+    for i in 0..n {
+        put(
+            &mut ix,
+            &step(i, 1),
+            3 * n + i,
+            &rec("q", "charge", "succeeded", i, None),
+        );
+    }
+    assert_eq!(ix.symbols_live(), 2 + n as usize);
+    assert_eq!(ix.symbol_slots(), slots, "freed slots reused");
+    let run = TaskQuery {
+        flow_run: Some(format!("run1x{}", n - 1)),
+        ..Default::default()
+    };
+    assert_eq!(ids(&ix.find(&run, 10, None, 100).0), [step(n - 1, 1)]);
+    assert_eq!(ix.counts(), vec![("q".to_string(), [0, 0, 0, 0, n, 0, 0])]);
+}
