@@ -76,7 +76,7 @@ impl Ops {
                 .map(|m| ("delayed", m)),
             (TaskState::Succeeded | TaskState::Cancelled, _, _) => {
                 return Ok(json!({"id": id, "gone": format!(
-                    "the task is {}: its message was acked and is no longer stored", rec.state
+                    "the task has finished ({}): its message was acked and is no longer stored", rec.state
                 )}))
             }
             (_, _, Some(seq)) => self

@@ -23,7 +23,8 @@ fn failing_until_fixed(name: &'static str, class: &'static str) -> (Worker, Arc<
             let fixed = flag.clone();
             async move {
                 if task.name == name && !fixed.load(Ordering::SeqCst) {
-                    return Err(TaskError::permanent(class, "failed until fixed"));
+                    return Err(TaskError::permanent(class, "failed until fixed")
+                        .with_detail("Traceback:\n  at charge (billing.rs:42)"));
                 }
                 Ok(())
             }
@@ -54,7 +55,7 @@ async fn find_a_dead_task_by_error_class_retry_it_and_watch_it_succeed() {
         }
         let dead = env
             .ax
-            .submit("q", TaskSpec::new("charge").max_attempts(1))
+            .submit("q", TaskSpec::new("charge").json(&json!({"card": "4242"})).max_attempts(1))
             .await
             .unwrap()
             .id;
@@ -71,7 +72,33 @@ async fn find_a_dead_task_by_error_class_retry_it_and_watch_it_succeed() {
 
         let b = Browser::start().await;
         b.login(&site).await;
+        // The overview charts this hour's throughput (30 tasks succeeded this minute).
+        b.until("the throughput chart with points", 15,
+            "return document.querySelectorAll('#chart-throughput circle').length > 0").await;
         b.screenshot("console-overview.png").await;
+        // A live refresh changes what changed and keeps the rest: the Pause button under
+        // the pointer is the same element after it.
+        b.script("window.keep = document.querySelector('[data-act^=\"pause:\"]'); window.before = window.axRenders;").await;
+        env.ax.submit("q", TaskSpec::new("send").json(&99)).await.unwrap();
+        b.until("a live refresh", 15, "return window.axRenders > window.before").await;
+        let kept = b.script("return document.querySelector('[data-act^=\"pause:\"]') === window.keep && document.contains(window.keep)").await;
+        assert_eq!(kept, json!(true), "the refresh replaced the Pause button");
+        // Pausing asks why; who paused and why show on the overview and to the API.
+        b.script("window.prompt = () => 'deploy freeze';").await;
+        b.click("[data-act^='pause:']").await;
+        b.until("the pause reason on the overview", 15,
+            "const s = document.querySelector('tr[data-queue=q] .status'); \
+             return !!s && s.textContent.includes('paused by console') && s.textContent.includes('deploy freeze')").await;
+        let q = env.ax.queues().await.unwrap();
+        assert_eq!(q["queues"][0]["pause"]["reason"], "deploy freeze", "{q}");
+        b.click("tr[data-queue=q] [data-act^='task/resume']").await;
+        b.until("the queue active again", 15,
+            "return document.querySelector('tr[data-queue=q] .status')?.textContent.trim() === 'active'").await;
+        // A queue's page charts its throughput and latency.
+        b.go(&format!("{site}/#/queue/q")).await;
+        b.until("the queue's charts", 15,
+            "return !!document.querySelector('#chart-queue-latency') && document.querySelectorAll('#chart-queue-throughput circle').length > 0").await;
+        b.screenshot("console-queue.png").await;
 
         b.go(&format!("{site}/#/tasks")).await;
         b.until("the task search", 15, "return !!document.querySelector('#filters select[name=state]')").await;
@@ -92,6 +119,13 @@ async fn find_a_dead_task_by_error_class_retry_it_and_watch_it_succeed() {
         b.until("the task page", 15, "return document.querySelector('#state')?.textContent === 'dead'").await;
         let attempts = b.script("return document.querySelectorAll('#attempts tr').length").await;
         assert_eq!(attempts, json!(2), "one attempt row");
+        // What Bull Board shows: the payload, the options, the error's detail.
+        b.until("payload, retry policy and error detail", 15,
+            "return document.querySelector('#payload')?.textContent.includes('4242') && \
+             document.querySelector('#fields').textContent.includes('retry policy') && \
+             document.querySelector('#error-detail')?.textContent.includes('billing.rs:42')").await;
+        let head = b.script("return document.querySelector('#state').parentElement.textContent.trim()").await;
+        assert_eq!(head, json!("dead"), "the state is shown once");
 
         fixed.store(true, Ordering::SeqCst);
         b.click("[data-act=retry]").await;

@@ -430,6 +430,7 @@ async function limits() {
 
 async function render() {
   dirty = false;
+  window.axRenders = (window.axRenders || 0) + 1;
   if (!role && !(await whoami())) return;
   const [path, qs] = location.hash.slice(1).split("?");
   const params = new URLSearchParams(qs || "");
