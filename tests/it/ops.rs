@@ -915,7 +915,8 @@ async fn a_console_open_to_other_hosts_without_a_token_is_refused_at_once() {
     // No NATS at that address: the refusal must not wait for one. An empty token (from
     // the flag or the environment) is no token; a read-only token alone would make
     // everyone admin.
-    let cases: [(&[&str], &[(&str, &str)], &str); 4] = [
+    type Case<'a> = (&'a [&'a str], &'a [(&'a str, &'a str)], &'a str);
+    let cases: [Case; 4] = [
         (&["--console-addr", "0.0.0.0:0"], &[], "--console-token"),
         (
             &["--console-addr", "0.0.0.0:0", "--console-token", ""],
