@@ -7,7 +7,7 @@
 //! Access: loopback only unless a token is given; with a token (`--console-token`) every
 //! API call needs a session (made by logging in with the token) or `Authorization: Bearer
 //! <token>`; a second, read-only token (`--console-readonly-token`) allows only reads.
-//! Every request is checked before it is routed ([`guard`]): its `Host` must name this
+//! Every request is checked before it is routed (`guard.rs`): its `Host` must name this
 //! console (DNS rebinding), a state-changing request must come from the console's own
 //! origin with a JSON body (cross-site request forgery). The threat model is in
 //! docs/ARCHITECTURE.md, "The console".

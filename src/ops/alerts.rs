@@ -78,6 +78,16 @@ pub(crate) struct Failure {
     pub(crate) revision: u64,
 }
 
+/// The console page of what failed: `<base>/#/task/<task id>` or `<base>/#/run/<run id>`
+/// (the console's routes).
+fn console_link(base: &str, kind: &str, id: &str) -> String {
+    let base = base.trim_end_matches('/');
+    match kind {
+        "flow_failed" => format!("{base}/#/run/{id}"),
+        _ => format!("{base}/#/task/{id}"),
+    }
+}
+
 fn hex(s: &str) -> String {
     s.bytes().map(|b| format!("{b:02x}")).collect()
 }
@@ -167,13 +177,11 @@ impl Alerts {
     }
 
     async fn publish(&self, f: &Failure, suppressed: u64, window_ms: u64) {
-        let link = self.config.console_url.as_ref().map(|base| {
-            let base = base.trim_end_matches('/');
-            match f.kind {
-                "flow_failed" => format!("{base}/#/runs/{}", f.subject_id),
-                _ => format!("{base}/#/tasks/{}", f.subject_id),
-            }
-        });
+        let link = self
+            .config
+            .console_url
+            .as_deref()
+            .map(|base| console_link(base, f.kind, &f.subject_id));
         let (id_field, name_field) = match f.kind {
             "flow_failed" => ("run", "flow"),
             _ => ("task", "name"),
@@ -305,5 +313,22 @@ impl Alerts {
                 self.failed(f).await;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::console_link;
+
+    #[test]
+    fn links_use_the_consoles_routes() {
+        assert_eq!(
+            console_link("http://ax.internal:8080/", "task_dead", "billing.7Xq"),
+            "http://ax.internal:8080/#/task/billing.7Xq"
+        );
+        assert_eq!(
+            console_link("https://ax.example/console", "flow_failed", "r-42"),
+            "https://ax.example/console/#/run/r-42"
+        );
     }
 }
