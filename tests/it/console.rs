@@ -170,6 +170,13 @@ async fn a_failed_flow_step_shows_red_and_is_re_run() {
         let load = b.script("return document.querySelector('g[data-step=load]').dataset.state").await;
         assert_eq!(load, json!("upstream_failed"));
         b.screenshot("console-flow.png").await;
+        // The Flows page charts runs per minute and run time per flow.
+        b.go(&format!("{site}/#/runs")).await;
+        b.until("the flow charts with the run", 15,
+            "return document.querySelectorAll('#chart-flow-runs circle').length > 0 && \
+             document.querySelectorAll('#chart-flow-time circle').length > 0").await;
+        b.go(&format!("{site}/#/run/{run}")).await;
+        b.until("the run page again", 15, "return !!document.querySelector('[data-act=rerun]')").await;
 
         fixed.store(true, Ordering::SeqCst);
         b.click("[data-act=rerun]").await;
@@ -182,5 +189,77 @@ async fn a_failed_flow_step_shows_red_and_is_re_run() {
         assert_eq!(done.0.state, ax::flow::RunState::Succeeded);
         b.close().await;
     })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn selected_rows_are_cancelled_and_finished_tasks_purged() {
+    within(
+        Duration::from_secs(120),
+        "console: selection and purge",
+        async {
+            let port = free_port();
+            let env = Env::start(console_env_server(port)).await;
+            let site = format!("http://127.0.0.1:{port}");
+            let mut ids = Vec::new();
+            for i in 0..5 {
+                let spec = TaskSpec::new("later")
+                    .json(&i)
+                    .delay(Duration::from_secs(3600));
+                ids.push(env.ax.submit("q", spec).await.unwrap().id);
+            }
+            let b = Browser::start().await;
+            b.login(&site).await;
+            b.go(&format!("{site}/#/tasks?state=scheduled")).await;
+            b.until(
+                "five scheduled tasks",
+                15,
+                "return document.querySelectorAll('#results input.pick').length === 5",
+            )
+            .await;
+            b.script("window.confirm = () => true; window.prompt = () => '0';")
+                .await;
+            for id in &ids[..2] {
+                b.click(&format!("#results input.pick[value='{id}']")).await;
+            }
+            b.until(
+                "two selected",
+                5,
+                "return document.querySelector('#picked').textContent === '2 selected'",
+            )
+            .await;
+            b.click("[data-act=cancel-picked]").await;
+            for id in &ids[..2] {
+                env.wait_state(id, TaskState::Cancelled, Duration::from_secs(10))
+                    .await;
+            }
+            for id in &ids[2..] {
+                assert_eq!(
+                    env.record(id).await.state,
+                    TaskState::Scheduled,
+                    "{id} was not selected"
+                );
+            }
+            // Purge the cancelled ones (older than 0 days): their records go.
+            b.go(&format!("{site}/#/tasks?state=cancelled")).await;
+            b.until(
+                "two cancelled tasks",
+                15,
+                "return document.querySelectorAll('#results input.pick').length === 2",
+            )
+            .await;
+            b.click("[data-act=purge]").await;
+            let store = env.store().await;
+            for id in &ids[..2] {
+                crate::support::eventually(Duration::from_secs(10), "the record purged", || {
+                    let store = store.clone();
+                    async move { store.get(id).await.ok()?.is_none().then_some(()) }
+                })
+                .await;
+            }
+            assert_eq!(env.record(&ids[2]).await.state, TaskState::Scheduled);
+            b.close().await;
+        },
+    )
     .await
 }
