@@ -45,8 +45,9 @@ pub const ALERTS_BUCKET: &str = "AX_ALERTS";
 /// Stream keeping every task-state change (sourced from `KV_AX_TASKS`) for the retention
 /// period: the task-event history.
 pub const EVENTS_STREAM: &str = "AX_TASK_EVENTS";
-/// Subject prefix of the task operations API: `ax.task.<op>` (get, list, cancel, retry,
-/// replay, run_now, pause, resume, queues).
+/// Subject prefix of the task operations API: `ax.task.<op>` (docs/PROTOCOL.md §8: get,
+/// list, events, payload, cancel, retry, replay, cancel_many, run_now, pause, resume,
+/// queues, series, purge).
 pub const TASK_API_PREFIX: &str = "ax.task.";
 
 /// The subject on which a cancel reaches the workers of `queue`: `ax.cancel.<queue>`.
@@ -216,6 +217,13 @@ pub fn dead_subject(queue: &str) -> String {
 /// get by subject).
 pub fn task_dead_subject(task_id: &str) -> String {
     format!("ax.dead.{task_id}")
+}
+
+/// Key of an idempotency key in `AX_IDEMPOTENCY`: `<queue>.<the key's bytes in lowercase
+/// hex>` (any key becomes a valid KV key). Submits write it; a purge reads it.
+pub fn idempotency_kv_key(queue: &str, key: &str) -> String {
+    let hex: String = key.bytes().map(|b| format!("{b:02x}")).collect();
+    format!("{queue}.{hex}")
 }
 
 /// Durable consumer name of one queue and priority.

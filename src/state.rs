@@ -300,12 +300,19 @@ impl TaskStore {
     }
 
     /// Removes a record and its history, if it is still at `revision` (an operator's
-    /// purge of a finished task).
+    /// purge of a finished task): [`StateError::Stale`] if it moved on. The bucket keeps
+    /// a purge marker in its place (`KV-Operation: PURGE`), which watchers see.
     pub async fn purge(&self, id: &str, revision: u64) -> Result<(), StateError> {
         self.kv
             .purge_expect_revision(id, Some(revision))
             .await
-            .map_err(|e| broker(id, "purge", e))
+            .map_err(|e| match e.kind() {
+                kv::UpdateErrorKind::WrongLastRevision => StateError::Stale {
+                    id: id.to_string(),
+                    expected: revision,
+                },
+                _ => broker(id, "purge", e),
+            })
     }
 
     /// The current record and its revision.

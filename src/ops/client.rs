@@ -66,8 +66,9 @@ impl Client {
         }
     }
 
-    /// Calls the task operations API: `op` is `get`, `list`, `cancel`, `retry`, `replay`,
-    /// `run_now`, `pause`, `resume` or `queues`; returns the `ok` value.
+    /// Calls the task operations API: `op` is `get`, `list`, `events`, `payload`,
+    /// `cancel`, `retry`, `replay`, `cancel_many`, `run_now`, `pause`, `resume`, `queues`,
+    /// `series` or `purge` (docs/PROTOCOL.md §8); returns the `ok` value.
     pub async fn task_op(&self, op: &str, body: &Value) -> Result<Value, ClientError> {
         self.management(TASK_API_PREFIX, op, body).await
     }
@@ -137,6 +138,41 @@ impl Client {
             body["limit"] = limit.into();
         }
         self.index_op("cancel_many", &body).await
+    }
+
+    /// Deletes finished tasks (`succeeded`, `dead`, `cancelled`) matching `query` and last
+    /// changed more than `older_than` ago: their records (a KV purge, history included)
+    /// and their outputs in `AX_RESULTS`, at most `limit` (default and most 10,000);
+    /// `dry_run` only says which. A task that changed since the index found it, or whose
+    /// idempotency key still names it, is kept (listed in `failed`). A `state` that is
+    /// not finished is refused (`invalid_field`). Answers `{matched, purged, failed}` (a
+    /// dry run: `{matched, would_purge, ids}`).
+    pub async fn purge_tasks(
+        &self,
+        query: &TaskQuery,
+        older_than: std::time::Duration,
+        limit: Option<usize>,
+        dry_run: bool,
+    ) -> Result<Value, ClientError> {
+        let mut body = serde_json::to_value(query).expect("serializes");
+        body["older_than_ms"] = (older_than.as_millis() as u64).into();
+        body["dry_run"] = dry_run.into();
+        if let Some(limit) = limit {
+            body["limit"] = limit.into();
+        }
+        self.index_op("purge", &body).await
+    }
+
+    /// Per queue, what happened in each of the last 60 minutes (oldest first):
+    /// `{"now_ms", "minute_ms", "queues": {<queue>: [{"t", "succeeded", "retried",
+    /// "dead", "wait_p50_ms", "wait_p95_ms", "run_p50_ms", "run_p95_ms"}]}}`; only `queue`
+    /// if given.
+    pub async fn task_series(&self, queue: Option<&str>) -> Result<Value, ClientError> {
+        let body = match queue {
+            Some(q) => json!({ "queue": q }),
+            None => json!({}),
+        };
+        self.index_op("series", &body).await
     }
 
     /// Starts a scheduled or retrying task now.

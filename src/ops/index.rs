@@ -11,7 +11,7 @@
 use crate::state::TaskState;
 use serde::{Deserialize, Serialize};
 use std::borrow::Cow;
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, BinaryHeap, HashMap, HashSet};
 use std::sync::Arc;
 
 /// A searchable field with postings.
@@ -33,9 +33,11 @@ struct Entry {
     syms: [u32; 5],
     /// The idempotency key (unique per task in practice: looked up by key, not posted).
     idem: Option<Box<str>>,
-    /// The last error as `class: message`, lowercased, at most 256 bytes (`error_text`
-    /// searches it); none without an error.
-    err: Option<Box<str>>,
+    /// Symbol of the last error as `class: message`, lowercased, its first [`ERR_TEXT`]
+    /// bytes (0 = no error); `error_text` searches it on the entries it walks (it is not
+    /// posted). Interned, so tasks that failed alike share one copy; and it sits in what
+    /// was padding: an entry is no larger for it (see `an_entry_is_88_bytes`).
+    err: u32,
     created_ms: u64,
     updated_ms: u64,
     attempt: u32,
@@ -90,7 +92,7 @@ struct IndexedError<'a> {
 const ERR_TEXT: usize = 256;
 
 /// `class: message`, lowercased, cut at a character boundary.
-fn error_text(e: &IndexedError<'_>) -> Box<str> {
+fn error_text(e: &IndexedError<'_>) -> String {
     let mut t = format!(
         "{}: {}",
         e.class,
@@ -104,7 +106,7 @@ fn error_text(e: &IndexedError<'_>) -> Box<str> {
         }
         t.truncate(end);
     }
-    t.into_boxed_str()
+    t
 }
 
 /// What to find (every given filter must match). Times are on `updated_at_ms`.
@@ -199,6 +201,9 @@ pub(crate) struct Index {
     counts: HashMap<u32, [u64; 7]>,
     /// Idempotency key → its tasks.
     keys: HashMap<Box<str>, Slots>,
+    /// Error classes some task has now: their postings together hold every task with an
+    /// error once (what `error_text` walks).
+    classes: HashSet<u32>,
     /// Per-minute series of the last hour, per queue (the console's charts).
     pub(crate) series: super::series::Series,
 }
@@ -217,6 +222,48 @@ struct Symbol {
     /// `None` while the slot is free.
     text: Option<Arc<str>>,
     refs: u32,
+}
+
+/// Postings read newest first from below a key: one as it is; more merged through a heap
+/// (error classes may be many).
+enum Walk<'a> {
+    One(std::iter::Rev<std::collections::btree_set::Range<'a, (u64, u32)>>),
+    Merged {
+        iters: Vec<std::iter::Rev<std::collections::btree_set::Range<'a, (u64, u32)>>>,
+        heads: BinaryHeap<((u64, u32), usize)>,
+    },
+}
+
+impl<'a> Walk<'a> {
+    fn new(postings: &[&'a Posting], before: (u64, u32)) -> Walk<'a> {
+        let mut iters: Vec<_> = postings.iter().map(|p| p.range(..before).rev()).collect();
+        if iters.len() == 1 {
+            return Walk::One(iters.pop().expect("one"));
+        }
+        let heads = iters
+            .iter_mut()
+            .enumerate()
+            .filter_map(|(i, it)| it.next().map(|k| (*k, i)))
+            .collect();
+        Walk::Merged { iters, heads }
+    }
+}
+
+impl Iterator for Walk<'_> {
+    type Item = (u64, u32);
+
+    fn next(&mut self) -> Option<(u64, u32)> {
+        match self {
+            Walk::One(it) => it.next().copied(),
+            Walk::Merged { iters, heads } => {
+                let (key, i) = heads.pop()?;
+                if let Some(next) = iters[i].next() {
+                    heads.push((*next, i));
+                }
+                Some(key)
+            }
+        }
+    }
 }
 
 /// The tasks with one idempotency key: nearly always one.
@@ -306,6 +353,11 @@ impl Index {
     /// Indexes a record (`revision` is its KV revision); an older revision than the one
     /// held is ignored.
     pub(crate) fn put(&mut self, id: &str, revision: u64, rec: &Indexed<'_>) {
+        self.put_at(id, revision, rec, crate::time::now_ms());
+    }
+
+    /// [`Index::put`] at `now_ms` (the series counts only the last hour's changes).
+    pub(crate) fn put_at(&mut self, id: &str, revision: u64, rec: &Indexed<'_>, now_ms: u64) {
         let held = self.by_id.get(id).copied();
         let mut before = None;
         if let Some(slot) = held {
@@ -313,7 +365,7 @@ impl Index {
             if old.revision >= revision {
                 return;
             }
-            before = Some(old.state);
+            before = Some((old.state, old.attempt));
         }
         // The new symbols are taken before the old ones are released, so a value the
         // task keeps (nearly all of them) is not freed and interned again.
@@ -327,6 +379,10 @@ impl Index {
             rec.trigger.as_ref().map_or(0, |t| self.intern(&t.0)),
             flow_run(id).map_or(0, |r| self.intern(r)),
         ];
+        let err = match &rec.last_error {
+            Some(e) => self.intern(&error_text(e)),
+            None => 0,
+        };
         if let Some(slot) = held {
             self.unlink(slot);
         }
@@ -339,7 +395,7 @@ impl Index {
             state: rec.state,
             syms,
             idem: rec.idempotency_key.as_deref().map(Box::from),
-            err: rec.last_error.as_ref().map(error_text),
+            err,
             created_ms: rec.created_at_ms,
             updated_ms: rec.updated_at_ms,
             attempt: rec.attempt,
@@ -358,7 +414,9 @@ impl Index {
         };
         self.entries[slot as usize] = Some(entry);
         self.link(slot);
-        if before != Some(rec.state) {
+        // Moved: a new state, or the same one again for another attempt (a `retrying`
+        // whose `running` between was not seen).
+        if before != Some((rec.state, rec.attempt)) {
             self.series.record(
                 &super::series::Moved {
                     queue: &rec.queue,
@@ -370,7 +428,7 @@ impl Index {
                     started_at_ms: rec.started_at_ms,
                     finished_at_ms: rec.finished_at_ms,
                 },
-                crate::time::now_ms(),
+                now_ms,
             );
         }
     }
@@ -419,6 +477,9 @@ impl Index {
                 self.postings.entry((*field, sym)).or_default().insert(key);
             }
         }
+        if syms[2] != 0 {
+            self.classes.insert(syms[2]);
+        }
         self.postings
             .entry((Field::Queue, syms[0]))
             .or_default()
@@ -429,7 +490,7 @@ impl Index {
     fn unlink(&mut self, slot: u32) {
         let e = self.entries[slot as usize].as_ref().expect("live slot");
         let key = (e.updated_ms, slot);
-        let (state, syms) = (e.state, e.syms);
+        let (state, syms, err) = (e.state, e.syms, e.err);
         if let Some(k) = &e.idem {
             let gone = match self.keys.get_mut(k) {
                 Some(Slots::Many(v)) => {
@@ -452,6 +513,9 @@ impl Index {
                 p.remove(&key);
                 if p.is_empty() {
                     self.postings.remove(&(*field, sym));
+                    if *field == Field::Class {
+                        self.classes.remove(&sym);
+                    }
                 }
             }
         }
@@ -461,6 +525,7 @@ impl Index {
         for sym in syms {
             self.release(sym);
         }
+        self.release(err);
     }
 
     /// The postings a query's filters name; `None` if a filter names a value no task has.
@@ -485,7 +550,15 @@ impl Index {
         Some(out)
     }
 
-    fn matches(&self, e: &Entry, q: &TaskQuery, syms: &[Option<u32>; 5]) -> bool {
+    /// True if `e` matches `q`; `syms` are the symbols of its field filters, `text` its
+    /// `error_text` lowercased.
+    fn matches(
+        &self,
+        e: &Entry,
+        q: &TaskQuery,
+        syms: &[Option<u32>; 5],
+        text: Option<&str>,
+    ) -> bool {
         q.state.is_none_or(|s| s == e.state)
             && q.idempotency_key
                 .as_deref()
@@ -495,10 +568,12 @@ impl Index {
                 .zip(e.syms)
                 .all(|(want, have)| want.is_none_or(|w| w == have))
             && q.id.as_deref().is_none_or(|id| *e.id == *id)
-            && q.error_text.as_deref().is_none_or(|t| {
-                e.err
-                    .as_deref()
-                    .is_some_and(|have| have.contains(&t.to_lowercase()))
+            && text.is_none_or(|t| {
+                e.err != 0
+                    && self.names[e.err as usize]
+                        .text
+                        .as_deref()
+                        .is_some_and(|have| have.contains(t))
             })
             && q.from_ms.is_none_or(|t| e.updated_ms >= t)
             && q.to_ms.is_none_or(|t| e.updated_ms < t)
@@ -523,57 +598,56 @@ impl Index {
             q.trigger.as_deref().and_then(|v| self.lookup(v)),
             q.flow_run.as_deref().and_then(|v| self.lookup(v)),
         ];
-        // An idempotency key names its few tasks directly; else the smallest posting a
-        // filter names; with no field filter, every state's posting merged (together they
-        // hold every task once).
+        let text = q.error_text.as_deref().map(str::to_lowercase);
+        // An id or an idempotency key names its few tasks directly; else the smallest
+        // posting a filter names, or, for `error_text`, the postings of every error class
+        // (together they hold every task with an error once) if they are fewer; with
+        // none of these, every state's posting merged (together they hold every task
+        // once).
         let by_key: Posting;
-        let walk: Vec<&Posting> =
-            match (&q.idempotency_key, postings.iter().min_by_key(|p| p.len())) {
-                _ if q.id.is_some() => {
-                    by_key = q
-                        .id
-                        .as_deref()
-                        .and_then(|id| self.by_id.get(id))
-                        .and_then(|&s| self.entries[s as usize].as_ref().map(|e| (e.updated_ms, s)))
-                        .into_iter()
-                        .collect();
-                    vec![&by_key]
-                }
-                (Some(k), _) => {
-                    let slots: &[u32] = match self.keys.get(k.as_str()) {
-                        Some(Slots::One(s)) => std::slice::from_ref(s),
-                        Some(Slots::Many(v)) => v,
-                        None => &[],
-                    };
-                    by_key = slots
-                        .iter()
-                        .filter_map(|&s| {
-                            self.entries[s as usize].as_ref().map(|e| (e.updated_ms, s))
-                        })
-                        .collect();
-                    vec![&by_key]
-                }
-                (None, Some(p)) => vec![*p],
-                (None, None) => self.states.iter().collect(),
+        let smallest = postings.iter().min_by_key(|p| p.len()).copied();
+        let walk: Vec<&Posting> = if let Some(id) = &q.id {
+            by_key = self
+                .by_id
+                .get(id.as_str())
+                .and_then(|&s| self.entries[s as usize].as_ref().map(|e| (e.updated_ms, s)))
+                .into_iter()
+                .collect();
+            vec![&by_key]
+        } else if let Some(k) = &q.idempotency_key {
+            let slots: &[u32] = match self.keys.get(k.as_str()) {
+                Some(Slots::One(s)) => std::slice::from_ref(s),
+                Some(Slots::Many(v)) => v,
+                None => &[],
             };
+            by_key = slots
+                .iter()
+                .filter_map(|&s| self.entries[s as usize].as_ref().map(|e| (e.updated_ms, s)))
+                .collect();
+            vec![&by_key]
+        } else {
+            let failed: Vec<&Posting> = match text {
+                Some(_) => self
+                    .classes
+                    .iter()
+                    .filter_map(|&c| self.postings.get(&(Field::Class, c)))
+                    .collect(),
+                None => Vec::new(),
+            };
+            let failed_len: usize = failed.iter().map(|p| p.len()).sum();
+            match smallest {
+                Some(p) if text.is_none() || p.len() <= failed_len => vec![p],
+                _ if text.is_some() => failed,
+                _ => self.states.iter().collect(),
+            }
+        };
         let upper = q.to_ms.unwrap_or(u64::MAX);
         let lower = q.from_ms.unwrap_or(0);
         let before = match cursor {
             Some((t, id)) => (*t, self.by_id.get(id.as_str()).copied().unwrap_or(0)),
             None => (upper, 0),
         };
-        let mut iters: Vec<_> = walk
-            .iter()
-            .map(|p| p.range(..before).rev().peekable())
-            .collect();
-        let range = std::iter::from_fn(|| {
-            let (i, _) = iters
-                .iter_mut()
-                .enumerate()
-                .filter_map(|(i, it)| it.peek().map(|k| (i, **k)))
-                .max_by_key(|(_, k)| *k)?;
-            iters[i].next().copied()
-        });
+        let range = Walk::new(&walk, before);
         let mut rows = Vec::new();
         let mut count = 0usize;
         let mut capped = false;
@@ -582,7 +656,7 @@ impl Index {
                 break;
             }
             let e = self.entries[slot as usize].as_ref().expect("live slot");
-            if !self.matches(e, q, &syms) {
+            if !self.matches(e, q, &syms, text.as_deref()) {
                 continue;
             }
             count += 1;

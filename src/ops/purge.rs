@@ -2,6 +2,10 @@
 //! `cancelled`) last changed before a time, with their outputs kept in `AX_RESULTS`. A
 //! record that changed since it was found (a dead task retried meanwhile) is kept: the
 //! purge is conditional on the revision the index holds.
+//!
+//! A task whose idempotency key still names it in `AX_IDEMPOTENCY` (kept 7 days after
+//! the submit, the bucket's max age) is kept too: purged, a submit with that key would
+//! find the key and no task, and run the task again under its id.
 
 use super::actions::Ops;
 use super::index::TaskQuery;
@@ -66,18 +70,28 @@ impl Ops {
             return Ok(json!({"matched": total, "would_purge": ids.len(), "ids": ids}));
         }
         let results = crate::output::ResultStore::open(&self.js).await.ok();
+        let keys = self
+            .js
+            .get_key_value(crate::names::IDEMPOTENCY_BUCKET)
+            .await
+            .ok();
         let mut purged = 0usize;
         let mut failed = Vec::new();
-        for row in &rows {
-            match self
-                .purge_one(&row.id, row.revision, results.as_ref())
-                .await
-            {
-                Ok(()) => purged += 1,
-                Err(e) => failed.push(json!({"id": row.id, "error": e})),
+        // 32 at a time: 10,000 one after another could outlast the caller's request.
+        for chunk in rows.chunks(32) {
+            let outcomes =
+                futures::future::join_all(chunk.iter().map(|row| {
+                    self.purge_one(&row.id, row.revision, results.as_ref(), keys.as_ref())
+                }))
+                .await;
+            for (row, outcome) in chunk.iter().zip(outcomes) {
+                match outcome {
+                    Ok(()) => purged += 1,
+                    Err(e) => failed.push(json!({"id": row.id, "error": e})),
+                }
             }
         }
-        tracing::info!(purged, by = %r.by, "finished tasks purged");
+        tracing::info!(purged, failed = failed.len(), by = %r.by, "finished tasks purged");
         Ok(json!({"matched": total, "purged": purged, "failed": failed}))
     }
 
@@ -86,6 +100,7 @@ impl Ops {
         id: &str,
         revision: u64,
         results: Option<&crate::output::ResultStore>,
+        keys: Option<&async_nats::jetstream::kv::Store>,
     ) -> Result<(), WireError> {
         let unavailable =
             |e: crate::state::StateError| WireError::new(ErrorCode::Unavailable, e.to_string());
@@ -98,21 +113,44 @@ impl Ops {
                 format!("task {id} changed since it was found ({}): kept", rec.state),
             ));
         }
-        if let (Some(results), Some(key)) =
-            (results, rec.output.as_ref().and_then(|o| o.key.as_ref()))
-        {
-            results
-                .delete(key)
+        if let Some(key) = &rec.idempotency_key {
+            let kv_key = crate::names::idempotency_kv_key(&rec.queue, key);
+            let keys = keys.ok_or_else(|| {
+                WireError::new(ErrorCode::Unavailable, "AX_IDEMPOTENCY could not be opened")
+            })?;
+            let named = keys
+                .get(&kv_key)
                 .await
                 .map_err(|e| WireError::new(ErrorCode::Unavailable, e.to_string()))?;
+            if named.is_some_and(|v| v == id.as_bytes()) {
+                return Err(WireError::new(
+                    ErrorCode::Conflict,
+                    format!(
+                        "task {id}: its idempotency key still names it (kept 7 days after the \
+                         submit); purged now, a submit with the key would run it again: kept"
+                    ),
+                ));
+            }
         }
+        // The record first: a record never names an output that is gone. An output left
+        // behind by a failure after it expires with the bucket's max age (90 days).
         self.tasks.purge(id, rev).await.map_err(|e| match e {
-            crate::state::StateError::Broker { .. } => WireError::new(
+            crate::state::StateError::Stale { .. } => WireError::new(
                 ErrorCode::Conflict,
                 format!("task {id} changed while it was purged: kept"),
             ),
             other => unavailable(other),
         })?;
+        if let Some(key) = rec.output.as_ref().and_then(|o| o.key.as_ref()) {
+            let deleted = match results {
+                Some(results) => results.delete(key).await.map_err(|e| e.to_string()),
+                None => Err("AX_RESULTS not open".to_string()),
+            };
+            if let Err(e) = deleted {
+                tracing::warn!(task_id = %id, key = %key, cause = %e,
+                    "purged task's output not deleted (it expires with AX_RESULTS' max age)");
+            }
+        }
         if let Some(index) = &self.index {
             index.index.write().expect("not poisoned").remove(id);
         }

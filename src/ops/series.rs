@@ -12,8 +12,9 @@ use std::collections::{BTreeMap, HashMap};
 const MINUTE: u64 = 60_000;
 /// Minutes kept and answered.
 const MINUTES: u64 = 60;
-/// Histogram buckets: bucket `i` holds durations below `2^((i+1)/2)` ms (a resolution of
-/// √2), the last one everything longer (about 50 days).
+/// Histogram buckets: bucket `i` holds durations `ms` with `ms + 1` in
+/// `[2^(i/2), 2^((i+1)/2))` (a resolution of √2), the last one everything longer (about
+/// 50 days). A percentile is its bucket's upper bound: never below the true value.
 const BUCKETS: usize = 64;
 
 #[derive(Clone)]
@@ -38,11 +39,12 @@ impl Default for Minute {
 }
 
 fn bucket(ms: u64) -> usize {
-    // floor(2·log2(ms + 1)), from the bit length and the next bit.
-    let v = ms + 1;
-    let bits = 63 - v.leading_zeros() as usize;
-    let half = if bits > 0 { (v >> (bits - 1)) & 1 } else { 0 };
-    (2 * bits + half as usize).min(BUCKETS - 1)
+    // floor(2·log2(ms + 1)): twice the bit length, plus one in the upper half of the
+    // octave (v ≥ √2·2^bits, that is v² ≥ 2^(2·bits + 1)).
+    let v = u128::from(ms) + 1;
+    let bits = 127 - v.leading_zeros() as usize;
+    let half = usize::from(v * v >= 1u128 << (2 * bits + 1));
+    (2 * bits + half).min(BUCKETS - 1)
 }
 
 /// The upper bound of bucket `i`, in ms.
@@ -180,6 +182,21 @@ mod tests {
                 b >= ms as f64 && b <= (ms as f64 + 1.0) * 1.42 + 1.0,
                 "{ms} → {b}"
             );
+        }
+    }
+
+    #[test]
+    fn every_duration_is_at_most_its_buckets_bound_and_within_root_two_of_it() {
+        // Up to the last bucket (about 50 days), which holds everything longer.
+        let mut ms = 0u64;
+        while (bound(BUCKETS - 2) as u64) >= ms {
+            let b = bound(bucket(ms));
+            assert!(b >= ms as f64, "{ms} ms reported as {b}");
+            assert!(
+                b <= (ms as f64 + 1.0) * 2f64.sqrt(),
+                "{ms} ms reported as {b}"
+            );
+            ms = if ms < 100_000 { ms + 1 } else { ms + ms / 1000 };
         }
     }
 

@@ -166,10 +166,6 @@ pub(crate) struct Admission {
     pub(crate) flows: crate::flow::store::FlowStore,
 }
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
 fn state_unavailable(e: StateError) -> WireError {
     WireError::new(ErrorCode::Unavailable, e.to_string())
 }
@@ -228,7 +224,7 @@ impl Admission {
         // The key this submit created, so a definite refusal can release it.
         let mut claimed: Option<(String, u64)> = None;
         if let Some(key) = meta.idempotency_key.clone() {
-            let kv_key = format!("{queue}.{}", hex(key.as_bytes()));
+            let kv_key = names::idempotency_kv_key(queue, &key);
             match self
                 .idempotency
                 .create(&kv_key, Bytes::from(meta.id.clone()))

@@ -1109,3 +1109,123 @@ async fn what_an_operator_sees_and_purges() {
     })
     .await
 }
+
+#[tokio::test]
+async fn finished_tasks_are_purged_with_their_outputs_unless_a_key_still_names_them() {
+    within(Duration::from_secs(60), "purge", async {
+        let env = Env::start(Env::server().queues(["q", "idle"]).task_index(true)).await;
+        let w = Worker::builder("q")
+            .handler(|task: Task| async move {
+                match task.name.as_str() {
+                    // Larger than an inline output: kept in AX_RESULTS.
+                    "big" => Ok(ax::Output::bytes(vec![7u8; 4096])),
+                    _ => Ok(ax::Output::none()),
+                }
+            })
+            .build()
+            .unwrap();
+        let _w = env.spawn_worker(w);
+        let mut done = Vec::new();
+        for i in 0..10 {
+            let name = if i == 0 { "big" } else { "send" };
+            done.push(submit(&env, TaskSpec::new(name)).await);
+        }
+        let keyed = submit(&env, TaskSpec::new("send").idempotency_key("order-7")).await;
+        // No worker serves `idle`: it stays pending.
+        let pending = env
+            .ax
+            .submit("idle", TaskSpec::new("send"))
+            .await
+            .unwrap()
+            .id;
+        for id in done.iter().chain([&keyed]) {
+            env.wait_state(id, TaskState::Succeeded, Duration::from_secs(10))
+                .await;
+        }
+        let output_key = env.record(&done[0]).await.output.unwrap().key.unwrap();
+        let results = env.js.get_key_value("AX_RESULTS").await.unwrap();
+        assert!(results.get(&output_key).await.unwrap().is_some());
+        let succeeded = TaskQuery {
+            state: Some(TaskState::Succeeded),
+            ..Default::default()
+        };
+        find_n(&env, succeeded.clone(), 11).await;
+
+        // Refused: a state that is not finished; a request without `older_than_ms`.
+        for state in [TaskState::Pending, TaskState::Running] {
+            let q = TaskQuery {
+                state: Some(state),
+                ..Default::default()
+            };
+            let refused = env
+                .ax
+                .purge_tasks(&q, Duration::ZERO, None, false)
+                .await
+                .unwrap_err();
+            assert!(
+                matches!(&refused, ax::ClientError::Refused(e) if e.field.as_deref() == Some("state")),
+                "{refused:?}"
+            );
+        }
+        let no_age = env.ax.task_op("purge", &json!({"dry_run": true})).await;
+        assert!(no_age.is_err(), "{no_age:?}");
+
+        // Nothing is older than an hour; a dry run purges nothing.
+        let all = TaskQuery::default();
+        let hour = Duration::from_secs(3600);
+        let none = env.ax.purge_tasks(&all, hour, None, false).await.unwrap();
+        assert_eq!((&none["matched"], &none["purged"]), (&json!(0), &json!(0)));
+        let dry = env
+            .ax
+            .purge_tasks(&all, Duration::ZERO, None, true)
+            .await
+            .unwrap();
+        assert_eq!(dry["would_purge"], 11, "{dry}");
+        assert!(env.store().await.get(&done[1]).await.unwrap().is_some());
+
+        let purged = env
+            .ax
+            .purge_tasks(&all, Duration::ZERO, None, false)
+            .await
+            .unwrap();
+        assert_eq!(purged["purged"], 10, "{purged}");
+        let failed = purged["failed"].as_array().unwrap();
+        assert_eq!(failed.len(), 1, "{purged}");
+        assert_eq!(failed[0]["id"], keyed.as_str());
+        assert_eq!(failed[0]["error"]["code"], "conflict");
+        let store = env.store().await;
+        for id in &done {
+            assert!(store.get(id).await.unwrap().is_none(), "{id} kept");
+        }
+        assert!(
+            results.get(&output_key).await.unwrap().is_none(),
+            "the output is gone with its task"
+        );
+        // The index forgets them at once, here and (through the purge markers) elsewhere.
+        let left = env
+            .ax
+            .find_tasks(&ListRequest {
+                query: succeeded,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let left: Vec<&str> = left.tasks.iter().map(|t| t.id.as_str()).collect();
+        assert_eq!(left, [keyed.as_str()]);
+        let again = TaskQuery {
+            id: Some(done[1].clone()),
+            ..Default::default()
+        };
+        find_n(&env, again, 0).await;
+        assert_eq!(env.record(&pending).await.state, TaskState::Pending);
+        assert_eq!(env.record(&keyed).await.state, TaskState::Succeeded);
+        // The key still answers with its task.
+        let dup = env
+            .ax
+            .submit("q", TaskSpec::new("send").idempotency_key("order-7"))
+            .await
+            .unwrap();
+        assert_eq!((dup.id.as_str(), dup.duplicate), (keyed.as_str(), true));
+    })
+    .await
+}

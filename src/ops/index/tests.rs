@@ -229,8 +229,8 @@ fn symbols_no_task_uses_any_more_are_released_and_their_slots_reused() {
     }
     assert_eq!(
         ix.symbols_live(),
-        2 + 2 * n as usize,
-        "q, charge, runs, classes"
+        2 + 3 * n as usize,
+        "q, charge, runs, classes, error texts"
     );
     // Overwritten without an error: the classes go, the runs stay (their tasks do).
     for i in 0..n {
@@ -271,4 +271,301 @@ fn symbols_no_task_uses_any_more_are_released_and_their_slots_reused() {
     };
     assert_eq!(ids(&ix.find(&run, 10, None, 100).0), [step(n - 1, 1)]);
     assert_eq!(ix.counts(), vec![("q".to_string(), [0, 0, 0, 0, n, 0, 0])]);
+}
+
+fn rec_err(state: &str, updated: u64, class: &str, message: &str) -> String {
+    format!(
+        r#"{{"queue":"q","name":"n","state":"{state}","attempt":1,"created_at_ms":1,"updated_at_ms":{updated},"last_error":{{"class":"{class}","message":"{message}"}}}}"#
+    )
+}
+
+#[test]
+fn an_id_filter_finds_one_task_with_the_other_filters() {
+    let mut ix = Index::default();
+    for i in 0..100u64 {
+        put(
+            &mut ix,
+            &format!("q.t{i:03}"),
+            i + 1,
+            &rec("q", "n", "succeeded", i, None),
+        );
+    }
+    let one = |id: &str, state| TaskQuery {
+        id: Some(id.into()),
+        state,
+        ..Default::default()
+    };
+    let (rows, total) = ix.find(&one("q.t042", None), 10, None, 100);
+    assert_eq!((ids(&rows), total), (vec!["q.t042"], Some(1)));
+    let (rows, total) = ix.find(&one("q.t042", Some(TaskState::Dead)), 10, None, 100);
+    assert_eq!((rows.len(), total), (0, Some(0)), "every filter must match");
+    assert_eq!(
+        ix.find(&one("q.t04", None), 10, None, 100).1,
+        Some(0),
+        "exact"
+    );
+    assert_eq!(ix.find(&one("q.nope", None), 10, None, 100).1, Some(0));
+    // A page past the one row is empty.
+    let after = (rows_at(&ix, "q.t042"), "q.t042".to_string());
+    assert_eq!(
+        ix.find(&one("q.t042", None), 10, Some(&after), 100).1,
+        Some(0)
+    );
+}
+
+fn rows_at(ix: &Index, id: &str) -> u64 {
+    let q = TaskQuery {
+        id: Some(id.into()),
+        ..Default::default()
+    };
+    ix.find(&q, 1, None, 1).0[0].updated_at_ms
+}
+
+#[test]
+fn error_text_matches_class_or_message_ignoring_case_with_the_other_filters_and_pages() {
+    let mut ix = Index::default();
+    for i in 0..1000u64 {
+        put(
+            &mut ix,
+            &format!("q.ok{i:04}"),
+            i + 1,
+            &rec("q", "n", "succeeded", i, None),
+        );
+    }
+    put(
+        &mut ix,
+        "q.a",
+        2001,
+        &rec_err("dead", 10, "timeout", "upstream slow"),
+    );
+    put(
+        &mut ix,
+        "q.b",
+        2002,
+        &rec_err("retrying", 20, "io", "Connection RESET by peer"),
+    );
+    put(
+        &mut ix,
+        "q.c",
+        2003,
+        &rec_err("dead", 30, "io", "connection reset"),
+    );
+    put(
+        &mut ix,
+        "q.d",
+        2004,
+        &rec_err("dead", 40, "Timeout_Budget", "x"),
+    );
+    put(
+        &mut ix,
+        "q.e",
+        2005,
+        &rec_err("dead", 50, "e", "Ünïcode Straße"),
+    );
+    let text = |t: &str| TaskQuery {
+        error_text: Some(t.into()),
+        ..Default::default()
+    };
+    let found = |ix: &Index, q: &TaskQuery| ids(&ix.find(q, 10, None, 100).0).join(" ");
+    assert_eq!(found(&ix, &text("connection reset")), "q.c q.b");
+    assert_eq!(found(&ix, &text("TIMEOUT")), "q.d q.a", "class or message");
+    assert_eq!(
+        found(&ix, &text("straSSE")),
+        "",
+        "no case folding beyond lowercase"
+    );
+    assert_eq!(found(&ix, &text("ünï")), "q.e");
+    assert_eq!(found(&ix, &text("ÜNÏ")), "q.e");
+    let dead_reset = TaskQuery {
+        state: Some(TaskState::Dead),
+        ..text("reset")
+    };
+    assert_eq!(found(&ix, &dead_reset), "q.c");
+    let (rows, total) = ix.find(&text(""), 2, None, 100);
+    assert_eq!(
+        (ids(&rows), total),
+        (vec!["q.e", "q.d"], Some(5)),
+        "any error"
+    );
+    let last = &rows[1];
+    let (rows, _) = ix.find(
+        &text(""),
+        2,
+        Some(&(last.updated_at_ms, last.id.clone())),
+        100,
+    );
+    assert_eq!(ids(&rows), ["q.c", "q.b"]);
+    assert_eq!(rows[1].error_class.as_deref(), Some("io"));
+    // The message goes with the error.
+    put(&mut ix, "q.b", 3000, &rec("q", "n", "succeeded", 60, None));
+    assert_eq!(found(&ix, &text("connection reset")), "q.c");
+    // `class: message` is kept to its first 256 bytes (at a character boundary).
+    put(
+        &mut ix,
+        "q.f",
+        3001,
+        &rec_err("dead", 70, "big", &"é".repeat(200)),
+    );
+    assert_eq!(
+        found(&ix, &text(&format!("big: {}", "É".repeat(125)))),
+        "q.f"
+    );
+    assert_eq!(
+        found(&ix, &text(&"é".repeat(126))),
+        "",
+        "past the kept bytes"
+    );
+    // Tasks that failed alike share the text; it goes when the last of them does.
+    let live = ix.symbols_live();
+    put(
+        &mut ix,
+        "q.g",
+        3002,
+        &rec_err("dead", 80, "io", "connection reset"),
+    );
+    assert_eq!(ix.symbols_live(), live);
+    for id in ["q.c", "q.g"] {
+        ix.remove(id);
+    }
+    assert_eq!(
+        ix.symbols_live(),
+        live - 2,
+        "`io: connection reset` and `io`"
+    );
+    assert_eq!(found(&ix, &text("connection reset")), "");
+}
+
+#[test]
+fn an_entry_is_88_bytes() {
+    // Part of the per-record cost the docs state (docs/PERFORMANCE.md "Finding tasks").
+    assert_eq!(std::mem::size_of::<Option<Entry>>(), 88);
+}
+
+fn put_at(ix: &mut Index, id: &str, rev: u64, json: &str, now: u64) {
+    let parsed: Indexed<'_> = serde_json::from_str(json).unwrap();
+    ix.put_at(id, rev, &parsed, now);
+}
+
+/// A record of queue `queue` in `state` at `updated`, its attempt started at `started`
+/// (created 1 s before it).
+fn timed(queue: &str, state: &str, attempt: u32, started: u64, updated: u64) -> String {
+    format!(
+        r#"{{"queue":"{queue}","name":"n","state":"{state}","attempt":{attempt},"created_at_ms":{},"updated_at_ms":{updated},"started_at_ms":{started}}}"#,
+        started.saturating_sub(1_000)
+    )
+}
+
+#[test]
+fn the_series_counts_each_move_into_an_end_state_once_in_its_minute() {
+    const MIN: u64 = 60_000;
+    let now = 1_000 * 3_600_000 + 30_000; // 30 s into a minute
+    let this = now / MIN * MIN;
+    let mut ix = Index::default();
+    // A task that runs 200 ms and succeeds this minute; the same record read again (a
+    // feed read anew) and a later revision in the same state are not counted again.
+    put_at(
+        &mut ix,
+        "a.1",
+        1,
+        &timed("a", "running", 1, this, this),
+        now,
+    );
+    put_at(
+        &mut ix,
+        "a.1",
+        2,
+        &timed("a", "succeeded", 1, this, this + 200),
+        now,
+    );
+    put_at(
+        &mut ix,
+        "a.1",
+        2,
+        &timed("a", "succeeded", 1, this, this + 200),
+        now,
+    );
+    put_at(
+        &mut ix,
+        "a.1",
+        3,
+        &timed("a", "succeeded", 1, this, this + 200),
+        now,
+    );
+    // Two failures of one task a minute ago, the `running` between not seen: two retries.
+    let prev = this - MIN;
+    put_at(
+        &mut ix,
+        "a.2",
+        1,
+        &timed("a", "retrying", 1, prev, prev + 10),
+        now,
+    );
+    put_at(
+        &mut ix,
+        "a.2",
+        2,
+        &timed("a", "retrying", 2, prev + 20, prev + 30),
+        now,
+    );
+    // Read for the first time (a server start): counted in its own minute; older than
+    // the hour: not counted.
+    put_at(
+        &mut ix,
+        "a.3",
+        9,
+        &timed("a", "dead", 3, prev, prev + 5),
+        now,
+    );
+    put_at(&mut ix, "a.4", 9, &timed("a", "dead", 1, 1, 2), now);
+    put_at(
+        &mut ix,
+        "b.1",
+        1,
+        &timed("b", "succeeded", 1, this, this + 1),
+        now,
+    );
+
+    let all = ix.series.answer(None, now);
+    assert_eq!(
+        (&all["now_ms"], &all["minute_ms"]),
+        (&serde_json::json!(now), &serde_json::json!(MIN))
+    );
+    let a = all["queues"]["a"].as_array().unwrap();
+    assert_eq!(a.len(), 60);
+    assert_eq!(a[0]["t"], this - 59 * MIN, "oldest first");
+    let (last, before) = (&a[59], &a[58]);
+    assert_eq!(last["t"], this);
+    let n = |p: &serde_json::Value, f: &str| p[f].as_u64().unwrap();
+    assert_eq!(
+        [n(last, "succeeded"), n(last, "retried"), n(last, "dead")],
+        [1, 0, 0]
+    );
+    assert_eq!(
+        [
+            n(before, "succeeded"),
+            n(before, "retried"),
+            n(before, "dead")
+        ],
+        [0, 2, 1]
+    );
+    let run = last["run_p50_ms"].as_f64().unwrap();
+    assert!((200.0..=283.0).contains(&run), "200 ms within √2: {run}");
+    let wait = last["wait_p95_ms"].as_f64().unwrap();
+    assert!((1_000.0..=1_415.0).contains(&wait), "1 s within √2: {wait}");
+    assert!(a[57]["run_p50_ms"].is_null() && a[57]["wait_p50_ms"].is_null());
+    let total: u64 = a.iter().map(|p| n(p, "dead")).sum();
+    assert_eq!(total, 1, "the record from long ago is not in the hour");
+    // One queue asked for: only it.
+    let b = ix.series.answer(Some("b"), now);
+    assert_eq!(b["queues"].as_object().unwrap().len(), 1);
+    assert_eq!(b["queues"]["b"][59]["succeeded"], 1);
+    // An hour on, everything has rolled off.
+    let later = ix.series.answer(Some("a"), now + 60 * MIN);
+    let sum: u64 = later["queues"]["a"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| n(p, "succeeded") + n(p, "retried") + n(p, "dead"))
+        .sum();
+    assert_eq!(sum, 0);
 }
