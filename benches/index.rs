@@ -106,24 +106,15 @@ async fn publish_all(
 }
 
 /// Flow-run churn: the index's memory as runs come and go (see the module doc).
-async fn flows(n: usize) {
-    let rounds = env_or("AX_BENCH_ROUNDS", 1);
-    let nats = LocalNats::start().expect("nats-server (set AX_NATS_SERVER or run ./dev bench)");
-    let client = async_nats::connect(nats.url()).await.unwrap();
-    let js = async_nats::jetstream::new(client.clone());
-    ax::streams::apply(&js, &Default::default(), &["q".to_string()])
-        .await
-        .unwrap();
-    println!("step tasks: {n} of {} flow runs per round", n / 10);
-    let base_ms = now_ms() - n as u64 - 1000;
-    publish_all(&js, n, "step records written", |i| {
-        let (id, body) = step_record(0, i, base_ms);
-        (format!("$KV.AX_TASKS.{id}"), Default::default(), body)
-    })
-    .await;
-    let rss_before = rss_kib();
+/// Starts a server keeping the task index and waits until it has read every record.
+async fn index_server(
+    client: &async_nats::Client,
+) -> (
+    tokio::task::JoinHandle<Result<(), ax::ServerError>>,
+    CancellationToken,
+    Client,
+) {
     let shutdown = CancellationToken::new();
-    let started = Instant::now();
     let server = tokio::spawn(
         Server::builder()
             .queues(["q"])
@@ -146,6 +137,27 @@ async fn flows(n: usize) {
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    (server, shutdown, ax)
+}
+
+async fn flows(n: usize) {
+    let rounds = env_or("AX_BENCH_ROUNDS", 1);
+    let nats = LocalNats::start().expect("nats-server (set AX_NATS_SERVER or run ./dev bench)");
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let js = async_nats::jetstream::new(client.clone());
+    ax::streams::apply(&js, &Default::default(), &["q".to_string()])
+        .await
+        .unwrap();
+    println!("step tasks: {n} of {} flow runs per round", n / 10);
+    let base_ms = now_ms() - n as u64 - 1000;
+    publish_all(&js, n, "step records written", |i| {
+        let (id, body) = step_record(0, i, base_ms);
+        (format!("$KV.AX_TASKS.{id}"), Default::default(), body)
+    })
+    .await;
+    let rss_before = rss_kib();
+    let started = Instant::now();
+    let (server, shutdown, ax) = index_server(&client).await;
     let loaded = rss_kib();
     let per_record = |rss: u64| (rss.saturating_sub(rss_before) * 1024) as f64 / n as f64;
     println!(
@@ -267,30 +279,8 @@ async fn main() {
 
     // The index: load time and memory.
     let rss_before = rss_kib();
-    let shutdown = CancellationToken::new();
     let started = Instant::now();
-    let server = tokio::spawn(
-        Server::builder()
-            .queues(["q"])
-            .task_index(true)
-            .trigger_engine(false)
-            .flow_engine(false)
-            .build()
-            .run(client.clone(), shutdown.clone()),
-    );
-    let ax = Client::new(client.clone());
-    let probe = ListRequest {
-        limit: Some(1),
-        ..Default::default()
-    };
-    loop {
-        if let Ok(r) = ax.find_tasks(&probe).await {
-            if r.complete {
-                break;
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let (server, shutdown, ax) = index_server(&client).await;
     let load = started.elapsed();
     let rss_after = rss_kib();
     println!(

@@ -308,26 +308,13 @@ impl Ops {
                 index.find(&r.query, limit, None, COUNT_CAP)
             } else {
                 // Every state a task can be cancelled in, newest first within each.
-                let mut rows = Vec::new();
-                let mut total = Some(0);
-                for s in [
+                let states = [
                     TaskState::Scheduled,
                     TaskState::Pending,
                     TaskState::Retrying,
                     TaskState::Running,
-                ] {
-                    let q = TaskQuery {
-                        state: Some(s),
-                        ..r.query.clone()
-                    };
-                    let (found, n) = index.find(&q, limit - rows.len(), None, COUNT_CAP);
-                    rows.extend(found);
-                    total = total.zip(n).map(|(a, b)| a + b);
-                    if rows.len() >= limit {
-                        break;
-                    }
-                }
-                (rows, total)
+                ];
+                index.find_in_states(&r.query, &states, limit, COUNT_CAP)
             }
         };
         if r.dry_run {

@@ -670,6 +670,32 @@ impl Index {
         (rows, (!capped).then_some(count))
     }
 
+    /// Up to `limit` tasks matching `q` in any of `states`, state by state (newest first
+    /// within each), and how many match in all (`None` past `count_cap` in one state).
+    pub(crate) fn find_in_states(
+        &self,
+        q: &TaskQuery,
+        states: &[TaskState],
+        limit: usize,
+        count_cap: usize,
+    ) -> (Vec<TaskRow>, Option<usize>) {
+        let mut rows = Vec::new();
+        let mut total = Some(0);
+        for &s in states {
+            let q = TaskQuery {
+                state: Some(s),
+                ..q.clone()
+            };
+            let (found, n) = self.find(&q, limit - rows.len(), None, count_cap);
+            rows.extend(found);
+            total = total.zip(n).map(|(a, b)| a + b);
+            if rows.len() >= limit {
+                break;
+            }
+        }
+        (rows, total)
+    }
+
     fn row(&self, e: &Entry) -> TaskRow {
         TaskRow {
             id: e.id.to_string(),

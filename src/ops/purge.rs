@@ -46,25 +46,16 @@ impl Ops {
         };
         let before = now_ms.saturating_sub(r.older_than_ms);
         let limit = r.limit.unwrap_or(MAX_PURGE).clamp(1, MAX_PURGE);
-        let (rows, total) = {
-            let index = self.index_or_refuse()?.index.read().expect("not poisoned");
-            let mut rows = Vec::new();
-            let mut total = Some(0usize);
-            for s in states {
-                let q = TaskQuery {
-                    state: Some(s),
-                    to_ms: Some(r.query.to_ms.map_or(before, |t| t.min(before))),
-                    ..r.query.clone()
-                };
-                let (found, n) = index.find(&q, limit - rows.len(), None, 100_000);
-                rows.extend(found);
-                total = total.zip(n).map(|(a, b)| a + b);
-                if rows.len() >= limit {
-                    break;
-                }
-            }
-            (rows, total)
+        let query = TaskQuery {
+            to_ms: Some(r.query.to_ms.map_or(before, |t| t.min(before))),
+            ..r.query.clone()
         };
+        let (rows, total) = self
+            .index_or_refuse()?
+            .index
+            .read()
+            .expect("not poisoned")
+            .find_in_states(&query, &states, limit, 100_000);
         if r.dry_run {
             let ids: Vec<&str> = rows.iter().map(|t| t.id.as_str()).collect();
             return Ok(json!({"matched": total, "would_purge": ids.len(), "ids": ids}));
