@@ -27,7 +27,7 @@ use tokio_util::sync::CancellationToken;
 ///
 /// ```
 /// let console = ax::console::ConsoleConfig::new("127.0.0.1:8080".parse().unwrap())
-///     .token("a long random admin token")
+///     .token("a-long-random-admin-token")
 ///     .url("https://ax.example.com");
 /// assert!(console.check().is_ok());
 /// ```

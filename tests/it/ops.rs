@@ -1039,7 +1039,11 @@ async fn records_with_json_escapes_are_found_in_their_final_state() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn what_an_operator_sees_and_purges() {
     within(Duration::from_secs(60), "payload, search, series, purge", async {
-        let env = Env::start(Env::server().task_index(true)).await;
+        let env = Env::start(Env::server().queues(["q", "idle"]).task_index(true)).await;
+        // A declared queue without tasks is listed (the overview shows it).
+        let q = env.ax.queues().await.unwrap();
+        let idle = q["queues"].as_array().unwrap().iter().find(|x| x["queue"] == "idle");
+        assert_eq!(idle.map(|x| x["tasks"]["pending"].clone()), Some(json!(0)), "{q}");
         let w = Worker::builder("q")
             .handler(|task: Task| async move {
                 if task.name == "charge" {
