@@ -83,6 +83,9 @@ pub const LIMIT_SLOTS_HELD: &str = "ax_limit_slots_held";
 /// Gauge, worker `{queue, limit}`: tokens left in a rate limit's bucket when this worker
 /// last took one (limits without `per_key` only).
 pub const LIMIT_TOKENS: &str = "ax_limit_tokens";
+/// Counter, worker `{queue, limit}`: concurrency slots found lost while their attempt ran
+/// (the worker stalled past the ack wait and the slot expired): the attempt was stopped.
+pub const LIMIT_SLOTS_LOST: &str = "ax_limit_slots_lost_total";
 /// Counter, server: console connections closed at once because the console had its
 /// most connections open (`ConsoleConfig::max_connections`).
 pub const CONSOLE_CONNECTIONS_REFUSED: &str = "ax_console_connections_refused_total";
@@ -157,6 +160,10 @@ pub fn describe() {
     describe_gauge!(
         CONSECUTIVE_FAILURES,
         "Attempts of a task name that failed in a row (reset by a success)"
+    );
+    describe_counter!(
+        LIMIT_SLOTS_LOST,
+        "Concurrency slots lost while their attempt ran; the attempt was stopped"
     );
     describe_counter!(
         CONSOLE_CONNECTIONS_REFUSED,

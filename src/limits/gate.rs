@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 /// Most compare-and-set tries for one token before the delivery is handed back.
 const CAS_TRIES: usize = 8;
@@ -453,13 +453,17 @@ fn slot_delay(delivered: i64) -> Duration {
 }
 
 /// A held concurrency slot: rewritten every heartbeat (compare-and-set, so a slot that
-/// expired and was taken by another is not taken back), deleted when dropped.
+/// expired and was taken by another is not taken back), deleted when dropped. A rewrite
+/// that finds the slot changed (it expired — the worker stalled past the ack wait — and
+/// may be held by another attempt now) marks it **lost**: the attempt holding it must stop,
+/// or the cap would be exceeded.
 pub(crate) struct Slot {
     slots: kv::Store,
     key: String,
     rev: Arc<AtomicU64>,
     renew: tokio::task::JoinHandle<()>,
     labels: (String, String),
+    lost: CancellationToken,
 }
 
 impl Slot {
@@ -472,8 +476,10 @@ impl Slot {
         labels: (String, String),
     ) -> Slot {
         let rev = Arc::new(AtomicU64::new(rev));
+        let lost = CancellationToken::new();
+        let (labels_q, labels_l) = labels.clone();
         let renew = tokio::spawn({
-            let (slots, key, rev) = (slots.clone(), key.clone(), rev.clone());
+            let (slots, key, rev, lost) = (slots.clone(), key.clone(), rev.clone(), lost.clone());
             async move {
                 loop {
                     tokio::time::sleep(every).await;
@@ -482,9 +488,17 @@ impl Slot {
                         .await
                     {
                         Ok(new) => rev.store(new, Ordering::SeqCst),
-                        Err(e) => {
-                            warn!(slot = %key, cause = %e, "concurrency slot lost (expired and taken, or unreachable)");
+                        Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
+                            warn!(slot = %key, "concurrency slot lost (it expired, and may be held by another attempt): stopping the attempt");
+                            metrics::counter!(m::LIMIT_SLOTS_LOST, "queue" => labels_q.clone(), "limit" => labels_l.clone())
+                                .increment(1);
+                            lost.cancel();
                             return;
+                        }
+                        // Unreachable: try again; if the slot expired meanwhile, the next
+                        // rewrite that reaches the broker finds it changed.
+                        Err(e) => {
+                            debug!(slot = %key, cause = %e, "concurrency slot not renewed; trying again")
                         }
                     }
                 }
@@ -498,7 +512,13 @@ impl Slot {
             rev,
             renew,
             labels,
+            lost,
         }
+    }
+
+    /// Cancelled when the slot is found lost.
+    pub(crate) fn lost(&self) -> &CancellationToken {
+        &self.lost
     }
 }
 

@@ -237,7 +237,7 @@ async fn process(
     };
     // Limits: tokens, then slots; over a limit the delivery goes back (no attempt counted).
     let delivered = msg.info().map_or(1, |i| i.delivered);
-    let _limit_slots = match sh.gate.admit(meta, delivered).await {
+    let limit_slots = match sh.gate.admit(meta, delivered).await {
         Admit::Go(slots) => slots,
         Admit::Wait {
             delay,
@@ -261,7 +261,19 @@ async fn process(
     for _ in 0..5 {
         match claim(sh, meta, msg).await {
             Claim::Started(rec, token, deferred) => {
-                return run(sh, meta, route.handler, msg, *rec, token, deferred, slot).await
+                let lost = Lost(&limit_slots);
+                return run(
+                    sh,
+                    meta,
+                    route.handler,
+                    msg,
+                    *rec,
+                    token,
+                    deferred,
+                    slot,
+                    lost,
+                )
+                .await;
             }
             Claim::Again => continue,
             Claim::Done => return,
@@ -457,6 +469,25 @@ fn count_lost_heartbeat(sh: &Shared, running: Option<&TaskRecord>) {
 }
 
 #[allow(clippy::too_many_arguments)]
+/// The concurrency slots an attempt holds: lost if any is found lost.
+#[derive(Clone, Copy)]
+struct Lost<'a>(&'a [crate::limits::gate::Slot]);
+
+impl Lost<'_> {
+    /// Waits until a slot is found lost (forever if none is held).
+    async fn wait(self) {
+        if self.0.is_empty() {
+            return std::future::pending().await;
+        }
+        futures::future::select_all(self.0.iter().map(|s| Box::pin(s.lost().cancelled()))).await;
+    }
+
+    fn is_lost(self) -> bool {
+        self.0.iter().any(|s| s.lost().is_cancelled())
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
 async fn run(
     sh: &Shared,
     meta: &TaskMeta,
@@ -466,6 +497,7 @@ async fn run(
     token: u64,
     deferred: bool,
     slot: &Slot,
+    lost: Lost<'_>,
 ) {
     let held = &slot.held;
     let queue = sh.queue.clone();
@@ -525,6 +557,7 @@ async fn run(
                 r = tokio::time::timeout(meta.timeout, handler) => Some(r),
                 _ = sh.hard_stop.cancelled() => None,
                 _ = slot.cancel.cancelled() => None,
+                _ = lost.wait() => None,
             }
         });
         if deferred {
@@ -607,6 +640,25 @@ async fn run(
             if write(sh, &cancelled, token, held).await {
                 info!(task_id = %meta.id, attempt, "attempt cancelled");
                 reply(msg, AckKind::Ack).await;
+            }
+        }
+        None if lost.is_lost() => {
+            // A concurrency slot expired under the attempt (the worker stalled past the ack
+            // wait) and may be held by another attempt: the handler was stopped so the cap
+            // holds; the task goes back (its record says why) unless another attempt
+            // already took it over (then this write is stale and refused).
+            let mut back = rec.transition(TaskState::Retrying);
+            back.last_error = Some(ErrorInfo {
+                detail: None,
+                class: "slot_lost".into(),
+                message: "the attempt's concurrency slot expired (the worker stalled past the \
+                          ack wait): attempt stopped"
+                    .into(),
+            });
+            back.next_retry_at_ms = Some(now_ms());
+            if write(sh, &back, token, held).await {
+                warn!(task_id = %meta.id, "attempt stopped: its concurrency slot was lost");
+                reply(msg, AckKind::Nak(None)).await;
             }
         }
         None => {

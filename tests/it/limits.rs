@@ -380,3 +380,85 @@ async fn rate_and_cap_together_never_deadlock_and_a_changed_limit_applies_to_que
     assert_eq!(listed.as_array().unwrap().len(), 1, "{listed}");
     drop(w);
 }
+
+/// A journaled run: task id, start ms, and its end ms and outcome once it ended.
+type Run = (String, u64, Option<(u64, String)>);
+
+/// The runs journaled by one worker.
+fn journaled(journal: &Path) -> Vec<Run> {
+    let mut out: Vec<Run> = Vec::new();
+    for l in lines(&[journal.to_path_buf()]) {
+        let id = l["id"].as_str().unwrap_or_default().to_string();
+        let at = l["at_ms"].as_u64().unwrap_or(0);
+        match l["event"].as_str() {
+            Some("start") => out.push((id, at, None)),
+            Some("end") => {
+                if let Some(run) = out.iter_mut().rev().find(|r| r.0 == id && r.2.is_none()) {
+                    run.2 = Some((at, l["outcome"].as_str().unwrap_or("").to_string()));
+                }
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_holder_stops_its_attempt_when_its_slot_is_lost() {
+    let env = Env::start(Env::server()).await;
+    set(
+        &env,
+        json!({"name": "two", "queue": "q", "task": "slow", "concurrency": 2}),
+    )
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let (ja, jb) = (dir.path().join("a.jsonl"), dir.path().join("b.jsonl"));
+    let a = spawn_worker(&env.nats.url(), &ja, 4);
+    let ids = submit_keyed(&env, 2, "slow", "k", 6_000).await;
+    crate::support::eventually(
+        Duration::from_secs(10),
+        "both tasks running on a",
+        || async { (journaled(&ja).len() == 2).then_some(()) },
+    )
+    .await;
+    // Worker a stalls (a GC pause, a frozen VM) past the ack wait (1 s here): its slots
+    // expire and worker b takes the tasks over.
+    a.signal("-STOP");
+    let stopped_at = ax::time::now_ms();
+    let _b = spawn_worker(&env.nats.url(), &jb, 4);
+    crate::support::eventually(Duration::from_secs(15), "b to run both tasks", || async {
+        (journaled(&jb).len() >= 2).then_some(())
+    })
+    .await;
+    a.signal("-CONT");
+    let resumed_at = ax::time::now_ms();
+    // Back, a finds its slots lost and stops both attempts at once: it never finishes them.
+    crate::support::eventually(Duration::from_secs(5), "a to stop its attempts", || async {
+        journaled(&ja).iter().all(|r| r.2.is_some()).then_some(())
+    })
+    .await;
+    for (id, _, end) in journaled(&ja) {
+        let (at, outcome) = end.unwrap();
+        assert_eq!(
+            outcome, "stopped",
+            "{id}: worker a finished an attempt whose slot was lost"
+        );
+        assert!(
+            at <= resumed_at + 1_500,
+            "{id}: stopped {} ms after the resume",
+            at.saturating_sub(resumed_at)
+        );
+    }
+    all_done(&env, &ids, Duration::from_secs(20)).await;
+    // While a was stopped it ran nothing: count its runs up to the stop. Never more than
+    // the cap at once.
+    let clipped = journaled(&ja)
+        .into_iter()
+        .map(|(_, s, _)| (s, stopped_at))
+        .chain(
+            journaled(&jb)
+                .into_iter()
+                .filter_map(|(_, s, e)| e.map(|(e, _)| (s, e))),
+        );
+    assert!(max_overlap(clipped) <= 2);
+}

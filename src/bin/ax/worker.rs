@@ -6,7 +6,9 @@
 //! `fail_attempts` (fail with class `flaky` while the attempt is at most this),
 //! `permanent: true` (fail for good with class `validation`, as a task named `poison`
 //! does). With `--journal FILE` every invocation appends one JSON line when it starts and
-//! one when it ends, so an outside checker can see every run and its fencing token.
+//! one when it ends (outcome `ok`, `err:<class>`, or `stopped` when the worker dropped the
+//! handler: a cancel, a lost concurrency slot, a shutdown), so an outside checker can see
+//! every run, how long it ran, and its fencing token.
 
 use crate::conn::Conn;
 use anyhow::{Context, Result};
@@ -70,6 +72,26 @@ impl Journal {
     }
 }
 
+/// Writes the `end` line of a run whose handler is dropped before it finishes.
+struct Stopped {
+    journal: Journal,
+    id: String,
+    attempt: u32,
+    token: u64,
+    done: bool,
+}
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        if !self.done {
+            self.journal.line(serde_json::json!({
+                "event": "end", "id": self.id, "token": self.token, "attempt": self.attempt,
+                "outcome": "stopped", "at_ms": ax::time::now_ms(),
+            }));
+        }
+    }
+}
+
 /// The example worker (see the module docs).
 pub(crate) fn example_worker(
     queue: &str,
@@ -100,7 +122,17 @@ pub(crate) fn example_worker(
                         "at_ms": ax::time::now_ms(),
                     }));
                 }
+                let mut stopped = journal.as_ref().map(|j| Stopped {
+                    journal: j.clone(),
+                    id: task.id.clone(),
+                    attempt: task.attempt,
+                    token,
+                    done: false,
+                });
                 let result = example(&task, fail_rate, sleep).await;
+                if let Some(s) = &mut stopped {
+                    s.done = true;
+                }
                 if let Some(j) = &journal {
                     let outcome = match &result {
                         Ok(()) => "ok".to_string(),
