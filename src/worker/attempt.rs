@@ -294,8 +294,22 @@ fn observe_limit_wait(sh: &Shared, found: Option<&(TaskRecord, u64)>) {
 /// Writes why a task waits into its record (`waiting`), so an operator sees why it has
 /// not started; cleared by the transition that starts it. Best effort.
 async fn note_waiting(sh: &Shared, meta: &TaskMeta, reason: Reason, limit: &str) {
-    let Ok(Some((mut rec, rev))) = sh.tasks.get(&meta.id).await else {
-        return;
+    let (mut rec, rev) = match sh.tasks.get(&meta.id).await {
+        Ok(Some(found)) => found,
+        // Its first record was left to the worker (a deferred write) and is not made yet:
+        // make it now, waiting, as the claim would (create-if-absent: a writer that won the
+        // race keeps its record).
+        Ok(None) => {
+            let mut rec = meta.record().transition_at(TaskState::Pending, now_ms());
+            rec.waiting = Some(crate::state::Waiting {
+                reason: reason.as_str().to_string(),
+                limit: limit.to_string(),
+                since_ms: now_ms(),
+            });
+            let _ = sh.tasks.create(&rec).await;
+            return;
+        }
+        Err(_) => return,
     };
     if rec.state.is_terminal() || rec.state == TaskState::Running {
         return;
