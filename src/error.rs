@@ -210,25 +210,89 @@ impl ErrorKind {
                     return ErrorKind::TimedOut;
                 }
             }
-            // async-nats wraps many failures in its own kinds without a typed source;
-            // their text is the only signal left.
-            let text = e.to_string().to_lowercase();
-            if text.contains("timed out") || text.contains("timeout") {
-                return ErrorKind::TimedOut;
-            }
-            if text.contains("permission") || text.contains("authorization") {
-                return ErrorKind::Permission;
-            }
-            if text.contains("no responders") || text.contains("503") {
-                return ErrorKind::Unavailable;
-            }
-            if text.contains("wrong last sequence") {
-                return ErrorKind::Conflict;
+            if let Some(kind) = typed_kind(e) {
+                return kind;
             }
             cur = e.source();
         }
         ErrorKind::Other
     }
+}
+
+/// The kind of one error of async-nats by its type and kind (never by its text); `None`
+/// if this level says nothing and its source should be asked.
+fn typed_kind(e: &(dyn std::error::Error + 'static)) -> Option<ErrorKind> {
+    use async_nats::jetstream::{context, kv};
+    if let Some(p) = e.downcast_ref::<context::PublishError>() {
+        return match p.kind() {
+            context::PublishErrorKind::TimedOut => Some(ErrorKind::TimedOut),
+            context::PublishErrorKind::StreamNotFound => Some(ErrorKind::NotFound),
+            context::PublishErrorKind::WrongLastSequence
+            | context::PublishErrorKind::WrongLastMessageId => Some(ErrorKind::Conflict),
+            context::PublishErrorKind::MaxPayloadExceeded => Some(ErrorKind::Invalid),
+            context::PublishErrorKind::MaxAckPending | context::PublishErrorKind::BrokenPipe => {
+                Some(ErrorKind::Unavailable)
+            }
+            _ => None,
+        };
+    }
+    if let Some(p) = e.downcast_ref::<async_nats::PublishError>() {
+        return match p.kind() {
+            async_nats::client::PublishErrorKind::MaxPayloadExceeded
+            | async_nats::client::PublishErrorKind::InvalidSubject => Some(ErrorKind::Invalid),
+            async_nats::client::PublishErrorKind::Send => Some(ErrorKind::Unavailable),
+        };
+    }
+    if let Some(r) = e.downcast_ref::<context::RequestError>() {
+        return match r.kind() {
+            context::RequestErrorKind::TimedOut => Some(ErrorKind::TimedOut),
+            context::RequestErrorKind::NoResponders => Some(ErrorKind::Unavailable),
+            _ => None,
+        };
+    }
+    if let Some(c) = e.downcast_ref::<kv::CreateError>() {
+        if c.kind() == kv::CreateErrorKind::AlreadyExists {
+            return Some(ErrorKind::Conflict);
+        }
+    }
+    if let Some(u) = e.downcast_ref::<kv::UpdateError>() {
+        return match u.kind() {
+            kv::UpdateErrorKind::WrongLastRevision => Some(ErrorKind::Conflict),
+            kv::UpdateErrorKind::TimedOut => Some(ErrorKind::TimedOut),
+            _ => None,
+        };
+    }
+    if let Some(g) = e.downcast_ref::<kv::EntryError>() {
+        if g.kind() == kv::EntryErrorKind::TimedOut {
+            return Some(ErrorKind::TimedOut);
+        }
+    }
+    if let Some(w) = e.downcast_ref::<kv::WatchError>() {
+        if w.kind() == kv::WatchErrorKind::TimedOut {
+            return Some(ErrorKind::TimedOut);
+        }
+    }
+    None
+}
+
+/// True if `err` (or a source of it) is a publish refused for exceeding the server's
+/// `max_payload`.
+pub(crate) fn is_max_payload(err: &(dyn std::error::Error + 'static)) -> bool {
+    use async_nats::jetstream::context;
+    let mut cur = Some(err);
+    while let Some(e) = cur {
+        if e.downcast_ref::<context::PublishError>()
+            .is_some_and(|p| p.kind() == context::PublishErrorKind::MaxPayloadExceeded)
+            || e.downcast_ref::<async_nats::PublishError>()
+                .is_some_and(|p| {
+                    p.kind() == async_nats::client::PublishErrorKind::MaxPayloadExceeded
+                })
+        {
+            return true;
+        }
+        cur = e.source();
+    }
+    false
 }
 
 impl WireError {

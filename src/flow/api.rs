@@ -377,12 +377,13 @@ pub(crate) async fn start_run(
             metrics::counter!(m::FLOW_RUNS_STARTED, "flow" => run.flow.clone()).increment(1);
         }
         Err(FlowStoreError::Stale(_)) if fixed => {} // started by an earlier try of this fire
-        Err(FlowStoreError::Broker { ref source, .. })
-            if source.to_string().contains("maximum payload") =>
-        {
+        Err(FlowStoreError::TooLarge { bytes, .. }) => {
             return Err(WireError::field(
                 "input",
-                "the run (definition + input) is over 1 MiB",
+                format!(
+                    "the run (definition + input) would be {bytes} bytes, over the server's \
+                     max payload"
+                ),
             ))
         }
         Err(e) => return Err(unavailable(e)),

@@ -23,6 +23,14 @@ pub enum FlowStoreError {
         /// Decode error.
         source: serde_json::Error,
     },
+    /// The value is larger than the server accepts in one message (`max_payload`).
+    #[error("{key}: {bytes} bytes is over the server's max payload")]
+    TooLarge {
+        /// Key.
+        key: String,
+        /// Size of the value.
+        bytes: usize,
+    },
     /// The broker failed.
     #[error("{key}: {op}: {source}")]
     Broker {
@@ -41,7 +49,7 @@ impl FlowStoreError {
         use crate::error::ErrorKind;
         match self {
             FlowStoreError::Stale(_) => ErrorKind::Conflict,
-            FlowStoreError::Corrupt { .. } => ErrorKind::Invalid,
+            FlowStoreError::Corrupt { .. } | FlowStoreError::TooLarge { .. } => ErrorKind::Invalid,
             FlowStoreError::Broker { source, .. } => ErrorKind::of(source.as_ref()),
         }
     }
@@ -87,19 +95,26 @@ async fn put<T: Serialize>(
     revision: Option<u64>,
 ) -> Result<u64, FlowStoreError> {
     let body: bytes::Bytes = serde_json::to_vec(value).expect("serializes").into();
+    let bytes = body.len();
+    let too_large = |e: &(dyn std::error::Error + 'static)| {
+        crate::error::is_max_payload(e).then(|| FlowStoreError::TooLarge {
+            key: key.to_string(),
+            bytes,
+        })
+    };
     match revision {
         None => kv.create(key, body).await.map_err(|e| {
             if crate::state::create_lost(&e) {
                 FlowStoreError::Stale(key.to_string())
             } else {
-                broker(key, "create", e)
+                too_large(&e).unwrap_or_else(|| broker(key, "create", e))
             }
         }),
         Some(rev) => kv.update(key, body, rev).await.map_err(|e| {
             if e.kind() == kv::UpdateErrorKind::WrongLastRevision {
                 FlowStoreError::Stale(key.to_string())
             } else {
-                broker(key, "update", e)
+                too_large(&e).unwrap_or_else(|| broker(key, "update", e))
             }
         }),
     }

@@ -333,6 +333,20 @@ async fn bad_definitions_are_refused_by_field_and_bad_runs_end_with_a_reason() {
         "{:?}",
         ended.reason
     );
+    // An input that fits a request but not the run record (definition + input) is
+    // refused by field, never answered "unavailable" (which a client retries forever).
+    let max = env.client.server_info().max_payload;
+    let input = json!("x".repeat(max - 200));
+    let e = env.ax.run_flow("notlist", input).await.unwrap_err();
+    let ax::ClientError::Refused(wire) = &e else {
+        panic!("{e}")
+    };
+    assert_eq!(
+        (wire.code.as_str(), wire.field.as_deref()),
+        ("invalid_field", Some("input")),
+        "{wire:?}"
+    );
+    assert_eq!(e.kind(), ErrorKind::Invalid);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
