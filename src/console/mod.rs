@@ -190,7 +190,7 @@ fn read_only(api: &str, op: &str) -> bool {
         (
             "task",
             "get" | "list" | "events" | "queues" | "series" | "payload"
-        ) | ("flow", "get" | "list" | "def" | "defs")
+        ) | ("flow", "get" | "list" | "def" | "defs" | "leader")
             | ("trigger", "list" | "get" | "leader")
             | ("limit", "get" | "list" | "status")
     )

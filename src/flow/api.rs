@@ -118,6 +118,19 @@ impl FlowApi {
                 let value: Value = decode(body)?;
                 let def = FlowDef::decode(value)?;
                 def.validate(&self.admission.limits)?;
+                // A step on a queue no server declared would fail its run later: refuse it
+                // now, by field.
+                for (i, step) in def.steps.iter().enumerate() {
+                    let queue = step.task.queue.as_deref().unwrap_or_default();
+                    if let Err(e) = self.admission.queues.check(&self.admission.js, queue).await {
+                        return Err(match e.code {
+                            ErrorCode::UnknownQueue => {
+                                WireError::field(&format!("steps[{i}].task.queue"), e.message)
+                            }
+                            _ => e,
+                        });
+                    }
+                }
                 self.store.put_def(&def).await.map_err(unavailable)?;
                 Ok(json!({"name": def.name, "steps": def.steps.len()}))
             }
@@ -171,6 +184,29 @@ impl FlowApi {
                 runs.sort_by_key(|r| std::cmp::Reverse(r.created_at_ms));
                 runs.truncate(req.limit.unwrap_or(100));
                 Ok(json!(runs.iter().map(summary).collect::<Vec<_>>()))
+            }
+            "leader" => {
+                // The flow engine's lease: which server drives the running runs now (its
+                // id: `--id`, or `<pid>-<nuid>` by default).
+                let leases = self
+                    .admission
+                    .js
+                    .get_key_value(crate::names::LEASES_BUCKET)
+                    .await
+                    .map_err(|e| WireError::new(ErrorCode::Unavailable, e.to_string()))?;
+                let lease = leases
+                    .get("flows")
+                    .await
+                    .map_err(|e| WireError::new(ErrorCode::Unavailable, e.to_string()))?;
+                let value: Value = lease
+                    .and_then(|v| serde_json::from_slice(&v).ok())
+                    .unwrap_or(Value::Null);
+                let holder = value
+                    .get("holder")
+                    .filter(|h| h.as_str().is_some_and(|h| !h.is_empty()))
+                    .cloned()
+                    .unwrap_or(Value::Null);
+                Ok(json!({ "leader": holder }))
             }
             "cancel" => {
                 let RunId { run } = decode(body)?;
@@ -412,6 +448,8 @@ fn summary(run: &FlowRun) -> Value {
         "run": run.id, "flow": run.flow, "state": run.state, "reason": run.reason,
         "created_at_ms": run.created_at_ms, "finished_at_ms": run.finished_at_ms,
         "rerun_of": run.rerun_of, "reruns": run.reruns,
+        "trigger": run.trigger, "trigger_source": run.trigger_source,
+        "scheduled_at_ms": run.scheduled_at_ms,
     })
 }
 

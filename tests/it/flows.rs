@@ -297,6 +297,19 @@ async fn bad_definitions_are_refused_by_field_and_bad_runs_end_with_a_reason() {
         panic!("{e}")
     };
     assert_eq!(wire.field.as_deref(), Some("steps[0].needs"));
+    // A step on a queue no server declared is refused at put, not when a run reaches it.
+    let undeclared = FlowDef::new("undeclared")
+        .step(step("a", "seed"))
+        .step(StepDef::new("b", "nowhere", TaskSpec::new("seed")).needs(["a"]));
+    let e = env.ax.put_flow(&undeclared).await.unwrap_err();
+    let ax::ClientError::Refused(wire) = &e else {
+        panic!("{e}")
+    };
+    assert_eq!(
+        wire.field.as_deref(),
+        Some("steps[1].task.queue"),
+        "{wire:?}"
+    );
     let e = env
         .ax
         .run_flow("no-such-flow", json!({}))
@@ -569,6 +582,25 @@ async fn a_trigger_starts_flow_runs_and_counts_a_running_run_as_its_fire_s_work(
     assert_eq!(ended.trigger.as_deref(), Some("nightly"));
     assert_eq!(ended.trigger_source.as_deref(), Some("manual"));
     assert_eq!(steps(&env.ax, &run).await["b"].1, json!(7));
+    // The API shows the lineage the run records (get and list), and who leads the engine.
+    let view = env.ax.flow("get", &json!({ "run": run })).await.unwrap();
+    assert_eq!(
+        (view["trigger"].as_str(), view["trigger_source"].as_str()),
+        (Some("nightly"), Some("manual")),
+        "{view}"
+    );
+    assert!(view["scheduled_at_ms"].is_u64(), "{view}");
+    let list = env
+        .ax
+        .flow("list", &json!({"flow": "nightly"}))
+        .await
+        .unwrap();
+    assert_eq!(list[0]["trigger"], "nightly", "{list}");
+    let lead = env.ax.flow("leader", &json!({})).await.unwrap();
+    assert!(
+        lead["leader"].as_str().is_some_and(|l| !l.is_empty()),
+        "{lead}"
+    );
     // Once it has ended, the trigger runs again (a new run).
     let again = env
         .ax
@@ -576,4 +608,94 @@ async fn a_trigger_starts_flow_runs_and_counts_a_running_run_as_its_fire_s_work(
         .await
         .unwrap();
     assert_ne!(again["task_ids"][0].as_str().unwrap(), id);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_takes_an_input_from_a_file_or_stdin_and_prints_json() {
+    let env = Env::start(Env::server()).await;
+    let calls = Calls::default();
+    let (_stop, _w) = env.spawn_worker(flow_worker(calls.clone()));
+    env.ax
+        .put_flow(&FlowDef::new("echo").step(step("a", "seed")))
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    // Over 128 KiB: more than a command line carries.
+    let big = json!({"blob": "y".repeat(200_000)});
+    let file = dir.path().join("input.json");
+    std::fs::write(&file, big.to_string()).unwrap();
+    let url = env.nats.url();
+    let ax = |args: Vec<String>, stdin: Option<String>| {
+        let url = url.clone();
+        async move {
+            let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_ax"));
+            cmd.args(["--url", &url])
+                .args(&args)
+                .env("RUST_BACKTRACE", "1");
+            cmd.stdin(std::process::Stdio::piped())
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped());
+            let mut child = cmd.spawn().unwrap();
+            let mut pipe = child.stdin.take().unwrap();
+            if let Some(text) = stdin {
+                use tokio::io::AsyncWriteExt;
+                pipe.write_all(text.as_bytes()).await.unwrap();
+            }
+            drop(pipe);
+            child.wait_with_output().await.unwrap()
+        }
+    };
+    let at_file = format!("@{}", file.display());
+    for (input, stdin) in [(at_file.as_str(), None), ("-", Some(big.to_string()))] {
+        let out = ax(
+            ["flow", "run", "echo", "--input", input]
+                .map(String::from)
+                .to_vec(),
+            stdin,
+        )
+        .await;
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let run = String::from_utf8(out.stdout).unwrap().trim().to_string();
+        let ended = finish(&env.ax, &run).await;
+        assert_eq!(ended.input, big);
+    }
+    let bad = ax(
+        ["flow", "run", "echo", "--input", "@/no/such/file"]
+            .map(String::from)
+            .to_vec(),
+        None,
+    )
+    .await;
+    assert!(!bad.status.success());
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(
+        err.contains("/no/such/file") && !err.contains("stack backtrace"),
+        "{err}"
+    );
+    // -o json on list, defs and get: documents a program can read.
+    for args in [
+        vec!["flow", "list"],
+        vec!["flow", "defs"],
+        vec!["flow", "leader"],
+    ] {
+        let mut all = vec!["-o", "json"];
+        all.extend(args.clone());
+        let out = ax(all.into_iter().map(String::from).collect(), None).await;
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+            panic!(
+                "{args:?} printed no JSON ({e}): {}",
+                String::from_utf8_lossy(&out.stdout)
+            )
+        });
+        assert!(!v.is_null(), "{args:?}");
+    }
 }

@@ -1,6 +1,7 @@
 //! `ax flow …`: define, start, watch, cancel and re-run flows.
 
 use crate::conn::Conn;
+use crate::out::{self, Output};
 use anyhow::{bail, Context, Result};
 use ax::flow::RerunMode;
 use ax::Client;
@@ -28,7 +29,8 @@ pub(crate) enum FlowCommand {
     Run {
         /// Flow name.
         name: String,
-        /// The run's input (JSON).
+        /// The run's input: JSON text, `@FILE` (a file holding JSON) or `-` (JSON on
+        /// standard input).
         #[arg(long, default_value = "null")]
         input: String,
         /// Wait until the run ends; exit 1 unless it succeeded.
@@ -66,6 +68,8 @@ pub(crate) enum FlowCommand {
         /// Run id.
         run: String,
     },
+    /// The server leading the flow engine now (its `--id`; by default `<pid>-<nuid>`).
+    Leader,
     /// Re-run an ended run.
     Rerun {
         /// Run id.
@@ -73,7 +77,7 @@ pub(crate) enum FlowCommand {
         /// What to run again.
         #[arg(long, value_enum, default_value = "failed")]
         mode: Mode,
-        /// A new input (mode whole only).
+        /// A new input (mode whole only): JSON text, `@FILE` or `-`.
         #[arg(long)]
         input: Option<String>,
     },
@@ -89,8 +93,21 @@ pub(crate) enum Mode {
     Whole,
 }
 
+/// JSON given inline, as `@FILE`, or as `-` (standard input).
 fn json_arg(text: &str) -> Result<Value> {
-    serde_json::from_str(text).with_context(|| format!("{text:?} is not JSON"))
+    let (source, body) = if text == "-" {
+        let mut body = String::new();
+        std::io::Read::read_to_string(&mut std::io::stdin(), &mut body)
+            .context("reading the input from standard input")?;
+        ("standard input".to_string(), body)
+    } else if let Some(path) = text.strip_prefix('@') {
+        let body = std::fs::read_to_string(path).with_context(|| format!("reading {path}"))?;
+        (path.to_string(), body)
+    } else {
+        return serde_json::from_str(text)
+            .with_context(|| format!("--input {text:?} is not JSON (give JSON text, @FILE or -)"));
+    };
+    serde_json::from_str(&body).with_context(|| format!("{source} does not hold JSON"))
 }
 
 fn ms(v: &Value) -> String {
@@ -170,7 +187,7 @@ fn print_dot(run: &Value) {
     println!("}}");
 }
 
-pub(crate) async fn run(command: FlowCommand, conn: &Conn) -> Result<()> {
+pub(crate) async fn run(command: FlowCommand, conn: &Conn, output: Output) -> Result<()> {
     let client = Client::new(conn.connect().await?);
     match command {
         FlowCommand::Put { file } => {
@@ -183,13 +200,11 @@ pub(crate) async fn run(command: FlowCommand, conn: &Conn) -> Result<()> {
             println!("{}", serde_json::to_string_pretty(&def)?);
         }
         FlowCommand::Defs => {
-            for d in client
-                .flow("defs", &json!({}))
-                .await?
-                .as_array()
-                .into_iter()
-                .flatten()
-            {
+            let defs = client.flow("defs", &json!({})).await?;
+            if output == Output::Json {
+                return out::json(&defs);
+            }
+            for d in defs.as_array().into_iter().flatten() {
                 println!(
                     "{:<30} {:>4} steps  {}",
                     d["name"].as_str().unwrap_or("?"),
@@ -222,7 +237,7 @@ pub(crate) async fn run(command: FlowCommand, conn: &Conn) -> Result<()> {
             let view = client.flow("get", &json!({ "run": run })).await?;
             if dot {
                 print_dot(&view);
-            } else if json {
+            } else if json || output == Output::Json {
                 println!("{}", serde_json::to_string_pretty(&view)?);
             } else {
                 print_run(&view);
@@ -231,6 +246,9 @@ pub(crate) async fn run(command: FlowCommand, conn: &Conn) -> Result<()> {
         FlowCommand::List { flow, state, limit } => {
             let body = json!({"flow": flow, "state": state, "limit": limit});
             let runs = client.flow("list", &body).await?;
+            if output == Output::Json {
+                return out::json(&runs);
+            }
             println!(
                 "{:<24} {:<24} {:<10} {:<24} reason",
                 "RUN", "FLOW", "STATE", "CREATED"
@@ -255,6 +273,13 @@ pub(crate) async fn run(command: FlowCommand, conn: &Conn) -> Result<()> {
                 .await
                 .context("the run did not end within 30 s (is an ax server running?)")??;
             println!("run {run} {}", ended.state);
+        }
+        FlowCommand::Leader => {
+            let lead = client.flow("leader", &json!({})).await?;
+            if output == Output::Json {
+                return out::json(&lead);
+            }
+            println!("{}", lead["leader"].as_str().unwrap_or("none"));
         }
         FlowCommand::Rerun { run, mode, input } => {
             let mode = match mode {

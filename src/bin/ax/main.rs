@@ -154,7 +154,7 @@ async fn main() -> Result<()> {
         }
         Command::Streams { command } => streams::run(command, conn).await,
         Command::Trigger { command } => trigger::run(command, conn).await,
-        Command::Flow { command } => flow::run(command, conn).await,
+        Command::Flow { command } => flow::run(command, conn, cli.output).await,
         Command::Limits { command } => limits::run(command, conn).await,
         Command::Apply { file, no_prune } => trigger::apply(&file, no_prune, conn).await,
         Command::Demo(args) => demo::run(args, conn).await,

@@ -103,8 +103,9 @@ pub(crate) struct ServerArgs {
     /// Time a console client has to send a request's headers, and each part of its body.
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
     console_request_timeout: Duration,
-    /// This server's id in the trigger engine's lease (default `<pid>-<nuid>`); unique
-    /// per process.
+    /// This server's id (default `<pid>-<nuid>`; unique per process): the holder named in
+    /// the leases of the trigger engine, the flow engine and the delayed-task partitions,
+    /// and what `ax trigger leader` / `ax flow leader` print.
     #[arg(long)]
     id: Option<String>,
 }
