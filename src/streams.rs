@@ -250,10 +250,8 @@ pub fn stream_configs(topology: &Topology) -> Result<Vec<stream::Config>, Stream
             if config.name == names::DELAYED_STREAM {
                 config.max_messages = topology.max_delayed;
             }
-            if config.name == format!("KV_{}", names::LIMIT_SLOTS_BUCKET) {
-                // A slot whose holder stopped rewriting it is freed after the ack wait.
-                config.max_age = topology.ack_wait;
-            }
+            // KV_AX_LIMIT_SLOTS keeps its own max_age (an hour): each slot expires after
+            // its queue's ack wait by a per-message TTL (`limits::expiry`).
             Ok(config)
         })
         .collect()

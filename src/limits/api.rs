@@ -1,7 +1,8 @@
-//! The limits API: requests on `ax.limit.<op>` (`put`, `get`, `list`, `delete`) with JSON
-//! bodies, answered `{"ok": …}` or `{"error": …}` (docs/PROTOCOL.md §7). Definitions live
-//! in `AX_LIMITS`; every worker of the queue follows them and applies a change within a
-//! second, to tasks already queued too (they pass the gate when they are delivered).
+//! The limits API: requests on `ax.limit.<op>` (`put`, `get`, `list`, `delete`,
+//! `status`) with JSON bodies, answered `{"ok": …}` or `{"error": …}` (docs/PROTOCOL.md
+//! §7). Definitions live in `AX_LIMITS`; every worker of the queue follows them and
+//! applies a change within a second, to tasks already queued too (they pass the gate when
+//! they are delivered). A delete of a limit that does not exist answers `deleted: false`.
 
 use super::model::LimitDef;
 use crate::names::LIMITS_BUCKET;
@@ -81,11 +82,8 @@ impl LimitApi {
                 if !crate::names::valid_queue(&queue) || !crate::names::valid_token(&name, 64) {
                     return Err(WireError::field("name", "not a limit name"));
                 }
-                self.defs
-                    .delete(format!("{queue}.{name}"))
-                    .await
-                    .map_err(unavailable)?;
-                Ok(json!({"queue": queue, "name": name, "deleted": true}))
+                let deleted = self.delete(&format!("{queue}.{name}")).await?;
+                Ok(json!({"queue": queue, "name": name, "deleted": deleted}))
             }
             "status" | "list" => {
                 let req: ListRequest = serde_json::from_slice(body).map_err(bad)?;
@@ -146,7 +144,7 @@ impl LimitApi {
         for def in defs {
             let tokens = match (def.rate, def.per_key) {
                 (Some(rate), false) => {
-                    let interval = (1_000_000.0 / rate).max(1.0) as u64;
+                    let interval = super::gcra::interval_us(rate);
                     let key = super::gate::bucket_key(&def, None);
                     let tat = state
                         .get(&key)
@@ -169,6 +167,27 @@ impl LimitApi {
             out.push(json!({"limit": def, "tokens": tokens, "slots_held": holders}));
         }
         Ok(Value::Array(out))
+    }
+
+    /// Deletes a definition if there is one: `true` if it existed (a delete of the revision
+    /// read, so a put racing it is not lost unseen: read again), `false` if not.
+    async fn delete(&self, key: &str) -> Result<bool, WireError> {
+        for _ in 0..8 {
+            let entry = self.defs.entry(key).await.map_err(unavailable)?;
+            let Some(entry) = entry.filter(|e| e.operation == kv::Operation::Put) else {
+                return Ok(false);
+            };
+            match self
+                .defs
+                .delete_expect_revision(key, Some(entry.revision))
+                .await
+            {
+                Ok(()) => return Ok(true),
+                Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => continue,
+                Err(e) => return Err(unavailable(e)),
+            }
+        }
+        Err(unavailable("the limit kept changing while being deleted"))
     }
 
     async fn list(&self, filter: &str) -> Result<Vec<LimitDef>, WireError> {

@@ -8,6 +8,7 @@
 //! `AX_LIMIT_SLOTS` (create-if-absent; the bucket's `max_age` is the ack wait, and the
 //! holder rewrites its key every heartbeat, so a dead holder's slot expires by itself).
 
+use super::expiry;
 use super::gcra;
 use super::model::LimitDef;
 use crate::metrics as m;
@@ -84,6 +85,7 @@ pub(crate) enum Admit {
 struct Buckets {
     state: kv::Store,
     slots: kv::Store,
+    js: jetstream::Context,
 }
 
 /// A worker's view of its queue's limits, kept current by a KV watch.
@@ -93,6 +95,9 @@ pub(crate) struct Gate {
     defs: RwLock<HashMap<String, LimitDef>>,
     buckets: RwLock<Option<Arc<Buckets>>>,
     renew_every: Duration,
+    /// How long a slot lives unless rewritten: the queue's ack wait (a per-message TTL);
+    /// `None` once the bucket has refused TTLs (its `max_age` then applies).
+    slot_ttl: std::sync::Mutex<Option<Duration>>,
     /// True once the definitions stored when the worker started have been read: until
     /// then nothing is admitted (a fresh worker must not start a singleton's second task).
     ready: tokio::sync::watch::Sender<bool>,
@@ -131,6 +136,7 @@ impl Gate {
         queue: &str,
         holder: String,
         renew_every: Duration,
+        slot_ttl: Duration,
         shutdown: CancellationToken,
     ) -> Arc<Gate> {
         let gate = Arc::new(Gate {
@@ -139,6 +145,7 @@ impl Gate {
             defs: RwLock::new(HashMap::new()),
             buckets: RwLock::new(None),
             renew_every,
+            slot_ttl: std::sync::Mutex::new(Some(slot_ttl)),
             ready: tokio::sync::watch::channel(false).0,
             paused: tokio::sync::watch::channel(false).0,
             local: Default::default(),
@@ -178,7 +185,8 @@ impl Gate {
                         .await
                         .map_err(|e| e.to_string())?;
                     let none = stored.next().await.is_none();
-                    Ok::<_, String>((watch, Buckets { state, slots }, none))
+                    let js = js.clone();
+                    Ok::<_, String>((watch, Buckets { state, slots, js }, none))
                 },
             )
             .await;
@@ -214,7 +222,17 @@ impl Gate {
                 let def = (entry.operation == kv::Operation::Put)
                     .then(|| serde_json::from_slice::<LimitDef>(&entry.value).ok())
                     .flatten()
-                    .filter(|d| d.validate().is_ok() && d.queue == self.queue);
+                    .filter(|d| d.queue == self.queue)
+                    .filter(|d| match d.validate() {
+                        Ok(()) => true,
+                        // Written by hand, or stored before its checks were tightened
+                        // (a rate below 0.000001/s): the API would refuse it now.
+                        Err(e) => {
+                            warn!(queue = %self.queue, key = %entry.key, cause = %e,
+                                "stored limit not valid: not applied; put it again");
+                            false
+                        }
+                    });
                 match def {
                     Some(def) => {
                         info!(queue = %self.queue, limit = %def.name, rate = ?def.rate,
@@ -307,7 +325,7 @@ impl Gate {
         }
         let mut held = Vec::new();
         for def in limits.iter().filter(|d| d.concurrency.is_some()) {
-            match self.take_slot(&buckets.slots, def, key).await {
+            match self.take_slot(&buckets, def, key).await {
                 Ok(Some(slot)) => held.push(slot),
                 Ok(None) => {
                     drop(held); // never keep a slot while waiting
@@ -344,7 +362,7 @@ impl Gate {
         limit_key: Option<&str>,
     ) -> Result<(), Duration> {
         let rate = def.rate.unwrap_or(1.0);
-        let interval = (1_000_000.0 / rate).max(1.0) as u64;
+        let interval = gcra::interval_us(rate);
         let burst = def.burst();
         let key = bucket_key(def, limit_key);
         let local = {
@@ -385,8 +403,10 @@ impl Gate {
                         metrics::gauge!(m::LIMIT_TOKENS, "queue" => def.queue.clone(), "limit" => def.name.clone())
                             .set(0.0);
                     }
+                    // At most an hour: a longer wait is checked again then (the broker
+                    // takes no delay past an i64 of nanoseconds).
                     let spread = rand::rng().random_range(0..=interval.saturating_mul(4));
-                    return Err(Duration::from_micros(wait_us + spread));
+                    return Err(gcra::wait_delay(wait_us, spread));
                 }
                 Ok((got, next)) => {
                     let body = Bytes::from(next.to_string());
@@ -406,14 +426,14 @@ impl Gate {
                 }
             }
         }
-        Err(Duration::from_micros(interval))
+        Err(gcra::wait_delay(interval, 0))
     }
 
     /// Takes a free slot of `def`'s cap, trying them from a random one; `None` if all are
     /// held.
     async fn take_slot(
         &self,
-        slots: &kv::Store,
+        buckets: &Buckets,
         def: &LimitDef,
         limit_key: Option<&str>,
     ) -> Result<Option<Slot>, ()> {
@@ -423,18 +443,31 @@ impl Gate {
         let value = Bytes::from(self.holder.clone());
         for j in 0..cap {
             let key = format!("{base}.{}", (start + j) % cap);
-            match slots.create(&key, value.clone()).await {
+            let ttl = *self.slot_ttl.lock().expect("not poisoned");
+            let mut made =
+                expiry::create(&buckets.js, &buckets.slots, &key, value.clone(), ttl).await;
+            if matches!(made, Err(expiry::WriteError::TtlDisabled)) {
+                warn!(
+                    "AX_LIMIT_SLOTS allows no per-message TTL: slots expire by the bucket's \
+                     max_age, one for every queue; run `ax streams apply` to expire each after \
+                     its own queue's ack wait"
+                );
+                *self.slot_ttl.lock().expect("not poisoned") = None;
+                made = expiry::create(&buckets.js, &buckets.slots, &key, value.clone(), None).await;
+            }
+            match made {
                 Ok(rev) => {
                     return Ok(Some(Slot::hold(
-                        slots.clone(),
+                        buckets.js.clone(),
+                        buckets.slots.clone(),
                         key,
                         rev,
                         value,
-                        self.renew_every,
+                        (self.renew_every, ttl),
                         (def.queue.clone(), def.name.clone()),
                     )))
                 }
-                Err(e) if crate::state::create_lost(&e) => continue,
+                Err(expiry::WriteError::Taken) => continue,
                 Err(e) => {
                     warn!(limit = %def.name, cause = %e, "limit slots unreadable; the task waits");
                     return Err(());
@@ -468,27 +501,26 @@ pub(crate) struct Slot {
 
 impl Slot {
     fn hold(
+        js: jetstream::Context,
         slots: kv::Store,
         key: String,
         rev: u64,
         value: Bytes,
-        every: Duration,
+        (every, ttl): (Duration, Option<Duration>),
         labels: (String, String),
     ) -> Slot {
         let rev = Arc::new(AtomicU64::new(rev));
         let lost = CancellationToken::new();
         let (labels_q, labels_l) = labels.clone();
         let renew = tokio::spawn({
-            let (slots, key, rev, lost) = (slots.clone(), key.clone(), rev.clone(), lost.clone());
+            let (key, rev, lost) = (key.clone(), rev.clone(), lost.clone());
             async move {
                 loop {
                     tokio::time::sleep(every).await;
-                    match slots
-                        .update(&key, value.clone(), rev.load(Ordering::SeqCst))
-                        .await
-                    {
+                    let expected = rev.load(Ordering::SeqCst);
+                    match expiry::write(&js, &key, value.clone(), expected, ttl).await {
                         Ok(new) => rev.store(new, Ordering::SeqCst),
-                        Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
+                        Err(expiry::WriteError::Taken) => {
                             warn!(slot = %key, "concurrency slot lost (it expired, and may be held by another attempt): stopping the attempt");
                             metrics::counter!(m::LIMIT_SLOTS_LOST, "queue" => labels_q.clone(), "limit" => labels_l.clone())
                                 .increment(1);

@@ -8,6 +8,7 @@
 //! - `api`: `ax.limit.<op>` requests served by `ax server`.
 
 pub(crate) mod api;
+mod expiry;
 pub(crate) mod gate;
 pub mod gcra;
 pub mod model;

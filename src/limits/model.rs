@@ -6,6 +6,11 @@ use serde::{Deserialize, Serialize};
 
 /// Most tasks per second a rate may allow.
 pub const MAX_RATE: f64 = 100_000.0;
+/// Fewest tasks per second a rate may allow: one per 10⁶ s (11.6 days). Slower rates
+/// would need intervals and waits the arithmetic and the broker's delays do not hold.
+pub const MIN_RATE: f64 = 0.000_001;
+/// Largest burst (with the slowest rate the bucket's TAT then stays within `u64` µs).
+pub const MAX_BURST: u32 = 1_000_000;
 /// Largest concurrency cap (each slot is a KV key; taking one tries free slots in turn).
 pub const MAX_CONCURRENCY: u32 = 1_000;
 
@@ -31,10 +36,11 @@ pub struct LimitDef {
     /// Only tasks with this `limit_key` (one hot customer, say).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key: Option<String>,
-    /// Starts per second (> 0, at most 100,000).
+    /// Starts per second: 0.000001 (one per 11.6 days) to 100,000.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rate: Option<f64>,
-    /// Starts allowed at once above the rate (default: the rate rounded up, at least 1).
+    /// Starts allowed at once above the rate (default: the rate rounded up, at least 1;
+    /// at most 1,000,000).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub burst: Option<u32>,
     /// Attempts running at once (1 = a singleton; at most 1,000).
@@ -88,24 +94,20 @@ impl LimitDef {
                 ));
             }
         }
-        match self.rate {
-            Some(r) if !(r > 0.0 && r <= MAX_RATE) => {
-                return Err(WireError::field(
-                    "rate",
-                    "starts per second, > 0 and at most 100000",
-                ))
-            }
-            _ => {}
+        if let Some(r) = self.rate {
+            check_rate(r).map_err(|e| WireError::field("rate", e))?;
         }
-        if self.burst == Some(0) || (self.burst.is_some() && self.rate.is_none()) {
-            return Err(WireError::field(
-                "burst",
-                "at least 1, and only with a rate",
-            ));
+        if let Some(b) = self.burst {
+            if self.rate.is_none() || !(1..=MAX_BURST).contains(&b) {
+                return Err(WireError::field(
+                    "burst",
+                    "must be 1..=1000000, and only with a rate",
+                ));
+            }
         }
         match self.concurrency {
             Some(c) if c == 0 || c > MAX_CONCURRENCY => {
-                return Err(WireError::field("concurrency", "1..=1000"))
+                return Err(WireError::field("concurrency", "must be 1..=1000"))
             }
             _ => {}
         }
@@ -116,6 +118,19 @@ impl LimitDef {
             ));
         }
         Ok(())
+    }
+}
+
+/// Checks a rate (starts per second): a finite number from [`MIN_RATE`] to [`MAX_RATE`].
+/// The error says the range (the CLI shows it under the option's name).
+pub fn check_rate(rate: f64) -> Result<f64, String> {
+    if (MIN_RATE..=MAX_RATE).contains(&rate) {
+        Ok(rate)
+    } else {
+        Err(
+            "must be a number of starts per second from 0.000001 (one per 11.6 days) to 100000"
+                .to_string(),
+        )
     }
 }
 
@@ -155,6 +170,50 @@ mod tests {
         assert_eq!(
             field(json!({"name": "x y", "queue": "q", "rate": 1.0})),
             "name"
+        );
+    }
+
+    #[test]
+    fn rates_and_bursts_outside_what_the_arithmetic_holds_are_refused() {
+        let check = |rate: f64, burst: Option<u32>| {
+            LimitDef {
+                name: "x".into(),
+                queue: "q".into(),
+                task: None,
+                per_key: false,
+                key: None,
+                rate: Some(rate),
+                burst,
+                concurrency: None,
+            }
+            .validate()
+            .map_err(|e| e.field.unwrap())
+        };
+        // Issue 18: 1e-20 and 1e-11 were accepted and broke the limit.
+        for bad in [
+            1e-20,
+            1e-11,
+            9.9e-7,
+            0.0,
+            -5.0,
+            -0.0,
+            100_000.5,
+            f64::NAN,
+            f64::INFINITY,
+            f64::NEG_INFINITY,
+        ] {
+            assert_eq!(check(bad, None), Err("rate".into()), "{bad}");
+        }
+        for good in [MIN_RATE, 1.5e-6, 0.5, 1.0, 1000.0, MAX_RATE] {
+            assert_eq!(check(good, None), Ok(()), "{good}");
+        }
+        assert_eq!(check(1.0, Some(MAX_BURST)), Ok(()));
+        assert_eq!(check(1.0, Some(MAX_BURST + 1)), Err("burst".into()));
+        assert_eq!(check(1.0, Some(u32::MAX)), Err("burst".into()));
+        let message = check_rate(1e-20).unwrap_err();
+        assert!(
+            message.contains("0.000001") && message.contains("100000"),
+            "{message}"
         );
     }
 }

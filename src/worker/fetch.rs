@@ -88,6 +88,7 @@ pub(super) async fn run(
         &worker.queue,
         worker.id.clone(),
         heartbeat,
+        ack_wait,
         shutdown.clone(),
     );
     let shared = Arc::new(Shared {

@@ -461,3 +461,385 @@ async fn a_stalled_holder_stops_its_attempt_when_its_slot_is_lost() {
         );
     assert!(max_overlap(clipped) <= 2);
 }
+
+/// Runs the `ax` binary against `env` with `RUST_BACKTRACE=1` (an operator's error must
+/// print no backtrace even so), without blocking the runtime the server runs on.
+async fn ax_cli(env: &Env, args: &[&str]) -> std::process::Output {
+    tokio::process::Command::new(env!("CARGO_BIN_EXE_ax"))
+        .args(args)
+        .env("NATS_URL", env.nats.url())
+        .env("RUST_BACKTRACE", "1")
+        .env("RUST_LOG", "warn")
+        .output()
+        .await
+        .unwrap()
+}
+
+/// Issue 18 §2.3 / §2.7: `--rate NaN` (or inf, 1e999) was sent as JSON null and stored a
+/// limit without a rate, exit 0; `--rate -5` got clap's tip `-- -5`, which does not work;
+/// refusals read "submit refused: InvalidField: 1..=1000" and printed a backtrace under
+/// `RUST_BACKTRACE`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_refuses_bad_limits_naming_the_option_in_one_line_and_stores_nothing() {
+    let env = Env::start(Env::server()).await;
+    type Case<'a> = (&'a [&'a str], &'a str);
+    let at_the_cli: &[Case] = &[
+        (&["--rate", "NaN", "--concurrency", "2"], "--rate"),
+        (&["--rate", "inf", "--concurrency", "2"], "--rate"),
+        (&["--rate", "1e999", "--concurrency", "2"], "--rate"),
+        (&["--rate", "-5", "--concurrency", "2"], "--rate"),
+        (&["--rate", "0"], "--rate"),
+        (&["--rate", "1e-20"], "--rate"),
+        (&["--rate", "1e-11", "--burst", "1"], "--rate"),
+        (&["--concurrency", "100000"], "--concurrency"),
+        (&["--concurrency", "0"], "--concurrency"),
+        (&["--rate", "1", "--burst", "-5"], "--burst"),
+        (&["--rate", "1", "--burst", "2000000"], "--burst"),
+    ];
+    for (args, option) in at_the_cli {
+        let out = ax_cli(
+            &env,
+            &[&["limits", "set", "x", "--queue", "q"], *args].concat(),
+        )
+        .await;
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} accepted: {err}");
+        assert!(
+            err.contains(option),
+            "{args:?} does not name {option}: {err}"
+        );
+        assert!(!err.contains("tip:"), "{args:?}: {err}");
+        assert!(!err.contains("acktrace"), "{args:?}: {err}");
+    }
+    // Refused by the server: one line naming the field, no wire jargon, no backtrace.
+    let at_the_server: &[Case] = &[
+        (
+            &["set", "x y", "--queue", "q", "--rate", "1"],
+            "invalid name",
+        ),
+        (
+            &["set", "x", "--queue", "q", "--task", "a b", "--rate", "1"],
+            "invalid task",
+        ),
+        (
+            &[
+                "set",
+                "x",
+                "--queue",
+                "q",
+                "--per-key",
+                "--key",
+                "k",
+                "--rate",
+                "1",
+            ],
+            "invalid key",
+        ),
+        (&["get", "nope", "--queue", "q"], "not_found"),
+        (&["delete", "nope", "--queue", "q"], "no limit \"nope\""),
+    ];
+    for (args, said) in at_the_server {
+        let out = ax_cli(&env, &[&["limits"], *args].concat()).await;
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} accepted");
+        assert!(err.contains(said), "{args:?}: {err}");
+        for jargon in ["InvalidField", "submit refused", "acktrace"] {
+            assert!(!err.contains(jargon), "{args:?}: {err}");
+        }
+        assert_eq!(err.trim().lines().count(), 1, "{args:?}: {err}");
+    }
+    let stored = env.ax.limits("list", &json!({})).await.unwrap();
+    assert_eq!(stored, json!([]), "a refused limit was stored");
+    // A good one goes through, and `-o json` prints what was stored.
+    let out = ax_cli(
+        &env,
+        &[
+            "limits", "set", "x", "--queue", "q", "--rate", "2.5", "--burst", "3", "-o", "json",
+        ],
+    )
+    .await;
+    assert!(out.status.success(), "{out:?}");
+    let def: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        (def["rate"].as_f64(), def["burst"].as_u64()),
+        (Some(2.5), Some(3))
+    );
+}
+
+/// Issue 18 §2.2: `rate: 1e-20` was accepted (and broke the limit: its interval
+/// saturated and the TAT wrapped), so was `1e-11` (a Nak delay past what the broker
+/// takes). The API bounds rates and bursts to what the arithmetic holds, naming the field
+/// and the range; and a delete of a limit that does not exist says so.
+#[tokio::test]
+async fn the_api_refuses_rates_and_bursts_the_arithmetic_cannot_hold_and_says_what_a_delete_did() {
+    let env = Env::start(Env::server()).await;
+    let refused = [
+        (json!({"rate": 1e-20}), "rate"),
+        (json!({"rate": 1e-11}), "rate"),
+        (json!({"rate": 9e-7}), "rate"),
+        (json!({"rate": 0.0}), "rate"),
+        (json!({"rate": -5.0}), "rate"),
+        (json!({"rate": 100_000.5}), "rate"),
+        (json!({"rate": 1.0, "burst": 1_000_001}), "burst"),
+        (json!({"rate": 1.0, "burst": 0}), "burst"),
+        (json!({"concurrency": 1001}), "concurrency"),
+    ];
+    for (mut def, field) in refused {
+        def["name"] = json!("x");
+        def["queue"] = json!("q");
+        match env.ax.limits("put", &def).await {
+            Err(ax::ClientError::Refused(e)) => {
+                assert_eq!(e.code, ax::protocol::ErrorCode::InvalidField, "{def}");
+                assert_eq!(e.field.as_deref(), Some(field), "{def}: {e:?}");
+                if field == "rate" {
+                    assert!(
+                        e.message.contains("0.000001") && e.message.contains("100000"),
+                        "the range is said: {}",
+                        e.message
+                    );
+                }
+            }
+            other => panic!("{def}: {other:?}"),
+        }
+    }
+    assert_eq!(env.ax.limits("list", &json!({})).await.unwrap(), json!([]));
+    for def in [
+        json!({"name": "slowest", "queue": "q", "rate": 0.000001}),
+        json!({"name": "fastest", "queue": "q", "rate": 100_000.0, "burst": 1_000_000}),
+    ] {
+        env.ax.limits("put", &def).await.unwrap();
+    }
+    let delete = |name: &'static str| {
+        let ax = env.ax.clone();
+        async move {
+            ax.limits("delete", &json!({"queue": "q", "name": name}))
+                .await
+                .unwrap()
+        }
+    };
+    assert_eq!(delete("slowest").await["deleted"], json!(true));
+    assert_eq!(delete("slowest").await["deleted"], json!(false));
+    assert_eq!(delete("never").await["deleted"], json!(false));
+    let left = env.ax.limits("list", &json!({})).await.unwrap();
+    assert_eq!(left.as_array().unwrap().len(), 1, "{left}");
+}
+
+/// Issue 18 §2.7: no `ax limits status`, and `-o json` was ignored by `ax limits`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_limits_command_prints_a_table_or_json_and_status_shows_what_is_held() {
+    let env = Env::start(Env::server()).await;
+    let json_of = |out: &std::process::Output| -> Value {
+        assert!(out.status.success(), "{out:?}");
+        serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
+    };
+    let set = ax_cli(
+        &env,
+        &[
+            "-o",
+            "json",
+            "limits",
+            "set",
+            "one",
+            "--queue",
+            "q",
+            "--rate",
+            "5",
+            "--concurrency",
+            "1",
+        ],
+    )
+    .await;
+    assert_eq!(json_of(&set)["name"], "one");
+    let got = ax_cli(
+        &env,
+        &["limits", "get", "one", "--queue", "q", "-o", "json"],
+    )
+    .await;
+    assert_eq!(json_of(&got)["rate"], json!(5.0));
+    let listed = ax_cli(&env, &["limits", "list", "-o", "json"]).await;
+    assert_eq!(json_of(&listed).as_array().unwrap().len(), 1);
+    let status = ax_cli(&env, &["limits", "status", "--queue", "q", "-o", "json"]).await;
+    let status = json_of(&status);
+    assert_eq!(status[0]["limit"]["name"], "one", "{status}");
+    assert_eq!(status[0]["tokens"].as_f64(), Some(5.0), "{status}");
+    assert_eq!(status[0]["slots_held"], json!([]), "{status}");
+    // The tables, for people.
+    let table = ax_cli(&env, &["limits", "status"]).await;
+    let text = String::from_utf8_lossy(&table.stdout);
+    assert!(table.status.success(), "{table:?}");
+    assert!(
+        text.lines().next().unwrap().contains("TOKENS") && text.contains("0/1"),
+        "{text}"
+    );
+    let table = ax_cli(&env, &["limits", "list"]).await;
+    assert!(String::from_utf8_lossy(&table.stdout).starts_with("QUEUE"));
+    let gone = ax_cli(
+        &env,
+        &["limits", "delete", "one", "--queue", "q", "-o", "json"],
+    )
+    .await;
+    assert_eq!(json_of(&gone)["deleted"], json!(true));
+    let again = ax_cli(
+        &env,
+        &["limits", "delete", "one", "--queue", "q", "-o", "json"],
+    )
+    .await;
+    assert!(!again.status.success(), "a delete of nothing succeeded");
+    let again: Value = serde_json::from_slice(&again.stdout).unwrap();
+    assert_eq!(again["deleted"], json!(false));
+}
+
+/// Issue 18 §1 / §2.7: `ax flow def X | head` panicked on the broken pipe. Whatever the
+/// command, a reader that has gone ends it quietly with success.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_that_has_gone_ends_any_command_quietly_with_success() {
+    let env = Env::start(Env::server().task_index(true)).await;
+    set(&env, json!({"name": "one", "queue": "q", "rate": 5.0})).await;
+    let commands: &[&[&str]] = &[
+        &["limits", "list"],
+        &["limits", "list", "-o", "json"],
+        &["limits", "get", "one", "--queue", "q"],
+        &["limits", "status"],
+        &["queue", "list"],
+        &["queue", "list", "-o", "json"],
+        &["completions", "bash"],
+    ];
+    for args in commands {
+        let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_ax"))
+            .args(*args)
+            .env("NATS_URL", env.nats.url())
+            .env("RUST_BACKTRACE", "1")
+            .env("RUST_LOG", "warn")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        drop(child.stdout.take()); // `| head` that has read what it wanted
+        let out = child.wait_with_output().await.unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{args:?}: {:?} {err}", out.status);
+        assert!(
+            !err.contains("panicked") && !err.contains("error"),
+            "{args:?}: {err}"
+        );
+    }
+}
+
+/// Issue 18 §2.2: at the slowest rate accepted, waiting tasks are handed back for at most
+/// an hour at a time (before, a rate of 1e-11/s handed them back 8,710 times in 4 s): the
+/// burst starts, the rest wait, each handed back once or twice, none started.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_the_slowest_rate_the_burst_starts_and_the_rest_wait_without_a_storm() {
+    let env = Env::start(Env::server()).await;
+    set(
+        &env,
+        json!({"name": "slowest", "queue": "q", "task": "s", "rate": 0.000001, "burst": 2}),
+    )
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let journal = dir.path().join("w.jsonl");
+    let port = crate::procs::free_port();
+    let _w = AxProc::spawn_with_metrics(
+        &env.nats.url(),
+        &[
+            "worker",
+            "--example",
+            "--queue",
+            "q",
+            "--fail-rate",
+            "0",
+            "--journal",
+            journal.to_str().unwrap(),
+        ],
+        &format!("127.0.0.1:{port}"),
+    );
+    let ids = submit_keyed(&env, 5, "s", "k", 5).await;
+    crate::support::eventually(Duration::from_secs(15), "the burst to start", || async {
+        (runs_started(std::slice::from_ref(&journal)).len() >= 2).then_some(())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(
+        runs_started(std::slice::from_ref(&journal)).len(),
+        2,
+        "beyond the burst"
+    );
+    let mut waiting = 0;
+    for id in &ids {
+        let (rec, _) = env.ax.task(id).await.unwrap().unwrap();
+        waiting += usize::from(rec.waiting.is_some_and(|w| w.reason == "rate_limit"));
+    }
+    assert_eq!(
+        waiting, 3,
+        "the tasks beyond the burst say they wait for the rate"
+    );
+    let metrics = crate::procs::scrape(port).await;
+    let waits: f64 = metrics
+        .lines()
+        .filter(|l| l.starts_with("ax_limit_waits_total"))
+        .filter_map(|l| l.split_whitespace().last()?.parse::<f64>().ok())
+        .sum();
+    assert!(
+        (3.0..=9.0).contains(&waits),
+        "3 waiting tasks handed back {waits} times in 4 s"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_expires_after_its_own_queue_s_ack_wait() {
+    let env = Env::start(Env::server()).await;
+    // Another queue with a long ack wait (as `ax streams apply --queue other --ack-wait
+    // 60s` makes it) must not lengthen the slots of this one (ack wait 1 s here).
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_ax"))
+        .args([
+            "--url",
+            &env.nats.url(),
+            "streams",
+            "apply",
+            "--queue",
+            "other",
+        ])
+        .args(["--ack-wait", "60s"])
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    set(
+        &env,
+        json!({"name": "one", "queue": "q", "task": "single", "concurrency": 1}),
+    )
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let (ja, jb) = (dir.path().join("a.jsonl"), dir.path().join("b.jsonl"));
+    let mut a = spawn_worker(&env.nats.url(), &ja, 4);
+    let long = submit_keyed(&env, 1, "single", "k", 60_000).await.remove(0);
+    crate::support::eventually(Duration::from_secs(10), "the long task on a", || async {
+        runs_started(std::slice::from_ref(&ja))
+            .contains(&long)
+            .then_some(())
+    })
+    .await;
+    let next = submit_keyed(&env, 1, "single", "k", 10).await.remove(0);
+    a.kill9();
+    let killed = std::time::Instant::now();
+    let _b = spawn_worker(&env.nats.url(), &jb, 4);
+    crate::support::eventually(
+        Duration::from_secs(30),
+        "b to start the singleton",
+        || async {
+            let started = runs_started(std::slice::from_ref(&jb));
+            (started.contains(&next) || started.contains(&long)).then_some(())
+        },
+    )
+    .await;
+    assert!(
+        killed.elapsed() < Duration::from_secs(6),
+        "the slot outlived its queue's ack wait: {:?}",
+        killed.elapsed()
+    );
+}

@@ -74,7 +74,8 @@ enum Command {
         #[command(subcommand)]
         command: streams::StreamsCommand,
     },
-    /// Rate limits and concurrency caps shared by every worker (set, get, list, delete).
+    /// Rate limits and concurrency caps shared by every worker (set, get, list, status,
+    /// delete).
     Limits {
         #[command(subcommand)]
         command: limits::LimitsCommand,
@@ -129,8 +130,22 @@ pub(crate) fn shutdown_on_signal() -> CancellationToken {
     token
 }
 
+/// Errors are printed as one line naming what was refused (no backtrace) and exit 1; a
+/// reader that has gone (`ax … | head`) ends the command quietly with success.
 #[tokio::main]
-async fn main() -> Result<()> {
+async fn main() -> std::process::ExitCode {
+    out::quiet_on_broken_pipe();
+    match run().await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) if out::broken_pipe(&e) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {}", out::error_text(&e));
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run() -> Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -149,13 +164,16 @@ async fn main() -> Result<()> {
         Command::Queue { command } => queue::run(command, conn, cli.output).await,
         Command::Completions { shell } => {
             use clap::CommandFactory;
-            clap_complete::generate(shell, &mut Cli::command(), "ax", &mut std::io::stdout());
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut Cli::command(), "ax", &mut script);
+            // A write error (a broken pipe) is an error here, not a panic.
+            std::io::Write::write_all(&mut std::io::stdout(), &script)?;
             Ok(())
         }
         Command::Streams { command } => streams::run(command, conn).await,
         Command::Trigger { command } => trigger::run(command, conn).await,
         Command::Flow { command } => flow::run(command, conn, cli.output).await,
-        Command::Limits { command } => limits::run(command, conn).await,
+        Command::Limits { command } => limits::run(command, conn, cli.output).await,
         Command::Apply { file, no_prune } => trigger::apply(&file, no_prune, conn).await,
         Command::Demo(args) => demo::run(args, conn).await,
     }

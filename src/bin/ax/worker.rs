@@ -34,10 +34,16 @@ pub(crate) struct WorkerArgs {
     /// Share of attempts the example handler fails (retryably).
     #[arg(long, default_value_t = 0.2)]
     fail_rate: f64,
-    /// Example handler run time (default: random 50-300 ms).
+    /// Example handler run time, a duration with its unit: `250ms`, `2s`, `1m 30s` (a bare
+    /// number is refused). Default: random 50-300 ms; a payload's `sleep_ms` wins.
     #[arg(long, value_parser = humantime::parse_duration)]
     sleep: Option<Duration>,
-    /// Append a JSON line per invocation start and end to this file.
+    /// Append one JSON line per handler start and one per end to this file (created if
+    /// missing; never truncated). A start: `{"event": "start", "id", "attempt", "token"
+    /// (the fencing token, 0 when the handler did not ask for one), "worker", "name",
+    /// "at_ms"}`; an end: `{"event": "end", "id", "attempt", "token", "outcome", "at_ms"}`,
+    /// `outcome` being `ok`, `err:<class>`, or `stopped` (the worker dropped the handler:
+    /// a cancel, a lost concurrency slot, a shutdown). For checkers counting every run.
     #[arg(long)]
     journal: Option<PathBuf>,
     /// Worker id stored in task records.
