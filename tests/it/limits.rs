@@ -193,11 +193,12 @@ async fn a_rate_limited_key_stays_within_its_rate_while_another_key_runs_at_full
         span(&hot_starts) >= 4_000,
         "100 at 20/s after a burst of 5 take ≥ 4.75 s"
     );
-    // Not held up behind the hot key: far above its 20/s (a loaded machine still does
-    // hundreds per second here), while the hot key's starts were spread over ≥ 4 s.
+    // Not held up behind the hot key: well above its 20/s, while the hot key's starts
+    // were spread over ≥ 4 s. The bound is twice the hot key's rate, not a speed target:
+    // a 2-core machine running the whole suite beside it did 82–98/s, alone 300+/s.
     let cold_rate = 400.0 * 1000.0 / span(&cold_starts).max(1) as f64;
     assert!(
-        cold_rate > 100.0,
+        cold_rate > 40.0,
         "the cold key ran at {cold_rate:.0}/s (hot: {} ms for 100)",
         span(&hot_starts)
     );
