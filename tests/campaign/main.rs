@@ -515,6 +515,29 @@ async fn campaign(cluster: bool) {
         produce(ax.clone(), log.clone(), seed, until),
     );
     procs.lock().unwrap().all_up();
+    // Faults have stopped: the system must recover and handle scheduled times again
+    // before the window closes (an R3 cluster whose node came back in the last seconds
+    // may take longer than the checker's 10 s to elect and answer). If it does not
+    // within 60 s, the window closes anyway and the checker reports the stall.
+    let healed_ms = now_ms();
+    let _ = tokio::time::timeout(Duration::from_secs(60), async {
+        loop {
+            let mut recovered = true;
+            for (name, _) in TRIGGERS.iter().filter(|t| t.1 != "fixed_delay") {
+                let last = ax
+                    .trigger("get", &serde_json::json!({"name": name}))
+                    .await
+                    .ok()
+                    .and_then(|got| got["state"]["last_scheduled_ms"].as_u64());
+                recovered &= last.is_some_and(|l| l > healed_ms + 2_000);
+            }
+            if recovered {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    })
+    .await;
     // Close the window: stop the triggers (retrying while servers come back).
     for name in TRIGGERS.iter().map(|t| t.0).chain(["t-manual"]) {
         support::eventually(Duration::from_secs(60), "a trigger to pause", || async {
