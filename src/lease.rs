@@ -166,3 +166,26 @@ impl Lease {
         }
     }
 }
+
+/// The holder of lease `key` (`triggers`, `flows`) as the `leader` API operations answer
+/// it: `{"leader": <server id or null>}` (null when nobody holds it).
+pub(crate) async fn leader(
+    js: &async_nats::jetstream::Context,
+    key: &str,
+) -> Result<serde_json::Value, crate::protocol::WireError> {
+    let unavailable =
+        |e: String| crate::protocol::WireError::new(crate::protocol::ErrorCode::Unavailable, e);
+    let leases = js
+        .get_key_value(crate::names::LEASES_BUCKET)
+        .await
+        .map_err(|e| unavailable(e.to_string()))?;
+    let lease = leases
+        .get(key)
+        .await
+        .map_err(|e| unavailable(e.to_string()))?;
+    let holder = lease
+        .and_then(|v| serde_json::from_slice::<LeaseValue>(&v).ok())
+        .map(|v| v.holder)
+        .filter(|h| !h.is_empty());
+    Ok(serde_json::json!({ "leader": holder }))
+}

@@ -185,28 +185,9 @@ impl FlowApi {
                 runs.truncate(req.limit.unwrap_or(100));
                 Ok(json!(runs.iter().map(summary).collect::<Vec<_>>()))
             }
+            // The flow engine's lease: which server drives the running runs now.
             "leader" => {
-                // The flow engine's lease: which server drives the running runs now (its
-                // id: `--id`, or `<pid>-<nuid>` by default).
-                let leases = self
-                    .admission
-                    .js
-                    .get_key_value(crate::names::LEASES_BUCKET)
-                    .await
-                    .map_err(|e| WireError::new(ErrorCode::Unavailable, e.to_string()))?;
-                let lease = leases
-                    .get("flows")
-                    .await
-                    .map_err(|e| WireError::new(ErrorCode::Unavailable, e.to_string()))?;
-                let value: Value = lease
-                    .and_then(|v| serde_json::from_slice(&v).ok())
-                    .unwrap_or(Value::Null);
-                let holder = value
-                    .get("holder")
-                    .filter(|h| h.as_str().is_some_and(|h| !h.is_empty()))
-                    .cloned()
-                    .unwrap_or(Value::Null);
-                Ok(json!({ "leader": holder }))
+                crate::lease::leader(&self.admission.js, crate::flow::engine::FLOWS_KEY).await
             }
             "cancel" => {
                 let RunId { run } = decode(body)?;

@@ -99,23 +99,8 @@ impl TriggerApi {
                 let req: ApplyRequest = serde_json::from_slice(body).map_err(bad)?;
                 self.apply(req).await
             }
-            "leader" => {
-                // The trigger engine's lease: who fires the scheduled triggers now.
-                let leases = self
-                    .admission
-                    .js
-                    .get_key_value(crate::names::LEASES_BUCKET)
-                    .await
-                    .map_err(|e| WireError::new(ErrorCode::Unavailable, e.to_string()))?;
-                let lease = leases
-                    .get("triggers")
-                    .await
-                    .map_err(|e| WireError::new(ErrorCode::Unavailable, e.to_string()))?;
-                let value: Value = lease
-                    .and_then(|v| serde_json::from_slice(&v).ok())
-                    .unwrap_or(Value::Null);
-                Ok(json!({"leader": value.get("holder").cloned().unwrap_or(Value::Null)}))
-            }
+            // The trigger engine's lease: who fires the scheduled triggers now.
+            "leader" => crate::lease::leader(&self.admission.js, crate::lease::TRIGGERS_KEY).await,
             "list" => {
                 let now = self.clock.now_ms();
                 let mut out = Vec::new();
