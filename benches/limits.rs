@@ -1,9 +1,12 @@
-//! Limits (issue 10): the overhead of a generous limit against none, and the accuracy of a
-//! rate limit (achieved / configured) at 10, 100 and 1,000 starts per second.
+//! Limits (issues 10, 18): the overhead of a generous limit against none; the accuracy of
+//! a rate limit (achieved / configured) and the most *handler starts* in any 1 s window at
+//! 10, 100 and 1,000 starts per second; and the utilisation of a saturated concurrency cap
+//! (busy slot-time / capacity) whose tasks finish at 10, 100 and 1,000 per second.
 //!
 //! Run: `./dev bench limits`. AX_BENCH_TASKS (default 20,000) tasks per overhead run;
-//! AX_BENCH_SECS (default 5) seconds of backlog per accuracy run. Two workers of
-//! concurrency 256 in this process. Printed, not asserted (docs/PERFORMANCE.md).
+//! AX_BENCH_SECS (default 5) seconds of backlog per accuracy and cap run. Two workers of
+//! concurrency 256 in this process. Printed, not asserted (docs/PERFORMANCE.md; the
+//! integration tests `limits_pace` assert looser bounds beside the whole suite).
 
 mod common;
 
@@ -16,12 +19,25 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
-type Starts = Arc<Mutex<Vec<(String, u64)>>>;
+/// Per handler run: task name, start and end (µs since the epoch).
+type Starts = Arc<Mutex<Vec<(String, u64, u64)>>>;
+
+fn now_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_micros() as u64
+}
 
 async fn submit_all(ax: &Client, n: usize, name: &str, key: Option<&str>) {
+    submit_sleeping(ax, n, name, key, 0).await
+}
+
+async fn submit_sleeping(ax: &Client, n: usize, name: &str, key: Option<&str>, sleep_us: u64) {
     let mut submits = futures::stream::iter(0..n)
         .map(|_| {
-            let mut spec = TaskSpec::new(name.to_string());
+            let mut spec =
+                TaskSpec::new(name.to_string()).json(&serde_json::json!({ "sleep_us": sleep_us }));
             if let Some(k) = key {
                 spec = spec.limit_key(k);
             }
@@ -40,7 +56,7 @@ async fn wait_for(starts: &Starts, name: &str, n: usize) {
             .lock()
             .unwrap()
             .iter()
-            .filter(|(t, _)| t == name)
+            .filter(|(t, _, _)| t == name)
             .count();
         if done >= n {
             return;
@@ -78,8 +94,17 @@ fn main() {
             let worker = Worker::builder("lim")
                 .concurrency(256)
                 .handler(move |task: Task| {
-                    starts.lock().unwrap().push((task.name.clone(), now_ms()));
-                    async { Ok(()) }
+                    let starts = starts.clone();
+                    async move {
+                        let start = now_us();
+                        let p: serde_json::Value = task.json().unwrap_or_default();
+                        let sleep = p["sleep_us"].as_u64().unwrap_or(0);
+                        if sleep > 0 {
+                            tokio::time::sleep(Duration::from_micros(sleep)).await;
+                        }
+                        starts.lock().unwrap().push((task.name.clone(), start, now_us()));
+                        Ok(())
+                    }
                 })
                 .build()
                 .unwrap();
@@ -127,25 +152,49 @@ fn main() {
                 .lock()
                 .unwrap()
                 .iter()
-                .filter(|(t, _)| *t == name)
-                .map(|(_, at)| *at)
+                .filter(|(t, _, _)| *t == name)
+                .map(|(_, at, _)| *at)
                 .collect();
             times.sort_unstable();
             let first = burst - 1;
-            let span = (times[times.len() - 1] - times[first]).max(1) as f64 / 1000.0;
+            let span = (times[times.len() - 1] - times[first]).max(1) as f64 / 1e6;
             let achieved = (times.len() - 1 - first) as f64 / span;
-            let mut most = 0;
-            let mut lo = 0;
-            for hi in 0..times.len() {
-                while times[hi] - times[lo] >= 1000 {
-                    lo += 1;
-                }
-                most = most.max(hi - lo + 1);
-            }
+            let most = most_in_window(&times, 1_000_000);
             println!(
-                "rate {rate}/s, burst {burst}: {count} starts, after the first burst {achieved:.1}/s (achieved/configured {:.3}); most in any 1 s window {most} (allowed {})",
+                "rate {rate}/s, burst {burst}: {count} starts, after the first burst {achieved:.1}/s (achieved/configured {:.3}); most handler starts in any 1 s window {most} (allowed burst + rate = {})",
                 achieved / rate as f64,
                 rate + burst
+            );
+        }
+
+        // Caps: a backlog of `secs` seconds of work for a cap of 5, with tasks that take
+        // 500, 50 and 5 ms (the cap passes 10, 100 and 1,000 tasks a second when full).
+        for (per_s, cap) in [(10usize, 5usize), (100, 5), (1000, 5)] {
+            let name = format!("c{per_s}");
+            ax.limits("put", &serde_json::json!({"name": name, "queue": "lim", "task": name,
+                "concurrency": cap}))
+                .await
+                .unwrap();
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let count = per_s * secs;
+            let sleep_us = 1_000_000 * cap as u64 / per_s as u64;
+            submit_sleeping(&ax, count, &name, None, sleep_us).await;
+            wait_for(&starts, &name, count).await;
+            let runs: Vec<(u64, u64)> = starts
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|(t, _, _)| *t == name)
+                .map(|(_, s, e)| (*s, *e))
+                .collect();
+            let busy: u64 = runs.iter().map(|(s, e)| e - s).sum();
+            let first = runs.iter().map(|r| r.0).min().unwrap();
+            let last = runs.iter().map(|r| r.1).max().unwrap();
+            let used = busy as f64 / (cap as f64 * (last - first).max(1) as f64);
+            println!(
+                "cap {cap}, tasks of {} ms ({per_s}/s when full): {count} tasks, utilisation {used:.3} (busy slot-time / cap × span), most running at once {}",
+                sleep_us as f64 / 1000.0,
+                most_open(&runs)
             );
         }
         let (_, rss) = usage(std::process::id());
@@ -156,4 +205,28 @@ fn main() {
         }
         server.await.unwrap().unwrap();
     });
+}
+
+/// Most of the sorted `times` in any window of `window` (µs, half-open).
+fn most_in_window(times: &[u64], window: u64) -> usize {
+    let (mut most, mut lo) = (0, 0);
+    for hi in 0..times.len() {
+        while times[hi] - times[lo] >= window {
+            lo += 1;
+        }
+        most = most.max(hi - lo + 1);
+    }
+    most
+}
+
+/// Most runs open at once.
+fn most_open(runs: &[(u64, u64)]) -> usize {
+    let mut edges: Vec<(u64, i32)> = runs.iter().flat_map(|(s, e)| [(*s, 1), (*e, -1)]).collect();
+    edges.sort();
+    let (mut now, mut most) = (0i32, 0i32);
+    for (_, d) in edges {
+        now += d;
+        most = most.max(now);
+    }
+    most as usize
 }

@@ -36,6 +36,18 @@ pub const LIMITS_BUCKET: &str = "AX_LIMITS";
 pub const LIMIT_STATE_BUCKET: &str = "AX_LIMIT_STATE";
 /// KV bucket of concurrency slots (one key per held slot; `max_age` = the ack wait).
 pub const LIMIT_SLOTS_BUCKET: &str = "AX_LIMIT_SLOTS";
+/// Subject prefix of slot releases: `ax.slots.freed.<cap bucket key>` (core NATS, no
+/// stream), published by a worker that deleted a concurrency slot so a worker holding a
+/// delivery for that cap tries at once.
+pub const SLOTS_FREED_PREFIX: &str = "ax.slots.freed";
+
+/// The subject announcing a freed slot of the cap bucket `bucket`
+/// (`<queue>.<limit>.all` or `<queue>.<limit>.k<hex>`), or, given a queue, the prefix of
+/// every release of that queue's caps.
+pub fn slot_freed_subject(bucket: &str) -> String {
+    format!("{SLOTS_FREED_PREFIX}.{bucket}")
+}
+
 /// Subject prefix of the limits API: `ax.limit.<op>`.
 pub const LIMIT_API_PREFIX: &str = "ax.limit.";
 /// Subject prefix of the trigger management API: `ax.trigger.<op>`.

@@ -1,8 +1,9 @@
 //! The limits API: requests on `ax.limit.<op>` (`put`, `get`, `list`, `delete`,
 //! `status`) with JSON bodies, answered `{"ok": …}` or `{"error": …}` (docs/PROTOCOL.md
 //! §7). Definitions live in `AX_LIMITS`; every worker of the queue follows them and
-//! applies a change within a second, to tasks already queued too (they pass the gate when
-//! they are delivered). A delete of a limit that does not exist answers `deleted: false`.
+//! applies a change to its next deliveries within a second, to tasks already queued too
+//! (a task handed back by a rate comes back within one interval of the old rate, at most
+//! an hour). A delete of a limit that does not exist answers `deleted: false`.
 
 use super::model::LimitDef;
 use crate::names::LIMITS_BUCKET;

@@ -1,7 +1,9 @@
 //! The worker's gate: before a delivery is claimed (so no attempt is counted), the task
 //! takes a token of every rate limit that applies, most specific first (per key, task
-//! name, queue), then a slot of every concurrency cap. Over a limit, the delivery is handed
-//! back with a delay (Nak): the task is not failed, and tasks of other keys flow past it.
+//! name, queue), then a slot of every concurrency cap. Over a limit, the delivery is held
+//! for a reserved token or a freed slot, within a horizon and while the worker holds fewer
+//! than its budget; else it is handed back with a delay (Nak). Either way the task is not
+//! failed, and tasks of other keys flow past it (docs/ARCHITECTURE.md "Limits").
 //!
 //! Shared state lives in KV, so every worker process and server counts against the same
 //! limits: a bucket's TAT in `AX_LIMIT_STATE` (compare-and-set), a slot as a key of
@@ -12,7 +14,9 @@ use super::expiry;
 use super::gcra;
 use super::model::LimitDef;
 use crate::metrics as m;
-use crate::names::{LIMITS_BUCKET, LIMIT_SLOTS_BUCKET, LIMIT_STATE_BUCKET};
+use crate::names::{
+    slot_freed_subject, LIMITS_BUCKET, LIMIT_SLOTS_BUCKET, LIMIT_STATE_BUCKET, SLOTS_FREED_PREFIX,
+};
 use crate::task::TaskMeta;
 use async_nats::jetstream::{self, kv};
 use bytes::Bytes;
@@ -22,6 +26,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
@@ -31,6 +36,22 @@ const CAS_TRIES: usize = 8;
 /// more starts than allowed, at most this much later than their token).
 const BATCH_LIFETIME: Duration = Duration::from_millis(2);
 
+/// How long before its token is due a held delivery is claimed: the claim happens in this
+/// lead and the handler starts at the token's due time, so handler starts follow the
+/// tokens' spacing (not the claim's varying round trip).
+pub(crate) const LEAD: Duration = Duration::from_millis(10);
+
+/// A delivery whose token came due longer ago than this before it could be claimed gives
+/// the token up (see [`Gate::admit`]).
+const MAX_LATE: Duration = Duration::from_millis(10);
+
+/// The longest a delivery is held for a reserved token (a token due later is not booked:
+/// the delivery is handed back until about then).
+const MAX_RATE_HOLD: Duration = Duration::from_secs(1);
+
+/// The longest a delivery is held waiting for a freed slot before it is handed back.
+const MAX_SLOT_HOLD: Duration = Duration::from_secs(10);
+
 /// How long a delivery of a paused queue is handed back for (the worker stops fetching
 /// while paused; only deliveries already on their way meet this).
 const PAUSED_DELAY: Duration = Duration::from_secs(2);
@@ -39,6 +60,8 @@ const PAUSED_DELAY: Duration = Duration::from_secs(2);
 struct LocalBucket {
     tokens: u32,
     taken_at: std::time::Instant,
+    /// When the batch's tokens are due (µs since the epoch).
+    due_us: u64,
 }
 
 impl Default for LocalBucket {
@@ -46,6 +69,7 @@ impl Default for LocalBucket {
         LocalBucket {
             tokens: 0,
             taken_at: std::time::Instant::now(),
+            due_us: 0,
         }
     }
 }
@@ -72,8 +96,12 @@ impl Reason {
 
 /// What the gate decided.
 pub(crate) enum Admit {
-    /// Start: hold these slots until the attempt ends.
-    Go(Vec<Slot>),
+    /// Start: hold these slots until the attempt ends; with rate tokens, start the handler
+    /// at `start_at` (the tokens' due time, at most [`LEAD`] from now).
+    Go {
+        slots: Vec<Slot>,
+        start_at: Option<tokio::time::Instant>,
+    },
     /// Hand the delivery back for `delay`.
     Wait {
         delay: Duration,
@@ -106,6 +134,15 @@ pub(crate) struct Gate {
     /// Per bucket: this worker's batch of tokens, and the lock that makes its takes of
     /// one bucket go one at a time.
     local: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<LocalBucket>>>>,
+    /// Deliveries this worker may hold at once for a reserved token or a freed slot (the
+    /// rest of its concurrency stays free for tasks of other keys).
+    holds: Arc<Semaphore>,
+    /// How long a delivery is held for a reserved token / for a freed slot.
+    rate_hold: Duration,
+    slot_hold: Duration,
+    /// Per cap bucket with waiting deliveries: woken by a release (`ax.slots.freed.…`).
+    freed: std::sync::Mutex<HashMap<String, Arc<Notify>>>,
+    shutdown: CancellationToken,
 }
 
 fn micros() -> u64 {
@@ -131,12 +168,16 @@ pub(crate) fn bucket_key(def: &LimitDef, limit_key: Option<&str>) -> String {
 impl Gate {
     /// A gate for `queue` that follows the limit definitions from now on (waiting for the
     /// buckets, with one log line, if they do not exist yet).
+    ///
+    /// `max_held`: how many deliveries may wait in the gate at once (for a reserved token
+    /// or a freed slot); `slot_ttl` is the queue's ack wait, which also bounds how long one
+    /// is held (a quarter of it for a token, at most 1 s; half for a slot, at most 10 s).
     pub(crate) fn start(
         js: jetstream::Context,
         queue: &str,
         holder: String,
-        renew_every: Duration,
-        slot_ttl: Duration,
+        (renew_every, slot_ttl): (Duration, Duration),
+        max_held: usize,
         shutdown: CancellationToken,
     ) -> Arc<Gate> {
         let gate = Arc::new(Gate {
@@ -149,9 +190,64 @@ impl Gate {
             ready: tokio::sync::watch::channel(false).0,
             paused: tokio::sync::watch::channel(false).0,
             local: Default::default(),
+            holds: Arc::new(Semaphore::new(max_held.max(1))),
+            rate_hold: (slot_ttl / 4).min(MAX_RATE_HOLD),
+            slot_hold: (slot_ttl / 2).min(MAX_SLOT_HOLD),
+            freed: Default::default(),
+            shutdown: shutdown.clone(),
         });
+        tokio::spawn(gate.clone().listen_freed(js.client(), shutdown.clone()));
         tokio::spawn(gate.clone().follow(js, shutdown));
         gate
+    }
+
+    /// Follows slot releases of this queue's caps (`ax.slots.freed.<queue>.>`, core NATS)
+    /// and wakes one delivery waiting for a slot of that cap, if any.
+    async fn listen_freed(
+        self: Arc<Gate>,
+        client: async_nats::Client,
+        shutdown: CancellationToken,
+    ) {
+        let filter = format!("{}.>", slot_freed_subject(&self.queue));
+        let prefix = format!("{}.", SLOTS_FREED_PREFIX);
+        let Some(mut sub) = crate::retry::until_ok("slot releases", &shutdown, || async {
+            client
+                .subscribe(filter.clone())
+                .await
+                .map_err(|e| e.to_string())
+        })
+        .await
+        else {
+            return;
+        };
+        loop {
+            let msg = tokio::select! {
+                _ = shutdown.cancelled() => return,
+                msg = sub.next() => msg,
+            };
+            let Some(msg) = msg else { return };
+            let Some(bucket) = msg.subject.as_str().strip_prefix(&prefix) else {
+                continue;
+            };
+            let notify = self
+                .freed
+                .lock()
+                .expect("not poisoned")
+                .get(bucket)
+                .cloned();
+            if let Some(n) = notify {
+                n.notify_one();
+            }
+        }
+    }
+
+    /// The wake-up of deliveries waiting for a slot of the cap bucket `base`.
+    fn freed_notify(&self, base: &str) -> Arc<Notify> {
+        let mut all = self.freed.lock().expect("not poisoned");
+        if all.len() > 10_000 {
+            all.retain(|_, n| Arc::strong_count(n) > 1);
+        }
+        all.entry(base.to_string()).or_default().clone()
     }
 
     async fn follow(self: Arc<Gate>, js: jetstream::Context, shutdown: CancellationToken) {
@@ -304,7 +400,10 @@ impl Gate {
         }
         let limits = self.applicable(meta);
         if limits.is_empty() {
-            return Admit::Go(Vec::new());
+            return Admit::Go {
+                slots: Vec::new(),
+                start_at: None,
+            };
         }
         let Some(buckets) = self.buckets.read().expect("not poisoned").clone() else {
             return Admit::Wait {
@@ -314,53 +413,110 @@ impl Gate {
             };
         };
         let key = meta.limit_key.as_deref();
+        // A delivery held for a reserved token or a freed slot keeps this permit.
+        let mut hold: Option<OwnedSemaphorePermit> = None;
+        let mut due_us: Option<u64> = None;
         for def in limits.iter().filter(|d| d.rate.is_some()) {
-            if let Err(delay) = self.take_token(&buckets.state, def, key).await {
+            match self.take_token(&buckets.state, def, key, &mut hold).await {
+                Ok(due) => due_us = due_us.max(Some(due)),
+                Err(delay) => {
+                    return Admit::Wait {
+                        delay,
+                        reason: Reason::RateLimit,
+                        limit: def.name.clone(),
+                    }
+                }
+            }
+        }
+        // A reserved token: hold the delivery until just before it is due (its slots are
+        // taken then, and the claim runs in the lead).
+        let start_at = due_us.map(instant_of);
+        if let Some(at) = start_at {
+            tokio::select! {
+                _ = tokio::time::sleep_until(at.checked_sub(LEAD).unwrap_or(at)) => {}
+                _ = self.shutdown.cancelled() => return shutting_down(),
+            }
+            // Woken far too late (the process stalled): starting now would bunch this
+            // start with the ones due after it. Give the token up and come back for
+            // another at once.
+            if tokio::time::Instant::now() > at + MAX_LATE {
+                debug!(task_id = %meta.id, "rate token missed (the worker ran late); handed back");
                 return Admit::Wait {
-                    delay,
+                    delay: Duration::ZERO,
                     reason: Reason::RateLimit,
-                    limit: def.name.clone(),
+                    limit: String::new(),
                 };
             }
         }
-        let mut held = Vec::new();
-        for def in limits.iter().filter(|d| d.concurrency.is_some()) {
-            match self.take_slot(&buckets, def, key).await {
-                Ok(Some(slot)) => held.push(slot),
-                Ok(None) => {
-                    drop(held); // never keep a slot while waiting
-                    return Admit::Wait {
-                        delay: slot_delay(delivered),
-                        reason: Reason::Concurrency,
-                        limit: def.name.clone(),
-                    };
-                }
-                Err(()) => {
-                    drop(held);
-                    return Admit::Wait {
-                        delay: Duration::from_secs(1),
-                        reason: Reason::Unavailable,
-                        limit: def.name.clone(),
-                    };
+        let caps: Vec<&LimitDef> = limits.iter().filter(|d| d.concurrency.is_some()).collect();
+        if caps.is_empty() {
+            return Admit::Go {
+                slots: Vec::new(),
+                start_at,
+            };
+        }
+        let deadline = tokio::time::Instant::now() + self.slot_hold;
+        'all: loop {
+            let mut held = Vec::new();
+            for def in &caps {
+                match self.take_slot(&buckets, def, key).await {
+                    Ok(Some(slot)) => held.push(slot),
+                    Ok(None) => {
+                        drop(held); // never keep a slot while waiting
+                        if hold.is_none() {
+                            hold = self.holds.clone().try_acquire_owned().ok();
+                        }
+                        if hold.is_some() && tokio::time::Instant::now() < deadline {
+                            // Wait for a release of this cap (or the hold's end), then try
+                            // every cap again.
+                            let notify = self.freed_notify(&bucket_key(def, key));
+                            tokio::select! {
+                                _ = notify.notified() => continue 'all,
+                                _ = tokio::time::sleep_until(deadline) => {}
+                                _ = self.shutdown.cancelled() => return shutting_down(),
+                            }
+                        }
+                        return Admit::Wait {
+                            delay: slot_delay(delivered),
+                            reason: Reason::Concurrency,
+                            limit: def.name.clone(),
+                        };
+                    }
+                    Err(()) => {
+                        drop(held);
+                        return Admit::Wait {
+                            delay: Duration::from_secs(1),
+                            reason: Reason::Unavailable,
+                            limit: def.name.clone(),
+                        };
+                    }
                 }
             }
+            return Admit::Go {
+                slots: held,
+                start_at,
+            };
         }
-        Admit::Go(held)
     }
 
-    /// Takes one token of `def`'s bucket, or says how long until one is due, plus a random
-    /// spread of up to 4 intervals (so a backlog does not come back all at one instant;
-    /// spreading it further was measured: it left tokens unused, 0.65–0.76 of the rate). Within this worker the
-    /// takes of one bucket go one at a time, and each read-and-write fetches a small batch
-    /// (up to 2 ms of the rate, at most 64, never more than the burst allows) kept for
-    /// 2 ms: so a busy bucket costs one compare-and-set per batch, not a storm of
-    /// conflicting ones.
+    /// Takes one token of `def`'s bucket and answers when it is due (µs since the epoch,
+    /// at least [`LEAD`] from now): at once if one is free; if the next is due within the
+    /// hold horizon and this worker may hold one more delivery, that token is **reserved**
+    /// (the delivery is held and starts when it is due); else it says how long to hand the
+    /// delivery back for: until the next token is due, plus a random spread of up to as
+    /// long again (at most the horizon), so a backlog does not come back at one instant.
+    ///
+    /// Within this worker the takes of one bucket go one at a time, and each
+    /// read-and-write fetches a small batch (up to 2 ms of the rate, at most 64, never more
+    /// than the burst allows) kept for 2 ms: so a busy bucket costs one compare-and-set per
+    /// batch, not a storm of conflicting ones.
     async fn take_token(
         &self,
         state: &kv::Store,
         def: &LimitDef,
         limit_key: Option<&str>,
-    ) -> Result<(), Duration> {
+        hold: &mut Option<OwnedSemaphorePermit>,
+    ) -> Result<u64, Duration> {
         let rate = def.rate.unwrap_or(1.0);
         let interval = gcra::interval_us(rate);
         let burst = def.burst();
@@ -375,9 +531,10 @@ impl Gate {
         let mut local = local.lock().await;
         if local.tokens > 0 && local.taken_at.elapsed() < BATCH_LIFETIME {
             local.tokens -= 1;
-            return Ok(());
+            return Ok(local.due_us);
         }
         let want = ((rate * BATCH_LIFETIME.as_secs_f64()).ceil() as u32).clamp(1, 64);
+        let horizon = self.rate_hold.as_micros() as u64;
         for _ in 0..CAS_TRIES {
             let entry = match state.entry(&key).await {
                 Ok(e) => e,
@@ -396,34 +553,51 @@ impl Gate {
                 Some(e) => (None, Some(e.revision)),
                 None => (None, None),
             };
-            let now = micros();
-            match gcra::take_up_to(tat, now, interval, burst, want) {
-                Err(wait_us) => {
-                    if !def.per_key {
-                        metrics::gauge!(m::LIMIT_TOKENS, "queue" => def.queue.clone(), "limit" => def.name.clone())
-                            .set(0.0);
-                    }
-                    // At most an hour: a longer wait is checked again then (the broker
-                    // takes no delay past an i64 of nanoseconds).
-                    let spread = rand::rng().random_range(0..=interval.saturating_mul(4));
-                    return Err(gcra::wait_delay(wait_us, spread));
-                }
-                Ok((got, next)) => {
-                    let body = Bytes::from(next.to_string());
-                    let stored = match rev {
-                        Some(rev) => state.update(&key, body, rev).await.is_ok(),
-                        None => state.create(&key, body).await.is_ok(),
-                    };
-                    if stored {
-                        if !def.per_key {
-                            metrics::gauge!(m::LIMIT_TOKENS, "queue" => def.queue.clone(), "limit" => def.name.clone())
-                                .set(gcra::tokens(next, now, interval, burst));
+            // Tokens are taken for a moment `LEAD` ahead: the claim runs meanwhile.
+            let now = micros() + LEAD.as_micros() as u64;
+            let (got, next, due) = match gcra::take_up_to(tat, now, interval, burst, want) {
+                Ok((got, next)) => (got, next, now),
+                Err(wait) => {
+                    let reserved = match hold {
+                        Some(_) => true,
+                        None if wait <= horizon => {
+                            *hold = self.holds.clone().try_acquire_owned().ok();
+                            hold.is_some()
                         }
-                        local.tokens = got - 1;
-                        local.taken_at = std::time::Instant::now();
-                        return Ok(());
+                        None => false,
+                    };
+                    match gcra::reserve(tat, now, interval, burst, horizon)
+                        .ok()
+                        .filter(|_| reserved)
+                    {
+                        Some((due, next)) => (1, next, due),
+                        None => {
+                            if !def.per_key {
+                                metrics::gauge!(m::LIMIT_TOKENS, "queue" => def.queue.clone(), "limit" => def.name.clone())
+                                    .set(0.0);
+                            }
+                            // At most an hour: a longer wait is checked again then (the
+                            // broker takes no delay past an i64 of nanoseconds).
+                            let spread = rand::rng().random_range(0..=wait.min(horizon));
+                            return Err(gcra::wait_delay(wait, spread));
+                        }
                     }
                 }
+            };
+            let body = Bytes::from(next.to_string());
+            let stored = match rev {
+                Some(rev) => state.update(&key, body, rev).await.is_ok(),
+                None => state.create(&key, body).await.is_ok(),
+            };
+            if stored {
+                if !def.per_key {
+                    metrics::gauge!(m::LIMIT_TOKENS, "queue" => def.queue.clone(), "limit" => def.name.clone())
+                        .set(gcra::tokens(next, now, interval, burst));
+                }
+                local.tokens = got - 1;
+                local.taken_at = std::time::Instant::now();
+                local.due_us = due;
+                return Ok(due);
             }
         }
         Err(gcra::wait_delay(interval, 0))
@@ -478,6 +652,20 @@ impl Gate {
     }
 }
 
+/// The instant of a moment in µs since the epoch (now, if it has passed).
+fn instant_of(at_us: u64) -> tokio::time::Instant {
+    tokio::time::Instant::now() + Duration::from_micros(at_us.saturating_sub(micros()))
+}
+
+/// A held delivery meets the worker's shutdown: hand it back at once.
+fn shutting_down() -> Admit {
+    Admit::Wait {
+        delay: Duration::ZERO,
+        reason: Reason::Unavailable,
+        limit: String::new(),
+    }
+}
+
 /// How long a delivery waits for a concurrency slot: 250 ms more per delivery so far, at
 /// most 2 s, shortened by up to 20 %.
 fn slot_delay(delivered: i64) -> Duration {
@@ -497,6 +685,7 @@ pub(crate) struct Slot {
     renew: tokio::task::JoinHandle<()>,
     labels: (String, String),
     lost: CancellationToken,
+    client: async_nats::Client,
 }
 
 impl Slot {
@@ -511,6 +700,7 @@ impl Slot {
     ) -> Slot {
         let rev = Arc::new(AtomicU64::new(rev));
         let lost = CancellationToken::new();
+        let client = js.client();
         let (labels_q, labels_l) = labels.clone();
         let renew = tokio::spawn({
             let (key, rev, lost) = (key.clone(), rev.clone(), lost.clone());
@@ -545,6 +735,7 @@ impl Slot {
             renew,
             labels,
             lost,
+            client,
         }
     }
 
@@ -559,14 +750,20 @@ impl Drop for Slot {
         self.renew.abort();
         metrics::gauge!(m::LIMIT_SLOTS_HELD, "queue" => self.labels.0.clone(), "limit" => self.labels.1.clone())
             .decrement(1.0);
-        let (slots, key, rev) = (
+        let (slots, key, rev, client) = (
             self.slots.clone(),
             self.key.clone(),
             self.rev.load(Ordering::SeqCst),
+            self.client.clone(),
         );
         tokio::spawn(async move {
-            // Only if it is still ours; a failure leaves it to expire.
-            let _ = slots.delete_expect_revision(&key, Some(rev)).await;
+            // Only if it is still ours; a failure leaves it to expire. Then say so, for a
+            // delivery waiting for a slot of this cap (on any worker).
+            if slots.delete_expect_revision(&key, Some(rev)).await.is_ok() {
+                if let Some((base, _)) = key.rsplit_once('.') {
+                    let _ = client.publish(slot_freed_subject(base), Bytes::new()).await;
+                }
+            }
         });
     }
 }

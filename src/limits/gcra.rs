@@ -66,6 +66,32 @@ pub fn take_up_to(
     Ok((got as u32, tat + interval * got))
 }
 
+/// Books the next token even when it is not due yet, if it is due within `horizon_us`
+/// (a reservation: the worker holds the delivery and starts it exactly then): the token's
+/// due time and the new TAT (one interval on); or how long until a token is due (µs, at
+/// least 1) when that is beyond the horizon. Due times of reservations and takes together
+/// keep the GCRA bound: each token is due `interval` after the one before, or at once
+/// within the burst. Saturating as [`take_up_to`]: a TAT that cannot move on grants nothing.
+pub fn reserve(
+    tat_us: Option<u64>,
+    now_us: u64,
+    interval_us: u64,
+    burst: u32,
+    horizon_us: u64,
+) -> Result<(u64, u64), u64> {
+    let interval = interval_us.max(1);
+    let tat = tat_us.unwrap_or(now_us).max(now_us);
+    let tolerance = interval.saturating_mul(u64::from(burst.max(1)) - 1);
+    let wait = (tat - now_us).saturating_sub(tolerance);
+    if wait > horizon_us {
+        return Err(wait);
+    }
+    match tat.checked_add(interval) {
+        Some(next) => Ok((now_us + wait, next)),
+        None => Err(u64::MAX),
+    }
+}
+
 /// The Nak delay of a delivery that must wait `wait_us` (from [`take_up_to`]) plus a
 /// random `spread_us`: never zero, at most [`MAX_WAIT`].
 pub fn wait_delay(wait_us: u64, spread_us: u64) -> Duration {
@@ -192,6 +218,51 @@ mod tests {
                     prop_assert!(
                         n as f64 <= f64::from(burst) + rate * w + 1e-6,
                         "{} tokens in {} s at {}/s, burst {}", n, w, rate, burst
+                    );
+                }
+            }
+        }
+
+        /// Reservations (a denied delivery booking the next token within a horizon)
+        /// mixed with takes: the *due times* of all tokens — when handlers may start —
+        /// never exceed `burst + rate × w` in any window `w`; a reservation is never due
+        /// before `now` nor past the horizon; a refusal says exactly when one would fit.
+        #[test]
+        fn reservations_keep_the_bound_on_due_times(
+            rate in rate(), burst in burst(),
+            start in 0u64..1 << 55,
+            steps in prop::collection::vec((0.0f64..2.0, any::<bool>(), 1u32..=8, 0u64..3_000_000), 1..150),
+        ) {
+            let interval = interval_us(rate);
+            let (mut tat, mut now) = (None, start);
+            let mut due: Vec<u64> = Vec::new();
+            for (frac, reserving, want, horizon) in steps {
+                now += (interval as f64 * frac) as u64;
+                if reserving {
+                    match reserve(tat, now, interval, burst, horizon) {
+                        Ok((at, next)) => {
+                            prop_assert!(at >= now && at - now <= horizon);
+                            prop_assert_eq!(Some(next), tat.unwrap_or(now).max(now).checked_add(interval));
+                            tat = Some(next);
+                            due.push(at);
+                        }
+                        Err(wait) => {
+                            prop_assert!(wait > horizon);
+                            prop_assert!(reserve(tat, now, interval, burst, wait).is_ok());
+                        }
+                    }
+                } else if let Ok((got, next)) = take_up_to(tat, now, interval, burst, want) {
+                    tat = Some(next);
+                    due.extend(std::iter::repeat_n(now, got as usize));
+                }
+            }
+            due.sort_unstable();
+            for (i, first) in due.iter().enumerate() {
+                for (n, at) in due[i..].iter().enumerate() {
+                    let w = (at - first) as f64 / 1e6;
+                    prop_assert!(
+                        (n + 1) as f64 <= f64::from(burst) + rate * w + 1e-6,
+                        "{} due in {} s at {}/s, burst {}", n + 1, w, rate, burst
                     );
                 }
             }

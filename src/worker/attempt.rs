@@ -237,8 +237,8 @@ async fn process(
     };
     // Limits: tokens, then slots; over a limit the delivery goes back (no attempt counted).
     let delivered = msg.info().map_or(1, |i| i.delivered);
-    let limit_slots = match sh.gate.admit(meta, delivered).await {
-        Admit::Go(slots) => slots,
+    let (limit_slots, start_at) = match sh.gate.admit(meta, delivered).await {
+        Admit::Go { slots, start_at } => (slots, start_at),
         Admit::Wait {
             delay,
             reason,
@@ -261,6 +261,11 @@ async fn process(
     for _ in 0..5 {
         match claim(sh, meta, msg).await {
             Claim::Started(rec, token, deferred) => {
+                // Under a rate: the handler starts when its token is due (the claim ran in
+                // the gate's lead), so starts keep the tokens' spacing.
+                if let Some(at) = start_at {
+                    tokio::time::sleep_until(at).await;
+                }
                 let lost = Lost(&limit_slots);
                 return run(
                     sh,

@@ -87,8 +87,8 @@ pub(super) async fn run(
         js.clone(),
         &worker.queue,
         worker.id.clone(),
-        heartbeat,
-        ack_wait,
+        (heartbeat, ack_wait),
+        (worker.concurrency / 2).max(1),
         shutdown.clone(),
     );
     let shared = Arc::new(Shared {

@@ -10,14 +10,14 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-struct Workers {
+pub(crate) struct Workers {
     _procs: Vec<AxProc>,
-    journals: Vec<PathBuf>,
+    pub(crate) journals: Vec<PathBuf>,
     _dir: tempfile::TempDir,
 }
 
 /// `n` example workers on queue `q` that never fail, each with its journal.
-fn workers(url: &str, n: usize, concurrency: usize) -> Workers {
+pub(crate) fn workers(url: &str, n: usize, concurrency: usize) -> Workers {
     let dir = tempfile::tempdir().unwrap();
     let journals: Vec<PathBuf> = (0..n)
         .map(|i| dir.path().join(format!("w{i}.jsonl")))
@@ -67,7 +67,7 @@ fn lines(journals: &[PathBuf]) -> Vec<Value> {
 }
 
 /// (start ms, end ms) per task id, for ids with both.
-fn runs(journals: &[PathBuf]) -> HashMap<String, (u64, u64)> {
+pub(crate) fn runs(journals: &[PathBuf]) -> HashMap<String, (u64, u64)> {
     let mut starts: HashMap<String, u64> = HashMap::new();
     let mut out = HashMap::new();
     for l in lines(journals) {
@@ -89,7 +89,7 @@ fn runs(journals: &[PathBuf]) -> HashMap<String, (u64, u64)> {
 }
 
 /// Most intervals open at once.
-fn max_overlap(intervals: impl Iterator<Item = (u64, u64)>) -> usize {
+pub(crate) fn max_overlap(intervals: impl Iterator<Item = (u64, u64)>) -> usize {
     let mut edges: Vec<(u64, i32)> = intervals.flat_map(|(s, e)| [(s, 1), (e, -1)]).collect();
     edges.sort(); // an end at the same ms as a start comes first
     let (mut now, mut most) = (0i32, 0i32);
@@ -101,7 +101,7 @@ fn max_overlap(intervals: impl Iterator<Item = (u64, u64)>) -> usize {
 }
 
 /// Most starts in any window of `window_ms`.
-fn max_in_window(mut starts: Vec<u64>, window_ms: u64) -> usize {
+pub(crate) fn max_in_window(mut starts: Vec<u64>, window_ms: u64) -> usize {
     starts.sort_unstable();
     let mut most = 0;
     let mut lo = 0;
@@ -114,7 +114,7 @@ fn max_in_window(mut starts: Vec<u64>, window_ms: u64) -> usize {
     most
 }
 
-async fn submit_keyed(env: &Env, n: usize, name: &str, key: &str, sleep_ms: u64) -> Vec<String> {
+pub(crate) async fn submit_keyed(env: &Env, n: usize, name: &str, key: &str, sleep_ms: u64) -> Vec<String> {
     let mut ids = Vec::new();
     for _ in 0..n {
         let spec = TaskSpec::new(name)
@@ -125,7 +125,7 @@ async fn submit_keyed(env: &Env, n: usize, name: &str, key: &str, sleep_ms: u64)
     ids
 }
 
-async fn all_done(env: &Env, ids: &[String], within: Duration) {
+pub(crate) async fn all_done(env: &Env, ids: &[String], within: Duration) {
     crate::support::eventually(within, "every task to succeed", || async {
         for id in ids {
             let (rec, _) = env.ax.task(id).await.ok()??;
@@ -138,7 +138,7 @@ async fn all_done(env: &Env, ids: &[String], within: Duration) {
     .await;
 }
 
-async fn set(env: &Env, def: Value) {
+pub(crate) async fn set(env: &Env, def: Value) {
     env.ax.limits("put", &def).await.unwrap();
     // Workers follow the definitions by a KV watch; give them a moment.
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -318,7 +318,7 @@ async fn a_killed_worker_frees_its_slot_within_the_ack_wait() {
     a_killed_holder_s_singleton_restarts_within(&env, Duration::from_secs(5)).await;
 }
 
-fn runs_started(journals: &[PathBuf]) -> Vec<String> {
+pub(crate) fn runs_started(journals: &[PathBuf]) -> Vec<String> {
     lines(journals)
         .iter()
         .filter(|l| l["event"] == "start")

@@ -12,6 +12,7 @@ mod faults;
 mod first_attempt;
 mod flows;
 mod limits;
+mod limits_pace;
 mod monitoring;
 mod names;
 /// The local nats-server harness (shared with the benches and `ax demo`; not library API).

@@ -12,7 +12,8 @@ use serde_json::{json, Value};
 #[derive(Subcommand)]
 pub(crate) enum LimitsCommand {
     /// Create or replace a limit (applies within a second on every worker, to queued tasks
-    /// too). Give --rate, --concurrency, or both.
+    /// too; a task already handed back by a rate returns within one interval of the old
+    /// rate). Give --rate, --concurrency, or both.
     #[command(group(clap::ArgGroup::new("limit").required(true).multiple(true)
         .args(["rate", "concurrency"])))]
     Set {

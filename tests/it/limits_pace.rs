@@ -1,0 +1,119 @@
+//! Limits at their pace (issue 18 §2.5, §2.6): a saturated cap keeps its slots busy (a
+//! freed slot reaches a waiting delivery at once), a rate is met (a denied delivery books
+//! the next token and starts when it is due) and never exceeded in handler starts, and a
+//! raised rate reaches tasks already handed back. Counted from the workers' journals.
+
+use crate::limits::{
+    all_done, max_in_window, max_overlap, runs, runs_started, set, submit_keyed, workers,
+};
+use crate::support::Env;
+use serde_json::json;
+use std::time::{Duration, Instant};
+
+/// Busy slot-time over capacity-time, from the first start to the last end.
+fn utilisation(intervals: &[(u64, u64)], cap: usize) -> f64 {
+    let busy: u64 = intervals.iter().map(|(s, e)| e - s).sum();
+    let first = intervals.iter().map(|r| r.0).min().unwrap();
+    let last = intervals.iter().map(|r| r.1).max().unwrap();
+    busy as f64 / (cap as f64 * (last - first).max(1) as f64)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_saturated_cap_keeps_its_slots_busy() {
+    // A delivery waits for a freed slot up to half the ack wait (at most 10 s).
+    let env = Env::start(Env::server().ack_wait(Duration::from_secs(4))).await;
+    let w = workers(&env.nats.url(), 2, 16);
+    set(
+        &env,
+        json!({"name": "five", "queue": "q", "task": "t", "concurrency": 5}),
+    )
+    .await;
+    let ids = submit_keyed(&env, 40, "t", "x", 300).await;
+    all_done(&env, &ids, Duration::from_secs(60)).await;
+    let r = runs(&w.journals);
+    let intervals: Vec<(u64, u64)> = ids.iter().filter_map(|id| r.get(id).copied()).collect();
+    assert_eq!(intervals.len(), 40);
+    assert_eq!(
+        max_overlap(intervals.iter().copied()),
+        5,
+        "never above the cap"
+    );
+    let used = utilisation(&intervals, 5);
+    println!("cap 5, 40 × 300 ms on 2 workers of 16: utilisation {used:.2}");
+    // Handed back for 250 ms × deliveries it was 0.23–0.30 (issue 18); woken by the
+    // release, with the waiting deliveries within the workers' hold budget (half their
+    // concurrency), it is about 0.9 (./dev bench limits). The bound leaves room for a
+    // loaded machine, twice the old figure.
+    assert!(
+        used >= 0.6,
+        "the cap of 5 was used at {used:.2} of its capacity"
+    );
+    drop(w);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rate_is_met_and_its_handler_starts_stay_within_the_bound() {
+    let env = Env::start(Env::server()).await;
+    let w = workers(&env.nats.url(), 4, 16);
+    let (rate, burst, n) = (100.0, 1usize, 400usize);
+    set(
+        &env,
+        json!({"name": "r", "queue": "q", "task": "t", "rate": rate, "burst": burst}),
+    )
+    .await;
+    let ids = submit_keyed(&env, n, "t", "x", 0).await;
+    all_done(&env, &ids, Duration::from_secs(60)).await;
+    let r = runs(&w.journals);
+    let mut starts: Vec<u64> = ids.iter().filter_map(|id| r.get(id).map(|r| r.0)).collect();
+    assert_eq!(starts.len(), n);
+    starts.sort_unstable();
+    let span = (starts[n - 1] - starts[0]).max(1) as f64 / 1000.0;
+    let achieved = (n - 1) as f64 / span / rate;
+    let most = max_in_window(starts.clone(), 1000);
+    println!("rate 100/s, burst 1, 400 tasks on 4 workers: achieved/configured {achieved:.3}, most handler starts in 1 s {most}");
+    // Before reservations: 0.83 at 100/s (issue 18). Alone ≥ 0.98 (./dev bench limits).
+    assert!(achieved >= 0.9, "achieved {achieved:.3} of the rate");
+    // Token due times are exact (gcra unit tests); a handler starts when its token is due,
+    // late by the process's scheduling delay (a token missed by more than 10 ms is given
+    // up), so any window w holds at most burst + rate × (w + that delay). Alone: ≤ 102 in
+    // 1 s. Beside the whole suite on 2 cores a process can be 100 ms late: allowed here.
+    assert!(
+        most as f64 <= burst as f64 + rate * 1.1,
+        "{most} handler starts in one second at {rate}/s, burst {burst}"
+    );
+    drop(w);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_raised_rate_reaches_tasks_already_handed_back() {
+    let env = Env::start(Env::server()).await;
+    let w = workers(&env.nats.url(), 2, 8);
+    set(
+        &env,
+        json!({"name": "slow", "queue": "q", "key": "k", "rate": 0.2, "burst": 1}),
+    )
+    .await;
+    let queued = submit_keyed(&env, 20, "u", "k", 5).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let early = runs_started(&w.journals)
+        .iter()
+        .filter(|id| queued.contains(id))
+        .count();
+    assert!(early <= 2, "{early} started at 0.2/s in 2 s");
+    set(
+        &env,
+        json!({"name": "slow", "queue": "q", "key": "k", "rate": 1000.0}),
+    )
+    .await;
+    let raised = Instant::now();
+    all_done(&env, &queued, Duration::from_secs(30)).await;
+    // A handed-back task comes back when the next token is due plus a spread of at most
+    // the hold horizon: one interval of the old rate (5 s) and a little. Before: up to
+    // four intervals of spread (the last of 20 started 16 s after the raise).
+    let took = raised.elapsed();
+    assert!(
+        took < Duration::from_secs(8),
+        "the last queued task started {took:?} after the raise"
+    );
+    drop(w);
+}
