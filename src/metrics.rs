@@ -86,6 +86,12 @@ pub const LIMIT_TOKENS: &str = "ax_limit_tokens";
 /// Counter, worker `{queue, limit}`: concurrency slots found lost while their attempt ran
 /// (the worker stalled past the ack wait and the slot expired): the attempt was stopped.
 pub const LIMIT_SLOTS_LOST: &str = "ax_limit_slots_lost_total";
+/// Gauge, worker `{queue, limit}`: the rate in force of an adaptive limit (lowered by
+/// pressure, raised while calm), as this worker last computed it (not per key).
+pub const LIMIT_RATE: &str = "ax_limit_rate";
+/// Counter, worker `{queue, limit}`: reports of pressure (a handler failed with a class
+/// the adaptive limit listens to); `lowered="true"` for the ones that lowered the rate.
+pub const LIMIT_PRESSURE: &str = "ax_limit_pressure_total";
 /// Counter, server: console connections closed at once because the console had its
 /// most connections open (`ConsoleConfig::max_connections`).
 pub const CONSOLE_CONNECTIONS_REFUSED: &str = "ax_console_connections_refused_total";
@@ -164,6 +170,11 @@ pub fn describe() {
     describe_counter!(
         LIMIT_SLOTS_LOST,
         "Concurrency slots lost while their attempt ran; the attempt was stopped"
+    );
+    describe_gauge!(LIMIT_RATE, "The rate in force of an adaptive limit (starts/s)");
+    describe_counter!(
+        LIMIT_PRESSURE,
+        "Reports of pressure to an adaptive limit (lowered: whether it lowered the rate)"
     );
     describe_counter!(
         CONSOLE_CONNECTIONS_REFUSED,

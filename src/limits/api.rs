@@ -108,7 +108,8 @@ impl LimitApi {
     }
 
     /// Each limit with what it holds now: tokens left in a queue- or name-wide rate bucket
-    /// (per-key buckets are many: not listed), and the concurrency slots held, by whom.
+    /// (per-key buckets are many: not listed), an adaptive limit's rate in force
+    /// (`rate_now`), and the concurrency slots held, by whom.
     async fn status(&self, defs: Vec<LimitDef>) -> Result<Value, WireError> {
         use crate::names::{LIMIT_SLOTS_BUCKET, LIMIT_STATE_BUCKET};
         let js = &self.admission.js;
@@ -143,21 +144,24 @@ impl LimitApi {
             .map_or(0, |d| d.as_micros() as u64);
         let mut out = Vec::new();
         for def in defs {
-            let tokens = match (def.rate, def.per_key) {
-                (Some(rate), false) => {
-                    let interval = super::gcra::interval_us(rate);
+            let (tokens, rate_now) = match (def.rate, def.per_key) {
+                (Some(_), false) => {
                     let key = super::gate::bucket_key(&def, None);
-                    let tat = state
+                    let bucket = state
                         .get(&key)
                         .await
                         .ok()
                         .flatten()
-                        .and_then(|v| String::from_utf8_lossy(&v).parse::<u64>().ok());
-                    Some(tat.map_or(f64::from(def.burst()), |t| {
+                        .map(|v| super::adaptive::BucketState::parse(&v))
+                        .unwrap_or_default();
+                    let rate = bucket.rate(&def, now_us);
+                    let interval = super::gcra::interval_us(rate);
+                    let tokens = bucket.tat.map_or(f64::from(def.burst()), |t| {
                         super::gcra::tokens(t, now_us, interval, def.burst())
-                    }))
+                    });
+                    (Some(tokens), def.adaptive.is_some().then_some(rate))
                 }
-                _ => None,
+                _ => (None, None),
             };
             let prefix = format!("{}.{}.", def.queue, def.name);
             let holders: Vec<Value> = held
@@ -165,7 +169,11 @@ impl LimitApi {
                 .filter(|(k, _)| k.starts_with(&prefix))
                 .map(|(k, h)| json!({"slot": k, "holder": h}))
                 .collect();
-            out.push(json!({"limit": def, "tokens": tokens, "slots_held": holders}));
+            let mut entry = json!({"limit": def, "tokens": tokens, "slots_held": holders});
+            if let Some(rate) = rate_now {
+                entry["rate_now"] = json!(rate);
+            }
+            out.push(entry);
         }
         Ok(Value::Array(out))
     }

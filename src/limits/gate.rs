@@ -10,6 +10,7 @@
 //! `AX_LIMIT_SLOTS` (create-if-absent; the bucket's `max_age` is the ack wait, and the
 //! holder rewrites its key every heartbeat, so a dead holder's slot expires by itself).
 
+use super::adaptive::BucketState;
 use super::expiry;
 use super::gcra;
 use super::model::LimitDef;
@@ -517,8 +518,6 @@ impl Gate {
         limit_key: Option<&str>,
         hold: &mut Option<OwnedSemaphorePermit>,
     ) -> Result<u64, Duration> {
-        let rate = def.rate.unwrap_or(1.0);
-        let interval = gcra::interval_us(rate);
         let burst = def.burst();
         let key = bucket_key(def, limit_key);
         let local = {
@@ -533,8 +532,8 @@ impl Gate {
             local.tokens -= 1;
             return Ok(local.due_us);
         }
-        let want = ((rate * BATCH_LIFETIME.as_secs_f64()).ceil() as u32).clamp(1, 64);
         let horizon = self.rate_hold.as_micros() as u64;
+        let mut interval = gcra::interval_us(def.rate.unwrap_or(1.0));
         for _ in 0..CAS_TRIES {
             let entry = match state.entry(&key).await {
                 Ok(e) => e,
@@ -543,18 +542,24 @@ impl Gate {
                     return Err(Duration::from_secs(1));
                 }
             };
-            let (tat, rev) = match &entry {
-                Some(e) if e.operation == kv::Operation::Put => (
-                    std::str::from_utf8(&e.value)
-                        .ok()
-                        .and_then(|t| t.parse::<u64>().ok()),
-                    Some(e.revision),
-                ),
-                Some(e) => (None, Some(e.revision)),
-                None => (None, None),
+            let (bucket, rev) = match &entry {
+                Some(e) if e.operation == kv::Operation::Put => {
+                    (BucketState::parse(&e.value), Some(e.revision))
+                }
+                Some(e) => (BucketState::default(), Some(e.revision)),
+                None => (BucketState::default(), None),
             };
+            let tat = bucket.tat;
             // Tokens are taken for a moment `LEAD` ahead: the claim runs meanwhile.
             let now = micros() + LEAD.as_micros() as u64;
+            // The rate in force (an adaptive limit's follows pressure).
+            let rate = bucket.rate(def, now);
+            if def.adaptive.is_some() && !def.per_key {
+                metrics::gauge!(m::LIMIT_RATE, "queue" => def.queue.clone(), "limit" => def.name.clone())
+                    .set(rate);
+            }
+            interval = gcra::interval_us(rate);
+            let want = ((rate * BATCH_LIFETIME.as_secs_f64()).ceil() as u32).clamp(1, 64);
             let (got, next, due) = match gcra::take_up_to(tat, now, interval, burst, want) {
                 Ok((got, next)) => (got, next, now),
                 Err(wait) => {
@@ -584,7 +589,7 @@ impl Gate {
                     }
                 }
             };
-            let body = Bytes::from(next.to_string());
+            let body = Bytes::from(bucket.encode(next));
             let stored = match rev {
                 Some(rev) => state.update(&key, body, rev).await.is_ok(),
                 None => state.create(&key, body).await.is_ok(),
@@ -601,6 +606,60 @@ impl Gate {
             }
         }
         Err(gcra::wait_delay(interval, 0))
+    }
+
+    /// A handler of `meta` failed with `class`: every adaptive limit that applies and
+    /// listens to that class lowers its rate (one compare-and-set of its bucket), unless
+    /// it was lowered after this attempt started (`started_ms`). Best effort: a report
+    /// that cannot be written is dropped with a debug line.
+    pub(crate) async fn pressure(&self, meta: &TaskMeta, class: &str, started_ms: u64) {
+        let limits = self.applicable(meta);
+        let adaptive = limits
+            .iter()
+            .filter(|d| d.adaptive.as_ref().is_some_and(|a| a.reports(class)));
+        let Some(buckets) = self.buckets.read().expect("not poisoned").clone() else {
+            return;
+        };
+        for def in adaptive {
+            let key = bucket_key(def, meta.limit_key.as_deref());
+            let mut lowered = false;
+            for _ in 0..CAS_TRIES {
+                let Ok(entry) = buckets.state.entry(&key).await else {
+                    break;
+                };
+                let (bucket, rev) = match &entry {
+                    Some(e) if e.operation == kv::Operation::Put => {
+                        (BucketState::parse(&e.value), Some(e.revision))
+                    }
+                    Some(e) => (BucketState::default(), Some(e.revision)),
+                    None => (BucketState::default(), None),
+                };
+                let now = micros();
+                let Some(next) = bucket.pressured(def, now, started_ms.saturating_mul(1000)) else {
+                    break;
+                };
+                let body = Bytes::from(next.encode(bucket.tat.unwrap_or(now)));
+                let stored = match rev {
+                    Some(rev) => buckets.state.update(&key, body, rev).await.is_ok(),
+                    None => buckets.state.create(&key, body).await.is_ok(),
+                };
+                if stored {
+                    lowered = true;
+                    let rate = next.rate(def, now);
+                    info!(queue = %def.queue, limit = %def.name, bucket = %key, rate, class,
+                        "pressure reported: rate lowered");
+                    if !def.per_key {
+                        metrics::gauge!(m::LIMIT_RATE, "queue" => def.queue.clone(), "limit" => def.name.clone())
+                            .set(rate);
+                    }
+                    break;
+                }
+            }
+            metrics::counter!(m::LIMIT_PRESSURE, "queue" => def.queue.clone(), "limit" => def.name.clone(),
+                "lowered" => if lowered { "true" } else { "false" })
+            .increment(1);
+            debug!(queue = %def.queue, limit = %def.name, class, lowered, "pressure reported");
+        }
     }
 
     /// Takes a free slot of `def`'s cap, trying them from a random one; `None` if all are

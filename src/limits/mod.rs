@@ -4,9 +4,11 @@
 //!
 //! - [`model`]: a limit's definition and its checks.
 //! - [`gcra`]: the token bucket as one number (GCRA), a pure function.
+//! - [`adaptive`]: rates that follow reported pressure (AIMD), pure functions.
 //! - `gate`: the worker side (live definitions, tokens, slots).
 //! - `api`: `ax.limit.<op>` requests served by `ax server`.
 
+pub mod adaptive;
 pub(crate) mod api;
 mod expiry;
 pub(crate) mod gate;

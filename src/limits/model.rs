@@ -46,6 +46,87 @@ pub struct LimitDef {
     /// Attempts running at once (1 = a singleton; at most 1,000).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub concurrency: Option<u32>,
+    /// The rate follows reported pressure between `min` and `rate` (only with a rate).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adaptive: Option<Adaptive>,
+}
+
+/// How an adaptive rate follows pressure (see [`super::adaptive`]): lowered by the factor
+/// `decrease` when a handler fails with one of the error classes `on` (once per overload:
+/// not again for attempts started before the lowering), raised by `increase` starts per
+/// second each second while calm;
+/// never below `min` nor above the limit's `rate`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Adaptive {
+    /// The lowest rate (starts per second), at most the limit's `rate`.
+    pub min: f64,
+    /// Starts per second added back per calm second (default: a twentieth of `rate`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub increase: Option<f64>,
+    /// The factor a report of pressure multiplies the rate by, 0.05–0.95 (default 0.7).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decrease: Option<f64>,
+    /// Error classes that report pressure (default: `["pressure"]`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub on: Vec<String>,
+}
+
+/// The error class a handler fails with to report pressure to an adaptive limit, unless
+/// the limit names its own (`adaptive.on`).
+pub const PRESSURE_CLASS: &str = "pressure";
+
+impl Adaptive {
+    /// Starts per second added back per calm second, for a limit of `rate`.
+    pub fn increase(&self, rate: f64) -> f64 {
+        self.increase.unwrap_or(rate / 20.0)
+    }
+
+    /// The factor applied on pressure.
+    pub fn decrease(&self) -> f64 {
+        self.decrease.unwrap_or(0.7)
+    }
+
+    /// True if a failure of `class` reports pressure.
+    pub fn reports(&self, class: &str) -> bool {
+        if self.on.is_empty() {
+            class == PRESSURE_CLASS
+        } else {
+            self.on.iter().any(|c| c == class)
+        }
+    }
+
+    fn validate(&self, rate: f64) -> Result<(), WireError> {
+        if check_rate(self.min).is_err() || self.min > rate {
+            return Err(WireError::field(
+                "adaptive.min",
+                "must be a rate from 0.000001 up to the limit's rate",
+            ));
+        }
+        if let Some(i) = self.increase {
+            if !(MIN_RATE..=MAX_RATE).contains(&i) {
+                return Err(WireError::field(
+                    "adaptive.increase",
+                    "must be starts per second from 0.000001 to 100000",
+                ));
+            }
+        }
+        if let Some(d) = self.decrease {
+            if !(0.05..=0.95).contains(&d) {
+                return Err(WireError::field(
+                    "adaptive.decrease",
+                    "must be a factor from 0.05 to 0.95",
+                ));
+            }
+        }
+        if self.on.len() > 16 || self.on.iter().any(|c| !crate::task::valid_class(c)) {
+            return Err(WireError::field(
+                "adaptive.on",
+                "at most 16 error classes (1..=128 of A-Z a-z 0-9 _ . : -)",
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl LimitDef {
@@ -104,6 +185,13 @@ impl LimitDef {
                     "must be 1..=1000000, and only with a rate",
                 ));
             }
+        }
+        match (&self.adaptive, self.rate) {
+            (Some(_), None) => {
+                return Err(WireError::field("adaptive", "only with a rate"));
+            }
+            (Some(a), Some(rate)) => a.validate(rate)?,
+            _ => {}
         }
         match self.concurrency {
             Some(c) if c == 0 || c > MAX_CONCURRENCY => {
@@ -171,6 +259,30 @@ mod tests {
             field(json!({"name": "x y", "queue": "q", "rate": 1.0})),
             "name"
         );
+        let adaptive = |a: serde_json::Value| {
+            def(json!({"name": "x", "queue": "q", "rate": 100.0, "adaptive": a}))
+                .validate()
+                .map_err(|e| e.field.unwrap())
+        };
+        assert_eq!(adaptive(json!({"min": 1.0})), Ok(()));
+        assert_eq!(adaptive(json!({"min": 101.0})), Err("adaptive.min".into()));
+        assert_eq!(adaptive(json!({"min": 0.0})), Err("adaptive.min".into()));
+        assert_eq!(
+            adaptive(json!({"min": 1.0, "decrease": 1.0})),
+            Err("adaptive.decrease".into())
+        );
+        assert_eq!(
+            adaptive(json!({"min": 1.0, "increase": -1.0})),
+            Err("adaptive.increase".into())
+        );
+        assert_eq!(
+            adaptive(json!({"min": 1.0, "on": ["a b"]})),
+            Err("adaptive.on".into())
+        );
+        assert_eq!(
+            field(json!({"name": "x", "queue": "q", "concurrency": 1, "adaptive": {"min": 1.0}})),
+            "adaptive"
+        );
     }
 
     #[test]
@@ -185,6 +297,7 @@ mod tests {
                 rate: Some(rate),
                 burst,
                 concurrency: None,
+                adaptive: None,
             }
             .validate()
             .map_err(|e| e.field.unwrap())

@@ -843,6 +843,12 @@ async fn fail(
         class: e.class.clone(),
         message: e.message.clone(),
     };
+    // A class an adaptive limit listens to lowers its rate (shared by every worker).
+    tokio::spawn({
+        let (gate, meta, class) = (sh.gate.clone(), meta.clone(), e.class.clone());
+        let started = rec.started_at_ms.unwrap_or(0);
+        async move { gate.pressure(&meta, &class, started).await }
+    });
     let retry = !e.permanent && meta.retryable(&e.class) && rec.attempt < meta.max_attempts;
     if !retry {
         let mut dead = rec.transition(TaskState::Dead);

@@ -166,6 +166,13 @@ impl TaskError {
         self
     }
 
+    /// The downstream pushes back (an HTTP 429, a slow database): a retried failure of
+    /// class `pressure`, which lowers the rate of an adaptive limit that applies to the
+    /// task (docs/PROTOCOL.md §7, "Adaptive rates").
+    pub fn pressure(message: impl Into<String>) -> Self {
+        TaskError::new(crate::limits::model::PRESSURE_CLASS, message)
+    }
+
     /// A failure that is never retried.
     pub fn permanent(class: impl Into<String>, message: impl Into<String>) -> Self {
         TaskError {

@@ -453,7 +453,7 @@ async fn a_stalled_holder_stops_its_attempt_when_its_slot_is_lost() {
 
 /// Runs the `ax` binary against `env` with `RUST_BACKTRACE=1` (an operator's error must
 /// print no backtrace even so), without blocking the runtime the server runs on.
-async fn ax_cli(env: &Env, args: &[&str]) -> std::process::Output {
+pub(crate) async fn ax_cli(env: &Env, args: &[&str]) -> std::process::Output {
     tokio::process::Command::new(env!("CARGO_BIN_EXE_ax"))
         .args(args)
         .env("NATS_URL", env.nats.url())

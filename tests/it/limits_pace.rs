@@ -117,3 +117,171 @@ async fn a_raised_rate_reaches_tasks_already_handed_back() {
     );
     drop(w);
 }
+
+/// A downstream that takes at most `per_s` calls a second (burst 5) and refuses the rest.
+struct Downstream {
+    per_s: f64,
+    tat: f64,
+}
+
+impl Downstream {
+    fn call(&mut self, now: f64) -> bool {
+        let interval = 1.0 / self.per_s;
+        let tat = self.tat.max(now);
+        if tat - now > 4.0 * interval {
+            return false;
+        }
+        self.tat = tat + interval;
+        true
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adaptive_rate_settles_at_what_the_downstream_takes_and_climbs_back() {
+    use ax::worker::{Task, TaskError, Worker};
+    use std::sync::{Arc, Mutex};
+    let env = Env::start(Env::server()).await;
+    set(
+        &env,
+        json!({"name": "api", "queue": "q", "task": "call", "rate": 500.0, "burst": 1,
+               "adaptive": {"min": 5.0, "increase": 25.0}}),
+    )
+    .await;
+    let t0 = Instant::now();
+    let down = Arc::new(Mutex::new(Downstream {
+        per_s: 50.0,
+        tat: 0.0,
+    }));
+    // (seconds since t0, accepted?) per handler call.
+    let calls: Arc<Mutex<Vec<(f64, bool)>>> = Arc::default();
+    let mut stops = Vec::new();
+    for _ in 0..2 {
+        let (down, calls) = (down.clone(), calls.clone());
+        let worker = Worker::builder("q")
+            .concurrency(32)
+            .handler(move |_task: Task| {
+                let now = t0.elapsed().as_secs_f64();
+                let ok = down.lock().unwrap().call(now);
+                calls.lock().unwrap().push((now, ok));
+                async move {
+                    if ok {
+                        Ok(())
+                    } else {
+                        Err(TaskError::pressure("the downstream answered 429"))
+                    }
+                }
+            })
+            .build()
+            .unwrap();
+        stops.push(env.spawn_worker(worker));
+    }
+    let ax = env.ax.clone();
+    let producer = tokio::spawn(async move {
+        use futures::StreamExt;
+        let submits = futures::stream::iter(0..4000).map(|_| {
+            let ax = ax.clone();
+            async move {
+                ax.submit("q", ax::TaskSpec::new("call").max_attempts(20))
+                    .await
+            }
+        });
+        let mut s = submits.buffer_unordered(64);
+        while s.next().await.is_some() {}
+    });
+    let window = |from: f64, to: f64| {
+        let c = calls.lock().unwrap();
+        let inside: Vec<bool> = c
+            .iter()
+            .filter(|(t, _)| *t >= from && *t < to)
+            .map(|c| c.1)
+            .collect();
+        let ok = inside.iter().filter(|o| **o).count();
+        (
+            ok as f64 / (to - from),
+            (inside.len() - ok) as f64 / inside.len().max(1) as f64,
+        )
+    };
+    // Overloaded: 500/s offered to a downstream of 50/s.
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    let (served, refused) = window(6.0, 12.0);
+    let status = env
+        .ax
+        .limits("status", &json!({"queue": "q"}))
+        .await
+        .unwrap();
+    let rate_now = status[0]["rate_now"].as_f64().unwrap();
+    println!(
+        "downstream 50/s: served {served:.1}/s, refused {:.0} % of calls, rate now {rate_now:.1}",
+        refused * 100.0
+    );
+    assert!(
+        served >= 30.0,
+        "served {served:.1}/s of the downstream's 50"
+    );
+    assert!(refused <= 0.25, "{:.0} % of calls refused", refused * 100.0);
+    assert!(rate_now < 150.0, "the rate in force stayed at {rate_now}");
+    // Recovered: the rate climbs back (25/s per calm second).
+    down.lock().unwrap().per_s = 5000.0;
+    let back = t0.elapsed().as_secs_f64();
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let (served, _) = window(back + 6.0, back + 8.0);
+    println!("downstream recovered: served {served:.1}/s 6–8 s later");
+    assert!(
+        served >= 120.0,
+        "served {served:.1}/s after the downstream recovered"
+    );
+    producer.abort();
+    // The CLI sets one, says the rate in force, and refuses a bad factor by its option.
+    let cli = |args: &'static [&'static str]| crate::limits::ax_cli(&env, args);
+    let set = cli(&[
+        "limits",
+        "set",
+        "db",
+        "--queue",
+        "q",
+        "--rate",
+        "100",
+        "--adaptive-min",
+        "2",
+        "--decrease",
+        "0.5",
+        "--pressure-class",
+        "db_slow",
+    ])
+    .await;
+    assert!(
+        set.status.success(),
+        "{}",
+        String::from_utf8_lossy(&set.stderr)
+    );
+    let status = cli(&["-o", "json", "limits", "status", "--queue", "q"]).await;
+    let status: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
+    let db = status
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["limit"]["name"] == "db")
+        .unwrap();
+    assert_eq!(db["limit"]["adaptive"]["on"], json!(["db_slow"]));
+    assert_eq!(db["rate_now"], json!(100.0));
+    let bad = cli(&[
+        "limits",
+        "set",
+        "db",
+        "--queue",
+        "q",
+        "--rate",
+        "100",
+        "--adaptive-min",
+        "2",
+        "--decrease",
+        "2",
+    ])
+    .await;
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(!bad.status.success() && err.contains("--decrease"), "{err}");
+    for (stop, handle) in stops {
+        stop.cancel();
+        let _ = handle.await;
+    }
+}

@@ -43,6 +43,21 @@ pub(crate) enum LimitsCommand {
         #[arg(long, value_parser = clap::value_parser!(u32).range(1..=i64::from(MAX_CONCURRENCY)),
               allow_negative_numbers = true)]
         concurrency: Option<u32>,
+        /// Make the rate adaptive: lowered on pressure down to this many starts per
+        /// second, raised back while calm up to --rate.
+        #[arg(long, value_parser = rate, allow_negative_numbers = true, requires = "rate")]
+        adaptive_min: Option<f64>,
+        /// Adaptive: starts per second added back per calm second (default: --rate / 20).
+        #[arg(long, value_parser = rate, allow_negative_numbers = true, requires = "adaptive_min")]
+        increase: Option<f64>,
+        /// Adaptive: the factor a report of pressure multiplies the rate by, 0.05–0.95
+        /// (default 0.7; once per overload).
+        #[arg(long, value_parser = factor, allow_negative_numbers = true, requires = "adaptive_min")]
+        decrease: Option<f64>,
+        /// Adaptive: an error class that reports pressure (repeat for more; default
+        /// `pressure`). A handler reports pressure by failing with it.
+        #[arg(long = "pressure-class", requires = "adaptive_min")]
+        pressure_classes: Vec<String>,
     },
     /// Print one limit.
     Get {
@@ -85,6 +100,14 @@ fn rate(text: &str) -> Result<f64, String> {
     check_rate(rate)
 }
 
+/// `--decrease`: a finite factor from 0.05 to 0.95.
+fn factor(text: &str) -> Result<f64, String> {
+    match text.trim().parse::<f64>() {
+        Ok(f) if (0.05..=0.95).contains(&f) => Ok(f),
+        _ => Err("must be a factor from 0.05 to 0.95".to_string()),
+    }
+}
+
 /// A definition's optional field as a table cell.
 fn cell(v: &Value) -> String {
     match v {
@@ -104,7 +127,10 @@ fn def_row(d: &Value) -> Vec<String> {
             (_, Some(k)) => k.to_string(),
             _ => "*".to_string(),
         },
-        cell(&d["rate"]),
+        match d["adaptive"]["min"].as_f64() {
+            Some(min) => format!("{} (adaptive ≥ {min})", cell(&d["rate"])),
+            None => cell(&d["rate"]),
+        },
         cell(&d["burst"]),
         cell(&d["concurrency"]),
     ]
@@ -149,6 +175,9 @@ fn print_status(all: &Value, output: Output) -> Result<()> {
             holders.dedup();
             let mut row = def_row(d);
             row.truncate(5); // QUEUE NAME TASK KEY RATE/S
+            if let Some(now) = s["rate_now"].as_f64() {
+                row[4] = format!("{} (now {now:.1})", cell(&d["rate"]));
+            }
             row.push(match s["tokens"].as_f64() {
                 Some(t) => format!("{t:.1}"),
                 None if d["rate"].is_null() => "-".to_string(),
@@ -197,9 +226,17 @@ pub(crate) async fn run(command: LimitsCommand, conn: &Conn, output: Output) -> 
             rate,
             burst,
             concurrency,
+            adaptive_min,
+            increase,
+            decrease,
+            pressure_classes,
         } => {
-            let def = json!({"name": name, "queue": queue, "task": task, "per_key": per_key, "key": key,
+            let mut def = json!({"name": name, "queue": queue, "task": task, "per_key": per_key, "key": key,
                              "rate": rate, "burst": burst, "concurrency": concurrency});
+            if let Some(min) = adaptive_min {
+                def["adaptive"] = json!({"min": min, "increase": increase, "decrease": decrease,
+                                         "on": pressure_classes});
+            }
             let stored = client.limits("put", &def).await?;
             print_defs(&[stored], output, true)?;
         }
