@@ -591,7 +591,7 @@ async fn run(
             attempt.await
         }
     };
-    log_attempt(&span, &outcome, slot, started.elapsed(), input_bytes);
+    log_attempt(&span, &outcome, (slot, lost), started.elapsed(), input_bytes);
     // The revision the outcome is written against (the `running` write's, if made).
     let token = fence.revision().await;
     metrics::histogram!(m::RUN_DURATION, "queue" => queue.clone(), "task" => task_label.clone())
@@ -766,7 +766,7 @@ type Outcome = Option<
 fn log_attempt(
     span: &tracing::Span,
     outcome: &Outcome,
-    slot: &Slot,
+    (slot, lost): (&Slot, Lost<'_>),
     took: std::time::Duration,
     input_bytes: usize,
 ) {
@@ -778,6 +778,7 @@ fn log_attempt(
         Some(Ok(Err(_))) => ("failed", "panic", 0),
         Some(Err(_)) => ("failed", "timeout", 0),
         None if slot.cancel.is_cancelled() => ("cancelled", "", 0),
+        None if lost.is_lost() => ("stopped", "slot_lost", 0),
         None => ("handed_back", "shutdown", 0),
     };
     info!(target: "ax::attempt", parent: span, outcome = result, class,

@@ -178,7 +178,7 @@ async fn submit_file(client: &Client, queue: &str, file: &PathBuf) -> Result<()>
                 Err(e) => {
                     *refused.entry(e.code.as_str().to_string()).or_default() += 1;
                     if shown < 10 {
-                        bar.suspend(|| eprintln!("refused: {e}"));
+                        bar.suspend(|| eprintln!("refused: {}", crate::out::refusal_text(e)));
                         shown += 1;
                     }
                     serde_json::to_string(&serde_json::json!({ "error": e }))?
