@@ -591,7 +591,13 @@ async fn run(
             attempt.await
         }
     };
-    log_attempt(&span, &outcome, (slot, lost), started.elapsed(), input_bytes);
+    log_attempt(
+        &span,
+        &outcome,
+        (slot, lost),
+        started.elapsed(),
+        input_bytes,
+    );
     // The revision the outcome is written against (the `running` write's, if made).
     let token = fence.revision().await;
     metrics::histogram!(m::RUN_DURATION, "queue" => queue.clone(), "task" => task_label.clone())
