@@ -37,10 +37,13 @@ const CAS_TRIES: usize = 8;
 /// more starts than allowed, at most this much later than their token).
 const BATCH_LIFETIME: Duration = Duration::from_millis(2);
 
-/// How long before its token is due a held delivery is claimed: the claim happens in this
-/// lead and the handler starts at the token's due time, so handler starts follow the
-/// tokens' spacing (not the claim's varying round trip).
-pub(crate) const LEAD: Duration = Duration::from_millis(10);
+/// How long before its token is due a held delivery is claimed (the *lead*): the claim
+/// happens in it and the handler starts at the token's due time, so handler starts follow
+/// the tokens' spacing, not the claim's varying round trip. It follows the worker's claim
+/// times: twice their moving average, from `MIN_LEAD` to `MAX_LEAD` (a replicated
+/// bucket's claims take longer than a single node's).
+const MIN_LEAD: Duration = Duration::from_millis(10);
+const MAX_LEAD: Duration = Duration::from_millis(250);
 
 /// A delivery whose token came due longer ago than this before it could be claimed gives
 /// the token up (see [`Gate::admit`]).
@@ -98,7 +101,7 @@ impl Reason {
 /// What the gate decided.
 pub(crate) enum Admit {
     /// Start: hold these slots until the attempt ends; with rate tokens, start the handler
-    /// at `start_at` (the tokens' due time, at most [`LEAD`] from now).
+    /// at `start_at` (the tokens' due time, at least the lead from now).
     Go {
         slots: Vec<Slot>,
         start_at: Option<tokio::time::Instant>,
@@ -144,6 +147,8 @@ pub(crate) struct Gate {
     /// Per cap bucket with waiting deliveries: woken by a release (`ax.slots.freed.…`).
     freed: std::sync::Mutex<HashMap<String, Arc<Notify>>>,
     shutdown: CancellationToken,
+    /// Moving average of this worker's claim times under a rate (µs).
+    claim_us: AtomicU64,
 }
 
 fn micros() -> u64 {
@@ -196,6 +201,7 @@ impl Gate {
             slot_hold: (slot_ttl / 2).min(MAX_SLOT_HOLD),
             freed: Default::default(),
             shutdown: shutdown.clone(),
+            claim_us: AtomicU64::new(MIN_LEAD.as_micros() as u64 / 2),
         });
         tokio::spawn(gate.clone().listen_freed(js.client(), shutdown.clone()));
         tokio::spawn(gate.clone().follow(js, shutdown));
@@ -373,6 +379,25 @@ impl Gate {
         *self.paused.borrow()
     }
 
+    /// The lead: how long before a token is due its delivery is claimed.
+    fn lead(&self) -> Duration {
+        Duration::from_micros(self.claim_us.load(Ordering::Relaxed).saturating_mul(2))
+            .clamp(MIN_LEAD, MAX_LEAD)
+    }
+
+    /// A claim under a rate took `took`: the lead follows (a moving average, weight 1/5).
+    pub(crate) fn observe_claim(&self, took: Duration) {
+        let took = took.as_micros().min(u128::from(u32::MAX)) as u64;
+        let avg = self.claim_us.load(Ordering::Relaxed);
+        self.claim_us.store((avg * 4 + took) / 5, Ordering::Relaxed);
+    }
+
+    /// Returns once the stored definitions and pause flag of the queue have been read.
+    pub(crate) async fn wait_ready(&self) {
+        let mut ready = self.ready.subscribe();
+        let _ = ready.wait_for(|r| *r).await;
+    }
+
     /// Returns once the queue is not paused (at once if it is not).
     pub(crate) async fn wait_unpaused(&self) {
         let mut paused = self.paused.subscribe();
@@ -382,11 +407,7 @@ impl Gate {
     /// Decides whether a delivery of `meta` (its `delivered`-th) may start now.
     pub(crate) async fn admit(&self, meta: &TaskMeta, delivered: i64) -> Admit {
         if self.paused() {
-            return Admit::Wait {
-                delay: PAUSED_DELAY,
-                reason: Reason::Paused,
-                limit: String::new(),
-            };
+            return hand_back_paused();
         }
         if !*self.ready.borrow() {
             let mut ready = self.ready.subscribe();
@@ -397,6 +418,10 @@ impl Gate {
                     reason: Reason::Unavailable,
                     limit: String::new(),
                 };
+            }
+            // The pause flag is known only now.
+            if self.paused() {
+                return hand_back_paused();
             }
         }
         let limits = self.applicable(meta);
@@ -434,8 +459,12 @@ impl Gate {
         let start_at = due_us.map(instant_of);
         if let Some(at) = start_at {
             tokio::select! {
-                _ = tokio::time::sleep_until(at.checked_sub(LEAD).unwrap_or(at)) => {}
+                _ = tokio::time::sleep_until(at.checked_sub(self.lead()).unwrap_or(at)) => {}
                 _ = self.shutdown.cancelled() => return shutting_down(),
+            }
+            // Paused while held: hand it back (the token is given up).
+            if self.paused() {
+                return hand_back_paused();
             }
             // Woken far too late (the process stalled): starting now would bunch this
             // start with the ones due after it. Give the token up and come back for
@@ -450,6 +479,9 @@ impl Gate {
             }
         }
         let caps: Vec<&LimitDef> = limits.iter().filter(|d| d.concurrency.is_some()).collect();
+        if self.paused() {
+            return hand_back_paused(); // paused while the tokens were taken
+        }
         if caps.is_empty() {
             return Admit::Go {
                 slots: Vec::new(),
@@ -472,7 +504,13 @@ impl Gate {
                             // every cap again.
                             let notify = self.freed_notify(&bucket_key(def, key));
                             tokio::select! {
-                                _ = notify.notified() => continue 'all,
+                                _ = notify.notified() => {
+                                    // Paused while held: hand it back.
+                                    if self.paused() {
+                                        return hand_back_paused();
+                                    }
+                                    continue 'all;
+                                }
                                 _ = tokio::time::sleep_until(deadline) => {}
                                 _ = self.shutdown.cancelled() => return shutting_down(),
                             }
@@ -493,6 +531,9 @@ impl Gate {
                     }
                 }
             }
+            if self.paused() {
+                return hand_back_paused(); // paused while the slots were taken
+            }
             return Admit::Go {
                 slots: held,
                 start_at,
@@ -501,7 +542,7 @@ impl Gate {
     }
 
     /// Takes one token of `def`'s bucket and answers when it is due (µs since the epoch,
-    /// at least [`LEAD`] from now): at once if one is free; if the next is due within the
+    /// at least the lead from now): at once if one is free; if the next is due within the
     /// hold horizon and this worker may hold one more delivery, that token is **reserved**
     /// (the delivery is held and starts when it is due); else it says how long to hand the
     /// delivery back for: until the next token is due, plus a random spread of up to as
@@ -550,8 +591,8 @@ impl Gate {
                 None => (BucketState::default(), None),
             };
             let tat = bucket.tat;
-            // Tokens are taken for a moment `LEAD` ahead: the claim runs meanwhile.
-            let now = micros() + LEAD.as_micros() as u64;
+            // Tokens are taken for a moment a lead ahead: the claim runs meanwhile.
+            let now = micros() + self.lead().as_micros() as u64;
             // The rate in force (an adaptive limit's follows pressure).
             let rate = bucket.rate(def, now);
             if def.adaptive.is_some() && !def.per_key {
@@ -714,6 +755,15 @@ impl Gate {
 /// The instant of a moment in µs since the epoch (now, if it has passed).
 fn instant_of(at_us: u64) -> tokio::time::Instant {
     tokio::time::Instant::now() + Duration::from_micros(at_us.saturating_sub(micros()))
+}
+
+/// The queue is paused: hand the delivery back (the worker stops fetching meanwhile).
+fn hand_back_paused() -> Admit {
+    Admit::Wait {
+        delay: PAUSED_DELAY,
+        reason: Reason::Paused,
+        limit: String::new(),
+    }
 }
 
 /// A held delivery meets the worker's shutdown: hand it back at once.

@@ -259,11 +259,14 @@ async fn process(
     // A revision conflict means another writer moved the record: read it again and decide
     // anew. A few in a row only happen under contention; then hand the delivery back.
     for _ in 0..5 {
+        let claiming = Instant::now();
         match claim(sh, meta, msg).await {
             Claim::Started(rec, token, deferred) => {
                 // Under a rate: the handler starts when its token is due (the claim ran in
-                // the gate's lead), so starts keep the tokens' spacing.
+                // the gate's lead, which follows the claim times), so starts keep the
+                // tokens' spacing.
                 if let Some(at) = start_at {
+                    sh.gate.observe_claim(claiming.elapsed());
                     tokio::time::sleep_until(at).await;
                 }
                 let lost = Lost(&limit_slots);

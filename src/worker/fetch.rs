@@ -127,7 +127,13 @@ pub(super) async fn run(
     info!(queue = %worker.queue, concurrency = worker.concurrency, "worker started");
 
     'outer: loop {
-        // A paused queue: take nothing new until it is resumed (running attempts go on).
+        // Nothing is fetched before the queue's limits and pause flag are read (a worker
+        // started during a pause must not take the paused queue's tasks), nor while the
+        // queue is paused (running attempts go on).
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            _ = shared.gate.wait_ready() => {}
+        }
         if shared.gate.paused() {
             tokio::select! {
                 _ = shutdown.cancelled() => break,

@@ -354,10 +354,18 @@ async fn a_paused_queue_takes_nothing_until_resumed() {
         for _ in 0..20 {
             held.push(submit(&env, TaskSpec::new("t")).await);
         }
+        // A worker started during the pause takes nothing either (it ran 3–9 tasks before
+        // it read the pause flag: found by the fault campaign).
+        let (late, late_runs, _) = worker(Arc::new(AtomicBool::new(false)));
+        let _late = env.spawn_worker(late);
         tokio::time::sleep(Duration::from_secs(3)).await;
         assert!(
             held.iter().all(|id| runs_of(&runs, id) == 0),
             "a paused queue ran a task"
+        );
+        assert!(
+            held.iter().all(|id| runs_of(&late_runs, id) == 0),
+            "a worker started during the pause ran a task"
         );
         let queues = env.ax.queues().await.unwrap();
         let q = &queues["queues"][0];
@@ -380,7 +388,7 @@ async fn a_paused_queue_takes_nothing_until_resumed() {
         for id in &held {
             env.wait_state(id, TaskState::Succeeded, Duration::from_secs(15))
                 .await;
-            assert_eq!(runs_of(&runs, id), 1);
+            assert_eq!(runs_of(&runs, id) + runs_of(&late_runs, id), 1);
         }
         let completions = cli(&env, &["completions", "bash"]).await;
         assert!(String::from_utf8_lossy(&completions.stdout).contains("complete -F"));
