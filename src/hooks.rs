@@ -65,3 +65,36 @@ pub(crate) async fn retry_published() {
         tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
     }
 }
+
+/// How a trigger-state write fails while [`fail_trigger_state_writes`] holds for its
+/// trigger.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StateWriteFault {
+    /// Not written; the writer gets a broker error (the broker was unreachable).
+    Lost,
+    /// Written, but the writer gets a broker error (the acknowledgement was lost).
+    AckLost,
+}
+
+static STATE_WRITE_FAULTS: std::sync::Mutex<std::collections::BTreeMap<String, StateWriteFault>> =
+    std::sync::Mutex::new(std::collections::BTreeMap::new());
+
+/// Makes every write of trigger `trigger`'s state (`AX_TRIGGER_STATE`) by this process
+/// fail with `fault` (`None`: stop failing). Scoped to one trigger name, so tests running
+/// side by side in one process do not disturb each other.
+pub fn fail_trigger_state_writes(trigger: &str, fault: Option<StateWriteFault>) {
+    let mut faults = STATE_WRITE_FAULTS.lock().expect("not poisoned");
+    match fault {
+        Some(f) => faults.insert(trigger.to_string(), f),
+        None => faults.remove(trigger),
+    };
+}
+
+/// The fault set for writes of `trigger`'s state, if any.
+pub(crate) fn trigger_state_write_fault(trigger: &str) -> Option<StateWriteFault> {
+    STATE_WRITE_FAULTS
+        .lock()
+        .expect("not poisoned")
+        .get(trigger)
+        .copied()
+}

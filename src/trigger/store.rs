@@ -160,6 +160,24 @@ impl TriggerStore {
         state: &TriggerState,
         revision: Option<u64>,
     ) -> Result<u64, TriggerStoreError> {
+        #[cfg(feature = "test-hooks")]
+        {
+            use crate::hooks::StateWriteFault;
+            let fault = crate::hooks::trigger_state_write_fault(name);
+            if fault == Some(StateWriteFault::Lost) {
+                return Err(broker(name, "update", "injected fault: broker unreachable"));
+            }
+            let written = write(&self.states, name, state, revision).await;
+            if fault == Some(StateWriteFault::AckLost) && written.is_ok() {
+                return Err(broker(
+                    name,
+                    "update",
+                    "injected fault: acknowledgement lost",
+                ));
+            }
+            written
+        }
+        #[cfg(not(feature = "test-hooks"))]
         write(&self.states, name, state, revision).await
     }
 

@@ -16,6 +16,16 @@
 //! (the message id within the 2-minute window, the record's create-if-absent after it). If
 //! the state changed meanwhile (a manual run), the fire is merged into the new state, never
 //! re-planned, so a fired time is never recorded as skipped.
+//!
+//! **No fire over an unrecorded one.** A fire whose state write failed or went unanswered
+//! (or whose submit was refused, which may still have stored its task) leaves the trigger
+//! *unsure*: nothing of it is planned until the state is read again from the store, the
+//! fires found as tasks but missing from it are written into it (`recover.rs`), and that
+//! write has succeeded. So a leader whose state writes fail fires a trigger at most once
+//! until the broker takes its writes again, and every fire it made is in the stored state
+//! before the next one (the fault campaign found a leader that kept firing, each fire
+//! unrecorded, and its state undercounted them: seed 4781888180537039789). A leader that
+//! stops leading aborts the fires it still has in flight, as a crash would.
 
 mod recover;
 
@@ -72,6 +82,9 @@ const MAX_CONCURRENT_FIRES: usize = 512;
 /// Most attempts to record a fire into a state that keeps changing.
 const MERGE_ATTEMPTS: usize = 10;
 
+/// How soon a trigger whose state could not be read or written is looked at again, ms.
+const RETRY_MS: u64 = 1000;
+
 /// One trigger as the leader holds it.
 struct Held {
     def: TriggerDef,
@@ -85,8 +98,15 @@ struct Held {
     /// When `active` was last checked against the records (`None`: it must be).
     checked_at: Option<Instant>,
     /// The stored state may lack fires a leader made but could not record (it died, or its
-    /// state write failed): look for them before planning.
+    /// state write failed or went unanswered): find them and write them into the stored
+    /// state before planning anything (`recover::record_unrecorded`).
     unsure: bool,
+    /// `state` and `revision` are the stored ones as last read or written (not after a
+    /// failed write, whose outcome is unknown).
+    fresh: bool,
+    /// `state` holds a change the store must get before anything is planned (a late fire
+    /// adopted from a previous leader).
+    unstored: bool,
 }
 
 impl Held {
@@ -183,6 +203,8 @@ impl Engine {
             early_done: HashSet::new(),
             checked_at: Some(Instant::now()),
             unsure: true,
+            fresh: true,
+            unstored: false,
         };
         self.settle(&mut h);
         Ok(h)
@@ -220,6 +242,9 @@ impl Engine {
         // planned again while its fire is in flight (`recheck` remembers it was due).
         let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel::<(String, Outcome)>();
         let fire_slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_FIRES));
+        // Dropped when leading stops: fires still in flight are aborted, as a crash would,
+        // instead of landing under whoever leads next.
+        let mut firing = tokio::task::JoinSet::new();
         let mut in_flight: HashSet<String> = HashSet::new();
         let mut recheck: HashSet<String> = HashSet::new();
         // Triggers due while every fire slot was busy, planned again as slots free up.
@@ -282,6 +307,7 @@ impl Engine {
                     h.checked_at = Some(Instant::now());
                     h.state = state;
                     h.revision = entry.revision;
+                    h.fresh = true;
                     self.settle(h);
                     due.push(name);
                 }
@@ -319,7 +345,6 @@ impl Engine {
                             Applied::Wake(Some(wake)) => wakes.push(Reverse((wake, name.clone()))),
                             Applied::Wake(None) => {}
                             Applied::StepDown(why) => return Ok(Stop::StepDown(why)),
-                            Applied::Failed(e) => return Err(e),
                         }
                     }
                     if recheck.remove(&name) {
@@ -333,6 +358,8 @@ impl Engine {
                         }
                     }
                 }
+                // Reap finished fire tasks (their outcomes come through `done_rx`).
+                Some(_) = firing.join_next(), if !firing.is_empty() => {}
                 _ = tokio::time::sleep(sleep), if !wakes.is_empty() => {
                     let now = self.clock.now_ms();
                     while let Some(Reverse((at, _))) = wakes.peek() {
@@ -359,11 +386,19 @@ impl Engine {
                 let Some(h) = held.get_mut(&name) else {
                     continue;
                 };
-                if h.unsure {
-                    if !self.repair(h).await {
-                        continue; // the broker did not answer: decide nothing yet
+                if h.unsure || h.unstored {
+                    match self.record_unrecorded(store, h, token).await {
+                        Recorded::Yes => {}
+                        Recorded::Later => {
+                            // The broker did not let it finish: fire nothing yet, look again.
+                            let again = self.clock.now_ms() + RETRY_MS;
+                            wakes.push(Reverse((again, name)));
+                            continue;
+                        }
+                        Recorded::StepDown => {
+                            return Ok(Stop::StepDown("a newer leader wrote trigger state"))
+                        }
                     }
-                    h.unsure = false;
                 }
                 if h.waits_on_tasks() && h.checked_at.is_none_or(|at| at.elapsed() >= RECHECK) {
                     // Recover completions no feed delivered (belt and braces).
@@ -408,7 +443,7 @@ impl Engine {
                 };
                 let (admission, store, done) =
                     (self.admission.clone(), store.clone(), done_tx.clone());
-                tokio::spawn(async move {
+                firing.spawn(async move {
                     let name = job.name.clone();
                     let outcome = execute(&admission, &store, job).await;
                     drop(permit);
@@ -430,6 +465,7 @@ impl Engine {
             } => {
                 h.state = state;
                 h.revision = revision;
+                h.fresh = true;
                 if !ids.is_empty() && !tracks_every_fire(&h.def) {
                     // Nothing waits on older fires: follow the latest one only.
                     h.active.clear();
@@ -455,10 +491,13 @@ impl Engine {
                 }
                 Applied::Wake(wake)
             }
-            Outcome::Retry => {
-                // A fire may have been made but not recorded.
+            Outcome::Unrecorded => {
+                // A fire may have been made but not recorded (and the state write's outcome
+                // is unknown): read the state again and record what is missing before
+                // planning anything.
                 h.unsure = true;
-                Applied::Wake(Some(now + 1000))
+                h.fresh = false;
+                Applied::Wake(Some(now + RETRY_MS))
             }
             Outcome::Reload(state, revision) => {
                 if state.leader > token {
@@ -466,13 +505,13 @@ impl Engine {
                 }
                 h.state = state;
                 h.revision = revision;
+                h.fresh = true;
                 h.checked_at = None;
                 h.active.extend(h.state.active.iter().cloned());
                 self.settle(h);
                 Applied::Wake(Some(now))
             }
             Outcome::StepDown => Applied::StepDown("a newer leader wrote trigger state"),
-            Outcome::Failed(e) => Applied::Failed(e),
         }
     }
 }
@@ -513,19 +552,29 @@ enum Outcome {
         ids: Vec<String>,
         next_wake_ms: Option<u64>,
     },
-    /// A fire was refused (busy, unavailable): nothing recorded, try again shortly.
-    Retry,
+    /// A fire was refused (busy, unavailable: its task may be stored all the same), or made
+    /// and its state write failed, went unanswered or kept conflicting: the stored state
+    /// may lack it. Recorded before anything else is planned.
+    Unrecorded,
     /// Nothing was fired and the state changed elsewhere: plan again from this state.
     Reload(TriggerState, u64),
     /// A newer leader wrote the state.
     StepDown,
-    Failed(EngineError),
 }
 
 enum Applied {
     Wake(Option<u64>),
     StepDown(&'static str),
-    Failed(EngineError),
+}
+
+/// What recording a trigger's unrecorded fires came to.
+pub(super) enum Recorded {
+    /// The stored state has every fire found (or none was missing): plan as usual.
+    Yes,
+    /// The broker did not answer, or the state kept changing: fire nothing, try again.
+    Later,
+    /// A newer leader wrote the state.
+    StepDown,
 }
 
 /// Fires a planned trigger and stores its new state.
@@ -547,7 +596,7 @@ async fn execute(admission: &Admission, store: &TriggerStore, job: Job) -> Outco
             Err(e) => {
                 // Busy or unavailable: keep the state as it was and try again shortly.
                 warn!(trigger = %name, cause = %e, "fire not accepted; retrying in 1 s");
-                return Outcome::Retry;
+                return Outcome::Unrecorded;
             }
         }
     }
@@ -579,13 +628,20 @@ async fn execute(admission: &Admission, store: &TriggerStore, job: Job) -> Outco
                 }
             }
             Err(TriggerStoreError::Stale(_)) => {}
-            Err(e) => return Outcome::Failed(e.into()),
+            Err(e) => {
+                warn!(trigger = %name, cause = %e, fired = plan.fires.len(),
+                    "trigger state not written; nothing more is fired until it is");
+                return Outcome::Unrecorded;
+            }
         }
         // Changed elsewhere (a manual run, or a newer leader).
         let (current, rev) = match store.state(&name).await {
             Ok(Some(found)) => found,
-            Ok(None) => return Outcome::Retry, // deleted meanwhile
-            Err(e) => return Outcome::Failed(e.into()),
+            Ok(None) => return Outcome::Unrecorded, // deleted meanwhile
+            Err(e) => {
+                warn!(trigger = %name, cause = %e, "trigger state not read; nothing more is fired until it is");
+                return Outcome::Unrecorded;
+            }
         };
         if current.leader > token {
             return Outcome::StepDown;
@@ -598,6 +654,6 @@ async fn execute(admission: &Admission, store: &TriggerStore, job: Job) -> Outco
         state = merge_fire(&base, &state, current, token);
         revision = rev;
     }
-    warn!(trigger = %name, "trigger state kept changing; fire made but not recorded");
-    Outcome::Retry
+    warn!(trigger = %name, "trigger state kept changing; fire made but not recorded yet");
+    Outcome::Unrecorded
 }

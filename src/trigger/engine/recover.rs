@@ -2,10 +2,12 @@
 //! died, its state write failed, or it lost the lease with a fire in flight), completion
 //! times only an old leader knew, and fires to merge into a state changed meanwhile.
 
-use super::{tracks_every_fire, Engine, Held, REPAIR_WINDOW};
+use super::{tracks_every_fire, Engine, Held, Recorded, MERGE_ATTEMPTS, REPAIR_WINDOW};
 use crate::state::TaskRecord;
-use crate::trigger::fire::{scheduled_tag, trigger_task_id};
+use crate::trigger::fire::{scheduled_tag, tracked_ids, trigger_task_id, unfinished};
 use crate::trigger::plan::{Source, TriggerState};
+use crate::trigger::store::{TriggerStore, TriggerStoreError};
+use tokio::time::Instant;
 use tracing::warn;
 
 impl Engine {
@@ -50,6 +52,8 @@ impl Engine {
         h.state
             .record_fire(&[t], self.clock.now_ms(), Source::Schedule, &ids);
         h.active.extend(ids);
+        // Written before anything else is planned (`record_unrecorded`).
+        h.unstored = true;
         warn!(trigger = %h.def.name, scheduled = t,
             "a previous leader's fire landed after this leader had handled its time; recorded it as fired");
     }
@@ -58,11 +62,12 @@ impl Engine {
     /// fired a scheduled time and died (or failed to write its state) before recording it.
     /// Without this the next plan could count that time as skipped or buffered while its
     /// task runs, and overlap would not wait for it. Looks at the latest
-    /// [`REPAIR_WINDOW`] scheduled times (and a buffered one), a read each. Returns false
-    /// if a read got no answer: then nothing is decided (a fire whose task could not be
-    /// read is not "not fired"; counting it skipped broke the R3 fault campaign, seed
-    /// 1501476970834158491) and the caller tries again before planning.
-    pub(super) async fn repair(&self, h: &mut Held) -> bool {
+    /// [`REPAIR_WINDOW`] scheduled times (and a buffered one), a read each. Returns
+    /// whether it found any, or `None` if a read got no answer: then nothing is decided (a
+    /// fire whose task could not be read is not "not fired"; counting it skipped broke the
+    /// R3 fault campaign, seed 1501476970834158491) and the caller tries again before
+    /// planning. What it finds is only in `h`: [`Engine::record_unrecorded`] writes it.
+    pub(super) async fn repair(&self, h: &mut Held) -> Option<bool> {
         let now = self.clock.now_ms();
         let (total, times) = crate::trigger::plan::times_due(&h.rec, &h.state, now, REPAIR_WINDOW);
         let mut candidates = times.clone();
@@ -92,14 +97,14 @@ impl Engine {
         let answers = futures::future::join_all(checks).await;
         if answers.iter().any(|(_, exists)| exists.is_none()) {
             warn!(trigger = %h.def.name, "cannot read the fires to repair; trying again before planning");
-            return false;
+            return None;
         }
         let fired: Vec<u64> = answers
             .into_iter()
             .filter_map(|(t, exists)| (exists == Some(true)).then_some(t))
             .collect();
         if fired.is_empty() {
-            return true;
+            return Some(false);
         }
         if let Some(b) = h.state.buffered_ms.filter(|b| fired.contains(b)) {
             h.state.record_fire(&[b], now, Source::Schedule, &ids_of(b));
@@ -122,8 +127,77 @@ impl Engine {
         }
         h.checked_at = None;
         warn!(trigger = %h.def.name, fires = ?fired,
-            "found fires a previous leader made but did not record; recorded them");
-        true
+            "found fires a leader made but did not record; recording them");
+        Some(true)
+    }
+
+    /// Brings an unsure trigger's stored state up to every fire made, before anything of
+    /// it is planned: reads the state again unless `h` holds it as stored, looks for fires
+    /// made but missing from it ([`Engine::repair`]), and writes them (compare-and-set; on
+    /// a conflict it reads and looks again). Only when this says [`Recorded::Yes`] may the
+    /// trigger fire again, so a fire is never followed by another while it is unrecorded.
+    pub(super) async fn record_unrecorded(
+        &self,
+        store: &TriggerStore,
+        h: &mut Held,
+        token: u64,
+    ) -> Recorded {
+        let name = h.def.name.clone();
+        for _ in 0..MERGE_ATTEMPTS {
+            if !h.fresh {
+                let (state, revision) = match store.state(&name).await {
+                    Ok(Some(found)) => found,
+                    // Deleted meanwhile: the definition watch removes it.
+                    Ok(None) => return Recorded::Later,
+                    Err(e) => {
+                        warn!(trigger = %name, cause = %e, "cannot read trigger state; firing nothing until it is read");
+                        return Recorded::Later;
+                    }
+                };
+                if state.leader > token {
+                    return Recorded::StepDown;
+                }
+                h.active = unfinished(&self.admission, tracked_ids(&state)).await;
+                h.checked_at = Some(Instant::now());
+                h.state = state;
+                h.revision = revision;
+                h.fresh = true;
+                h.unstored = false;
+                self.settle(h);
+            }
+            let Some(found) = self.repair(h).await else {
+                return Recorded::Later;
+            };
+            if !found && !h.unstored {
+                h.unsure = false;
+                return Recorded::Yes;
+            }
+            h.state.leader = token;
+            match store.put_state(&name, &h.state, Some(h.revision)).await {
+                Ok(revision) => {
+                    h.revision = revision;
+                    h.unsure = false;
+                    h.unstored = false;
+                    return Recorded::Yes;
+                }
+                Err(TriggerStoreError::Stale(_)) => {
+                    // Changed meanwhile: read it and look again (what was found is found
+                    // again from the tasks; an adopted fire is lost, and logged).
+                    if h.unstored {
+                        warn!(trigger = %name, "trigger state changed before an adopted fire was written; it is not counted");
+                    }
+                    h.fresh = false;
+                    h.unsure = true;
+                }
+                Err(e) => {
+                    warn!(trigger = %name, cause = %e, "cannot write the fires found unrecorded; firing nothing until they are written");
+                    h.fresh = false;
+                    h.unsure = true;
+                    return Recorded::Later;
+                }
+            }
+        }
+        Recorded::Later
     }
 
     /// A trigger whose last fire's tasks are all finished but whose stored state does not
