@@ -95,6 +95,10 @@ pub const LIMIT_PRESSURE: &str = "ax_limit_pressure_total";
 /// Counter, server: console connections closed at once because the console had its
 /// most connections open (`ConsoleConfig::max_connections`).
 pub const CONSOLE_CONNECTIONS_REFUSED: &str = "ax_console_connections_refused_total";
+/// Counter, server (the flow engine's leader) `{queue}`: step task submits refused for now
+/// (a full ready queue, the broker away) and retried with backoff; one summary line every
+/// 10 s at most, not one per task.
+pub const FLOW_STEP_SUBMIT_RETRIES: &str = "ax_flow_step_submit_retries_total";
 
 /// Registers help texts for every metric.
 pub fn describe() {
@@ -171,7 +175,10 @@ pub fn describe() {
         LIMIT_SLOTS_LOST,
         "Concurrency slots lost while their attempt ran; the attempt was stopped"
     );
-    describe_gauge!(LIMIT_RATE, "The rate in force of an adaptive limit (starts/s)");
+    describe_gauge!(
+        LIMIT_RATE,
+        "The rate in force of an adaptive limit (starts/s)"
+    );
     describe_counter!(
         LIMIT_PRESSURE,
         "Reports of pressure to an adaptive limit (lowered: whether it lowered the rate)"
@@ -185,6 +192,10 @@ pub fn describe() {
         FLOW_STEP_LATENCY,
         Unit::Seconds,
         "Last parent task finished to the child step's first task started"
+    );
+    describe_counter!(
+        FLOW_STEP_SUBMIT_RETRIES,
+        "Flow step task submits refused for now (queue full, broker away) and retried"
     );
 }
 

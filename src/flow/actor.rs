@@ -4,42 +4,36 @@
 //! the next completion.
 //!
 //! Exactly once per step: a step's tasks have deterministic ids per (run, step, epoch,
-//! item), so submitting them again (after a crash, or by a second leader) is a no-op;
-//! every write is a compare-and-set, and a lost one makes the actor read everything again
-//! and decide again from the same facts. Task completions are facts in `AX_TASKS`, read
-//! durably; this actor's memory is a cache of them.
+//! item), so submitting them again (after a crash, by a second leader, or after a full
+//! queue refused them) is a no-op; every write is a compare-and-set, and a lost one makes
+//! the run be read again and decided again from the same facts. Task completions are facts
+//! in `AX_TASKS`, read durably; a [`Run`] holds only what it needs to decide: the shared
+//! definition, each step's record and a tally of its tasks' ends ([`Tracked`]). Outputs a
+//! step not started yet will need are held within the engine's byte budget and otherwise
+//! read back from the task records when that step starts; so is the run's input.
 
-use super::advance::{advance, Progress};
-use super::def::{Plan, MAX_FAN_OUT};
-use super::input::{output_value, Parent, StepInput};
+use super::advance::{advance, Tracked};
+use super::engine::{Reserved, Shape, Shared};
+use super::input::Built;
 use super::model::{step_task_id, FlowRun, RunState, StepRun, StepState};
-use super::store::{FlowStore, FlowStoreError};
+use super::store::FlowStoreError;
 use crate::metrics as m;
-use crate::output::{ResultStore, StoredOutput};
+use crate::output::{StoredOutput, TaskOutput};
 use crate::protocol::{ErrorCode, WireError};
 use crate::state::{ErrorInfo, TaskRecord, TaskState};
-use crate::submit::Admission;
-use crate::task::TaskMeta;
 use crate::time::now_ms;
 use futures::StreamExt;
-use serde_json::Value;
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
 use std::sync::Arc;
-use tokio::sync::mpsc;
-use tokio_util::sync::CancellationToken;
+use std::time::Duration;
 use tracing::{debug, info, warn};
 
 /// Most step-task submits or record reads in flight per run.
-const CONCURRENCY: usize = 128;
+pub(super) const CONCURRENCY: usize = 128;
+/// What holding one output costs beyond its bytes (the entry, the allocation).
+const HELD_ENTRY: usize = 64;
 
-pub(crate) struct Shared {
-    pub(crate) admission: Arc<Admission>,
-    pub(crate) store: FlowStore,
-    pub(crate) results: ResultStore,
-    pub(crate) alerts: Option<crate::ops::alerts::Alerts>,
-}
-
-/// What the leader routes to a run's actor.
+/// What the leader routes to a run.
 pub(crate) enum Event {
     /// The run key was written at this revision.
     Run(u64),
@@ -52,11 +46,25 @@ pub(crate) enum Event {
     },
 }
 
-/// A finished step task, as far as the flow cares.
+/// How a turn ended.
+#[derive(Debug)]
+pub(crate) enum Outcome {
+    /// Nothing to do until the next event.
+    Idle,
+    /// Step tasks were not accepted yet (a full queue, the broker away): turn again after
+    /// this pause, or at the next event.
+    Retry(Duration),
+    /// A read or write failed, or a compare-and-set was lost: read the run again after a
+    /// pause.
+    Failed,
+    /// The run ended (its final state is written), is gone or is no longer running.
+    Done,
+}
+
+/// A finished step task, as far as the tally cares.
 #[derive(Debug, Clone)]
 struct Done {
     state: TaskState,
-    output: Option<StoredOutput>,
     error: Option<ErrorInfo>,
     attempt: u32,
     finished_at_ms: u64,
@@ -66,7 +74,6 @@ impl Done {
     fn of(rec: &TaskRecord) -> Option<Done> {
         rec.state.is_terminal().then(|| Done {
             state: rec.state,
-            output: rec.output.clone(),
             error: rec.last_error.clone(),
             attempt: rec.attempt,
             finished_at_ms: rec.finished_at_ms.unwrap_or(rec.updated_at_ms),
@@ -82,265 +89,271 @@ enum Fault {
     Other(String),
 }
 
-enum Outcome {
-    Idle,
-    Ended,
+/// Outputs of one step's succeeded tasks, held for children not started yet.
+#[derive(Debug)]
+pub(super) struct Held {
+    pub(super) step: usize,
+    reserved: Reserved,
+    pub(super) outputs: Vec<(u32, Option<TaskOutput>)>,
 }
 
-pub(crate) struct Actor {
-    sh: Arc<Shared>,
-    id: String,
-    run: Option<(FlowRun, u64)>,
-    plan: Plan,
-    index: HashMap<String, usize>,
-    steps: Vec<StepRun>,
-    revs: Vec<Option<u64>>,
-    items: Vec<Vec<Option<Done>>>,
-    progress: Vec<Progress>,
-    first_failed_item: Vec<Option<u32>>,
-    last_finish: Vec<u64>,
-    observed: Vec<bool>,
-    queued_cancelled: Vec<bool>,
-    outputs: Vec<Option<Value>>,
-    /// Items of running steps without a record (a crash between the step write and its
-    /// submits): submitted again.
-    resubmit: Vec<(usize, Vec<u32>)>,
+/// One running run, as the leader holds it between turns.
+pub(crate) struct Run {
+    pub(super) id: Arc<str>,
+    /// The definition (shared with the other runs of the same one); `None` until loaded.
+    shape: Option<Arc<Shape>>,
+    /// Revision of the run key last read or written (0: none).
+    rev: u64,
+    cancel: bool,
+    loaded: bool,
+    /// A newer revision of the run key was seen: read everything again.
+    reload: bool,
     /// Just loaded: tasks of steps started now may exist already (a crash after their
     /// submits, before the step write): read their records back.
     verify: bool,
-    token: CancellationToken,
+    /// Step tasks were refused for now in this turn: not submitted again before the next.
+    parked: bool,
+    /// Turns in a row whose submits were all or partly refused (the retry's backoff).
+    refusals: u32,
+    /// The run's input as JSON text, if the budget had room.
+    pub(super) input: Option<(Reserved, Box<[u8]>)>,
+    pub(super) steps: Box<[Tracked]>,
+    pub(super) held: Vec<Held>,
+    /// (step, item) of tasks of running steps without a record (a crash between the step
+    /// write and its submits, or refused for now): submitted again. Sorted.
+    resubmit: Vec<(u32, u32)>,
+    /// When the leader turns it next (kept here so that an idle run is one allocation).
+    pub(crate) sched: Sched,
 }
 
-impl Actor {
-    pub(crate) fn new(sh: Arc<Shared>, id: String) -> Actor {
-        Actor {
-            sh,
+/// How the leader schedules a run's turns.
+#[derive(Debug, Default)]
+pub(crate) struct Sched {
+    /// In the queue for a turn.
+    pub(crate) queued: bool,
+    /// A timer wakes it then (a retry after a refusal or a fault).
+    pub(crate) wake: Option<tokio::time::Instant>,
+    /// Faults in a row (backoff); events do not wake a run waiting after a fault.
+    pub(crate) failures: u32,
+}
+
+impl Run {
+    pub(crate) fn new(id: Arc<str>) -> Box<Run> {
+        Box::new(Run {
             id,
-            run: None,
-            plan: Plan {
-                parents: Vec::new(),
-                order: Vec::new(),
-            },
-            index: HashMap::new(),
-            steps: Vec::new(),
-            revs: Vec::new(),
-            items: Vec::new(),
-            progress: Vec::new(),
-            first_failed_item: Vec::new(),
-            last_finish: Vec::new(),
-            observed: Vec::new(),
-            queued_cancelled: Vec::new(),
-            outputs: Vec::new(),
-            resubmit: Vec::new(),
+            shape: None,
+            rev: 0,
+            cancel: false,
+            loaded: false,
+            reload: false,
             verify: false,
-            token: CancellationToken::new(),
-        }
+            parked: false,
+            refusals: 0,
+            input: None,
+            steps: Box::default(),
+            held: Vec::new(),
+            resubmit: Vec::new(),
+            sched: Sched::default(),
+        })
     }
 
-    /// Drives the run until it ends or `token` is cancelled (the leader stepped down).
-    pub(crate) async fn drive(
-        mut self,
-        mut rx: mpsc::UnboundedReceiver<Event>,
-        token: CancellationToken,
-    ) {
-        self.token = token.clone();
-        let mut loaded = false;
-        let mut failures = 0u32;
-        loop {
-            if token.is_cancelled() {
-                return;
-            }
-            if !loaded {
-                match self.load().await {
-                    Ok(true) => loaded = true,
-                    Ok(false) => return,
-                    Err(e) => {
-                        warn!(run = %self.id, cause = %e, "flow run: cannot load; retrying");
-                        if !self.pause(failures).await {
-                            return;
-                        }
-                        failures += 1;
-                        continue;
-                    }
-                }
-            }
-            while let Ok(event) = rx.try_recv() {
-                loaded &= !self.apply(event);
-            }
-            if !loaded {
-                continue;
-            }
-            match self.step().await {
-                Ok(Outcome::Ended) => return,
-                Ok(Outcome::Idle) => failures = 0,
-                Err(e) => {
-                    debug!(run = %self.id, cause = %e, "flow run: reading it again");
-                    loaded = false;
-                    if !self.pause(failures).await {
-                        return;
-                    }
-                    failures += 1;
-                    continue;
-                }
-            }
-            tokio::select! {
-                _ = token.cancelled() => return,
-                event = rx.recv() => match event {
-                    None => return,
-                    Some(event) => loaded &= !self.apply(event),
-                },
-            }
-        }
+    pub(super) fn shape(&self) -> &Arc<Shape> {
+        self.shape.as_ref().expect("loaded")
     }
 
-    async fn pause(&self, failures: u32) -> bool {
-        tokio::select! {
-            _ = self.token.cancelled() => false,
-            _ = tokio::time::sleep(crate::retry::pause(failures.min(6))) => true,
-        }
+    /// True if a newer write of the run key was seen than the one last read or written.
+    pub(crate) fn reloading(&self) -> bool {
+        self.reload
     }
 
-    fn run(&self) -> &FlowRun {
-        &self.run.as_ref().expect("loaded").0
+    /// True if a turn has something to do: load, read again, decide on a step whose tasks
+    /// have all ended, or submit again what was refused (when not waiting to).
+    pub(crate) fn wants_turn(&self) -> bool {
+        !self.loaded
+            || self.reload
+            || (!self.parked && !self.resubmit.is_empty())
+            || self.steps.iter().any(Tracked::all_ended)
     }
 
-    /// Applies an event; true if the run must be read again.
-    fn apply(&mut self, event: Event) -> bool {
+    /// Applies an event (in the leader's loop, between turns).
+    pub(crate) fn apply(&mut self, event: Event, sh: &Shared) {
         match event {
-            Event::Run(revision) => self.run.as_ref().is_none_or(|(_, rev)| revision > *rev),
+            Event::Run(revision) => self.reload |= revision > self.rev,
             Event::Task {
                 step,
                 epoch,
                 item,
                 rec,
             } => {
-                let Some(&i) = self.index.get(&step) else {
-                    return false;
-                };
-                if self.steps[i].epoch != epoch || self.steps[i].state != StepState::Running {
-                    return false;
+                // Not loaded, or to be read again: the load reads what this says.
+                if !self.loaded || self.reload {
+                    return;
                 }
-                if rec.state == TaskState::Running && !self.observed[i] {
+                let Some(&i) = self.shape().index.get(&step) else {
+                    return;
+                };
+                let s = &self.steps[i];
+                if s.epoch != epoch || s.state != StepState::Running {
+                    return;
+                }
+                if rec.state == TaskState::Running && !s.observed {
                     self.observe_start(i, &rec);
                 }
                 if let Some(done) = Done::of(&rec) {
-                    self.finish_item(i, item, done);
+                    self.finish_item(sh, i, item, done, rec.output.as_ref());
                 }
-                false
+            }
+        }
+    }
+
+    /// One turn: load if needed, then advance until nothing changes.
+    pub(crate) async fn turn(&mut self, sh: &Shared) -> Outcome {
+        self.parked = false;
+        if self.reload {
+            self.loaded = false;
+        }
+        if !self.loaded {
+            match self.load(sh).await {
+                Ok(true) => {}
+                Ok(false) => return Outcome::Done,
+                Err(e) => {
+                    warn!(run = %self.id, cause = %e, "flow run: cannot load; retrying");
+                    return Outcome::Failed;
+                }
+            }
+        }
+        match self.step(sh).await {
+            Ok(outcome) => outcome,
+            Err(e) => {
+                debug!(run = %self.id, cause = %e, "flow run: reading it again");
+                self.loaded = false;
+                Outcome::Failed
             }
         }
     }
 
     /// Step latency: last parent task finished → this step's first task started.
     fn observe_start(&mut self, i: usize, rec: &TaskRecord) {
-        self.observed[i] = true;
-        let ready = self.plan.parents[i]
+        self.steps[i].observed = true;
+        let shape = self.shape();
+        let ready = shape.plan.parents[i]
             .iter()
-            .map(|&p| self.last_finish[p])
+            .map(|&p| self.steps[p].last_finish)
             .max();
         if let (Some(ready), Some(started)) = (ready.filter(|r| *r > 0), rec.started_at_ms) {
-            let flow = self.run().flow.clone();
-            metrics::histogram!(m::FLOW_STEP_LATENCY, "flow" => flow)
+            metrics::histogram!(m::FLOW_STEP_LATENCY, "flow" => shape.flow.clone())
                 .record(started.saturating_sub(ready) as f64 / 1000.0);
         }
     }
 
-    fn finish_item(&mut self, i: usize, item: u32, done: Done) {
-        let Some(slot) = self.items[i].get_mut(item as usize) else {
-            return;
-        };
-        if slot.is_some() {
+    /// Counts item `item` of step `i` as ended; holds its output if a child not started
+    /// yet will need it and the budget has room.
+    fn finish_item(
+        &mut self,
+        sh: &Shared,
+        i: usize,
+        item: u32,
+        done: Done,
+        output: Option<&StoredOutput>,
+    ) {
+        let counted = self.steps[i].end_task(
+            item,
+            done.state,
+            done.error.as_ref(),
+            done.attempt,
+            done.finished_at_ms,
+        );
+        if !counted || done.state != TaskState::Succeeded || !self.awaited(i) {
             return;
         }
-        let p = &mut self.progress[i];
-        match done.state {
-            TaskState::Succeeded => p.succeeded += 1,
-            TaskState::Cancelled => p.cancelled += 1,
-            _ => {
-                p.failed += 1;
-                if self.first_failed_item[i].is_none_or(|f| item < f) {
-                    self.first_failed_item[i] = Some(item);
-                    p.first_error = Some(done.error.clone().unwrap_or(ErrorInfo {
-                        detail: None,
-                        class: "dead".into(),
-                        message: String::new(),
-                    }));
+        let out = match output {
+            None => None,
+            // A reference to `AX_RESULTS` is read back with the record when needed.
+            Some(stored) => match stored.inline() {
+                Some(out) => Some(out),
+                None => return,
+            },
+        };
+        let bytes = HELD_ENTRY + out.as_ref().map_or(0, |o| o.bytes.len());
+        match self.held.iter_mut().find(|h| h.step == i) {
+            Some(held) => {
+                if held.reserved.grow(&sh.held, bytes) {
+                    held.outputs.push((item, out));
+                }
+            }
+            None => {
+                if let Some(reserved) = sh.held.take(bytes) {
+                    self.held.push(Held {
+                        step: i,
+                        reserved,
+                        outputs: vec![(item, out)],
+                    });
                 }
             }
         }
-        p.attempts = p.attempts.max(done.attempt);
-        self.last_finish[i] = self.last_finish[i].max(done.finished_at_ms);
-        *slot = Some(done);
     }
 
-    fn reset_step(&mut self, i: usize, n: u32) {
-        self.items[i] = vec![None; n as usize];
-        self.progress[i] = Progress {
-            total: Some(n),
-            ..Progress::default()
-        };
-        self.first_failed_item[i] = None;
-        self.last_finish[i] = 0;
-        self.observed[i] = false;
-        self.queued_cancelled[i] = false;
-        self.outputs[i] = None;
+    /// True if a child of step `i` has not started yet, or has tasks to submit again.
+    fn awaited(&self, i: usize) -> bool {
+        self.shape().children[i].iter().any(|&c| {
+            self.steps[c].state == StepState::Waiting
+                || self.resubmit.iter().any(|r| r.0 as usize == c)
+        })
     }
 
-    fn task_id(&self, i: usize, item: u32) -> String {
-        let run = self.run();
-        let def = &run.def.steps[i];
+    /// Drops held outputs no child will read any more.
+    fn release_outputs(&mut self) {
+        let keep: Vec<bool> = self.held.iter().map(|h| self.awaited(h.step)).collect();
+        let mut keep = keep.into_iter();
+        self.held.retain(|_| keep.next().unwrap_or(false));
+    }
+
+    pub(super) fn task_id(&self, i: usize, item: u32) -> String {
+        let def = &self.shape().def.steps[i];
         let queue = def.task.queue.as_deref().unwrap_or_default();
-        step_task_id(queue, &run.id, &def.name, self.steps[i].epoch, item)
+        step_task_id(queue, &self.id, &def.name, self.steps[i].epoch, item)
     }
 
     /// Reads the run, its steps and the records of its running steps' tasks. False if the
     /// run is gone or has ended.
-    async fn load(&mut self) -> Result<bool, Fault> {
-        let Some((run, rev)) = self.sh.store.run(&self.id).await? else {
+    async fn load(&mut self, sh: &Shared) -> Result<bool, Fault> {
+        self.reload = false;
+        self.held.clear();
+        self.resubmit.clear();
+        self.input = None;
+        let found = match sh.store.run(&self.id).await {
+            Err(FlowStoreError::Corrupt { source, .. }) => {
+                warn!(run = %self.id, cause = %source, "stored run does not decode; ignored");
+                None
+            }
+            found => found?,
+        };
+        let Some((run, rev)) = found else {
+            self.rev = 0;
             return Ok(false);
         };
+        self.rev = rev;
         if run.state != RunState::Running {
             return Ok(false);
         }
-        let plan = match run.def.validate(&self.sh.admission.limits) {
-            Ok(plan) => plan,
+        let stored = sh.store.steps(&run).await?;
+        let input = serde_json::to_vec(&run.input).expect("a JSON value serializes");
+        let FlowRun {
+            flow,
+            def,
+            cancel_requested,
+            ..
+        } = run;
+        let shape = match sh.shapes.get(&flow, def, &sh.admission.limits) {
+            Ok(shape) => shape,
             Err(e) => {
-                self.run = Some((run, rev));
-                self.end(
-                    RunState::Failed,
-                    format!("the definition is no longer valid: {e}"),
-                )
-                .await?;
+                let reason = format!("the definition is no longer valid: {e}");
+                self.end(sh, RunState::Failed, reason).await?;
                 return Ok(false);
             }
         };
-        let n = run.def.steps.len();
-        let stored = self.sh.store.steps(&run).await?;
-        self.index = run
-            .def
-            .steps
-            .iter()
-            .enumerate()
-            .map(|(i, s)| (s.name.clone(), i))
-            .collect();
-        self.plan = plan;
-        self.steps = Vec::with_capacity(n);
-        self.revs = Vec::with_capacity(n);
-        for found in stored {
-            let (step, rev) = found.map_or((StepRun::default(), None), |(s, r)| (s, Some(r)));
-            self.steps.push(step);
-            self.revs.push(rev);
-        }
-        self.items = vec![Vec::new(); n];
-        self.progress = vec![Progress::default(); n];
-        self.first_failed_item = vec![None; n];
-        self.last_finish = vec![0; n];
-        self.observed = vec![true; n];
-        self.queued_cancelled = vec![false; n];
-        self.outputs = vec![None; n];
-        self.resubmit.clear();
-        self.run = Some((run, rev));
-        for i in 0..n {
+        self.install(&sh.held, shape, cancel_requested, input, stored);
+        for i in 0..self.steps.len() {
             if self.steps[i].state != StepState::Running {
                 continue;
             }
@@ -349,39 +362,62 @@ impl Actor {
                 self.steps[i].state = StepState::Waiting;
                 continue;
             };
-            self.reset_step(i, items);
-            self.observed[i] = true;
-            let missing = self.read_items(i).await?;
-            if !missing.is_empty() {
-                self.resubmit.push((i, missing));
-            }
+            self.steps[i].start(items);
+            self.steps[i].observed = true;
+            let missing = self.read_items(sh, i).await?;
+            self.resubmit
+                .extend(missing.into_iter().map(|k| (i as u32, k)));
         }
+        self.loaded = true;
         self.verify = true;
         Ok(true)
     }
 
-    /// Reads the records of step `i`'s tasks into `items`; returns the items without one.
-    async fn read_items(&mut self, i: usize) -> Result<Vec<u32>, Fault> {
-        let n = self.items[i].len() as u32;
-        let tasks = &self.sh.admission.tasks;
+    /// Takes what a load read: the shared shape, the cancel flag, the input (held if the
+    /// budget has room) and the step records.
+    pub(crate) fn install(
+        &mut self,
+        held: &super::engine::Budget,
+        shape: Arc<Shape>,
+        cancel: bool,
+        input: Vec<u8>,
+        stored: Vec<Option<(StepRun, u64)>>,
+    ) {
+        self.cancel = cancel;
+        self.input = held
+            .take(input.len())
+            .map(|r| (r, input.into_boxed_slice()));
+        self.steps = stored
+            .into_iter()
+            .map(|found| match found {
+                Some((step, rev)) => Tracked::new(step, Some(rev)),
+                None => Tracked::new(StepRun::default(), None),
+            })
+            .collect();
+        self.shape = Some(shape);
+    }
+
+    /// Reads the records of step `i`'s tasks not counted yet; returns the items without one.
+    async fn read_items(&mut self, sh: &Shared, i: usize) -> Result<Vec<u32>, Fault> {
+        let n = self.steps[i].items.unwrap_or(0);
+        let tasks = &sh.admission.tasks;
         let ids: Vec<(u32, String)> = (0..n)
-            .filter(|&k| self.items[i][k as usize].is_none())
+            .filter(|&k| !self.steps[i].has_ended(k))
             .map(|k| (k, self.task_id(i, k)))
             .collect();
-        let reads: Vec<_> = ids
-            .into_iter()
-            .map(|(k, id)| async move { (k, tasks.get(&id).await) })
-            .collect::<Vec<_>>();
-        let reads: Vec<_> = futures::stream::iter(reads)
-            .buffer_unordered(CONCURRENCY)
-            .collect()
-            .await;
+        let reads: Vec<_> = futures::stream::iter(
+            ids.into_iter()
+                .map(|(k, id)| async move { (k, tasks.get(&id).await) }),
+        )
+        .buffer_unordered(CONCURRENCY)
+        .collect()
+        .await;
         let mut missing = Vec::new();
         for (k, read) in reads {
             match read.map_err(|e| Fault::Other(e.to_string()))? {
                 Some((rec, _)) => {
                     if let Some(done) = Done::of(&rec) {
-                        self.finish_item(i, k, done);
+                        self.finish_item(sh, i, k, done, rec.output.as_ref());
                     }
                 }
                 None => missing.push(k),
@@ -392,103 +428,141 @@ impl Actor {
     }
 
     /// Advances until nothing changes; applies each decision.
-    async fn step(&mut self) -> Result<Outcome, Fault> {
+    async fn step(&mut self, sh: &Shared) -> Result<Outcome, Fault> {
+        let shape = self.shape().clone();
         loop {
-            let cancel = self.run().cancel_requested;
-            // Disjoint fields: the definition and plan are read while the steps change.
-            let def = &self.run.as_ref().expect("loaded").0.def;
+            let mut records: Vec<StepRun> = self.steps.iter().map(Tracked::record).collect();
+            let progress: Vec<_> = self.steps.iter().map(Tracked::progress).collect();
             let adv = advance(
-                def,
-                &self.plan.parents,
-                &self.plan.order,
-                cancel,
-                &mut self.steps,
-                &self.progress,
+                &shape.def,
+                &shape.plan.parents,
+                &shape.plan.order,
+                self.cancel,
+                &mut records,
+                &progress,
                 now_ms(),
             );
-            let cancel_queued: Vec<usize> = adv
+            for &i in &adv.changed {
+                self.steps[i].set_record(std::mem::take(&mut records[i]));
+            }
+            let mut cancel_queued: Vec<usize> = adv
                 .cancel_queued
                 .iter()
                 .copied()
-                .filter(|&i| !self.queued_cancelled[i])
+                .filter(|&i| !self.steps[i].queued_cancelled)
                 .collect();
-            if adv.changed.is_empty() && self.resubmit.is_empty() && cancel_queued.is_empty() {
+            let again = if self.parked {
+                Vec::new()
+            } else {
+                by_step(&std::mem::take(&mut self.resubmit))
+            };
+            if adv.changed.is_empty() && again.is_empty() && cancel_queued.is_empty() {
                 self.verify = false;
-                return match adv.end {
-                    Some((state, reason)) => {
-                        self.end(state, reason).await?;
-                        Ok(Outcome::Ended)
-                    }
-                    None => Ok(Outcome::Idle),
-                };
+                self.release_outputs();
+                if let Some((state, reason)) = adv.end {
+                    self.end(sh, state, reason).await?;
+                    return Ok(Outcome::Done);
+                }
+                return Ok(match self.parked {
+                    true => Outcome::Retry(crate::retry::pause(self.refusals.min(7) - 1)),
+                    false => Outcome::Idle,
+                });
             }
             let mut changed: BTreeSet<usize> = adv.changed.iter().copied().collect();
             let mut submits: Vec<(usize, Vec<Built>)> = Vec::new();
             let starts = adv.start.iter().map(|&i| (i, None));
-            let resubmits = std::mem::take(&mut self.resubmit)
-                .into_iter()
-                .map(|(i, missing)| (i, Some(missing)));
-            for (i, only) in starts.collect::<Vec<_>>().into_iter().chain(resubmits) {
-                match self.build(i).await {
-                    Ok(mut tasks) => {
-                        match only {
-                            None => {
-                                let n = tasks.len() as u32;
-                                self.steps[i].items = Some(n);
-                                self.reset_step(i, n);
-                            }
-                            Some(missing) => tasks.retain(|(k, _, _)| missing.contains(k)),
+            let again = again.into_iter().map(|(i, missing)| (i, Some(missing)));
+            for (i, only) in starts.collect::<Vec<_>>().into_iter().chain(again) {
+                match self.build(sh, i, only.as_deref()).await {
+                    Ok(tasks) => {
+                        if only.is_none() {
+                            self.steps[i].start(tasks.len() as u32);
                         }
                         submits.push((i, tasks));
                     }
                     Err(error) => {
-                        warn!(run = %self.id, step = %self.run().def.steps[i].name, class = %error.class,
+                        warn!(run = %self.id, step = %shape.def.steps[i].name, class = %error.class,
                             cause = %error.message, "flow step cannot start; it fails");
-                        let step = &mut self.steps[i];
-                        step.state = StepState::Failed;
-                        step.error = Some(error);
-                        step.finished_at_ms = Some(now_ms());
+                        let mut record = self.steps[i].record();
+                        record.state = StepState::Failed;
+                        record.error = Some(error);
+                        record.finished_at_ms = Some(now_ms());
+                        self.steps[i].set_record(record);
                         if only.is_none() {
-                            step.items = Some(0);
-                            self.reset_step(i, 0);
+                            self.steps[i].start(0);
                         }
+                        changed.insert(i);
                     }
                 }
-                changed.insert(i);
+                if only.is_none() {
+                    changed.insert(i);
+                }
             }
-            let (written, refused) =
-                tokio::join!(self.write_steps(&changed), self.submit_all(&submits));
+            let (written, answers) = tokio::join!(
+                self.write_steps(sh, &changed),
+                self.submit_all(sh, &submits)
+            );
             for (i, rev) in written? {
-                self.revs[i] = Some(rev);
+                self.steps[i].set_rev(rev);
             }
-            for (i, item, done) in refused? {
-                self.finish_item(i, item, done);
+            let Submitted { refused, later } = answers;
+            for (i, item, done) in refused {
+                self.finish_item(sh, i, item, done, None);
             }
-            let why = if cancel {
+            if !submits.is_empty() {
+                self.note_refusals(later);
+            }
+            // Tasks submitted again into a step whose queued tasks were cancelled are
+            // cancelled too (as they would have been, had they been accepted at once).
+            for (i, _) in &submits {
+                if self.steps[*i].queued_cancelled && !cancel_queued.contains(i) {
+                    cancel_queued.push(*i);
+                }
+            }
+            let why = if self.cancel {
                 "the flow run was cancelled"
             } else {
                 "a step failed and the flow fails fast"
             };
             for i in cancel_queued {
-                self.cancel_queued(i, why).await?;
+                self.cancel_queued(sh, i, why).await?;
             }
             if self.verify {
                 for &i in &adv.start {
                     if self.steps[i].state == StepState::Running {
-                        self.read_items(i).await?;
+                        self.read_items(sh, i).await?;
                     }
                 }
             }
         }
     }
 
+    /// Keeps step tasks refused for now to submit again after a pause.
+    fn note_refusals(&mut self, later: Vec<(usize, u32)>) {
+        if later.is_empty() {
+            self.refusals = 0;
+            return;
+        }
+        self.refusals += 1;
+        self.parked = true;
+        self.resubmit
+            .extend(later.into_iter().map(|(i, k)| (i as u32, k)));
+        self.resubmit.sort_unstable();
+        self.resubmit.dedup();
+        self.resubmit.shrink_to_fit();
+    }
+
     /// Writes the records of `changed` steps concurrently; returns their new revisions.
-    async fn write_steps(&self, changed: &BTreeSet<usize>) -> Result<Vec<(usize, u64)>, Fault> {
-        let run = self.run();
+    async fn write_steps(
+        &self,
+        sh: &Shared,
+        changed: &BTreeSet<usize>,
+    ) -> Result<Vec<(usize, u64)>, Fault> {
+        let shape = self.shape();
         let writes = changed.iter().map(|&i| {
-            let name = &run.def.steps[i].name;
-            let (step, rev) = (&self.steps[i], self.revs[i]);
-            async move { (i, self.sh.store.put_step(&run.id, name, step, rev).await) }
+            let name = &shape.def.steps[i].name;
+            let (step, rev) = (self.steps[i].record(), self.steps[i].rev());
+            async move { (i, sh.store.put_step(&self.id, name, &step, rev).await) }
         });
         let writes: Vec<_> = writes.collect();
         let results: Vec<_> = futures::stream::iter(writes)
@@ -502,257 +576,142 @@ impl Actor {
         Ok(revs)
     }
 
-    /// The output of succeeded step `p` as its children see it: the task's output, or for
-    /// a fan-out step the list of its tasks' outputs in item order.
-    async fn output_of(&mut self, p: usize) -> Result<Value, ErrorInfo> {
-        if let Some(v) = &self.outputs[p] {
-            return Ok(v.clone());
-        }
-        let n = self.steps[p].items.unwrap_or(0);
-        if self.items[p].len() != n as usize || self.items[p].iter().any(Option::is_none) {
-            // A parent that ended before this actor loaded: read its tasks' records.
-            if self.items[p].len() != n as usize {
-                self.items[p] = vec![None; n as usize];
-            }
-            self.read_items(p).await.map_err(|e| ErrorInfo {
-                detail: None,
-                class: "input_unavailable".into(),
-                message: format!("reading parent {:?}: {e}", self.run().def.steps[p].name),
-            })?;
-        }
-        let mut values = Vec::with_capacity(n as usize);
-        for k in 0..n as usize {
-            let stored = self.items[p][k].as_ref().and_then(|d| d.output.clone());
-            let out = match stored {
-                None => None,
-                Some(stored) => match stored.inline() {
-                    Some(out) => Some(out),
-                    None => self.sh.results.read(&stored).await.map_err(|e| ErrorInfo {
-                        detail: None,
-                        class: "input_unavailable".into(),
-                        message: format!(
-                            "reading an output of {:?}: {e}",
-                            self.run().def.steps[p].name
-                        ),
-                    })?,
-                },
-            };
-            values.push(output_value(out));
-        }
-        let value = if self.run().def.steps[p].for_each.is_some() {
-            Value::Array(values)
-        } else {
-            values.pop().unwrap_or(Value::Null)
-        };
-        self.outputs[p] = Some(value.clone());
-        Ok(value)
-    }
-
-    /// The payloads of step `i`'s tasks (one, or one per fan-out item).
-    async fn payloads(&mut self, i: usize) -> Result<Vec<Value>, ErrorInfo> {
-        let step = self.run().def.steps[i].clone();
-        let mut parents = Vec::new();
-        let mut fan_out = None;
-        for p in self.plan.parents[i].clone() {
-            let name = self.run().def.steps[p].name.clone();
-            let parent = match self.steps[p].state {
-                StepState::Succeeded => Parent::Output(self.output_of(p).await?),
-                other => Parent::Ended {
-                    state: other.as_str(),
-                    error: self.steps[p].error.clone(),
-                },
-            };
-            if step.for_each.as_deref() == Some(name.as_str()) {
-                fan_out = Some(parent);
-            } else {
-                parents.push((name, parent));
-            }
-        }
-        let run = self.run();
-        let input = StepInput {
-            flow: &run.flow,
-            run: &run.id,
-            step: &step.name,
-            input: &run.input,
-            parents: parents
-                .iter()
-                .map(|(n, p)| (n.as_str(), p.clone()))
-                .collect(),
-            args: step.task.payload.as_ref(),
-        };
-        let Some(fan_out) = fan_out else {
-            return Ok(vec![input.payload(None)]);
-        };
-        let over = step.for_each.as_deref().unwrap_or_default();
-        let list = match fan_out {
-            Parent::Output(Value::Array(list)) => list,
-            Parent::Output(other) => {
-                return Err(ErrorInfo {
-                    detail: None,
-                    class: "bad_fan_out".into(),
-                    message: format!(
-                        "for_each {over:?}: its output is not a JSON array but {}",
-                        kind(&other)
-                    ),
-                })
-            }
-            Parent::Ended { state, .. } => {
-                return Err(ErrorInfo {
-                    detail: None,
-                    class: "bad_fan_out".into(),
-                    message: format!("for_each {over:?}: it ended {state}, with no output"),
-                })
-            }
-        };
-        if list.len() > MAX_FAN_OUT {
-            return Err(ErrorInfo {
-                detail: None,
-                class: "fan_out_too_large".into(),
-                message: format!(
-                    "for_each {over:?}: {} items, at most {MAX_FAN_OUT}",
-                    list.len()
-                ),
-            });
-        }
-        Ok(list
-            .iter()
-            .enumerate()
-            .map(|(k, v)| input.payload(Some((k as u32, v))))
-            .collect())
-    }
-
-    /// Builds step `i`'s tasks, each checked as its submit would be. An error fails the
-    /// step (never a stuck run).
-    async fn build(&mut self, i: usize) -> Result<Vec<Built>, ErrorInfo> {
-        let payloads = self.payloads(i).await?;
-        let limits = &self.sh.admission.limits;
-        let template = &self.run().def.steps[i].task;
-        let queue = template.queue.clone().unwrap_or_default();
-        let mut built = Vec::with_capacity(payloads.len());
-        for (k, payload) in payloads.into_iter().enumerate() {
-            let mut req = template.clone();
-            req.payload = Some(payload);
-            let (mut meta, body) = TaskMeta::from_request(&queue, req, limits).map_err(|e| {
-                let class = match (e.code, e.field.as_deref()) {
-                    (ErrorCode::PayloadTooLarge, _) | (_, Some("payload")) => "input_too_large",
-                    _ => "invalid_step_task",
-                };
-                ErrorInfo {
-                    detail: None,
-                    class: class.into(),
-                    message: e.message,
-                }
-            })?;
-            meta.id = self.task_id(i, k as u32);
-            built.push((k as u32, meta, body));
-        }
-        Ok(built)
-    }
-
-    /// Submits step tasks; a full queue or an unreachable broker is retried (with backoff)
-    /// until it takes them. Returns tasks refused for good, as failed items.
-    async fn submit_all(
-        &self,
-        submits: &[(usize, Vec<Built>)],
-    ) -> Result<Vec<(usize, u32, Done)>, Fault> {
-        let admission = &self.sh.admission;
-        let token = &self.token;
+    /// Submits step tasks once each. A full queue or an unreachable broker leaves a task
+    /// for later (counted, summed up in one line now and then); a refusal for good makes
+    /// it a failed item.
+    async fn submit_all(&self, sh: &Shared, submits: &[(usize, Vec<Built>)]) -> Submitted {
+        let admission = &sh.admission;
         let all = submits
             .iter()
             .flat_map(|(i, tasks)| tasks.iter().map(move |t| (*i, t)));
         let answers: Vec<_> = all
             .map(|(i, (k, meta, body))| async move {
-                let mut n = 0u32;
-                loop {
-                    match admission.submit_prepared(meta.clone(), body.clone()).await {
-                        Ok(_) => return Ok(None),
-                        Err(e) if matches!(e.code, ErrorCode::Busy | ErrorCode::Unavailable) => {
-                            if n == 0 {
-                                warn!(task_id = %meta.id, cause = %e.message, "flow step task not accepted yet; retrying");
-                            }
-                            tokio::select! {
-                                _ = token.cancelled() => return Err(Fault::Other("stopped".into())),
-                                _ = tokio::time::sleep(crate::retry::pause(n.min(6))) => {}
-                            }
-                            n += 1;
-                        }
-                        Err(e) => return Ok(Some((i, *k, refused(e)))),
-                    }
-                }
+                (
+                    i,
+                    *k,
+                    meta,
+                    admission.submit_prepared(meta.clone(), body.clone()).await,
+                )
             })
-            .collect::<Vec<_>>();
+            .collect();
         let answers: Vec<_> = futures::stream::iter(answers)
             .buffer_unordered(CONCURRENCY)
             .collect()
             .await;
-        let mut refusals = Vec::new();
-        for answer in answers {
-            if let Some(r) = answer? {
-                refusals.push(r);
+        let mut out = Submitted::default();
+        for (i, k, meta, answer) in answers {
+            match answer {
+                Ok(_) => {}
+                Err(e) if matches!(e.code, ErrorCode::Busy | ErrorCode::Unavailable) => {
+                    debug!(task_id = %meta.id, cause = %e.message, "flow step task not accepted yet; retrying");
+                    sh.retries.record(&meta.queue, &e.message);
+                    out.later.push((i, k));
+                }
+                Err(e) => out.refused.push((i, k, refused(e))),
             }
         }
-        Ok(refusals)
+        out
     }
 
     /// Cancels step `i`'s tasks that have not started; running ones finish.
-    async fn cancel_queued(&mut self, i: usize, reason: &str) -> Result<(), Fault> {
-        self.queued_cancelled[i] = true;
-        let tasks = &self.sh.admission.tasks;
-        let ids: Vec<(u32, String)> = (0..self.items[i].len() as u32)
-            .filter(|&k| self.items[i][k as usize].is_none())
+    async fn cancel_queued(&mut self, sh: &Shared, i: usize, reason: &str) -> Result<(), Fault> {
+        self.steps[i].queued_cancelled = true;
+        let tasks = &sh.admission.tasks;
+        let ids: Vec<(u32, String)> = (0..self.steps[i].items.unwrap_or(0))
+            .filter(|&k| !self.steps[i].has_ended(k))
             .map(|k| (k, self.task_id(i, k)))
             .collect();
-        let answers: Vec<_> = ids
-            .into_iter()
-            .map(|(k, id)| async move { (k, tasks.cancel_unstarted(&id, reason).await) })
-            .collect::<Vec<_>>();
-        let answers: Vec<_> = futures::stream::iter(answers)
-            .buffer_unordered(CONCURRENCY)
-            .collect()
-            .await;
+        let answers: Vec<_> = futures::stream::iter(
+            ids.into_iter()
+                .map(|(k, id)| async move { (k, tasks.cancel_unstarted(&id, reason).await) }),
+        )
+        .buffer_unordered(CONCURRENCY)
+        .collect()
+        .await;
         for (k, answer) in answers {
             if answer.map_err(|e| Fault::Other(e.to_string()))? == Some(TaskState::Cancelled) {
                 let done = Done {
                     state: TaskState::Cancelled,
-                    output: None,
                     error: None,
                     attempt: 0,
                     finished_at_ms: now_ms(),
                 };
-                self.finish_item(i, k, done);
+                self.finish_item(sh, i, k, done, None);
             }
         }
         Ok(())
     }
 
-    /// Writes the run's final state.
-    async fn end(&mut self, state: RunState, reason: String) -> Result<(), Fault> {
-        let (mut run, rev) = self.run.clone().expect("loaded");
+    /// Writes the run's final state (the run key is read back: its definition and input
+    /// are not held).
+    async fn end(&mut self, sh: &Shared, state: RunState, reason: String) -> Result<(), Fault> {
+        let Some((mut run, rev)) = sh.store.run(&self.id).await? else {
+            return Err(Fault::Other("the run is gone".into()));
+        };
+        if rev != self.rev {
+            return Err(FlowStoreError::Stale(self.id.to_string()).into());
+        }
         let now = now_ms();
         run.state = state;
         run.reason = Some(reason.clone());
         run.updated_at_ms = now;
         run.finished_at_ms = Some(now);
-        let new = self.sh.store.put_run(&run, Some(rev)).await?;
+        let new = sh.store.put_run(&run, Some(rev)).await?;
+        self.rev = new;
         info!(run = %run.id, flow = %run.flow, state = %state, reason = %reason, "flow run ended");
         metrics::counter!(m::FLOW_RUNS_ENDED, "flow" => run.flow.clone(), "state" => state.as_str())
             .increment(1);
-        if let (RunState::Failed, Some(alerts)) = (state, &self.sh.alerts) {
+        if let (RunState::Failed, Some(alerts)) = (state, &sh.alerts) {
             alerts.flow_failed(&run, &reason, new).await;
         }
-        self.run = Some((run, new));
         Ok(())
     }
 }
 
-/// A step task ready to submit: item index, headers, payload.
-type Built = (u32, TaskMeta, bytes::Bytes);
+#[cfg(test)]
+impl Run {
+    /// As a turn leaves a run whose step `i` runs `n` tasks, none ended yet, and (if
+    /// `refused`) its item 0 refused for now by a full queue.
+    pub(crate) fn running_for_test(&mut self, i: usize, n: u32, refused: bool) {
+        let mut rec = self.steps[i].record();
+        rec.state = StepState::Running;
+        rec.started_at_ms = Some(now_ms());
+        self.steps[i].set_record(rec);
+        self.steps[i].set_rev(2);
+        self.steps[i].start(n);
+        if refused {
+            self.note_refusals(vec![(i, 0)]);
+        }
+        self.loaded = true;
+        self.rev = 1;
+    }
+}
+
+/// Sorted (step, item) pairs as each step's items.
+fn by_step(pairs: &[(u32, u32)]) -> Vec<(usize, Vec<u32>)> {
+    let mut out: Vec<(usize, Vec<u32>)> = Vec::new();
+    for &(i, k) in pairs {
+        match out.last_mut() {
+            Some((last, items)) if *last == i as usize => items.push(k),
+            _ => out.push((i as usize, vec![k])),
+        }
+    }
+    out
+}
+
+/// The answers to one round of submits.
+#[derive(Default)]
+struct Submitted {
+    /// Refused for good, as failed items.
+    refused: Vec<(usize, u32, Done)>,
+    /// Not accepted yet: submitted again later.
+    later: Vec<(usize, u32)>,
+}
 
 /// A step task the admission refused for good (e.g. its queue is not declared).
 fn refused(e: WireError) -> Done {
     Done {
         state: TaskState::Dead,
-        output: None,
         error: Some(ErrorInfo {
             detail: None,
             class: e.code.as_str().to_string(),
@@ -760,16 +719,5 @@ fn refused(e: WireError) -> Done {
         }),
         attempt: 0,
         finished_at_ms: now_ms(),
-    }
-}
-
-fn kind(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
     }
 }

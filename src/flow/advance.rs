@@ -2,10 +2,13 @@
 //! running steps have ended, what changes? No broker, no clock (like `worker::claim`):
 //! the engine applies the answer, and the same facts always give the same answer, so a
 //! leader that re-reads a run after a crash takes the same decisions again.
+//!
+//! [`Tracked`] is what the engine holds of a step between completions: its record and a
+//! tally of its tasks' ends, compactly (one bit per task, not the tasks' records).
 
 use super::def::{FailurePolicy, FlowDef, TriggerRule};
 use super::model::{RunState, StepRun, StepState};
-use crate::state::ErrorInfo;
+use crate::state::{ErrorInfo, TaskState};
 
 /// How the tasks of one running step have ended so far (the engine counts them from the
 /// task records of the step's current epoch).
@@ -208,6 +211,213 @@ pub fn advance(
         });
     }
     out
+}
+
+/// One step of a running run as the engine holds it between completions: the step's record
+/// (a [`StepRun`], with its error boxed) and its revision, and a tally of how the tasks of
+/// its current epoch have ended — counts, one bit per task (so a completion seen twice, in
+/// the feed and in a record read, counts once), the first failure by item index. Task
+/// records and outputs are not held: they stay in `AX_TASKS`.
+#[derive(Debug, Default)]
+pub(crate) struct Tracked {
+    /// Step state.
+    pub(crate) state: StepState,
+    /// The start of its first task was seen (the step-latency metric is recorded once).
+    pub(crate) observed: bool,
+    /// Its queued tasks were cancelled (fail-fast or a run cancel); not done twice.
+    pub(crate) queued_cancelled: bool,
+    /// Epoch.
+    pub(crate) epoch: u32,
+    /// Tasks of this epoch, once started.
+    pub(crate) items: Option<u32>,
+    attempts: Option<u32>,
+    /// 0 for none (times are ms since the epoch), as `rev`: 8 bytes each, not 16.
+    started_at_ms: u64,
+    finished_at_ms: u64,
+    /// Why it failed, was skipped or cancelled.
+    pub(crate) error: Option<Box<ErrorInfo>>,
+    /// Revision of its record in `AX_FLOW_RUNS` (0: never written; revisions start at 1).
+    rev: u64,
+    /// Latest finish time of its tasks, ms (0: none yet).
+    pub(crate) last_finish: u64,
+    succeeded: u32,
+    failed: u32,
+    cancelled: u32,
+    max_attempt: u32,
+    first_failed: Option<Box<(u32, ErrorInfo)>>,
+    done: Bits,
+}
+
+impl Tracked {
+    /// A step as stored (`rec`) at revision `rev`, no task ends counted yet.
+    pub(crate) fn new(rec: StepRun, rev: Option<u64>) -> Tracked {
+        let mut step = Tracked {
+            rev: rev.unwrap_or(0),
+            observed: true,
+            ..Tracked::default()
+        };
+        step.set_record(rec);
+        step
+    }
+
+    /// The step's record.
+    pub(crate) fn record(&self) -> StepRun {
+        StepRun {
+            state: self.state,
+            epoch: self.epoch,
+            items: self.items,
+            started_at_ms: (self.started_at_ms > 0).then_some(self.started_at_ms),
+            finished_at_ms: (self.finished_at_ms > 0).then_some(self.finished_at_ms),
+            attempts: self.attempts,
+            error: self.error.as_deref().cloned(),
+        }
+    }
+
+    /// Takes the record's fields (after [`advance`] changed it); the tally stays.
+    pub(crate) fn set_record(&mut self, rec: StepRun) {
+        self.state = rec.state;
+        self.epoch = rec.epoch;
+        self.items = rec.items;
+        self.started_at_ms = rec.started_at_ms.unwrap_or(0);
+        self.finished_at_ms = rec.finished_at_ms.unwrap_or(0);
+        self.attempts = rec.attempts;
+        self.error = rec.error.map(Box::new);
+    }
+
+    /// Revision of its record (`None`: never written).
+    pub(crate) fn rev(&self) -> Option<u64> {
+        (self.rev > 0).then_some(self.rev)
+    }
+
+    /// Its record was written at `rev`.
+    pub(crate) fn set_rev(&mut self, rev: u64) {
+        self.rev = rev;
+    }
+
+    /// The tally as [`advance`] takes it.
+    pub(crate) fn progress(&self) -> Progress {
+        Progress {
+            total: self.items,
+            succeeded: self.succeeded,
+            failed: self.failed,
+            cancelled: self.cancelled,
+            first_error: self.first_failed.as_ref().map(|f| f.1.clone()),
+            attempts: self.max_attempt,
+        }
+    }
+
+    /// The step has `n` tasks from now on (it started, or was read running): the tally
+    /// starts again.
+    pub(crate) fn start(&mut self, n: u32) {
+        self.items = Some(n);
+        self.succeeded = 0;
+        self.failed = 0;
+        self.cancelled = 0;
+        self.max_attempt = 0;
+        self.first_failed = None;
+        self.done = Bits::new(n);
+        self.last_finish = 0;
+        self.observed = false;
+        self.queued_cancelled = false;
+    }
+
+    /// True if task `item` has ended (as far as the tally knows).
+    pub(crate) fn has_ended(&self, item: u32) -> bool {
+        self.done.get(item)
+    }
+
+    /// Counts task `item` as ended in `state` (a terminal task state); false if it is not a
+    /// task of this step or was counted already.
+    pub(crate) fn end_task(
+        &mut self,
+        item: u32,
+        state: TaskState,
+        error: Option<&ErrorInfo>,
+        attempt: u32,
+        finished_at_ms: u64,
+    ) -> bool {
+        if item >= self.items.unwrap_or(0) || !self.done.set(item) {
+            return false;
+        }
+        match state {
+            TaskState::Succeeded => self.succeeded += 1,
+            TaskState::Cancelled => self.cancelled += 1,
+            _ => {
+                self.failed += 1;
+                if self.first_failed.as_ref().is_none_or(|f| item < f.0) {
+                    let error = error.cloned().unwrap_or(ErrorInfo {
+                        detail: None,
+                        class: "dead".into(),
+                        message: String::new(),
+                    });
+                    self.first_failed = Some(Box::new((item, error)));
+                }
+            }
+        }
+        self.max_attempt = self.max_attempt.max(attempt);
+        self.last_finish = self.last_finish.max(finished_at_ms);
+        true
+    }
+
+    /// Running, and every task of it has ended: [`advance`] has something to decide.
+    pub(crate) fn all_ended(&self) -> bool {
+        self.state == StepState::Running && self.progress_done()
+    }
+
+    fn progress_done(&self) -> bool {
+        self.items
+            .is_some_and(|n| self.succeeded + self.failed + self.cancelled >= n)
+    }
+}
+
+/// One bit per task: inline up to 64 tasks, else one word per 64.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Bits {
+    Small(u64),
+    Large(Box<[u64]>),
+}
+
+impl Default for Bits {
+    fn default() -> Bits {
+        Bits::Small(0)
+    }
+}
+
+impl Bits {
+    fn new(n: u32) -> Bits {
+        if n <= 64 {
+            Bits::Small(0)
+        } else {
+            Bits::Large(vec![0; n.div_ceil(64) as usize].into_boxed_slice())
+        }
+    }
+
+    fn word(&self, k: u32) -> Option<u64> {
+        match self {
+            Bits::Small(w) => (k < 64).then_some(*w),
+            Bits::Large(words) => words.get((k / 64) as usize).copied(),
+        }
+    }
+
+    fn get(&self, k: u32) -> bool {
+        self.word(k).is_some_and(|w| w & (1 << (k % 64)) != 0)
+    }
+
+    /// Sets bit `k`; false if it was set already (or is out of range).
+    fn set(&mut self, k: u32) -> bool {
+        let word = match self {
+            Bits::Small(w) if k < 64 => w,
+            Bits::Small(_) => return false,
+            Bits::Large(words) => match words.get_mut((k / 64) as usize) {
+                Some(w) => w,
+                None => return false,
+            },
+        };
+        let bit = 1 << (k % 64);
+        let new = *word & bit == 0;
+        *word |= bit;
+        new
+    }
 }
 
 #[cfg(test)]
@@ -420,5 +630,69 @@ mod tests {
         r.progress[0].total = Some(0);
         r.step();
         assert_eq!(r.states(), ["succeeded"]);
+    }
+
+    fn error(class: &str) -> ErrorInfo {
+        ErrorInfo {
+            detail: None,
+            class: class.into(),
+            message: "m".into(),
+        }
+    }
+
+    #[test]
+    fn a_tracked_step_counts_each_task_once_and_keeps_the_first_failure_by_item() {
+        let mut step = Tracked::new(StepRun::default(), None);
+        step.state = StepState::Running;
+        step.start(130);
+        assert!(step.end_task(3, TaskState::Dead, Some(&error("late")), 2, 50));
+        assert!(
+            !step.end_task(3, TaskState::Succeeded, None, 1, 60),
+            "counted once"
+        );
+        assert!(step.end_task(129, TaskState::Succeeded, None, 4, 40));
+        assert!(
+            !step.end_task(130, TaskState::Succeeded, None, 1, 40),
+            "not an item"
+        );
+        assert!(step.end_task(1, TaskState::Dead, Some(&error("first")), 1, 45));
+        assert!(step.end_task(2, TaskState::Cancelled, None, 0, 46));
+        assert!(step.has_ended(129) && !step.has_ended(0));
+        let p = step.progress();
+        assert_eq!(
+            (p.total, p.succeeded, p.failed, p.cancelled, p.attempts),
+            (Some(130), 1, 2, 1, 4)
+        );
+        assert_eq!(p.first_error.unwrap().class, "first");
+        assert_eq!(step.last_finish, 50);
+        assert!(!step.all_ended());
+        for k in 0..130 {
+            step.end_task(k, TaskState::Succeeded, None, 1, 1);
+        }
+        assert!(step.all_ended());
+        step.start(1);
+        assert_eq!(step.progress().succeeded, 0, "a new epoch counts again");
+        assert!(step.end_task(0, TaskState::Succeeded, None, 1, 1) && step.all_ended());
+    }
+
+    #[test]
+    fn a_tracked_step_gives_back_its_record_and_stays_small() {
+        let rec = StepRun {
+            state: StepState::Failed,
+            epoch: 2,
+            items: Some(3),
+            started_at_ms: Some(10),
+            finished_at_ms: Some(20),
+            attempts: Some(5),
+            error: Some(error("boom")),
+        };
+        let step = Tracked::new(rec.clone(), Some(7));
+        assert_eq!(step.record(), rec);
+        assert_eq!(step.rev(), Some(7));
+        let none = Tracked::new(StepRun::default(), None);
+        assert_eq!((none.record(), none.rev()), (StepRun::default(), None));
+        // What a waiting run costs per step (issue 18): the record and tally, no outputs.
+        let size = std::mem::size_of::<Tracked>();
+        assert!(size <= 112, "Tracked is {size} bytes");
     }
 }

@@ -9,9 +9,20 @@
 //!  "item": …, "index": 3,             // a fan-out step: its item and the item's index
 //!  "args": …}                         // the step template's `payload`
 //! ```
+//!
+//! A run builds its steps' tasks here: parents' outputs held for it, or read back from
+//! the tasks' records (and `AX_RESULTS`); its input held, or read back from the run key.
 
+use super::actor::{Run, CONCURRENCY};
+use super::def::MAX_FAN_OUT;
+use super::engine::Shared;
+use super::model::StepState;
 use crate::output::TaskOutput;
+use crate::protocol::ErrorCode;
 use crate::state::ErrorInfo;
+use crate::task::TaskMeta;
+use bytes::Bytes;
+use futures::StreamExt;
 use serde_json::{json, Map, Value};
 
 /// A parent's outcome as a step sees it.
@@ -86,6 +97,202 @@ impl StepInput<'_> {
             body.insert("args".into(), args.clone());
         }
         Value::Object(body)
+    }
+}
+
+/// What a step's tasks are built from, read from a run: its input, its parents' outputs.
+impl Run {
+    /// The run's input: held, or read back from the run key.
+    pub(super) async fn input(&self, sh: &Shared) -> Result<Value, ErrorInfo> {
+        if let Some((_, text)) = &self.input {
+            return Ok(serde_json::from_slice(text).expect("held as valid JSON"));
+        }
+        let unavailable = |message: String| ErrorInfo {
+            detail: None,
+            class: "input_unavailable".into(),
+            message,
+        };
+        match sh.store.run(&self.id).await {
+            Ok(Some((run, _))) => Ok(run.input),
+            Ok(None) => Err(unavailable("the run is gone".into())),
+            Err(e) => Err(unavailable(format!("reading the run's input: {e}"))),
+        }
+    }
+
+    /// The output of succeeded step `p` as its children see it: the task's output, or for
+    /// a fan-out step the list of its tasks' outputs in item order. Outputs not held are
+    /// read back from the tasks' records (and `AX_RESULTS`).
+    pub(super) async fn output_of(&self, sh: &Shared, p: usize) -> Result<Value, ErrorInfo> {
+        let shape = self.shape();
+        let name = &shape.def.steps[p].name;
+        let unavailable = |message: String| ErrorInfo {
+            detail: None,
+            class: "input_unavailable".into(),
+            message,
+        };
+        let n = self.steps[p].items.unwrap_or(0) as usize;
+        let mut outputs: Vec<Option<Option<TaskOutput>>> = vec![None; n];
+        if let Some(held) = self.held.iter().find(|h| h.step == p) {
+            for (k, out) in &held.outputs {
+                if let Some(slot) = outputs.get_mut(*k as usize) {
+                    *slot = Some(out.clone());
+                }
+            }
+        }
+        let tasks = &sh.admission.tasks;
+        let reads = (0..n as u32)
+            .filter(|&k| outputs[k as usize].is_none())
+            .map(|k| (k, self.task_id(p, k)))
+            .map(|(k, id)| async move { (k, tasks.get(&id).await) });
+        let reads: Vec<_> = futures::stream::iter(reads.collect::<Vec<_>>())
+            .buffer_unordered(CONCURRENCY)
+            .collect()
+            .await;
+        for (k, read) in reads {
+            let read = read.map_err(|e| unavailable(format!("reading parent {name:?}: {e}")))?;
+            let out =
+                match read.and_then(|(rec, _)| rec.output) {
+                    None => None,
+                    Some(stored) => match stored.inline() {
+                        Some(out) => Some(out),
+                        None => sh.results.read(&stored).await.map_err(|e| {
+                            unavailable(format!("reading an output of {name:?}: {e}"))
+                        })?,
+                    },
+                };
+            outputs[k as usize] = Some(out);
+        }
+        let mut values: Vec<Value> = outputs
+            .into_iter()
+            .map(|out| output_value(out.flatten()))
+            .collect();
+        Ok(if shape.def.steps[p].for_each.is_some() {
+            Value::Array(values)
+        } else {
+            values.pop().unwrap_or(Value::Null)
+        })
+    }
+
+    /// The payloads of step `i`'s tasks (one, or one per fan-out item).
+    pub(super) async fn payloads(&self, sh: &Shared, i: usize) -> Result<Vec<Value>, ErrorInfo> {
+        let shape = self.shape();
+        let step = &shape.def.steps[i];
+        let mut parents = Vec::new();
+        let mut fan_out = None;
+        for &p in &shape.plan.parents[i] {
+            let name = shape.def.steps[p].name.as_str();
+            let parent = match self.steps[p].state {
+                StepState::Succeeded => Parent::Output(self.output_of(sh, p).await?),
+                other => Parent::Ended {
+                    state: other.as_str(),
+                    error: self.steps[p].error.as_deref().cloned(),
+                },
+            };
+            if step.for_each.as_deref() == Some(name) {
+                fan_out = Some(parent);
+            } else {
+                parents.push((name, parent));
+            }
+        }
+        let input = self.input(sh).await?;
+        let input = StepInput {
+            flow: &shape.flow,
+            run: &self.id,
+            step: &step.name,
+            input: &input,
+            parents,
+            args: step.task.payload.as_ref(),
+        };
+        let Some(fan_out) = fan_out else {
+            return Ok(vec![input.payload(None)]);
+        };
+        let over = step.for_each.as_deref().unwrap_or_default();
+        let list = match fan_out {
+            Parent::Output(Value::Array(list)) => list,
+            Parent::Output(other) => {
+                return Err(ErrorInfo {
+                    detail: None,
+                    class: "bad_fan_out".into(),
+                    message: format!(
+                        "for_each {over:?}: its output is not a JSON array but {}",
+                        kind(&other)
+                    ),
+                })
+            }
+            Parent::Ended { state, .. } => {
+                return Err(ErrorInfo {
+                    detail: None,
+                    class: "bad_fan_out".into(),
+                    message: format!("for_each {over:?}: it ended {state}, with no output"),
+                })
+            }
+        };
+        if list.len() > MAX_FAN_OUT {
+            return Err(ErrorInfo {
+                detail: None,
+                class: "fan_out_too_large".into(),
+                message: format!(
+                    "for_each {over:?}: {} items, at most {MAX_FAN_OUT}",
+                    list.len()
+                ),
+            });
+        }
+        Ok(list
+            .iter()
+            .enumerate()
+            .map(|(k, v)| input.payload(Some((k as u32, v))))
+            .collect())
+    }
+
+    /// Builds step `i`'s tasks (only items `only`, sorted, if given), each checked as its
+    /// submit would be. An error fails the step (never a stuck run).
+    pub(super) async fn build(
+        &self,
+        sh: &Shared,
+        i: usize,
+        only: Option<&[u32]>,
+    ) -> Result<Vec<Built>, ErrorInfo> {
+        let payloads = self.payloads(sh, i).await?;
+        let limits = &sh.admission.limits;
+        let template = &self.shape().def.steps[i].task;
+        let queue = template.queue.clone().unwrap_or_default();
+        let mut built = Vec::with_capacity(only.map_or(payloads.len(), <[u32]>::len));
+        for (k, payload) in payloads.into_iter().enumerate() {
+            let k = k as u32;
+            if only.is_some_and(|only| only.binary_search(&k).is_err()) {
+                continue;
+            }
+            let mut req = template.clone();
+            req.payload = Some(payload);
+            let (mut meta, body) = TaskMeta::from_request(&queue, req, limits).map_err(|e| {
+                let class = match (e.code, e.field.as_deref()) {
+                    (ErrorCode::PayloadTooLarge, _) | (_, Some("payload")) => "input_too_large",
+                    _ => "invalid_step_task",
+                };
+                ErrorInfo {
+                    detail: None,
+                    class: class.into(),
+                    message: e.message,
+                }
+            })?;
+            meta.id = self.task_id(i, k);
+            built.push((k, meta, body));
+        }
+        Ok(built)
+    }
+}
+
+/// A step task ready to submit: item index, headers, payload.
+pub(super) type Built = (u32, TaskMeta, Bytes);
+
+fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
     }
 }
 

@@ -114,7 +114,13 @@ pub(crate) fn max_in_window(mut starts: Vec<u64>, window_ms: u64) -> usize {
     most
 }
 
-pub(crate) async fn submit_keyed(env: &Env, n: usize, name: &str, key: &str, sleep_ms: u64) -> Vec<String> {
+pub(crate) async fn submit_keyed(
+    env: &Env,
+    n: usize,
+    name: &str,
+    key: &str,
+    sleep_ms: u64,
+) -> Vec<String> {
     let mut ids = Vec::new();
     for _ in 0..n {
         let spec = TaskSpec::new(name)
