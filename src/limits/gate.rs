@@ -300,10 +300,23 @@ impl Gate {
             if none {
                 self.ready.send_replace(true);
             }
+            // After a reconnect (a broker restart) the watch may stall until its consumer
+            // misses heartbeats, seconds in which a pause or a changed limit goes unseen:
+            // follow again at once instead.
+            let stats = js.client().statistics();
+            let connects = stats.connects.load(Ordering::Relaxed);
+            let mut tick = tokio::time::interval(Duration::from_millis(250));
             loop {
                 let entry = tokio::select! {
                     _ = shutdown.cancelled() => return,
                     entry = watch.next() => entry,
+                    _ = tick.tick() => {
+                        if stats.connects.load(Ordering::Relaxed) != connects {
+                            info!(queue = %self.queue, "limit definitions: reconnected; following again");
+                            break;
+                        }
+                        continue;
+                    }
                 };
                 let Some(Ok(entry)) = entry else {
                     warn!(queue = %self.queue, "limit definitions: watch ended; following again");
@@ -377,6 +390,32 @@ impl Gate {
     /// True while the queue is paused.
     pub(crate) fn paused(&self) -> bool {
         *self.paused.borrow()
+    }
+
+    /// True if a handler due to start at `at` would start too late now (the claim took
+    /// longer than the lead): it would bunch with the starts due after it.
+    pub(crate) fn too_late(at: tokio::time::Instant) -> bool {
+        tokio::time::Instant::now() > at + MAX_LATE
+    }
+
+    /// For a claimed delivery whose token came due too long ago ([`Gate::too_late`]):
+    /// takes its rate tokens again, reserving (the first ones are given up), and answers
+    /// when the handler may start; `None` if no token is due within the hold horizon
+    /// (then it starts now, late).
+    pub(crate) async fn retime(&self, meta: &TaskMeta) -> Option<tokio::time::Instant> {
+        let buckets = self.buckets.read().expect("not poisoned").clone()?;
+        let mut due: Option<u64> = None;
+        for def in self.applicable(meta).iter().filter(|d| d.rate.is_some()) {
+            // Not counted against the hold budget: this delivery is claimed already.
+            let mut hold = Arc::new(Semaphore::new(1)).try_acquire_owned().ok();
+            let key = meta.limit_key.as_deref();
+            let at = self
+                .take_token(&buckets.state, def, key, &mut hold)
+                .await
+                .ok()?;
+            due = due.max(Some(at));
+        }
+        due.map(instant_of)
     }
 
     /// The lead: how long before a token is due its delivery is claimed.

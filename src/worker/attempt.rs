@@ -12,7 +12,7 @@ use super::labels::Labels;
 use super::options::Routes;
 use super::rate::TimeoutRate;
 use super::{is_json, Handler, Task, TaskError};
-use crate::limits::gate::{Admit, Reason};
+use crate::limits::gate::{Admit, Gate, Reason};
 use crate::metrics as m;
 use crate::names;
 use crate::output::{Output, ResultStore, StoredOutput, MAX_OUTPUT_BYTES};
@@ -265,8 +265,13 @@ async fn process(
                 // Under a rate: the handler starts when its token is due (the claim ran in
                 // the gate's lead, which follows the claim times), so starts keep the
                 // tokens' spacing.
-                if let Some(at) = start_at {
+                if let Some(mut at) = start_at {
                     sh.gate.observe_claim(claiming.elapsed());
+                    // The claim outlasted the lead (a slow or restarting broker): take the
+                    // tokens again rather than bunch this start with the next ones.
+                    if Gate::too_late(at) {
+                        at = sh.gate.retime(meta).await.unwrap_or(at);
+                    }
                     tokio::time::sleep_until(at).await;
                 }
                 let lost = Lost(&limit_slots);
