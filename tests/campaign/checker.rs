@@ -10,8 +10,15 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 pub struct Invocation {
     pub attempt: u32,
     pub token: u64,
-    /// `ok`, `err:<class>`, or `None` if it never ended (its worker was killed).
+    /// `ok`, `err:<class>`, `stopped`, or `None` if it never ended (its worker was killed).
     pub outcome: Option<String>,
+    /// The worker that ran it (its `--id`).
+    pub worker: String,
+    /// Task name.
+    pub name: String,
+    /// When the handler started and ended, ms since the epoch.
+    pub start_ms: u64,
+    pub end_ms: Option<u64>,
 }
 
 /// Parses the journal: invocations by task id, in file order. Torn lines are skipped.
@@ -30,6 +37,10 @@ pub fn parse_journal(text: &str) -> HashMap<String, Vec<Invocation>> {
                 attempt: v["attempt"].as_u64().unwrap_or(0) as u32,
                 token,
                 outcome: None,
+                worker: v["worker"].as_str().unwrap_or_default().to_string(),
+                name: v["name"].as_str().unwrap_or_default().to_string(),
+                start_ms: v["at_ms"].as_u64().unwrap_or(0),
+                end_ms: None,
             }),
             Some("end") => {
                 // Matched by token and attempt: invocations that never asked for a token
@@ -41,6 +52,7 @@ pub fn parse_journal(text: &str) -> HashMap<String, Vec<Invocation>> {
                     .find(|r| r.token == token && attempt.is_none_or(|a| a == r.attempt))
                 {
                     run.outcome = v["outcome"].as_str().map(str::to_string);
+                    run.end_ms = v["at_ms"].as_u64();
                 }
             }
             _ => {}
@@ -52,8 +64,9 @@ pub fn parse_journal(text: &str) -> HashMap<String, Vec<Invocation>> {
 /// Every stored revision of every record, oldest first, by task id.
 pub type Histories = BTreeMap<String, Vec<(u64, TaskRecord)>>;
 
-/// Every accepted task reached a final state; none has two recorded outcomes; a success
-/// is backed by a successful invocation under the token it was recorded with.
+/// Every accepted task reached a final state; none has two recorded outcomes (unless an
+/// operator's retry reopened a dead one in between); a success is backed by a successful
+/// invocation under the token it was recorded with.
 pub fn check_tasks(
     accepted: &HashSet<String>,
     histories: &Histories,
@@ -70,17 +83,32 @@ pub fn check_tasks(
         }
     }
     for (id, history) in histories {
-        let terminal: Vec<usize> = history
-            .iter()
-            .enumerate()
-            .filter(|(_, (_, r))| r.state.is_terminal())
-            .map(|(i, _)| i)
-            .collect();
-        if terminal.len() > 1 {
-            v.push(format!("{id}: {} recorded outcomes", terminal.len()));
-        }
-        if terminal.first().is_some_and(|&i| i + 1 != history.len()) {
-            v.push(format!("{id}: a transition after its outcome"));
+        // Lives: an operator's retry (`pending` with `op` retry right after `dead`) starts a
+        // new one; each has at most one outcome, and nothing follows it.
+        let mut start = 0;
+        for i in 1..=history.len() {
+            let reopened = history.get(i).is_some_and(|(_, r)| {
+                history[i - 1].1.state == TaskState::Dead
+                    && r.state == TaskState::Pending
+                    && r.op.as_ref().is_some_and(|op| op.op == "retry")
+            });
+            if i < history.len() && !reopened {
+                continue;
+            }
+            let life = &history[start..i];
+            let terminal: Vec<usize> = life
+                .iter()
+                .enumerate()
+                .filter(|(_, (_, r))| r.state.is_terminal())
+                .map(|(i, _)| i)
+                .collect();
+            if terminal.len() > 1 {
+                v.push(format!("{id}: {} recorded outcomes", terminal.len()));
+            }
+            if terminal.first().is_some_and(|&i| i + 1 != life.len()) {
+                v.push(format!("{id}: a transition after its outcome"));
+            }
+            start = i;
         }
         let Some((_, last)) = history.last() else {
             continue;
@@ -159,6 +187,34 @@ pub fn check_tokens(journal: &HashMap<String, Vec<Invocation>>) -> Vec<String> {
             ));
         }
     }
+    v
+}
+
+/// Every handler start is of an attempt its task's record counts: the record exists and
+/// its attempt is at least the journal's. A start the records do not count (a task run
+/// again after it ended, a fire made twice) is what deterministic ids would hide.
+pub fn check_counted(
+    journal: &HashMap<String, Vec<Invocation>>,
+    histories: &Histories,
+) -> Vec<String> {
+    let mut v = Vec::new();
+    for (id, runs) in journal {
+        let Some(most) = runs.iter().map(|r| r.attempt).max() else {
+            continue;
+        };
+        match histories.get(id).and_then(|h| h.last()) {
+            None => v.push(format!(
+                "{id}: ran ({} starts) without a record",
+                runs.len()
+            )),
+            Some((_, rec)) if rec.attempt < most => v.push(format!(
+                "{id} ({}): a handler started attempt {most}, the record counts {} ({})",
+                runs[0].name, rec.attempt, rec.state
+            )),
+            _ => {}
+        }
+    }
+    v.sort();
     v
 }
 
@@ -269,6 +325,61 @@ mod tests {
     }
 
     #[test]
+    fn only_an_operators_retry_reopens_a_dead_task() {
+        let rec = |state: &str, attempt: u32, op: Option<&str>| -> TaskRecord {
+            let mut v = serde_json::json!({"id": "q.a", "queue": "q", "name": "t",
+                "priority": "normal", "state": state, "attempt": attempt, "max_attempts": 5,
+                "created_at_ms": 0, "updated_at_ms": 0});
+            if let Some(op) = op {
+                v["op"] = serde_json::json!({"op": op, "by": "api", "at_ms": 0});
+            }
+            serde_json::from_value(v).unwrap()
+        };
+        let life = |reopen: Option<&str>| {
+            vec![
+                (1, rec("pending", 0, None)),
+                (2, rec("running", 1, None)),
+                (3, rec("dead", 1, None)),
+                (4, rec("pending", 1, reopen)),
+                (5, rec("running", 2, None)),
+                (6, rec("succeeded", 2, None)),
+            ]
+        };
+        let ok = Invocation {
+            attempt: 2,
+            outcome: Some("ok".into()),
+            ..Default::default()
+        };
+        let journal = HashMap::from([("q.a".to_string(), vec![ok])]);
+        let accepted = HashSet::from(["q.a".to_string()]);
+        let retried = Histories::from([("q.a".to_string(), life(Some("retry")))]);
+        assert!(check_tasks(&accepted, &retried, &journal).is_empty());
+        // Reopened by anything else: two outcomes, and a transition after the first.
+        let reopened = Histories::from([("q.a".to_string(), life(Some("run_now")))]);
+        assert_eq!(check_tasks(&accepted, &reopened, &journal).len(), 2);
+        let unmarked = Histories::from([("q.a".to_string(), life(None))]);
+        assert_eq!(check_tasks(&accepted, &unmarked, &journal).len(), 2);
+    }
+
+    #[test]
+    fn a_start_its_record_does_not_count_is_caught() {
+        let run = |attempt| Invocation {
+            attempt,
+            ..Default::default()
+        };
+        let rec: TaskRecord = serde_json::from_value(serde_json::json!({"id": "q.a",
+            "queue": "q", "name": "t", "priority": "normal", "state": "cancelled",
+            "attempt": 1, "max_attempts": 5, "created_at_ms": 0, "updated_at_ms": 0}))
+        .unwrap();
+        let histories = Histories::from([("q.a".to_string(), vec![(1, rec)])]);
+        let mut journal = HashMap::from([("q.a".to_string(), vec![run(1)])]);
+        assert!(check_counted(&journal, &histories).is_empty());
+        journal.insert("q.a".to_string(), vec![run(1), run(2)]);
+        journal.insert("q.b".to_string(), vec![run(1)]);
+        assert_eq!(check_counted(&journal, &histories).len(), 2);
+    }
+
+    #[test]
     fn tokens_must_grow_and_attempts_run_once() {
         let mut j = HashMap::new();
         j.insert(
@@ -277,12 +388,12 @@ mod tests {
                 Invocation {
                     attempt: 1,
                     token: 5,
-                    outcome: None,
+                    ..Default::default()
                 },
                 Invocation {
                     attempt: 2,
                     token: 4,
-                    outcome: None,
+                    ..Default::default()
                 },
             ],
         );
@@ -292,12 +403,12 @@ mod tests {
                 Invocation {
                     attempt: 1,
                     token: 5,
-                    outcome: None,
+                    ..Default::default()
                 },
                 Invocation {
                     attempt: 1,
                     token: 6,
-                    outcome: None,
+                    ..Default::default()
                 },
             ],
         );
@@ -305,7 +416,7 @@ mod tests {
         let unfenced = Invocation {
             attempt: 1,
             token: 0,
-            outcome: None,
+            ..Default::default()
         };
         j.insert("q.c".to_string(), vec![unfenced.clone(), unfenced]);
         let v = check_tokens(&j);

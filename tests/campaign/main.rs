@@ -1,183 +1,78 @@
-//! The fault campaign (issue 7 §3): mixed load while a seeded nemesis kills and restarts
-//! real processes, then a checker over what was observed.
+//! The fault campaign (issues 7 §3 and 18 §3): mixed load while a seeded nemesis kills and
+//! restarts real processes, then a checker over what was observed.
 //!
 //! Load: immediate tasks, delayed ones, bursts at one due time beyond the servers' read-ahead
 //! horizon, retries, dead letters, refused submits (bad input, a full queue), triggers with
-//! each overlap policy and fixed-delay, manual runs. Nemesis: `kill -9` of one or two of the
-//! three ax servers, `kill -9` of a worker, `SIGSTOP` of a worker past the ack wait, and the
-//! nats-server (single node: kill and restart; R3: one node at a time). Handlers append every
-//! invocation with its fencing token to a journal file (`ax worker --example --journal`).
+//! each overlap policy and fixed-delay, manual runs (queues `q`, `hot`); flows with fan-out,
+//! gather, chains, failures, cancels and re-runs (`flows`), a per-key rate, a per-key cap and
+//! a singleton (`limits`), and cancels, retries, "run now", pause and resume (`ops`), on
+//! queue `x`. Nemesis (`cluster`): `kill -9` of one or two of the three ax servers, `kill -9`
+//! of a worker, `SIGSTOP` of a worker past the ack wait, and the nats-server (single node:
+//! kill and restart; R3: one node at a time); a second one kills and pauses queue `x`'s
+//! workers. Handlers append every start and end with its fencing token to a journal file
+//! (`ax worker --example --journal`).
 //!
-//! The checker: every accepted task reached a final state; no task has two recorded
-//! outcomes; a success is backed by a successful invocation under its token; per task,
-//! tokens only grow and no attempt ran twice; every scheduled trigger time in the window was
-//! fired exactly once (or accounted as skipped by its overlap policy); no fire was stored
-//! twice; every refused submit stored nothing (no idempotency key left), unless an earlier
-//! attempt with its key went unanswered or was `unavailable`.
+//! The checker (`checker*.rs`, `verdict`): every accepted task reached a final state; no
+//! task has two recorded outcomes; a success is backed by a successful invocation under its
+//! token; per task, tokens only grow, no attempt ran twice and no start is one its record
+//! does not count; every scheduled trigger time in the window was fired exactly once (or
+//! accounted as skipped by its overlap policy); no fire was stored twice; every refused
+//! submit stored nothing; flow runs end as their policy says and step tasks run once per
+//! epoch, after their parents; limits hold (starts per window, holders at once) as the
+//! journals count them; operations take effect (nothing starts after its cancel was
+//! acknowledged, nor in a paused queue).
 //!
-//! `AX_CAMPAIGN_SECS` (default 40) sets the load time, `AX_CAMPAIGN_SEED` replays a run; the
-//! seed is printed first. A long run: `AX_CAMPAIGN_SECS=600 ./dev test --test campaign --
-//! --nocapture`.
+//! `AX_CAMPAIGN_SECS` (default 40) sets the load time, `AX_CAMPAIGN_SEED` replays a run's
+//! random choices; the seed is printed first. A long run: `AX_CAMPAIGN_SECS=600 ./dev test
+//! --test campaign -- --nocapture --test-threads 1`.
 
 mod checker;
+mod checker_flows;
+mod checker_limits;
+mod checker_ops;
+mod cluster;
+mod flows;
+mod journal;
+mod limits;
 #[allow(dead_code)]
 #[path = "../../src/natsd.rs"]
 mod natsd;
+mod ops;
 #[allow(dead_code)]
 #[path = "../it/procs.rs"]
 mod procs;
 #[allow(dead_code)]
 #[path = "../it/support.rs"]
 mod support;
+mod verdict;
 
-use ax::state::TaskState;
 use ax::time::now_ms;
 use ax::{Client, ClientError, TaskRecord, TaskSpec};
-use checker::{Histories, TriggerRun};
+use checker::Histories;
+use cluster::{Nats, Procs, Timeline};
 use futures::StreamExt;
-use procs::AxProc;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::collections::HashSet;
-use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-const ACK_WAIT: &str = "2s";
-const SERVERS: usize = 3;
-const WORKERS: usize = 3;
-
-enum Nats {
-    Single(natsd::LocalNats),
-    Cluster(natsd::LocalCluster),
-}
-
-impl Nats {
-    fn url(&self) -> String {
-        match self {
-            Nats::Single(n) => n.url(),
-            Nats::Cluster(c) => c.urls().join(","),
-        }
-    }
-}
-
-/// The processes under test, restarted under new ids.
-struct Procs {
-    url: String,
-    journal: PathBuf,
-    replicas: &'static str,
-    servers: Vec<Option<AxProc>>,
-    workers: Vec<Option<AxProc>>,
-    generation: usize,
-}
-
-impl Procs {
-    fn server(&mut self, i: usize) -> AxProc {
-        self.generation += 1;
-        let id = format!("s{i}g{}", self.generation);
-        AxProc::spawn(
-            &self.url,
-            &[
-                "server",
-                "--queue",
-                "q",
-                "--queue",
-                "hot",
-                "--ack-wait",
-                ACK_WAIT,
-                "--capacity",
-                "20,5000,10000",
-                "--dispatch-horizon",
-                "3s",
-                "--replicas",
-                self.replicas,
-                "--id",
-                &id,
-            ],
-        )
-    }
-
-    fn worker(&mut self, i: usize) -> AxProc {
-        self.generation += 1;
-        let id = format!("w{i}g{}", self.generation);
-        let journal = self.journal.display().to_string();
-        // Worker 0 also serves the small queue `hot` (a second process).
-        AxProc::spawn(
-            &self.url,
-            &[
-                "worker",
-                "--example",
-                "--queue",
-                "q",
-                "--fail-rate",
-                "0",
-                "--concurrency",
-                "32",
-                "--journal",
-                &journal,
-                "--id",
-                &id,
-            ],
-        )
-    }
-
-    fn hot_worker(&self) -> AxProc {
-        let journal = self.journal.display().to_string();
-        AxProc::spawn(
-            &self.url,
-            &[
-                "worker",
-                "--example",
-                "--queue",
-                "hot",
-                "--fail-rate",
-                "0",
-                "--concurrency",
-                "2",
-                "--journal",
-                &journal,
-                "--id",
-                "hot",
-            ],
-        )
-    }
-
-    fn all_up(&mut self) {
-        for i in 0..SERVERS {
-            if self.servers[i]
-                .as_mut()
-                .is_none_or(|p| p.0.try_wait().unwrap().is_some())
-            {
-                self.servers[i] = Some(self.server(i));
-            }
-        }
-        for i in 0..WORKERS {
-            if self.workers[i]
-                .as_mut()
-                .is_none_or(|p| p.0.try_wait().unwrap().is_some())
-            {
-                self.workers[i] = Some(self.worker(i));
-            }
-        }
-    }
-}
-
 /// What the producer saw.
 #[derive(Default)]
-struct Log {
-    accepted: HashSet<String>,
+pub struct Log {
+    pub accepted: HashSet<String>,
     /// (queue, idempotency key, code, clean) of each refused submit; `clean` when no
     /// earlier attempt with that key went unanswered or was `unavailable` (such an attempt
     /// may have stored the key, or the task).
-    refused: Vec<(String, String, String, bool)>,
-    manual_answered: Vec<String>,
-    manual_refused: usize,
-    manual_unanswered: usize,
-    unanswered_retries: usize,
+    pub refused: Vec<(String, String, String, bool)>,
+    pub manual_answered: Vec<String>,
+    pub manual_refused: usize,
+    pub manual_unanswered: usize,
+    pub unanswered_retries: usize,
 }
 
-fn hex(bytes: &[u8]) -> String {
+pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
@@ -186,7 +81,7 @@ type Answer = Result<ax::protocol::SubmitAccepted, ax::protocol::WireError>;
 /// Submits until answered (same idempotency key on every retry): the answer (`None` if no
 /// answer came within a minute), and whether every attempt before it was answered and not
 /// `unavailable`.
-async fn submit_until_answered(
+pub async fn submit_until_answered(
     ax: &Client,
     queue: &str,
     spec: TaskSpec,
@@ -214,7 +109,7 @@ async fn submit_until_answered(
     (None, false)
 }
 
-const TRIGGERS: [(&str, &str); 4] = [
+pub const TRIGGERS: [(&str, &str); 4] = [
     ("t-allow", "allow"),
     ("t-skip", "skip"),
     ("t-buffer", "buffer_one"),
@@ -312,104 +207,9 @@ async fn produce(ax: Client, log: Arc<Mutex<Log>>, seed: u64, until: Instant) {
     futures::future::join_all(lanes).await;
 }
 
-#[derive(Debug, Default)]
-struct Kills {
-    one_server: usize,
-    two_servers: usize,
-    worker_kill: usize,
-    worker_stop: usize,
-    nats: usize,
-}
-
-async fn nemesis(
-    procs: Arc<Mutex<Procs>>,
-    nats: Arc<tokio::sync::Mutex<Nats>>,
-    seed: u64,
-    until: Instant,
-) -> Kills {
-    let mut rng = StdRng::seed_from_u64(seed);
-    let mut kills = Kills::default();
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    while Instant::now() < until {
-        tokio::time::sleep(Duration::from_millis(rng.random_range(1500..3500))).await;
-        match rng.random_range(0..100) {
-            0..=29 => {
-                let i = rng.random_range(0..SERVERS);
-                if let Some(mut p) = procs.lock().unwrap().servers[i].take() {
-                    p.kill9();
-                }
-                kills.one_server += 1;
-                tokio::time::sleep(Duration::from_millis(rng.random_range(100..1000))).await;
-                let mut procs = procs.lock().unwrap();
-                procs.servers[i] = Some(procs.server(i));
-            }
-            30..=39 => {
-                let a = rng.random_range(0..SERVERS);
-                let b = (a + 1 + rng.random_range(0..SERVERS - 1)) % SERVERS;
-                for i in [a, b] {
-                    if let Some(mut p) = procs.lock().unwrap().servers[i].take() {
-                        p.kill9();
-                    }
-                }
-                kills.two_servers += 1;
-                tokio::time::sleep(Duration::from_millis(rng.random_range(200..1500))).await;
-                let mut procs = procs.lock().unwrap();
-                for i in [a, b] {
-                    procs.servers[i] = Some(procs.server(i));
-                }
-            }
-            40..=59 => {
-                let i = rng.random_range(0..WORKERS);
-                if let Some(mut p) = procs.lock().unwrap().workers[i].take() {
-                    p.kill9();
-                }
-                kills.worker_kill += 1;
-                tokio::time::sleep(Duration::from_millis(rng.random_range(100..1000))).await;
-                let mut procs = procs.lock().unwrap();
-                procs.workers[i] = Some(procs.worker(i));
-            }
-            60..=79 => {
-                let i = rng.random_range(0..WORKERS);
-                let stopped = procs.lock().unwrap().workers[i]
-                    .as_ref()
-                    .map(|p| p.signal("-STOP"))
-                    .is_some();
-                if stopped {
-                    kills.worker_stop += 1;
-                    // Past the 2 s ack wait: its tasks go to other workers meanwhile.
-                    tokio::time::sleep(Duration::from_millis(rng.random_range(2500..4000))).await;
-                    if let Some(p) = procs.lock().unwrap().workers[i].as_ref() {
-                        p.signal("-CONT");
-                    }
-                }
-            }
-            _ => {
-                let mut nats = nats.lock().await;
-                match &mut *nats {
-                    Nats::Single(n) => {
-                        n.kill();
-                        tokio::time::sleep(Duration::from_millis(rng.random_range(300..1500)))
-                            .await;
-                        n.restart().unwrap();
-                    }
-                    Nats::Cluster(c) => {
-                        let i = rng.random_range(0..c.nodes.len());
-                        c.nodes[i].kill();
-                        tokio::time::sleep(Duration::from_millis(rng.random_range(1000..3000)))
-                            .await;
-                        c.nodes[i].restart().unwrap();
-                    }
-                }
-                kills.nats += 1;
-            }
-        }
-    }
-    kills
-}
-
 /// Every revision of every task record, read once through an ordered consumer. A broker
 /// that is still settling after the nemesis (an R3 election) is asked again.
-async fn histories(js: &async_nats::jetstream::Context) -> Histories {
+pub async fn histories(js: &async_nats::jetstream::Context) -> Histories {
     let mut tries = 0;
     loop {
         match try_histories(js).await {
@@ -455,6 +255,11 @@ async fn try_histories(
 /// The two campaigns run one after the other: each alone loads both cores.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
+/// Puts a definition through an API, retrying while servers come up.
+async fn put(what: &str, f: impl AsyncFn() -> Result<serde_json::Value, ClientError>) {
+    support::eventually(Duration::from_secs(30), what, || async { f().await.ok() }).await;
+}
+
 async fn campaign(cluster: bool) {
     let _alone = ONE_AT_A_TIME.lock().await;
     let seed: u64 = std::env::var("AX_CAMPAIGN_SEED")
@@ -477,14 +282,7 @@ async fn campaign(cluster: bool) {
     let url = nats.url();
     let dir = tempfile::tempdir().unwrap();
     let journal = dir.path().join("journal.jsonl");
-    let mut procs = Procs {
-        url: url.clone(),
-        journal: journal.clone(),
-        replicas: if cluster { "3" } else { "1" },
-        servers: (0..SERVERS).map(|_| None).collect(),
-        workers: (0..WORKERS).map(|_| None).collect(),
-        generation: 0,
-    };
+    let mut procs = Procs::new(&url, journal.clone(), cluster);
     // One server first, so the topology is created once with these settings.
     procs.servers[0] = Some(procs.server(0));
     let addrs: Vec<async_nats::ServerAddr> = url.split(',').map(|u| u.parse().unwrap()).collect();
@@ -504,16 +302,38 @@ async fn campaign(cluster: bool) {
     let manual = serde_json::json!({"name": "t-manual", "kind": "interval", "every_ms": 3_600_000,
         "tasks": [{"name": "tick", "queue": "q", "priority": "low", "payload": {"sleep_ms": 300}}]});
     ax.trigger("put", &manual).await.unwrap();
+    for def in limits::defs() {
+        put("a limit to be stored", async || {
+            ax.limits("put", &def).await
+        })
+        .await;
+    }
+    for def in flows::defs() {
+        put("a flow to be stored", async || ax.flow("put", &def).await).await;
+    }
+    let lister_stop = tokio_util::sync::CancellationToken::new();
+    let lister = tokio::spawn(
+        flows::lister(journal::Journal::open(&journal)).run(client.clone(), lister_stop.clone()),
+    );
 
     let procs = Arc::new(Mutex::new(procs));
     let nats = Arc::new(tokio::sync::Mutex::new(nats));
+    let timeline: Arc<Mutex<Timeline>> = Arc::default();
     let log: Arc<Mutex<Log>> = Arc::default();
+    let flow_log: Arc<Mutex<flows::FlowLog>> = Arc::default();
+    let limit_log: Arc<Mutex<limits::LimitLog>> = Arc::default();
+    let ops_log: Arc<Mutex<ops::OpsLog>> = Arc::default();
     let until = Instant::now() + Duration::from_secs(secs);
     let started = Instant::now();
-    let (kills, ()) = tokio::join!(
-        nemesis(procs.clone(), nats.clone(), seed, until),
+    let (kills, x_kills, ..) = tokio::join!(
+        cluster::nemesis(procs.clone(), nats.clone(), timeline.clone(), seed, until),
+        cluster::x_nemesis(procs.clone(), timeline.clone(), seed, until),
         produce(ax.clone(), log.clone(), seed, until),
+        flows::load(ax.clone(), flow_log.clone(), seed, until),
+        limits::load(ax.clone(), log.clone(), limit_log.clone(), seed, until),
+        ops::load(ax.clone(), log.clone(), ops_log.clone(), seed, until),
     );
+    let loaded = started.elapsed();
     procs.lock().unwrap().all_up();
     // Faults have stopped: the system must recover and handle scheduled times again
     // before the window closes (an R3 cluster whose node came back in the last seconds
@@ -549,7 +369,8 @@ async fn campaign(cluster: bool) {
     }
     let paused_ms = now_ms();
     tokio::time::sleep(Duration::from_secs(2)).await;
-    // Quiesce: every record final (accepted tasks and trigger tasks alike).
+    // Quiesce: every record final (accepted tasks, trigger and step tasks alike), every
+    // flow run ended.
     let quiet = tokio::time::timeout(Duration::from_secs(150), async {
         loop {
             let h = histories(&js).await;
@@ -559,131 +380,72 @@ async fn campaign(cluster: bool) {
                 .count();
             let accepted = log.lock().unwrap().accepted.clone();
             let missing = accepted.iter().filter(|id| !h.contains_key(*id)).count();
-            if open == 0 && missing == 0 {
+            if open == 0 && missing == 0 && flows::all_ended(&ax, &flow_log).await {
                 return h;
             }
             tokio::time::sleep(Duration::from_secs(1)).await;
         }
     })
     .await;
-    let mut violations: Vec<String> = Vec::new();
+    let mut verdict = verdict::Verdict::default();
     let histories = match quiet {
         Ok(h) => h,
         Err(_) => {
-            violations.push("the system did not quiesce within 150 s".into());
+            verdict.add(
+                "quiesce",
+                vec!["the system did not quiesce within 150 s".into()],
+            );
             histories(&js).await
         }
     };
-    let journal_text = std::fs::read_to_string(&journal).unwrap_or_default();
-    let invocations = checker::parse_journal(&journal_text);
-    let log = std::mem::take(&mut *log.lock().unwrap());
-    violations.extend(checker::check_tasks(
-        &log.accepted,
-        &histories,
-        &invocations,
-    ));
-    violations.extend(checker::check_tokens(&invocations));
-    // Triggers.
-    let records: Vec<&TaskRecord> = histories
-        .values()
-        .filter_map(|h| h.last().map(|(_, r)| r))
-        .collect();
-    let mut fired_report = Vec::new();
-    for (name, policy) in TRIGGERS {
-        let got = ax
-            .trigger("get", &serde_json::json!({"name": name}))
-            .await
-            .unwrap();
-        let state = &got["state"];
-        violations.extend(checker::check_trigger(
-            &TriggerRun {
-                name,
-                policy,
-                state,
-                paused_ms,
-            },
-            &records,
-        ));
-        fired_report.push(format!(
-            "{name}: fired {} skipped {}",
-            state["fires"].as_u64().unwrap_or(0) - state["manual"].as_u64().unwrap_or(0),
-            state["skipped"]
-        ));
-    }
-    let trigger_tasks = records.iter().filter(|r| r.trigger.is_some()).count() as u64;
-    let mut low = js.get_stream("AX_READY_LOW").await.unwrap();
-    let stored_fires = low.info().await.unwrap().state.last_sequence;
-    if stored_fires != trigger_tasks {
-        violations.push(format!(
-            "{stored_fires} trigger task messages stored for {trigger_tasks} trigger tasks: a fire was stored twice"
-        ));
-    }
-    // Manual runs: each answered run made its task; nothing more than the runs sent.
-    let manual_made: Vec<&str> = records
-        .iter()
-        .filter(|r| r.trigger_source.as_deref() == Some("manual"))
-        .map(|r| r.id.as_str())
-        .collect();
-    for id in &log.manual_answered {
-        if !manual_made.contains(&id.as_str()) {
-            violations.push(format!("manual run {id} answered but never made"));
-        }
-    }
-    if manual_made.len() > log.manual_answered.len() + log.manual_unanswered {
-        violations.push(format!(
-            "{} manual tasks made for {} answered and {} unanswered runs",
-            manual_made.len(),
-            log.manual_answered.len(),
-            log.manual_unanswered
-        ));
-    }
-    // Refused submits stored nothing.
-    let idem = js.get_key_value("AX_IDEMPOTENCY").await.unwrap();
-    let mut busy = 0;
-    for (queue, key, code, clean) in &log.refused {
-        busy += usize::from(code == "busy");
-        if !clean {
-            // An earlier attempt with this key went unanswered or was `unavailable`: it
-            // may have stored the key (and the task, which a later retry finishes).
-            continue;
-        }
-        let kv_key = format!("{queue}.{}", hex(key.as_bytes()));
-        if let Ok(Some(v)) = idem.get(&kv_key).await {
-            violations.push(format!(
-                "refused submit ({code}) left its idempotency key, task {}",
-                String::from_utf8_lossy(&v)
-            ));
-        }
-    }
-    let outcomes = |s: TaskState| {
-        histories
-            .values()
-            .filter(|h| h.last().is_some_and(|(_, r)| r.state == s))
-            .count()
+    lister_stop.cancel();
+    let _ = lister.await;
+    let seen = verdict::Seen {
+        journal: checker::parse_journal(&std::fs::read_to_string(&journal).unwrap_or_default()),
+        histories,
+        timeline: timeline.lock().unwrap().clone(),
+        log: std::mem::take(&mut *log.lock().unwrap()),
+        flows: std::mem::take(&mut *flow_log.lock().unwrap()),
+        limits: std::mem::take(&mut *limit_log.lock().unwrap()),
+        ops: std::mem::take(&mut *ops_log.lock().unwrap()),
+        paused_ms,
     };
-    let runs: usize = invocations.values().map(Vec::len).sum();
+    let mut report = verdict::check_core(&ax, &js, &seen, &mut verdict).await;
+    report.extend(verdict::check_new(&ax, &seen, &mut verdict).await);
+    let seen_keys = seen.limits.keyed;
+    let violations = verdict.violations;
     println!(
-        "fault campaign ({kind}) seed {seed}: {:?} of load; kills {kills:?}; {} tasks accepted \
-         ({} succeeded, {} dead in all records), {} refused ({busy} busy), {} submit retries; \
-         {runs} handler invocations; manual runs {} answered / {} refused running / {} unanswered; \
-         triggers {fired_report:?}, {stored_fires} fire messages stored; violations {}",
-        until.duration_since(started),
-        log.accepted.len(),
-        outcomes(TaskState::Succeeded),
-        outcomes(TaskState::Dead),
-        log.refused.len(),
-        log.unanswered_retries,
-        log.manual_answered.len(),
-        log.manual_refused,
-        log.manual_unanswered,
-        violations.len()
+        "fault campaign ({kind}) seed {seed}: {loaded:?} of load; kills {kills:?}, queue x workers \
+         killed {} / stopped {}; {}; violations {} {:?}",
+        x_kills.x_worker_kill,
+        x_kills.x_worker_stop,
+        report.join("; "),
+        violations.len(),
+        verdict.by_rule
     );
-    for v in violations.iter().take(30) {
+    for v in violations.iter().take(40) {
         println!("  violation: {v}");
+    }
+    if !violations.is_empty() {
+        // Kept for a look: the journal, and the faults with their times.
+        let kept = std::env::temp_dir().join(format!("ax-campaign-{seed}.jsonl"));
+        if std::fs::copy(&journal, &kept).is_ok() {
+            println!("  journal kept in {}", kept.display());
+        }
+        let keys: std::collections::BTreeMap<&String, &(&str, String)> = seen_keys.iter().collect();
+        let kept = std::env::temp_dir().join(format!("ax-campaign-{seed}.keys.json"));
+        if std::fs::write(&kept, serde_json::to_vec(&keys).unwrap_or_default()).is_ok() {
+            println!("  limited tasks' keys kept in {}", kept.display());
+        }
+        let t = timeline.lock().unwrap();
+        println!(
+            "  faults: stops {:?}; kills {:?}; nats {:?}; ax servers killed {:?}",
+            t.stops, t.kills, t.nats, t.servers
+        );
     }
     assert!(
         violations.is_empty(),
-        "seed {seed}: {} violations",
+        "seed {seed}: {} violations (replay: AX_CAMPAIGN_SEED={seed})",
         violations.len()
     );
 }

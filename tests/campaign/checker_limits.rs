@@ -1,0 +1,284 @@
+//! Limit rules (issue 18 §3), counted from the workers' journals (every handler start and
+//! end, which no record can hide):
+//!
+//! - **rate**: per key, never more starts in any window of `w` seconds than `burst + rate ×
+//!   (w + RATE_SLACK_S)`. The bound of docs/PROTOCOL.md §7 is on token times; a handler
+//!   starts after its token by the worker's claim time (a record read and maybe a write),
+//!   hence the slack of `rate × RATE_SLACK_S` starts. A worker `SIGSTOP`ped after taking a
+//!   token starts late by the whole pause: its starts within [`RESUME_GRACE_MS`] after its
+//!   `SIGCONT` are left out;
+//! - **cap** (per key) and **singleton**: never more handlers running at once than the
+//!   concurrency. A handler holds from its start line to its end line (a killed worker's:
+//!   to its kill). A `SIGSTOP`ped worker's handler cannot run while stopped, and is stopped
+//!   when it resumes if its slot expired meanwhile (docs/PROTOCOL.md §7): it is not
+//!   counted from its stop until [`CAP_RESUME_SLACK_MS`] after its `SIGCONT`.
+
+use crate::checker::Invocation;
+use crate::cluster::Timeline;
+use std::collections::{BTreeMap, HashMap};
+
+/// Handler starts may trail their token by the claim: `rate × RATE_SLACK_S` more starts
+/// are allowed in any window.
+pub const RATE_SLACK_S: f64 = 0.05;
+/// A worker's starts this soon after its `SIGCONT` may use tokens taken before its stop.
+pub const RESUME_GRACE_MS: u64 = 500;
+/// A resumed worker stops a handler whose slot it lost at its first heartbeat, which fires
+/// at once on resume; until then the handler is not counted.
+pub const CAP_RESUME_SLACK_MS: u64 = 250;
+
+/// Handler starts of the tasks of `limit`, by key, oldest first, without those of a worker
+/// just resumed (see [`RESUME_GRACE_MS`]); and how many were left out.
+pub fn starts_by_key(
+    limit: &str,
+    keyed: &HashMap<String, (&'static str, String)>,
+    journal: &HashMap<String, Vec<Invocation>>,
+    timeline: &Timeline,
+) -> (BTreeMap<String, Vec<u64>>, usize) {
+    let mut out: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+    let mut left_out = 0;
+    for (id, (l, key)) in keyed {
+        if *l != limit {
+            continue;
+        }
+        for run in journal.get(id).into_iter().flatten() {
+            let resumed = timeline.stops.iter().any(|(w, _, cont)| {
+                *w == run.worker && (*cont..=cont + RESUME_GRACE_MS).contains(&run.start_ms)
+            });
+            if resumed {
+                left_out += 1;
+                continue;
+            }
+            out.entry(key.clone()).or_default().push(run.start_ms);
+        }
+    }
+    for starts in out.values_mut() {
+        starts.sort();
+    }
+    (out, left_out)
+}
+
+/// Rule "rate": one violation per key over, naming the worst window; and the tightest
+/// margin seen (starts beyond `burst + rate × w`, may be negative).
+pub fn check_rate(
+    rate: f64,
+    burst: u32,
+    starts: &BTreeMap<String, Vec<u64>>,
+) -> (Vec<String>, f64) {
+    let mut v = Vec::new();
+    let mut tightest = f64::MIN;
+    for (key, t) in starts {
+        let mut worst: Option<(f64, usize, u64, u64)> = None;
+        for j in 0..t.len() {
+            for i in 0..=j {
+                let n = j - i + 1;
+                let w = (t[j] - t[i]) as f64 / 1000.0;
+                let over = n as f64 - (f64::from(burst) + rate * w);
+                tightest = tightest.max(over);
+                if over > rate * RATE_SLACK_S + 1e-9 && worst.is_none_or(|(o, ..)| over > o) {
+                    worst = Some((over, n, t[i], t[j]));
+                }
+            }
+        }
+        if let Some((_, n, from, to)) = worst {
+            v.push(format!(
+                "rate limit, key {key}: {n} starts in {} ms ({from}..{to}); at most {burst} + {rate}/s × (w + {RATE_SLACK_S} s) = {:.2}",
+                to - from,
+                f64::from(burst) + rate * ((to - from) as f64 / 1000.0 + RATE_SLACK_S)
+            ));
+        }
+    }
+    (v, tightest)
+}
+
+/// When each handler of `limit`'s tasks held a slot, by key: (from, to, task id), stop
+/// windows taken out (see [`CAP_RESUME_SLACK_MS`]).
+pub fn holds_by_key(
+    limit: &str,
+    keyed: &HashMap<String, (&'static str, String)>,
+    journal: &HashMap<String, Vec<Invocation>>,
+    timeline: &Timeline,
+) -> BTreeMap<String, Vec<(u64, u64, String)>> {
+    let mut out: BTreeMap<String, Vec<(u64, u64, String)>> = BTreeMap::new();
+    for (id, (l, key)) in keyed {
+        if *l != limit {
+            continue;
+        }
+        for run in journal.get(id).into_iter().flatten() {
+            let killed = timeline
+                .kills
+                .iter()
+                .filter(|(w, at)| *w == run.worker && *at >= run.start_ms)
+                .map(|(_, at)| *at)
+                .min();
+            let end = run.end_ms.or(killed).unwrap_or(u64::MAX);
+            let mut pieces = vec![(run.start_ms, end)];
+            for (w, stop, cont) in &timeline.stops {
+                if *w != run.worker {
+                    continue;
+                }
+                let gap = (*stop, cont + CAP_RESUME_SLACK_MS);
+                pieces = pieces
+                    .into_iter()
+                    .flat_map(|(a, b)| {
+                        if b <= gap.0 || a >= gap.1 {
+                            vec![(a, b)]
+                        } else {
+                            [(a, gap.0), (gap.1, b)]
+                                .into_iter()
+                                .filter(|(x, y)| x < y)
+                                .collect()
+                        }
+                    })
+                    .collect();
+            }
+            let entry = out.entry(key.clone()).or_default();
+            entry.extend(pieces.into_iter().map(|(a, b)| (a, b, id.clone())));
+        }
+    }
+    out
+}
+
+/// Rule "cap": one violation per key where more than `cap` handlers ran at once; and the
+/// most seen at once.
+pub fn check_cap(
+    limit: &str,
+    cap: usize,
+    holds: &BTreeMap<String, Vec<(u64, u64, String)>>,
+) -> (Vec<String>, usize) {
+    let mut v = Vec::new();
+    let mut most = 0;
+    for (key, spans) in holds {
+        // Ends before starts at the same ms: a slot is released after its holder's end line.
+        let mut events: Vec<(u64, i32, &str)> = spans
+            .iter()
+            .flat_map(|(a, b, id)| [(*a, 1, id.as_str()), (*b, -1, id.as_str())])
+            .collect();
+        events.sort();
+        let mut holding: Vec<&str> = Vec::new();
+        let mut reported = false;
+        for (at, delta, id) in events {
+            if delta < 0 {
+                if let Some(i) = holding.iter().position(|h| *h == id) {
+                    holding.remove(i);
+                }
+                continue;
+            }
+            holding.push(id);
+            most = most.max(holding.len());
+            if holding.len() > cap && !reported {
+                reported = true;
+                v.push(format!(
+                    "{limit}, key {key}: {} handlers running at {at} (cap {cap}): {holding:?}",
+                    holding.len()
+                ));
+            }
+        }
+    }
+    (v, most)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(worker: &str, start: u64, end: Option<u64>) -> Invocation {
+        Invocation {
+            attempt: 1,
+            worker: worker.into(),
+            start_ms: start,
+            end_ms: end,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn starts_beyond_burst_plus_rate_times_the_window_are_caught() {
+        // Rate 5/s, burst 2: 2 at once, then one every 200 ms is fine.
+        let fine = BTreeMap::from([("k".to_string(), vec![0, 0, 200, 400, 600, 800, 1000])]);
+        assert!(check_rate(5.0, 2, &fine).0.is_empty());
+        // Within the slack: a start 10 ms early.
+        let early = BTreeMap::from([("k".to_string(), vec![0, 0, 190, 400])]);
+        assert!(check_rate(5.0, 2, &early).0.is_empty());
+        // Three at once, or one every 100 ms.
+        let burst = BTreeMap::from([("k".to_string(), vec![0, 0, 0])]);
+        assert_eq!(check_rate(5.0, 2, &burst).0.len(), 1);
+        let fast = BTreeMap::from([("k".to_string(), (0..10).map(|i| i * 100).collect())]);
+        assert_eq!(check_rate(5.0, 2, &fast).0.len(), 1);
+    }
+
+    #[test]
+    fn a_resumed_workers_first_starts_are_left_out() {
+        let keyed = HashMap::from([("x.a".to_string(), ("rated", "k".to_string()))]);
+        let journal = HashMap::from([(
+            "x.a".to_string(),
+            vec![run("x0", 5_100, None), run("x1", 5_100, None)],
+        )]);
+        let timeline = Timeline {
+            stops: vec![("x0".into(), 2_000, 5_000)],
+            ..Default::default()
+        };
+        let (starts, left_out) = starts_by_key("rated", &keyed, &journal, &timeline);
+        assert_eq!((starts["k"].len(), left_out), (1, 1));
+    }
+
+    #[test]
+    fn more_holders_than_the_cap_are_caught() {
+        let keyed = HashMap::from([
+            ("x.a".to_string(), ("capped", "k".to_string())),
+            ("x.b".to_string(), ("capped", "k".to_string())),
+            ("x.c".to_string(), ("capped", "k".to_string())),
+        ]);
+        let mut journal = HashMap::from([
+            ("x.a".to_string(), vec![run("x0", 0, Some(1000))]),
+            ("x.b".to_string(), vec![run("x1", 500, Some(1500))]),
+            // Starts as x.a ends (a released slot): fine.
+            ("x.c".to_string(), vec![run("x1", 1000, Some(1200))]),
+        ]);
+        let t = Timeline::default();
+        assert!(
+            check_cap("capped", 2, &holds_by_key("capped", &keyed, &journal, &t))
+                .0
+                .is_empty()
+        );
+        // Three at once.
+        journal.insert("x.c".to_string(), vec![run("x1", 900, Some(1200))]);
+        assert_eq!(
+            check_cap("capped", 2, &holds_by_key("capped", &keyed, &journal, &t))
+                .0
+                .len(),
+            1
+        );
+        // Unless x.a's worker was stopped then (its handler cannot run) …
+        let stopped = Timeline {
+            stops: vec![("x0".into(), 800, 2000)],
+            ..Default::default()
+        };
+        assert!(check_cap(
+            "capped",
+            2,
+            &holds_by_key("capped", &keyed, &journal, &stopped)
+        )
+        .0
+        .is_empty());
+        // … or killed before.
+        journal.insert("x.a".to_string(), vec![run("x0", 0, None)]);
+        let killed = Timeline {
+            kills: vec![("x0".into(), 850)],
+            ..Default::default()
+        };
+        assert!(check_cap(
+            "capped",
+            2,
+            &holds_by_key("capped", &keyed, &journal, &killed)
+        )
+        .0
+        .is_empty());
+        // A killed worker's handler that never ended holds until the kill, not for ever.
+        assert_eq!(
+            check_cap("capped", 2, &holds_by_key("capped", &keyed, &journal, &t))
+                .0
+                .len(),
+            1
+        );
+    }
+}

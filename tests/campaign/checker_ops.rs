@@ -1,0 +1,261 @@
+//! Operation rules (issue 18 §3), over the acknowledged operations, the task records and
+//! the journal:
+//!
+//! - **cancel**: a cancelled task never starts after its cancel was acknowledged, and ends
+//!   as the answer said (`cancelled`, or the state it had already finished in);
+//! - **retry**: a retried dead task runs again (a handler start of a later attempt) and,
+//!   failing only at its first attempt, ends `succeeded`;
+//! - **run now**: the task starts well before it would have (its due time, or its next
+//!   retry, 20–30 s ahead, minus [`RUN_NOW_MARGIN_MS`]) and ends `succeeded`;
+//! - **pause**: no task of the paused queue starts from [`PAUSE_SLACK_MS`] after the pause
+//!   was acknowledged until the resume was sent (workers follow the pause key with a KV
+//!   watch; a start already past its claim when the key arrived may land just after),
+//!   except a worker's starts within the slack after its `SIGCONT` (claimed before it was
+//!   stopped).
+
+use crate::checker::{Histories, Invocation};
+use crate::cluster::Timeline;
+use crate::ops::{CancelNote, RetryNote, RunNowNote};
+use ax::TaskState;
+use std::collections::HashMap;
+
+/// How much earlier than it would have run a task that was run now must start.
+pub const RUN_NOW_MARGIN_MS: u64 = 5_000;
+/// Starts of a paused queue's tasks are tolerated this long after the pause's answer.
+pub const PAUSE_SLACK_MS: u64 = 500;
+
+fn last_state(histories: &Histories, id: &str) -> Option<TaskState> {
+    histories
+        .get(id)
+        .and_then(|h| h.last())
+        .map(|(_, r)| r.state)
+}
+
+/// Rule "cancel".
+pub fn check_cancels(
+    cancels: &[CancelNote],
+    journal: &HashMap<String, Vec<Invocation>>,
+    histories: &Histories,
+) -> Vec<String> {
+    let mut v = Vec::new();
+    for c in cancels {
+        for run in journal.get(&c.id).into_iter().flatten() {
+            if run.start_ms > c.ack_ms {
+                v.push(format!(
+                    "{}: started (attempt {}, worker {}) {} ms after its cancel was acknowledged ({})",
+                    c.id,
+                    run.attempt,
+                    run.worker,
+                    run.start_ms - c.ack_ms,
+                    c.state
+                ));
+            }
+        }
+        let want = if c.state.is_terminal() {
+            c.state
+        } else {
+            TaskState::Cancelled
+        };
+        let got = last_state(histories, &c.id);
+        if got != Some(want) {
+            v.push(format!(
+                "{}: cancel answered {}, the task ended {got:?}",
+                c.id, c.state
+            ));
+        }
+    }
+    v
+}
+
+/// Rule "retry".
+pub fn check_retries(
+    retries: &[RetryNote],
+    journal: &HashMap<String, Vec<Invocation>>,
+    histories: &Histories,
+) -> Vec<String> {
+    let mut v = Vec::new();
+    for r in retries {
+        let ran = journal
+            .get(&r.id)
+            .into_iter()
+            .flatten()
+            .any(|run| run.attempt > r.dead_attempt);
+        if !ran {
+            v.push(format!(
+                "{}: retried after dying at attempt {}, never ran again",
+                r.id, r.dead_attempt
+            ));
+        }
+        let got = last_state(histories, &r.id);
+        if got != Some(TaskState::Succeeded) {
+            v.push(format!("{}: retried, ended {got:?} (not succeeded)", r.id));
+        }
+    }
+    v
+}
+
+/// Rule "run now".
+pub fn check_run_nows(
+    run_nows: &[RunNowNote],
+    journal: &HashMap<String, Vec<Invocation>>,
+    histories: &Histories,
+) -> Vec<String> {
+    let mut v = Vec::new();
+    for r in run_nows {
+        let first = journal
+            .get(&r.id)
+            .into_iter()
+            .flatten()
+            .filter(|run| run.attempt > r.attempt)
+            .map(|run| run.start_ms)
+            .min();
+        match first {
+            Some(at) if at + RUN_NOW_MARGIN_MS <= r.due_ms => {}
+            other => v.push(format!(
+                "{}: run now acknowledged at {}, due at {}, next attempt started at {other:?}",
+                r.id, r.ack_ms, r.due_ms
+            )),
+        }
+        let got = last_state(histories, &r.id);
+        if got != Some(TaskState::Succeeded) {
+            v.push(format!("{}: run now, ended {got:?} (not succeeded)", r.id));
+        }
+    }
+    v
+}
+
+/// Rule "pause": starts of `queue`'s tasks while it was paused.
+pub fn check_pauses(
+    queue: &str,
+    pauses: &[(u64, u64)],
+    journal: &HashMap<String, Vec<Invocation>>,
+    timeline: &Timeline,
+) -> Vec<String> {
+    let prefix = format!("{queue}.");
+    // When each worker first started a handler (a process started by the nemesis).
+    let mut first: HashMap<&str, u64> = HashMap::new();
+    for run in journal.values().flatten() {
+        let at = first.entry(run.worker.as_str()).or_insert(run.start_ms);
+        *at = (*at).min(run.start_ms);
+    }
+    let mut v = Vec::new();
+    for (id, runs) in journal {
+        if !id.starts_with(&prefix) {
+            continue;
+        }
+        for run in runs {
+            let Some((paused, resumed)) = pauses
+                .iter()
+                .find(|(p, r)| (p + PAUSE_SLACK_MS..*r).contains(&run.start_ms))
+            else {
+                continue;
+            };
+            let just_resumed = timeline.stops.iter().any(|(w, _, cont)| {
+                *w == run.worker && (*cont..=cont + PAUSE_SLACK_MS).contains(&run.start_ms)
+            });
+            if !just_resumed {
+                let new = first
+                    .get(run.worker.as_str())
+                    .is_some_and(|at| *at > *paused);
+                v.push(format!(
+                    "{id} ({}): started (worker {}{}) {} ms into a pause of queue {queue} ({paused}..{resumed})",
+                    run.name,
+                    run.worker,
+                    if new { ", its first start: a worker started during the pause" } else { "" },
+                    run.start_ms - paused
+                ));
+            }
+        }
+    }
+    v.sort();
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn history(id: &str, state: &str) -> Vec<(u64, ax::TaskRecord)> {
+        let rec = serde_json::from_value(json!({"id": id, "queue": "x", "name": "t",
+            "priority": "normal", "state": state, "attempt": 1, "max_attempts": 5,
+            "created_at_ms": 0, "updated_at_ms": 0}))
+        .unwrap();
+        vec![(1, rec)]
+    }
+
+    fn start(attempt: u32, at: u64) -> Invocation {
+        Invocation {
+            attempt,
+            start_ms: at,
+            worker: "x0".into(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_start_after_an_acknowledged_cancel_is_caught() {
+        let cancels = [CancelNote {
+            id: "x.a".into(),
+            ack_ms: 1000,
+            state: TaskState::Cancelled,
+        }];
+        let histories = Histories::from([("x.a".to_string(), history("x.a", "cancelled"))]);
+        let mut journal = HashMap::from([("x.a".to_string(), vec![start(1, 900)])]);
+        assert!(check_cancels(&cancels, &journal, &histories).is_empty());
+        journal.get_mut("x.a").unwrap().push(start(2, 1001));
+        assert_eq!(check_cancels(&cancels, &journal, &histories).len(), 1);
+        // Answered cancelled, ended succeeded.
+        let done = Histories::from([("x.a".to_string(), history("x.a", "succeeded"))]);
+        assert_eq!(check_cancels(&cancels, &HashMap::new(), &done).len(), 1);
+    }
+
+    #[test]
+    fn retries_and_run_nows_must_take_effect() {
+        let histories = Histories::from([("x.a".to_string(), history("x.a", "succeeded"))]);
+        let retried = [RetryNote {
+            id: "x.a".into(),
+            dead_attempt: 1,
+        }];
+        let journal = HashMap::from([("x.a".to_string(), vec![start(1, 10)])]);
+        assert_eq!(
+            check_retries(&retried, &journal, &histories).len(),
+            1,
+            "never ran again"
+        );
+        let journal = HashMap::from([("x.a".to_string(), vec![start(1, 10), start(2, 20)])]);
+        assert!(check_retries(&retried, &journal, &histories).is_empty());
+        let now = [RunNowNote {
+            id: "x.a".into(),
+            ack_ms: 15,
+            due_ms: 20_000,
+            attempt: 1,
+        }];
+        assert!(check_run_nows(&now, &journal, &histories).is_empty());
+        let late = HashMap::from([("x.a".to_string(), vec![start(1, 10), start(2, 19_000)])]);
+        assert_eq!(
+            check_run_nows(&now, &late, &histories).len(),
+            1,
+            "ran at its due time"
+        );
+    }
+
+    #[test]
+    fn a_start_inside_a_pause_is_caught() {
+        let journal = HashMap::from([
+            ("x.a".to_string(), vec![start(1, 1200)]),
+            ("x.b".to_string(), vec![start(1, 1600)]),
+            ("xl.c".to_string(), vec![start(1, 2000)]),
+        ]);
+        let pauses = [(1000, 3000)];
+        // x.a is within the slack; xl.c is another queue.
+        let v = check_pauses("x", &pauses, &journal, &Timeline::default());
+        assert_eq!(v.len(), 1, "{v:?}");
+        // Its worker had just been resumed.
+        let t = Timeline {
+            stops: vec![("x0".into(), 0, 1300)],
+            ..Default::default()
+        };
+        assert!(check_pauses("x", &pauses, &journal, &t).is_empty());
+    }
+}
