@@ -267,12 +267,18 @@ async fn process(
                 // tokens' spacing.
                 if let Some(mut at) = start_at {
                     sh.gate.observe_claim(claiming.elapsed());
-                    // The claim outlasted the lead (a slow or restarting broker): take the
-                    // tokens again rather than bunch this start with the next ones.
-                    if Gate::too_late(at) {
-                        at = sh.gate.retime(meta).await.unwrap_or(at);
+                    // The claim outlasted the lead (a slow or restarting broker), or the
+                    // process stalled while it waited: take the tokens again rather than
+                    // bunch this start with the next ones (a few times at most).
+                    for _ in 0..3 {
+                        if Gate::too_late(at) {
+                            at = sh.gate.retime(meta).await.unwrap_or(at);
+                        }
+                        tokio::time::sleep_until(at).await;
+                        if !Gate::too_late(at) {
+                            break;
+                        }
                     }
-                    tokio::time::sleep_until(at).await;
                 }
                 let lost = Lost(&limit_slots);
                 return run(
