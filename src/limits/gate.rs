@@ -115,6 +115,7 @@ pub(crate) enum Admit {
 }
 
 struct Buckets {
+    defs: kv::Store,
     state: kv::Store,
     slots: kv::Store,
     js: jetstream::Context,
@@ -149,6 +150,8 @@ pub(crate) struct Gate {
     shutdown: CancellationToken,
     /// Moving average of this worker's claim times under a rate (µs).
     claim_us: AtomicU64,
+    /// The revision of the pause key last applied.
+    pause_rev: AtomicU64,
 }
 
 fn micros() -> u64 {
@@ -202,7 +205,9 @@ impl Gate {
             freed: Default::default(),
             shutdown: shutdown.clone(),
             claim_us: AtomicU64::new(MIN_LEAD.as_micros() as u64 / 2),
+            pause_rev: AtomicU64::new(0),
         });
+        tokio::spawn(gate.clone().poll_pause(shutdown.clone()));
         tokio::spawn(gate.clone().listen_freed(js.client(), shutdown.clone()));
         tokio::spawn(gate.clone().follow(js, shutdown));
         gate
@@ -289,7 +294,16 @@ impl Gate {
                         .map_err(|e| e.to_string())?;
                     let none = stored.next().await.is_none();
                     let js = js.clone();
-                    Ok::<_, String>((watch, Buckets { state, slots, js }, none))
+                    Ok::<_, String>((
+                        watch,
+                        Buckets {
+                            defs,
+                            state,
+                            slots,
+                            js,
+                        },
+                        none,
+                    ))
                 },
             )
             .await;
@@ -324,11 +338,7 @@ impl Gate {
                 };
                 let caught_up = entry.delta == 0;
                 if entry.key == super::pause_key(&self.queue) {
-                    let paused = entry.operation == kv::Operation::Put;
-                    if *self.paused.borrow() != paused {
-                        info!(queue = %self.queue, paused, "queue {}", if paused { "paused" } else { "resumed" });
-                    }
-                    self.paused.send_replace(paused);
+                    self.set_paused(entry.operation == kv::Operation::Put, entry.revision);
                     if caught_up {
                         self.ready.send_replace(true);
                     }
@@ -385,6 +395,41 @@ impl Gate {
             ))
         });
         found
+    }
+
+    /// Applies the pause flag read at `revision` of its key, unless a later revision of
+    /// it was applied already (the watch and the poll both report it).
+    fn set_paused(&self, paused: bool, revision: u64) {
+        if self.pause_rev.fetch_max(revision, Ordering::SeqCst) > revision {
+            return;
+        }
+        if *self.paused.borrow() != paused {
+            info!(queue = %self.queue, paused, "queue {}", if paused { "paused" } else { "resumed" });
+        }
+        self.paused.send_replace(paused);
+    }
+
+    /// Reads the pause flag every 250 ms besides the watch: a watch whose stream changed
+    /// leader (a replicated bucket losing a node) may stall for seconds before its consumer
+    /// is made again, and a pause must reach the workers in well under a second.
+    async fn poll_pause(self: Arc<Gate>, shutdown: CancellationToken) {
+        let key = super::pause_key(&self.queue);
+        let mut tick = tokio::time::interval(Duration::from_millis(250));
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tick.tick() => {}
+            }
+            let Some(buckets) = self.buckets.read().expect("not poisoned").clone() else {
+                continue;
+            };
+            let defs = buckets.defs.clone();
+            let read = tokio::time::timeout(Duration::from_secs(1), defs.entry(&key)).await;
+            if let Ok(Ok(Some(entry))) = read {
+                self.set_paused(entry.operation == kv::Operation::Put, entry.revision);
+            }
+            // No entry: never paused (nothing to apply); a failed read: the watch decides.
+        }
     }
 
     /// True while the queue is paused.
