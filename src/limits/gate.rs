@@ -409,9 +409,10 @@ impl Gate {
         self.paused.send_replace(paused);
     }
 
-    /// Reads the pause flag every 250 ms besides the watch: a watch whose stream changed
-    /// leader (a replicated bucket losing a node) may stall for seconds before its consumer
-    /// is made again, and a pause must reach the workers in well under a second.
+    /// Reads the pause flag every 250 ms besides the watch, from the stream's leader: a
+    /// watch whose stream changed leader (a replicated bucket losing a node) may stall for
+    /// seconds before its consumer is made again, and a pause must reach the workers in
+    /// well under a second.
     async fn poll_pause(self: Arc<Gate>, shutdown: CancellationToken) {
         let key = super::pause_key(&self.queue);
         let mut tick = tokio::time::interval(Duration::from_millis(250));
@@ -423,10 +424,18 @@ impl Gate {
             let Some(buckets) = self.buckets.read().expect("not poisoned").clone() else {
                 continue;
             };
-            let defs = buckets.defs.clone();
-            let read = tokio::time::timeout(Duration::from_secs(1), defs.entry(&key)).await;
-            if let Ok(Ok(Some(entry))) = read {
-                self.set_paused(entry.operation == kv::Operation::Put, entry.revision);
+            // From the stream's leader, not a direct get: a replica just back from a restart
+            // answers direct gets from its stale copy.
+            let subject = format!("$KV.{LIMITS_BUCKET}.{key}");
+            let stream = buckets.defs.stream.clone();
+            let read = tokio::time::timeout(
+                Duration::from_secs(1),
+                stream.get_last_raw_message_by_subject(&subject),
+            )
+            .await;
+            if let Ok(Ok(msg)) = read {
+                let deleted = msg.headers.get("KV-Operation").is_some();
+                self.set_paused(!deleted, msg.sequence);
             }
             // No entry: never paused (nothing to apply); a failed read: the watch decides.
         }
