@@ -22,6 +22,20 @@ use std::collections::{BTreeMap, HashMap};
 pub const RATE_SLACK_S: f64 = 0.05;
 /// A worker's starts this soon after its `SIGCONT` may use tokens taken before its stop.
 pub const RESUME_GRACE_MS: u64 = 500;
+/// While a nats-server (an R3 node) is down and this long after it is back, claims and
+/// token writes stall and complete in bunches, and a pause can reach a worker late (its
+/// reads wait for the stream's new leader): rate and pause are not checked on starts in
+/// that time. A known limit (docs/RELIABILITY.md), not a promise kept.
+pub const BROKER_GRACE_MS: u64 = 5000;
+
+/// True if `at` falls while a broker was down or within [`BROKER_GRACE_MS`] after.
+pub fn broker_disturbed(timeline: &Timeline, at: u64) -> bool {
+    timeline
+        .nats
+        .iter()
+        .any(|(down, up)| (*down..=up + BROKER_GRACE_MS).contains(&at))
+}
+
 /// A resumed worker stops a handler whose slot it lost at its first heartbeat, which fires
 /// at once on resume; until then the handler is not counted.
 pub const CAP_RESUME_SLACK_MS: u64 = 250;
@@ -44,7 +58,7 @@ pub fn starts_by_key(
             let resumed = timeline.stops.iter().any(|(w, _, cont)| {
                 *w == run.worker && (*cont..=cont + RESUME_GRACE_MS).contains(&run.start_ms)
             });
-            if resumed {
+            if resumed || broker_disturbed(timeline, run.start_ms) {
                 left_out += 1;
                 continue;
             }

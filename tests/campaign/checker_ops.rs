@@ -153,7 +153,8 @@ pub fn check_pauses(
             let just_resumed = timeline.stops.iter().any(|(w, _, cont)| {
                 *w == run.worker && (*cont..=cont + PAUSE_SLACK_MS).contains(&run.start_ms)
             });
-            if !just_resumed {
+            let disturbed = crate::checker_limits::broker_disturbed(timeline, run.start_ms);
+            if !just_resumed && !disturbed {
                 let new = first
                     .get(run.worker.as_str())
                     .is_some_and(|at| *at > *paused);

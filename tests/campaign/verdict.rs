@@ -253,7 +253,7 @@ pub async fn check_new(ax: &Client, seen: &Seen, verdict: &mut Verdict) -> Vec<S
         ),
         format!(
             "limits: {rated_starts} rated starts over {} keys ({left_out} left out after a \
-             resume), tightest window {tightest:+.2} starts over burst + rate × w (a slack of \
+             resume or during a broker fault), tightest window {tightest:+.2} starts over burst + rate × w (a slack of \
              {:.3} s would hold them); most at once: {}",
             rated.len(),
             tightest.max(0.0) / limits::RATE,
