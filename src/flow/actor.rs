@@ -8,7 +8,7 @@
 //! queue refused them) is a no-op; every write is a compare-and-set, and a lost one makes
 //! the run be read again and decided again from the same facts. Task completions are facts
 //! in `AX_TASKS`, read durably; a [`Run`] holds only what it needs to decide: the shared
-//! definition, each step's record and a tally of its tasks' ends ([`Tracked`]). Outputs a
+//! definition, each step's record and a tally of its tasks' ends (`Tracked`). Outputs a
 //! step not started yet will need are held within the engine's byte budget and otherwise
 //! read back from the task records when that step starts; so is the run's input.
 

@@ -3,7 +3,7 @@
 //! the engine applies the answer, and the same facts always give the same answer, so a
 //! leader that re-reads a run after a crash takes the same decisions again.
 //!
-//! [`Tracked`] is what the engine holds of a step between completions: its record and a
+//! `Tracked` is what the engine holds of a step between completions: its record and a
 //! tally of its tasks' ends, compactly (one bit per task, not the tasks' records).
 
 use super::def::{FailurePolicy, FlowDef, TriggerRule};
