@@ -717,8 +717,11 @@ impl Gate {
                             }
                             // At most an hour: a longer wait is checked again then (the
                             // broker takes no delay past an i64 of nanoseconds).
-                            let spread = rand::rng().random_range(0..=wait.min(horizon));
-                            return Err(gcra::wait_delay(wait, spread));
+                            // Back while the token is within the horizon (so it can be
+                            // reserved then), spread over half the horizon.
+                            let half = horizon / 2;
+                            let spread = rand::rng().random_range(0..=half.min(wait));
+                            return Err(gcra::wait_delay(wait.saturating_sub(half), spread));
                         }
                     }
                 }
