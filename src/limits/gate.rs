@@ -676,13 +676,7 @@ impl Gate {
                     return Err(Duration::from_secs(1));
                 }
             };
-            let (bucket, rev) = match &entry {
-                Some(e) if e.operation == kv::Operation::Put => {
-                    (BucketState::parse(&e.value), Some(e.revision))
-                }
-                Some(e) => (BucketState::default(), Some(e.revision)),
-                None => (BucketState::default(), None),
-            };
+            let (bucket, rev) = read_bucket(entry.as_ref());
             let tat = bucket.tat;
             // Tokens are taken for a moment a lead ahead: the claim runs meanwhile.
             let now = micros() + self.lead().as_micros() as u64;
@@ -764,13 +758,7 @@ impl Gate {
                 let Ok(entry) = buckets.state.entry(&key).await else {
                     break;
                 };
-                let (bucket, rev) = match &entry {
-                    Some(e) if e.operation == kv::Operation::Put => {
-                        (BucketState::parse(&e.value), Some(e.revision))
-                    }
-                    Some(e) => (BucketState::default(), Some(e.revision)),
-                    None => (BucketState::default(), None),
-                };
+                let (bucket, rev) = read_bucket(entry.as_ref());
                 let now = micros();
                 let Some(next) = bucket.pressured(def, now, started_ms.saturating_mul(1000)) else {
                     break;
@@ -845,6 +833,18 @@ impl Gate {
             }
         }
         Ok(None)
+    }
+}
+
+/// A rate bucket's stored state and the revision to write it back against (`None`: the
+/// key was never written; a deleted key reads as a fresh bucket).
+fn read_bucket(entry: Option<&kv::Entry>) -> (BucketState, Option<u64>) {
+    match entry {
+        Some(e) if e.operation == kv::Operation::Put => {
+            (BucketState::parse(&e.value), Some(e.revision))
+        }
+        Some(e) => (BucketState::default(), Some(e.revision)),
+        None => (BucketState::default(), None),
     }
 }
 
