@@ -15,6 +15,7 @@
 //! | [`task`] | a validated task and its message headers |
 //! | [`backoff`] | exponential backoff with jitter |
 //! | [`state`] | task state records in the `AX_TASKS` KV bucket |
+//! | [`kv_read`] | KV reads from a bucket's stream leader (see every acknowledged write) |
 //! | [`output`] | task outputs: inline in the record or in the `AX_RESULTS` bucket |
 //! | [`streams`] | the declarative topology in `streams/` and `apply` |
 //! | [`submit`] | level-1 admission (server side) |
@@ -36,6 +37,7 @@ pub mod flow;
 #[cfg(feature = "test-hooks")]
 #[doc(hidden)]
 pub mod hooks;
+pub mod kv_read;
 mod lease;
 pub mod limits;
 pub mod metrics;

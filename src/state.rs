@@ -277,6 +277,23 @@ pub struct ListFilter {
     pub limit: usize,
 }
 
+/// A record read from the bucket (`None`: never written, deleted or purged).
+fn decode_entry(
+    id: &str,
+    entry: Option<kv::Entry>,
+) -> Result<Option<(TaskRecord, u64)>, StateError> {
+    match entry {
+        Some(e) if e.operation == kv::Operation::Put => {
+            let rec = serde_json::from_slice(&e.value).map_err(|source| StateError::Corrupt {
+                id: id.to_string(),
+                source,
+            })?;
+            Ok(Some((rec, e.revision)))
+        }
+        _ => Ok(None),
+    }
+}
+
 impl TaskStore {
     /// Opens the bucket (it must exist: `ax streams apply`).
     pub async fn open(js: &jetstream::Context) -> Result<TaskStore, StateError> {
@@ -318,17 +335,17 @@ impl TaskStore {
     /// The current record and its revision.
     pub async fn get(&self, id: &str) -> Result<Option<(TaskRecord, u64)>, StateError> {
         let entry = self.kv.entry(id).await.map_err(|e| broker(id, "get", e))?;
-        match entry {
-            Some(e) if e.operation == kv::Operation::Put => {
-                let rec =
-                    serde_json::from_slice(&e.value).map_err(|source| StateError::Corrupt {
-                        id: id.to_string(),
-                        source,
-                    })?;
-                Ok(Some((rec, e.revision)))
-            }
-            _ => Ok(None),
-        }
+        decode_entry(id, entry)
+    }
+
+    /// The current record and its revision as the bucket's leader has it: never older than
+    /// an acknowledged write ([`crate::kv_read`]), where [`TaskStore::get`] may answer from
+    /// a replica that is behind. For reads whose answer decides without a compare-and-set.
+    pub async fn get_latest(&self, id: &str) -> Result<Option<(TaskRecord, u64)>, StateError> {
+        let entry = crate::kv_read::latest(&self.kv, id)
+            .await
+            .map_err(|e| broker(id, "get", e))?;
+        decode_entry(id, entry)
     }
 
     /// Writes `rec` if the key is still at `revision`; returns the new revision.

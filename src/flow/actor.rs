@@ -32,6 +32,9 @@ use tracing::{debug, info, warn};
 pub(super) const CONCURRENCY: usize = 128;
 /// What holding one output costs beyond its bytes (the entry, the allocation).
 const HELD_ENTRY: usize = 64;
+/// Loads in a row that may find a run key older than its feed announced before the run is
+/// taken as gone.
+const STALE_READS: u32 = 5;
 
 /// What the leader routes to a run.
 pub(crate) enum Event {
@@ -104,6 +107,8 @@ pub(crate) struct Run {
     shape: Option<Arc<Shape>>,
     /// Revision of the run key last read or written (0: none).
     rev: u64,
+    /// Newest revision of the run key the leader's feed announced (0: none).
+    seen: u64,
     cancel: bool,
     loaded: bool,
     /// A newer revision of the run key was seen: read everything again.
@@ -143,6 +148,7 @@ impl Run {
             id,
             shape: None,
             rev: 0,
+            seen: 0,
             cancel: false,
             loaded: false,
             reload: false,
@@ -155,6 +161,13 @@ impl Run {
             resubmit: Vec::new(),
             sched: Sched::default(),
         })
+    }
+
+    /// The run to be read again from scratch, knowing the newest revision announced.
+    pub(crate) fn afresh(&self) -> Box<Run> {
+        let mut run = Run::new(self.id.clone());
+        run.seen = self.seen;
+        run
     }
 
     pub(super) fn shape(&self) -> &Arc<Shape> {
@@ -178,7 +191,10 @@ impl Run {
     /// Applies an event (in the leader's loop, between turns).
     pub(crate) fn apply(&mut self, event: Event, sh: &Shared) {
         match event {
-            Event::Run(revision) => self.reload |= revision > self.rev,
+            Event::Run(revision) => {
+                self.seen = self.seen.max(revision);
+                self.reload |= revision > self.rev;
+            }
             Event::Task {
                 step,
                 epoch,
@@ -328,6 +344,20 @@ impl Run {
             }
             found => found?,
         };
+        // Older than the feed announced (a read answered by a replica behind the leader):
+        // read again rather than drop a running run (a few times: a run key that vanished
+        // for good, expired, is let go).
+        let stale = match &found {
+            Some((_, rev)) => *rev < self.seen,
+            None => self.seen > 0 && self.sched.failures < STALE_READS,
+        };
+        if stale {
+            return Err(Fault::Other(format!(
+                "read revision {:?}, the feed announced {}: a replica behind; reading again",
+                found.as_ref().map(|f| f.1),
+                self.seen
+            )));
+        }
         let Some((run, rev)) = found else {
             self.rev = 0;
             return Ok(false);
@@ -407,7 +437,7 @@ impl Run {
             .collect();
         let reads: Vec<_> = futures::stream::iter(
             ids.into_iter()
-                .map(|(k, id)| async move { (k, tasks.get(&id).await) }),
+                .map(|(k, id)| async move { (k, tasks.get_latest(&id).await) }),
         )
         .buffer_unordered(CONCURRENCY)
         .collect()

@@ -350,8 +350,9 @@ impl Runs {
             return;
         }
         let id: Arc<str> = id.into();
-        self.slots
-            .insert(id.clone(), Slot::Idle(Run::new(id.clone())));
+        let mut run = Run::new(id.clone());
+        run.apply(Event::Run(revision), &self.shared);
+        self.slots.insert(id.clone(), Slot::Idle(run));
         self.schedule(&id);
     }
 
@@ -455,8 +456,9 @@ impl Runs {
             }
         };
         if let (Outcome::Done, true) = (&outcome, reloading) {
-            // A re-run (or another write) came after the final state: drive it again.
-            run = Run::new(id.clone());
+            // A re-run (or another write) came after the final state: drive it again (from
+            // a read no older than that write).
+            run = run.afresh();
         }
         if let Some(at) = run.sched.wake {
             self.timers.insert((at, id.clone()));

@@ -143,7 +143,7 @@ impl Run {
         let reads = (0..n as u32)
             .filter(|&k| outputs[k as usize].is_none())
             .map(|k| (k, self.task_id(p, k)))
-            .map(|(k, id)| async move { (k, tasks.get(&id).await) });
+            .map(|(k, id)| async move { (k, tasks.get_latest(&id).await) });
         let reads: Vec<_> = futures::stream::iter(reads.collect::<Vec<_>>())
             .buffer_unordered(CONCURRENCY)
             .collect()

@@ -74,7 +74,11 @@ async fn get<T: DeserializeOwned>(
     kv: &kv::Store,
     key: &str,
 ) -> Result<Option<(T, u64)>, FlowStoreError> {
-    match kv.entry(key).await.map_err(|e| broker(key, "get", e))? {
+    // From the leader: the engine loads a run it was told of a moment ago (`kv_read`).
+    let entry = crate::kv_read::latest(kv, key)
+        .await
+        .map_err(|e| broker(key, "get", e))?;
+    match entry {
         Some(e) if e.operation == kv::Operation::Put => {
             let value =
                 serde_json::from_slice(&e.value).map_err(|source| FlowStoreError::Corrupt {

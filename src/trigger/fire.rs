@@ -139,7 +139,7 @@ pub(crate) async fn unfinished<'a>(
                 _ => Some(id.clone()),
             };
         }
-        match tasks.get(id).await {
+        match tasks.get_latest(id).await {
             Ok(Some((rec, _))) if rec.state.is_terminal() => None,
             // Unknown or unreadable counts as running: never fire over a task we cannot see.
             _ => Some(id.clone()),

@@ -65,7 +65,11 @@ async fn get<T: DeserializeOwned>(
     kv: &kv::Store,
     name: &str,
 ) -> Result<Option<(T, u64)>, TriggerStoreError> {
-    match kv.entry(name).await.map_err(|e| broker(name, "get", e))? {
+    // From the leader: a new trigger leader decides from what it reads (`kv_read`).
+    let entry = crate::kv_read::latest(kv, name)
+        .await
+        .map_err(|e| broker(name, "get", e))?;
+    match entry {
         Some(e) if e.operation == kv::Operation::Put => {
             let value =
                 serde_json::from_slice(&e.value).map_err(|source| TriggerStoreError::Corrupt {

@@ -11,6 +11,7 @@ mod delay;
 mod faults;
 mod first_attempt;
 mod flows;
+mod kv_read;
 mod limits;
 mod limits_pace;
 mod monitoring;
