@@ -9,8 +9,10 @@
 //! - `AX_TEST_ABORT_AFTER_FIRE=N`: after the trigger engine's N-th scheduled fire is
 //!   submitted and before the trigger's state records it.
 //!
-//! And one that widens a window instead: [`set_retry_gap_ms`] delays an operator's retry
-//! between its message publish and its record write.
+//! And some that widen a window instead: [`set_retry_gap_ms`] delays an operator's retry
+//! between its message publish and its record write; `AX_TEST_CLAIM_DELAY_MS=N` makes
+//! every claim of a worker process take N ms longer (a slow broker), past the lead its
+//! rate tokens are taken with.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
@@ -47,6 +49,20 @@ pub(crate) fn after_fire() {
     static LIMIT: OnceLock<u64> = OnceLock::new();
     static COUNT: AtomicU64 = AtomicU64::new(0);
     trip("AX_TEST_ABORT_AFTER_FIRE", &LIMIT, &COUNT);
+}
+
+/// After a claim (`AX_TEST_CLAIM_DELAY_MS`).
+pub(crate) async fn slow_claim() {
+    static MS: OnceLock<u64> = OnceLock::new();
+    let ms = *MS.get_or_init(|| {
+        std::env::var("AX_TEST_CLAIM_DELAY_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    });
+    if ms > 0 {
+        tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+    }
 }
 
 /// Milliseconds an operator's retry waits between its message publish and its record

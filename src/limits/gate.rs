@@ -426,16 +426,14 @@ impl Gate {
             };
             // From the stream's leader, not a direct get: a replica just back from a restart
             // answers direct gets from its stale copy.
-            let subject = format!("$KV.{LIMITS_BUCKET}.{key}");
-            let stream = buckets.defs.stream.clone();
             let read = tokio::time::timeout(
                 Duration::from_secs(1),
-                stream.get_last_raw_message_by_subject(&subject),
+                crate::kv_read::latest(&buckets.defs, &key),
             )
             .await;
-            if let Ok(Ok(msg)) = read {
-                let deleted = msg.headers.get("KV-Operation").is_some();
-                self.set_paused(!deleted, msg.sequence);
+            if let Ok(Ok(Some(entry))) = read {
+                let deleted = entry.operation != kv::Operation::Put;
+                self.set_paused(!deleted, entry.revision);
             }
             // No entry: never paused (nothing to apply); a failed read: the watch decides.
         }
@@ -454,22 +452,23 @@ impl Gate {
 
     /// For a claimed delivery whose token came due too long ago ([`Gate::too_late`]):
     /// takes its rate tokens again, reserving (the first ones are given up), and answers
-    /// when the handler may start; `None` if no token is due within the hold horizon
-    /// (then it starts now, late).
-    pub(crate) async fn retime(&self, meta: &TaskMeta) -> Option<tokio::time::Instant> {
-        let buckets = self.buckets.read().expect("not poisoned").clone()?;
+    /// when the handler may start; or, if no token is due within the hold horizon, how
+    /// long to wait before asking again (the delivery is claimed: it waits, never starts
+    /// without a token).
+    pub(crate) async fn retime(&self, meta: &TaskMeta) -> Result<tokio::time::Instant, Duration> {
+        let Some(buckets) = self.buckets.read().expect("not poisoned").clone() else {
+            return Err(Duration::from_secs(1));
+        };
         let mut due: Option<u64> = None;
         for def in self.applicable(meta).iter().filter(|d| d.rate.is_some()) {
             // Not counted against the hold budget: this delivery is claimed already.
             let mut hold = Arc::new(Semaphore::new(1)).try_acquire_owned().ok();
             let key = meta.limit_key.as_deref();
-            let at = self
-                .take_token(&buckets.state, def, key, &mut hold)
-                .await
-                .ok()?;
+            let at = self.take_token(&buckets.state, def, key, &mut hold).await?;
             due = due.max(Some(at));
         }
-        due.map(instant_of)
+        // No rate applies any more (the limit was deleted): start now.
+        Ok(due.map_or_else(tokio::time::Instant::now, instant_of))
     }
 
     /// The lead: how long before a token is due its delivery is claimed.

@@ -262,23 +262,17 @@ async fn process(
         let claiming = Instant::now();
         match claim(sh, meta, msg).await {
             Claim::Started(rec, token, deferred) => {
+                #[cfg(feature = "test-hooks")]
+                crate::hooks::slow_claim().await;
                 // Under a rate: the handler starts when its token is due (the claim ran in
                 // the gate's lead, which follows the claim times), so starts keep the
                 // tokens' spacing.
-                if let Some(mut at) = start_at {
+                if start_at.is_some() {
                     sh.gate.observe_claim(claiming.elapsed());
-                    // The claim outlasted the lead (a slow or restarting broker), or the
-                    // process stalled while it waited: take the tokens again rather than
-                    // bunch this start with the next ones (a few times at most).
-                    for _ in 0..3 {
-                        if Gate::too_late(at) {
-                            at = sh.gate.retime(meta).await.unwrap_or(at);
-                        }
-                        tokio::time::sleep_until(at).await;
-                        if !Gate::too_late(at) {
-                            break;
-                        }
-                    }
+                }
+                if !start_when_due(sh, meta, &slot.cancel, start_at).await {
+                    // Shut down while waiting: the attempt never started.
+                    return reply(msg, AckKind::Nak(None)).await;
                 }
                 let lost = Lost(&limit_slots);
                 return run(
@@ -347,6 +341,55 @@ async fn note_waiting(sh: &Shared, meta: &TaskMeta, reason: Reason, limit: &str)
     }
     rec.waiting = Some(waiting);
     let _ = sh.tasks.cas(&rec, rev).await;
+}
+
+/// Waits until the handler of a claimed delivery may start. Under a rate, when its token
+/// is due (`due`): a claim that outlasted the lead (a slow or restarting broker), or a
+/// process that stalled while it waited, would start late, bunched with the starts due
+/// after it, so the tokens are taken again; if none is due within the hold horizon (other
+/// deliveries booked them), the delivery, claimed and kept alive by its heartbeat, asks
+/// again when one will be. A queue paused since the claim (a claim slow through an
+/// election) is waited out, and a rated task takes its tokens again after the resume.
+/// False if the worker shut down meanwhile.
+async fn start_when_due(
+    sh: &Shared,
+    meta: &TaskMeta,
+    cancel: &CancellationToken,
+    mut due: Option<tokio::time::Instant>,
+) -> bool {
+    let rated = due.is_some();
+    loop {
+        if let Some(at) = due.filter(|&at| !Gate::too_late(at)) {
+            tokio::time::sleep_until(at).await;
+        }
+        let on_time = due.map_or(!rated, |at| !Gate::too_late(at));
+        // Cancelled meanwhile: the attempt ends `cancelled` without its handler running.
+        if (on_time && !sh.gate.paused()) || cancel.is_cancelled() {
+            return true;
+        }
+        if sh.gate.paused() {
+            debug!(task_id = %meta.id, "claimed, then its queue was paused; waiting for the resume");
+            tokio::select! {
+                _ = sh.gate.wait_unpaused() => {}
+                _ = cancel.cancelled() => return true,
+                _ = sh.shutdown.cancelled() => return false,
+            }
+            if !rated {
+                return true;
+            }
+        }
+        due = match sh.gate.retime(meta).await {
+            Ok(next) => Some(next),
+            Err(delay) => {
+                debug!(task_id = %meta.id, ?delay, "claimed late and no rate token within the hold horizon; waiting for one");
+                tokio::select! {
+                    _ = tokio::time::sleep(delay) => None,
+                    _ = cancel.cancelled() => return true,
+                    _ = sh.shutdown.cancelled() => return false,
+                }
+            }
+        };
+    }
 }
 
 enum Claim {
@@ -586,11 +629,14 @@ async fn run(
             AssertUnwindSafe(tracing::Instrument::instrument(handler(task), span.clone()))
                 .catch_unwind();
         let mut attempt = std::pin::pin!(async {
+            // Biased: a task cancelled (or a slot lost) before its start, while it waited
+            // for its token or a resume, never has its handler polled.
             tokio::select! {
-                r = tokio::time::timeout(meta.timeout, handler) => Some(r),
+                biased;
                 _ = sh.hard_stop.cancelled() => None,
                 _ = slot.cancel.cancelled() => None,
                 _ = lost.wait() => None,
+                r = tokio::time::timeout(meta.timeout, handler) => Some(r),
             }
         });
         if deferred {

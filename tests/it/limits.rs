@@ -18,13 +18,23 @@ pub(crate) struct Workers {
 
 /// `n` example workers on queue `q` that never fail, each with its journal.
 pub(crate) fn workers(url: &str, n: usize, concurrency: usize) -> Workers {
+    workers_env(url, n, concurrency, &[])
+}
+
+/// [`workers`] with extra environment variables (a fault hook).
+pub(crate) fn workers_env(
+    url: &str,
+    n: usize,
+    concurrency: usize,
+    env: &[(&str, &str)],
+) -> Workers {
     let dir = tempfile::tempdir().unwrap();
     let journals: Vec<PathBuf> = (0..n)
         .map(|i| dir.path().join(format!("w{i}.jsonl")))
         .collect();
     let procs = journals
         .iter()
-        .map(|j| spawn_worker(url, j, concurrency))
+        .map(|j| spawn_worker(url, j, concurrency, env))
         .collect();
     Workers {
         _procs: procs,
@@ -33,8 +43,8 @@ pub(crate) fn workers(url: &str, n: usize, concurrency: usize) -> Workers {
     }
 }
 
-fn spawn_worker(url: &str, journal: &Path, concurrency: usize) -> AxProc {
-    AxProc::spawn(
+fn spawn_worker(url: &str, journal: &Path, concurrency: usize, env: &[(&str, &str)]) -> AxProc {
+    AxProc::spawn_env(
         url,
         &[
             "worker",
@@ -48,6 +58,7 @@ fn spawn_worker(url: &str, journal: &Path, concurrency: usize) -> AxProc {
             "--journal",
             journal.to_str().unwrap(),
         ],
+        env,
     )
 }
 
@@ -290,7 +301,7 @@ async fn a_killed_holder_s_singleton_restarts_within(env: &Env, limit: Duration)
     .await;
     let dir = tempfile::tempdir().unwrap();
     let (ja, jb) = (dir.path().join("a.jsonl"), dir.path().join("b.jsonl"));
-    let mut a = spawn_worker(&env.nats.url(), &ja, 4);
+    let mut a = spawn_worker(&env.nats.url(), &ja, 4, &[]);
     let long = submit_keyed(env, 1, "single", "k", 60_000).await.remove(0);
     crate::support::eventually(Duration::from_secs(10), "the long task on a", || async {
         runs_started(std::slice::from_ref(&ja))
@@ -301,7 +312,7 @@ async fn a_killed_holder_s_singleton_restarts_within(env: &Env, limit: Duration)
     let next = submit_keyed(env, 1, "single", "k", 10).await.remove(0);
     a.kill9();
     let killed = std::time::Instant::now();
-    let _b = spawn_worker(&env.nats.url(), &jb, 4);
+    let _b = spawn_worker(&env.nats.url(), &jb, 4, &[]);
     crate::support::eventually(
         Duration::from_secs(30),
         "b to start the singleton",
@@ -407,7 +418,7 @@ async fn a_stalled_holder_stops_its_attempt_when_its_slot_is_lost() {
     .await;
     let dir = tempfile::tempdir().unwrap();
     let (ja, jb) = (dir.path().join("a.jsonl"), dir.path().join("b.jsonl"));
-    let a = spawn_worker(&env.nats.url(), &ja, 4);
+    let a = spawn_worker(&env.nats.url(), &ja, 4, &[]);
     let ids = submit_keyed(&env, 2, "slow", "k", 6_000).await;
     crate::support::eventually(
         Duration::from_secs(10),
@@ -419,7 +430,7 @@ async fn a_stalled_holder_stops_its_attempt_when_its_slot_is_lost() {
     // expire and worker b takes the tasks over.
     a.signal("-STOP");
     let stopped_at = ax::time::now_ms();
-    let _b = spawn_worker(&env.nats.url(), &jb, 4);
+    let _b = spawn_worker(&env.nats.url(), &jb, 4, &[]);
     crate::support::eventually(Duration::from_secs(15), "b to run both tasks", || async {
         (journaled(&jb).len() >= 2).then_some(())
     })
