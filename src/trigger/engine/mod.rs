@@ -107,7 +107,25 @@ struct Held {
     /// `state` holds a change the store must get before anything is planned (a late fire
     /// adopted from a previous leader).
     unstored: bool,
+    /// Scheduled times this leader fired, recorded from the tasks it found, or adopted:
+    /// the creation of their tasks, seen late through a lagging watch, is never adopted
+    /// again (it would count one fire twice). The latest [`KNOWN_FIRES`].
+    known: std::collections::VecDeque<u64>,
 }
+
+/// Notes in `known` ([`Held::known`]) that scheduled time `t` fired.
+fn known_fire(known: &mut std::collections::VecDeque<u64>, t: u64) {
+    if !known.contains(&t) {
+        if known.len() == KNOWN_FIRES {
+            known.pop_front();
+        }
+        known.push_back(t);
+    }
+}
+
+/// How many scheduled times a leader keeps in [`Held::known`] per trigger (the watch of
+/// task records lags by seconds at most; a trigger fires at most once a second).
+const KNOWN_FIRES: usize = 256;
 
 impl Held {
     /// True if planning this trigger depends on whether its tasks still run.
@@ -205,6 +223,7 @@ impl Engine {
             unsure: true,
             fresh: true,
             unstored: false,
+            known: Default::default(),
         };
         self.settle(&mut h);
         Ok(h)
@@ -419,6 +438,9 @@ impl Engine {
                         wakes.push(Reverse((wake, name)));
                     }
                     continue;
+                }
+                for &t in &p.fires {
+                    known_fire(&mut h.known, t);
                 }
                 jobs.push(Job {
                     name,
