@@ -348,8 +348,9 @@ async fn note_waiting(sh: &Shared, meta: &TaskMeta, reason: Reason, limit: &str)
 /// process that stalled while it waited, would start late, bunched with the starts due
 /// after it, so the tokens are taken again; if none is due within the hold horizon (other
 /// deliveries booked them), the delivery, claimed and kept alive by its heartbeat, asks
-/// again when one will be. A queue paused since the claim (a claim slow through an
-/// election) is waited out, and a rated task takes its tokens again after the resume.
+/// again when one will be. A task cancelled meanwhile ends `cancelled` without its handler
+/// running. (A pause is not waited out here: a claimed attempt that waited through a
+/// pause was lost with its worker, and the fault campaign's retried tasks died of it.)
 /// False if the worker shut down meanwhile.
 async fn start_when_due(
     sh: &Shared,
@@ -357,26 +358,16 @@ async fn start_when_due(
     cancel: &CancellationToken,
     mut due: Option<tokio::time::Instant>,
 ) -> bool {
-    let rated = due.is_some();
+    if due.is_none() {
+        return true; // no rate applies
+    }
     loop {
         if let Some(at) = due.filter(|&at| !Gate::too_late(at)) {
             tokio::time::sleep_until(at).await;
         }
-        let on_time = due.map_or(!rated, |at| !Gate::too_late(at));
-        // Cancelled meanwhile: the attempt ends `cancelled` without its handler running.
-        if (on_time && !sh.gate.paused()) || cancel.is_cancelled() {
+        let on_time = due.is_some_and(|at| !Gate::too_late(at));
+        if on_time || cancel.is_cancelled() {
             return true;
-        }
-        if sh.gate.paused() {
-            debug!(task_id = %meta.id, "claimed, then its queue was paused; waiting for the resume");
-            tokio::select! {
-                _ = sh.gate.wait_unpaused() => {}
-                _ = cancel.cancelled() => return true,
-                _ = sh.shutdown.cancelled() => return false,
-            }
-            if !rated {
-                return true;
-            }
         }
         due = match sh.gate.retime(meta).await {
             Ok(next) => Some(next),

@@ -193,9 +193,7 @@ impl Held {
         {
             return None;
         }
-        let Some(t) = rec.scheduled_at_ms else {
-            return None;
-        };
+        let t = rec.scheduled_at_ms?;
         if self.known.contains(&t) {
             return None; // fired or recorded here: counted already
         }
