@@ -12,7 +12,8 @@
 //! And some that widen a window instead: [`set_retry_gap_ms`] delays an operator's retry
 //! between its message publish and its record write; `AX_TEST_CLAIM_DELAY_MS=N` makes
 //! every claim of a worker process take N ms longer (a slow broker), past the lead its
-//! rate tokens are taken with.
+//! rate tokens are taken with; [`panic_service`] makes a supervised service panic
+//! mid-run (the supervisor must start it again).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
@@ -113,4 +114,44 @@ pub(crate) fn trigger_state_write_fault(trigger: &str) -> Option<StateWriteFault
         .expect("not poisoned")
         .get(trigger)
         .copied()
+}
+
+static SERVICE_PANICS: std::sync::Mutex<std::collections::BTreeSet<(String, String)>> =
+    std::sync::Mutex::new(std::collections::BTreeSet::new());
+
+/// Makes the running service `name` of the process or server with id `scope` panic once
+/// (within 50 ms), as a bug inside it would.
+pub fn panic_service(scope: &str, name: &str) {
+    SERVICE_PANICS
+        .lock()
+        .expect("not poisoned")
+        .insert((scope.to_string(), name.to_string()));
+}
+
+/// Returns when a test asked service `name` of `scope` to panic ([`panic_service`]).
+pub(crate) async fn service_panic_requested(scope: &str, name: &str) {
+    let key = (scope.to_string(), name.to_string());
+    loop {
+        if SERVICE_PANICS.lock().expect("not poisoned").remove(&key) {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
+/// Makes the next fire job of trigger `trigger` (any server in this process) panic before
+/// it fires.
+pub fn panic_next_fire(trigger: &str) {
+    SERVICE_PANICS
+        .lock()
+        .expect("not poisoned")
+        .insert(("fire-job".to_string(), trigger.to_string()));
+}
+
+/// True (once) if a test asked the next fire job of `trigger` to panic.
+pub(crate) fn take_fire_panic(trigger: &str) -> bool {
+    SERVICE_PANICS
+        .lock()
+        .expect("not poisoned")
+        .remove(&("fire-job".to_string(), trigger.to_string()))
 }

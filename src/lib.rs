@@ -51,6 +51,7 @@ pub mod server;
 pub mod state;
 pub mod streams;
 pub mod submit;
+mod supervisor;
 pub mod task;
 pub mod time;
 pub mod trigger;

@@ -99,6 +99,12 @@ pub const CONSOLE_CONNECTIONS_REFUSED: &str = "ax_console_connections_refused_to
 /// (a full ready queue, the broker away) and retried with backoff; one summary line every
 /// 10 s at most, not one per task.
 pub const FLOW_STEP_SUBMIT_RETRIES: &str = "ax_flow_step_submit_retries_total";
+/// Gauge, by `service`: 1 while a supervised part of the process runs, 0 while it waits to
+/// be started again after it stopped.
+pub const SERVICE_UP: &str = "ax_service_up";
+/// Counter, by `service` and `reason` (`ended`, `error`, `panic`): supervised parts that
+/// stopped while the process ran (each is started again).
+pub const SERVICE_RESTARTS: &str = "ax_service_restarts_total";
 
 /// Registers help texts for every metric.
 pub fn describe() {
@@ -196,6 +202,14 @@ pub fn describe() {
     describe_counter!(
         FLOW_STEP_SUBMIT_RETRIES,
         "Flow step task submits refused for now (queue full, broker away) and retried"
+    );
+    describe_gauge!(
+        SERVICE_UP,
+        "1 while a supervised part of the process runs, 0 while it waits to start again"
+    );
+    describe_counter!(
+        SERVICE_RESTARTS,
+        "Supervised parts that stopped (ended, error, panic) and were started again"
     );
 }
 

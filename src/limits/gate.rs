@@ -18,12 +18,14 @@ use crate::metrics as m;
 use crate::names::{
     slot_freed_subject, LIMITS_BUCKET, LIMIT_SLOTS_BUCKET, LIMIT_STATE_BUCKET, SLOTS_FREED_PREFIX,
 };
+use crate::supervisor::Supervisor;
 use crate::task::TaskMeta;
 use async_nats::jetstream::{self, kv};
 use bytes::Bytes;
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use rand::Rng;
 use std::collections::HashMap;
+use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -188,6 +190,7 @@ impl Gate {
         (renew_every, slot_ttl): (Duration, Duration),
         max_held: usize,
         shutdown: CancellationToken,
+        services: &mut Supervisor,
     ) -> Arc<Gate> {
         let gate = Arc::new(Gate {
             queue: queue.to_string(),
@@ -207,9 +210,23 @@ impl Gate {
             claim_us: AtomicU64::new(MIN_LEAD.as_micros() as u64 / 2),
             pause_rev: AtomicU64::new(0),
         });
-        tokio::spawn(gate.clone().poll_pause(shutdown.clone()));
-        tokio::spawn(gate.clone().listen_freed(js.client(), shutdown.clone()));
-        tokio::spawn(gate.clone().follow(js, shutdown));
+        // Supervised: each runs until its token is cancelled; one that stops is restarted.
+        let g = gate.clone();
+        services.spawn("pause-poll", move |token| {
+            g.clone().poll_pause(token).map(Ok::<(), Infallible>)
+        });
+        let (g, client) = (gate.clone(), js.client());
+        services.spawn("slot-wakeups", move |token| {
+            g.clone()
+                .listen_freed(client.clone(), token)
+                .map(Ok::<(), Infallible>)
+        });
+        let g = gate.clone();
+        services.spawn("limit-watch", move |token| {
+            g.clone()
+                .follow(js.clone(), token)
+                .map(Ok::<(), Infallible>)
+        });
         gate
     }
 

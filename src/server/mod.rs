@@ -13,17 +13,19 @@ use crate::metrics as m;
 use crate::names::{self, TRIGGER_API_PREFIX};
 use crate::retry;
 use crate::schedule::partitions::Partitions;
-use crate::schedule::{ScheduleError, Scheduler, Totals};
+use crate::schedule::{Scheduler, Totals};
 use crate::state::StateError;
 use crate::streams::{self, Outcome, StreamsError, Topology};
 use crate::submit::Admission;
+use crate::supervisor::Supervisor;
 use crate::task::Limits;
 use crate::trigger::api::TriggerApi;
 use crate::trigger::clock::{Clock, SystemClock};
 use crate::trigger::engine::Engine;
 use crate::trigger::events::EventRouter;
 use crate::trigger::store::{TriggerStore, TriggerStoreError};
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
+use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Semaphore;
@@ -36,18 +38,12 @@ pub(crate) mod handle;
 /// Errors that stop a server.
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
-    /// A part of the server panicked (a bug): the message says which.
-    #[error("ax server: {0}")]
-    Panicked(String),
     /// Applying streams failed.
     #[error(transparent)]
     Streams(#[from] StreamsError),
     /// Opening a bucket failed.
     #[error(transparent)]
     State(#[from] StateError),
-    /// The delayed-task scheduler failed.
-    #[error(transparent)]
-    Schedule(#[from] ScheduleError),
     /// Opening the trigger buckets failed.
     #[error(transparent)]
     Triggers(#[from] TriggerStoreError),
@@ -80,10 +76,8 @@ impl ServerError {
     pub fn kind(&self) -> crate::error::ErrorKind {
         use crate::error::ErrorKind;
         match self {
-            ServerError::Panicked(_) => ErrorKind::Other,
             ServerError::Streams(e) => e.kind(),
             ServerError::State(e) => e.kind(),
-            ServerError::Schedule(e) => e.kind(),
             ServerError::Triggers(e) => e.kind(),
             ServerError::Flows(e) => e.kind(),
             ServerError::Subscribe { source, .. } => ErrorKind::of(source),
@@ -380,7 +374,15 @@ impl Server {
                 op: "open the alerts bucket",
                 source: e,
             })?;
-        tokio::spawn(alerts.clone().follow(index_token.clone()));
+        // Every long-running part is a named service: one that stops while the server runs
+        // is logged, counted and started again (`supervisor`).
+        let mut services = Supervisor::new(self.id.clone(), shutdown.clone());
+        {
+            let alerts = alerts.clone();
+            services.spawn("alerts", move |token| {
+                alerts.clone().follow(token).map(Ok::<(), Infallible>)
+            });
+        }
         let task_index = self
             .task_index
             .then(|| crate::ops::feed::TaskIndex::start(js.clone(), index_token.clone()));
@@ -410,54 +412,69 @@ impl Server {
             }
         }
         let mut management = futures::stream::select_all(management);
-        let engine_token = shutdown.child_token();
-        let engine = (self.triggers && self.trigger_engine).then(|| {
-            tokio::spawn(
+        if self.triggers && self.trigger_engine {
+            let (admission, clock, lease_ttl, id) = (
+                admission.clone(),
+                self.clock.clone(),
+                self.lease_ttl,
+                self.id.clone(),
+            );
+            services.spawn("trigger-engine", move |token| {
                 Engine {
                     admission: admission.clone(),
-                    clock: self.clock.clone(),
-                    lease_ttl: self.lease_ttl,
-                    id: self.id.clone(),
+                    clock: clock.clone(),
+                    lease_ttl,
+                    id: id.clone(),
                 }
-                .run(engine_token.clone()),
-            )
-        });
-        let flows = self.flow_engine.then(|| {
-            tokio::spawn(
+                .run(token)
+            });
+        }
+        if self.flow_engine {
+            let (admission, lease_ttl, id, alerts) = (
+                admission.clone(),
+                self.lease_ttl,
+                self.id.clone(),
+                alerts.clone(),
+            );
+            services.spawn("flow-engine", move |token| {
                 FlowEngine {
                     admission: admission.clone(),
-                    lease_ttl: self.lease_ttl,
-                    id: self.id.clone(),
+                    lease_ttl,
+                    id: id.clone(),
                     alerts: Some(alerts.clone()),
                 }
-                .run(engine_token.clone()),
-            )
+                .run(token)
+            });
+        }
+        if self.triggers {
+            let (admission, store) = (admission.clone(), TriggerStore::open(&js).await?);
+            services.spawn("event-router", move |token| {
+                EventRouter {
+                    admission: admission.clone(),
+                    store: store.clone(),
+                }
+                .run(token)
+            });
+        }
+        let scheduler = Scheduler {
+            js: js.clone(),
+            lookahead: self.dispatch_lookahead,
+            horizon: self.dispatch_horizon,
+            max_inflight: self.max_inflight_dispatch,
+            max_held_bytes: self.max_held_bytes,
+            filters: Vec::new(),
+            slot: 0,
+            totals: Arc::new(Totals::new(names::DELAYED_PARTITIONS as usize)),
+        };
+        let (id, ttl) = (self.id.clone(), self.partition_ttl);
+        services.spawn("delayed-dispatch", move |token| {
+            Partitions {
+                scheduler: scheduler.clone(),
+                id: id.clone(),
+                ttl,
+            }
+            .run(token)
         });
-        let events = if self.triggers {
-            let router = EventRouter {
-                admission: admission.clone(),
-                store: TriggerStore::open(&js).await?,
-            };
-            Some(tokio::spawn(router.run(engine_token.clone())))
-        } else {
-            None
-        };
-        let partitions = Partitions {
-            scheduler: Scheduler {
-                js: js.clone(),
-                lookahead: self.dispatch_lookahead,
-                horizon: self.dispatch_horizon,
-                max_inflight: self.max_inflight_dispatch,
-                max_held_bytes: self.max_held_bytes,
-                filters: Vec::new(),
-                slot: 0,
-                totals: Arc::new(Totals::new(names::DELAYED_PARTITIONS as usize)),
-            },
-            id: self.id.clone(),
-            ttl: self.partition_ttl,
-        };
-        let sched_token = shutdown.child_token();
-        let sched = tokio::spawn(partitions.run(sched_token.clone()));
         info!(queues = ?self.queues, "ax server ready");
 
         let permits = Arc::new(Semaphore::new(self.max_inflight_submits));
@@ -489,23 +506,20 @@ impl Server {
                 drop(permit);
             });
         };
-        let mut sched = std::pin::pin!(sched);
-        let outcome = 'serve: loop {
+        loop {
             // A free handler slot first, so the request arms below never wait on one.
             let permit = tokio::select! {
-                _ = shutdown.cancelled() => break Ok(()),
-                done = &mut sched => break 'serve scheduler_ended(done),
+                _ = shutdown.cancelled() => break,
                 p = permits.clone().acquire_owned() => p.expect("never closed"),
             };
             tokio::select! {
-                _ = shutdown.cancelled() => break Ok(()),
-                done = &mut sched => break scheduler_ended(done),
+                _ = shutdown.cancelled() => break,
                 msg = management.next() => {
-                    let Some(msg) = msg else { break Ok(()) };
+                    let Some(msg) = msg else { break };
                     serve(msg, permit);
                 }
                 req = requests.next() => {
-                    let Some(req) = req else { break Ok(()) };
+                    let Some(req) = req else { break };
                     let admission = admission.clone();
                     tracker.spawn(async move {
                         handle::submit(&admission, req).await;
@@ -513,42 +527,20 @@ impl Server {
                     });
                 }
             }
-        };
+        }
         drop((requests, management));
         if let Err(e) = service.stop().await {
             warn!(cause = %e, "service endpoints not stopped cleanly");
         }
-        sched_token.cancel();
-        engine_token.cancel();
         index_token.cancel();
+        services.stop().await;
         if let Some(console) = console {
             let _ = console.await;
-        }
-        if let Some(events) = events {
-            match events.await {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => warn!(cause = %e, "event triggers stopped with an error"),
-                Err(join) => warn!(cause = %join, "event triggers panicked"),
-            }
-        }
-        if let Some(flows) = flows {
-            match flows.await {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => warn!(cause = %e, "flow engine stopped with an error"),
-                Err(join) => warn!(cause = %join, "flow engine panicked"),
-            }
-        }
-        if let Some(engine) = engine {
-            match engine.await {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => warn!(cause = %e, "trigger engine stopped with an error"),
-                Err(join) => warn!(cause = %join, "trigger engine panicked"),
-            }
         }
         tracker.close();
         tracker.wait().await;
         info!("ax server stopped");
-        outcome
+        Ok(())
     }
 
     /// Creates what is missing of the topology, or waits for it; false if `shutdown` came
@@ -600,15 +592,5 @@ impl Server {
             }
         }
         Ok(true)
-    }
-}
-
-fn scheduler_ended(
-    done: Result<Result<(), ScheduleError>, tokio::task::JoinError>,
-) -> Result<(), ServerError> {
-    match done {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err(e)) => Err(ServerError::Schedule(e)),
-        Err(join) => Err(ServerError::Panicked(join.to_string())),
     }
 }

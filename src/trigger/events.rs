@@ -41,17 +41,22 @@ impl EventRouter {
                 source: e.into(),
             })?;
         let mut served: HashMap<String, (TriggerDef, JoinHandle<()>)> = HashMap::new();
-        loop {
+        // A watch that fails or ends stops the router: its supervisor starts it again,
+        // which follows every definition anew (it used to stop following changes).
+        let outcome = loop {
             tokio::select! {
-                _ = shutdown.cancelled() => break,
+                _ = shutdown.cancelled() => break Ok(()),
                 entry = watch.next() => {
                     let entry = match entry {
                         Some(Ok(entry)) => entry,
-                        Some(Err(e)) => {
-                            warn!(cause = %e, "event triggers: definition watch failed; event subjects no longer follow changes");
-                            break;
-                        }
-                        None => break,
+                        Some(Err(e)) => break Err(EngineError::Broker {
+                            op: "watch definitions",
+                            source: e.into(),
+                        }),
+                        None => break Err(EngineError::Broker {
+                            op: "watch definitions",
+                            source: "the watch ended".into(),
+                        }),
                     };
                     let def = (entry.operation == kv::Operation::Put)
                         .then(|| serde_json::from_slice::<TriggerDef>(&entry.value).ok())
@@ -71,14 +76,11 @@ impl EventRouter {
                     }
                 }
             }
-        }
-        if !shutdown.is_cancelled() {
-            shutdown.cancelled().await;
-        }
+        };
         for (_, (_, task)) in served {
             task.abort();
         }
-        Ok(())
+        outcome
     }
 }
 

@@ -18,8 +18,10 @@ use super::{Worker, WorkerError};
 use crate::names::Priority;
 use crate::output::ResultStore;
 use crate::state::TaskStore;
+use crate::supervisor::Supervisor;
 use async_nats::jetstream::{self, consumer::PullConsumer};
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
+use std::convert::Infallible;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -83,6 +85,8 @@ pub(super) async fn run(
 ) -> Result<(), WorkerError> {
     let slots = Arc::new(Semaphore::new(worker.concurrency));
     let heartbeat = (ack_wait / 3).max(Duration::from_millis(100));
+    // The worker's long-running parts (limit watchers, cancel signals), supervised.
+    let mut services = Supervisor::new(worker.id.clone(), shutdown.clone());
     let gate = crate::limits::gate::Gate::start(
         js.clone(),
         &worker.queue,
@@ -90,6 +94,7 @@ pub(super) async fn run(
         (heartbeat, ack_wait),
         (worker.concurrency / 2).max(1),
         shutdown.clone(),
+        &mut services,
     );
     let shared = Arc::new(Shared {
         gate,
@@ -113,7 +118,12 @@ pub(super) async fn run(
         inflight: Default::default(),
         streaks: Default::default(),
     });
-    tokio::spawn(cancel_signals(shared.clone()));
+    {
+        let shared = shared.clone();
+        services.spawn("cancel-signals", move |token| {
+            cancel_signals(shared.clone(), token).map(Ok::<(), Infallible>)
+        });
+    }
     let consumers = Arc::new(consumers);
     let woken = Arc::new(Notify::new());
     let mut picker = Picker::new(worker.weights);
@@ -246,6 +256,7 @@ pub(super) async fn run(
         shared.hard_stop.cancel();
         shared.tracker.wait().await;
     }
+    services.stop().await;
     info!(queue = %worker.queue, "worker stopped");
     Ok(())
 }
@@ -253,27 +264,24 @@ pub(super) async fn run(
 /// Answers operators' cancel signals (`ax.cancel.<queue>`, body = task id): the attempt
 /// of that task running here stops and ends `cancelled`. A worker not holding the task
 /// stays silent, so the one that holds it answers.
-async fn cancel_signals(shared: Arc<Shared>) {
+async fn cancel_signals(shared: Arc<Shared>, shutdown: CancellationToken) {
     let client = shared.js.client();
     let subject = crate::names::cancel_subject(&shared.queue);
-    let mut subscription = match crate::retry::until_ok(
-        "the cancel-signal subscription",
-        &shared.shutdown,
-        || async {
+    let mut subscription =
+        match crate::retry::until_ok("the cancel-signal subscription", &shutdown, || async {
             client
                 .subscribe(subject.clone())
                 .await
                 .map_err(|e| e.to_string())
-        },
-    )
-    .await
-    {
-        Some(s) => s,
-        None => return,
-    };
+        })
+        .await
+        {
+            Some(s) => s,
+            None => return,
+        };
     loop {
         let msg = tokio::select! {
-            _ = shared.shutdown.cancelled() => return,
+            _ = shutdown.cancelled() => return,
             msg = subscription.next() => match msg { Some(m) => m, None => return },
         };
         let id = String::from_utf8_lossy(&msg.payload).to_string();

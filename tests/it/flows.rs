@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// Handler invocations per task id.
-type Calls = Arc<Mutex<HashMap<String, u32>>>;
+pub(crate) type Calls = Arc<Mutex<HashMap<String, u32>>>;
 
 /// A worker for queue `q` whose handlers work on the flow payload:
 /// `seed` → input.x; `mul` → the one parent × args.k; `sum` → sum of all parents (lists
@@ -21,7 +21,7 @@ type Calls = Arc<Mutex<HashMap<String, u32>>>;
 /// `flaky` → fails for good unless input.fixed; `slow` → sleeps args.ms, returns 1;
 /// `big` → an output over the cap; `note` → the `errors` it was given; `echo` → its
 /// `parents`.
-fn flow_worker(calls: Calls) -> Worker {
+pub(crate) fn flow_worker(calls: Calls) -> Worker {
     Worker::builder("q")
         .concurrency(16)
         .handler(move |task: Task| {
@@ -75,11 +75,11 @@ fn flow_worker(calls: Calls) -> Worker {
         .unwrap()
 }
 
-fn step(name: &str, task: &str) -> StepDef {
+pub(crate) fn step(name: &str, task: &str) -> StepDef {
     StepDef::new(name, "q", TaskSpec::new(task))
 }
 
-async fn finish(ax: &Client, run: &str) -> ax::flow::FlowRun {
+pub(crate) async fn finish(ax: &Client, run: &str) -> ax::flow::FlowRun {
     tokio::time::timeout(Duration::from_secs(60), ax.wait_flow(run))
         .await
         .unwrap_or_else(|_| panic!("run {run} ended within 60 s (a run must never hang)"))

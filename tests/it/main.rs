@@ -28,6 +28,7 @@ mod retry;
 mod security;
 mod streams;
 mod submit;
+mod supervisor;
 mod support;
 mod triggers;
 mod wire;

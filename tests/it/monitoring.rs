@@ -236,7 +236,7 @@ async fn a_real_prometheus_scrapes_ax_and_runs_every_dashboard_query() {
         .iter()
         .flat_map(|g| g["rules"].as_array().unwrap())
         .collect();
-    assert_eq!(loaded.len(), 7, "{rules}");
+    assert_eq!(loaded.len(), 8, "{rules}");
     eventually(Duration::from_secs(10), "every rule evaluated", || async {
         let (_, rules) = http("GET", &format!("{api}/rules"), &[], None).await;
         let all_ok = rules["data"]["groups"][0]["rules"]

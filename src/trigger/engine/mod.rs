@@ -40,15 +40,16 @@ use crate::names::LEASES_BUCKET;
 use crate::state::TaskRecord;
 use crate::submit::Admission;
 use async_nats::jetstream::kv;
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use recover::merge_fire;
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, HashSet};
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 
 /// Errors that stop the engine.
 #[derive(Debug, thiserror::Error)]
@@ -467,7 +468,15 @@ impl Engine {
                     (self.admission.clone(), store.clone(), done_tx.clone());
                 firing.spawn(async move {
                     let name = job.name.clone();
-                    let outcome = execute(&admission, &store, job).await;
+                    // A panic (a bug) still reports: the fire may have been made, so the
+                    // trigger's fires are recovered before it is planned again.
+                    let outcome = AssertUnwindSafe(execute(&admission, &store, job))
+                        .catch_unwind()
+                        .await
+                        .unwrap_or_else(|_| {
+                            error!(trigger = %name, "fire job panicked (a bug); its fires are recovered before the next");
+                            Outcome::Unrecorded
+                        });
                     drop(permit);
                     let _ = done.send((name, outcome));
                 });
@@ -610,6 +619,10 @@ async fn execute(admission: &Admission, store: &TriggerStore, job: Job) -> Outco
         token,
         now,
     } = job;
+    #[cfg(feature = "test-hooks")]
+    if !plan.fires.is_empty() && crate::hooks::take_fire_panic(&name) {
+        panic!("test hook: a fire job of trigger {name} panicked");
+    }
     let mut ids = Vec::new();
     for &scheduled in &plan.fires {
         let tag = scheduled_tag(scheduled);

@@ -1,0 +1,105 @@
+//! The server's long-running parts are supervised: made to panic mid-run (a test hook),
+//! each comes back and does its work — cron keeps firing, a flow run that was mid-way
+//! finishes — and a fire job that panics does not stop its trigger.
+
+use crate::flows::{finish, flow_worker, step, Calls};
+use crate::support::{eventually, Env};
+use crate::triggers::{fired, interval};
+use ax::flow::{FlowDef, RunState, StepDef};
+use ax::worker::{Task, Worker};
+use ax::TaskSpec;
+use serde_json::json;
+use std::time::Duration;
+
+fn quick_worker(
+    env: &Env,
+) -> (
+    tokio_util::sync::CancellationToken,
+    tokio::task::JoinHandle<()>,
+) {
+    let worker = Worker::builder("q")
+        .concurrency(8)
+        .handler(|_t: Task| async { Ok(()) })
+        .build()
+        .unwrap();
+    env.spawn_worker(worker)
+}
+
+/// Waits until `trigger` has made `n` more fires than `from`.
+async fn fires_beyond(env: &Env, trigger: &str, from: usize, n: usize, what: &str) -> usize {
+    eventually(Duration::from_secs(20), what, || async {
+        let now = fired(env, trigger).await.len();
+        (now >= from + n).then_some(now)
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trigger_engine_that_panics_comes_back_and_keeps_firing() {
+    let env = Env::start(Env::server().id("sup-trig")).await;
+    let (stop, handle) = quick_worker(&env);
+    let mut def = interval("beat", 1000);
+    def["overlap"] = json!("allow");
+    env.ax.trigger("put", &def).await.unwrap();
+    let before = fires_beyond(&env, "beat", 0, 2, "two fires").await;
+    ax::hooks::panic_service("sup-trig", "trigger-engine");
+    // The engine panics within 50 ms, is started again within a backoff of 100 ms, takes
+    // its lease back (same holder) and fires on.
+    fires_beyond(
+        &env,
+        "beat",
+        before,
+        4,
+        "four fires after the engine panicked",
+    )
+    .await;
+    stop.cancel();
+    handle.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fire_job_that_panics_does_not_stop_its_trigger() {
+    let env = Env::start(Env::server().id("sup-fire")).await;
+    let (stop, handle) = quick_worker(&env);
+    ax::hooks::panic_next_fire("jolt");
+    let mut def = interval("jolt", 1000);
+    def["overlap"] = json!("allow");
+    env.ax.trigger("put", &def).await.unwrap();
+    // Its first fire job panics before firing; the trigger fires at its next times.
+    fires_beyond(&env, "jolt", 0, 3, "three fires after a fire job panicked").await;
+    let state = env
+        .ax
+        .trigger("get", &json!({"name": "jolt"}))
+        .await
+        .unwrap();
+    assert!(state["state"]["fires"].as_u64().unwrap() >= 3, "{state}");
+    stop.cancel();
+    handle.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flow_engine_that_panics_comes_back_and_its_run_finishes() {
+    let env = Env::start(Env::server().id("sup-flow")).await;
+    let calls = Calls::default();
+    let (_stop, _w) = env.spawn_worker(flow_worker(calls.clone()));
+    let def = FlowDef::new("mid")
+        .step(StepDef::new(
+            "a",
+            "q",
+            TaskSpec::new("slow").json(&json!({"ms": 1500})),
+        ))
+        .step(step("b", "seed").needs(["a"]));
+    env.ax.put_flow(&def).await.unwrap();
+    let run = env.ax.run_flow("mid", json!({"x": 7})).await.unwrap();
+    // Step a runs: panic the engine while the run waits on it.
+    eventually(Duration::from_secs(10), "step a running", || async {
+        let view = env.ax.flow("get", &json!({ "run": run })).await.ok()?;
+        (view["steps"][0]["state"] == "running").then_some(())
+    })
+    .await;
+    ax::hooks::panic_service("sup-flow", "flow-engine");
+    let ended = finish(&env.ax, &run).await;
+    assert_eq!(ended.state, RunState::Succeeded, "{:?}", ended.reason);
+    let once = calls.lock().unwrap().values().all(|&n| n == 1);
+    assert!(once, "each step ran once: {:?}", calls.lock().unwrap());
+}
