@@ -20,6 +20,17 @@ use tracing::info;
 /// How long `cancel` waits for a worker to answer the signal, and then for the record.
 const SIGNAL_WAIT: Duration = Duration::from_secs(2);
 const RECORD_WAIT: Duration = Duration::from_secs(5);
+/// How many times a cancel follows a task delivered again while it was being cancelled.
+const MOVED_RETRIES: u32 = 3;
+
+/// How signalling a running attempt to stop came out.
+enum Cancelling {
+    /// The answer to give.
+    Answer(Value),
+    /// Another attempt runs now (the one signalled was stale): cancel it; this answer if
+    /// that keeps happening.
+    Moved(Value),
+}
 
 pub(crate) struct Ops {
     pub(crate) js: jetstream::Context,
@@ -113,13 +124,23 @@ impl Ops {
     /// Cancels a task: one not started never runs; a running attempt is signalled to stop
     /// and ends `cancelled`. Answers the task's state after the operation.
     pub(crate) async fn cancel(&self, id: &str, by: &str) -> Result<Value, WireError> {
+        let mut attempts_moved = 0;
         loop {
             let (rec, rev) = self.read(id).await?;
             match rec.state {
                 s if s.is_terminal() => {
                     return Err(conflict(format!("task {id} is {s}: nothing to cancel")))
                 }
-                TaskState::Running => return self.cancel_running(rec, rev, by).await,
+                TaskState::Running => match self.cancel_running(rec, rev, by).await? {
+                    Cancelling::Answer(answer) => return Ok(answer),
+                    // Another attempt took over meanwhile: cancel that one (a few times).
+                    Cancelling::Moved(answer) => {
+                        attempts_moved += 1;
+                        if attempts_moved > MOVED_RETRIES {
+                            return Ok(answer);
+                        }
+                    }
+                },
                 _ => {
                     let delayed = rec
                         .delayed_seq
@@ -148,7 +169,7 @@ impl Ops {
         rec: TaskRecord,
         rev: u64,
         by: &str,
-    ) -> Result<Value, WireError> {
+    ) -> Result<Cancelling, WireError> {
         let id = rec.id.clone();
         let client = self.js.client();
         let signal = tokio::time::timeout(
@@ -161,8 +182,19 @@ impl Ops {
                 .ok()
                 .and_then(|v| v["worker"].as_str().map(str::to_string));
             info!(task_id = %id, by, ?worker, "cancel signalled to the running attempt");
-            let state = self.wait_change(&id, rev).await;
-            return Ok(json!({"id": id, "state": state, "worker": worker}));
+            let now = self.wait_change(&id, rev).await;
+            let state = now
+                .as_ref()
+                .map_or("running".into(), |r| r.state.to_string());
+            let answer = json!({"id": id, "state": state, "worker": worker});
+            // The worker that answered held an older attempt (it stalled, and the task was
+            // delivered again meanwhile): the attempt running now was not signalled.
+            return Ok(match now {
+                Some(now) if now.state == TaskState::Running && now.attempt != rec.attempt => {
+                    Cancelling::Moved(answer)
+                }
+                _ => Cancelling::Answer(answer),
+            });
         }
         // No worker holds it (it died, or is cut off): fence it out and leave the word in
         // the record; the next delivery ends the task `cancelled` without running it.
@@ -172,33 +204,43 @@ impl Ops {
         match self.tasks.cas(&asked, rev).await {
             Ok(_) => {
                 info!(task_id = %id, by, "cancel recorded; no worker answered the signal");
-                Ok(json!({"id": id, "state": "running", "cancel_requested": true}))
+                Ok(Cancelling::Answer(
+                    json!({"id": id, "state": "running", "cancel_requested": true}),
+                ))
             }
             Err(StateError::Stale { .. }) => {
                 let (now, _) = self.read(&id).await?;
                 if now.state == TaskState::Cancelled {
-                    return Ok(json!({"id": id, "state": "cancelled"}));
+                    return Ok(Cancelling::Answer(json!({"id": id, "state": "cancelled"})));
                 }
-                Err(conflict(format!(
+                let changed = conflict(format!(
                     "task {id} changed while it was being cancelled (now {}); try again",
                     now.state
-                )))
+                ));
+                match now.state {
+                    // Delivered again meanwhile: cancel the attempt running now.
+                    TaskState::Running => {
+                        Ok(Cancelling::Moved(json!({"id": id, "state": "running"})))
+                    }
+                    _ => Err(changed),
+                }
             }
             Err(e) => Err(state_err(e)),
         }
     }
 
-    /// The task's state once its record moves past revision `rev` (or after a while).
-    async fn wait_change(&self, id: &str, rev: u64) -> String {
+    /// The task's record once it moves past revision `rev` (or as it is after a while;
+    /// `None` if it could not be read).
+    async fn wait_change(&self, id: &str, rev: u64) -> Option<TaskRecord> {
         let deadline = tokio::time::Instant::now() + RECORD_WAIT;
         loop {
-            if let Ok(Some((rec, now))) = self.tasks.get(id).await {
+            if let Ok(Some((rec, now))) = self.tasks.get_latest(id).await {
                 if now != rev || tokio::time::Instant::now() >= deadline {
-                    return rec.state.to_string();
+                    return Some(rec);
                 }
             }
             if tokio::time::Instant::now() >= deadline {
-                return "running".into();
+                return None;
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }

@@ -349,9 +349,12 @@ async fn note_waiting(sh: &Shared, meta: &TaskMeta, reason: Reason, limit: &str)
 /// after it, so the tokens are taken again; if none is due within the hold horizon (other
 /// deliveries booked them), the delivery, claimed and kept alive by its heartbeat, asks
 /// again when one will be. A task cancelled meanwhile ends `cancelled` without its handler
-/// running. (A pause is not waited out here: a claimed attempt that waited through a
-/// pause was lost with its worker, and the fault campaign's retried tasks died of it.)
-/// False if the worker shut down meanwhile.
+/// running. A rated delivery, held here for its token anyway, also waits out a pause
+/// begun meanwhile (the claim ran in the lead, after the gate's pause check); one without
+/// a rate starts at once, pause or not (a
+/// claimed attempt that waited through a pause was lost with its worker, and the fault
+/// campaign's retried tasks, allowed one more attempt, died of it). False if the worker
+/// shut down meanwhile.
 async fn start_when_due(
     sh: &Shared,
     meta: &TaskMeta,
@@ -366,8 +369,17 @@ async fn start_when_due(
             tokio::time::sleep_until(at).await;
         }
         let on_time = due.is_some_and(|at| !Gate::too_late(at));
-        if on_time || cancel.is_cancelled() {
+        if (on_time && !sh.gate.paused()) || cancel.is_cancelled() {
             return true;
+        }
+        if sh.gate.paused() {
+            // Its token is given up: another is taken after the resume.
+            debug!(task_id = %meta.id, "held for a rate token, then its queue was paused; waiting for the resume");
+            tokio::select! {
+                _ = sh.gate.wait_unpaused() => {}
+                _ = cancel.cancelled() => return true,
+                _ = sh.shutdown.cancelled() => return false,
+            }
         }
         due = match sh.gate.retime(meta).await {
             Ok(next) => Some(next),

@@ -75,6 +75,25 @@ pub fn check_retries(
 ) -> Vec<String> {
     let mut v = Vec::new();
     for r in retries {
+        // A retry grants one more attempt (PROTOCOL §8): a worker killed or stopped past
+        // its ack wait while it held that attempt (after its claim, before or during its
+        // handler) leaves it dead of a lost heartbeat. The retry took effect; the nemesis
+        // took the attempt.
+        let last = histories
+            .get(&r.id)
+            .and_then(|h| h.last())
+            .map(|(_, rec)| rec);
+        let lost = last.is_some_and(|rec| {
+            rec.state == TaskState::Dead
+                && rec.attempt > r.dead_attempt
+                && rec
+                    .last_error
+                    .as_ref()
+                    .is_some_and(|e| e.class == "heartbeat_timeout")
+        });
+        if lost {
+            continue;
+        }
         let ran = journal
             .get(&r.id)
             .into_iter()
@@ -239,6 +258,27 @@ mod tests {
             1,
             "ran at its due time"
         );
+    }
+
+    #[test]
+    fn a_retried_attempt_lost_with_its_worker_is_not_a_failed_retry() {
+        let retried = [RetryNote {
+            id: "x.a".into(),
+            dead_attempt: 1,
+        }];
+        let dead = |class: &str| {
+            let rec = serde_json::from_value(json!({"id": "x.a", "queue": "x", "name": "t",
+                "priority": "normal", "state": "dead", "attempt": 2, "max_attempts": 2,
+                "created_at_ms": 0, "updated_at_ms": 0,
+                "last_error": {"class": class, "message": "m"}}))
+            .unwrap();
+            Histories::from([("x.a".to_string(), vec![(2, rec)])])
+        };
+        let journal = HashMap::from([("x.a".to_string(), vec![start(1, 10)])]);
+        // Claimed, then its worker killed: dead of a lost heartbeat at attempt 2.
+        assert!(check_retries(&retried, &journal, &dead("heartbeat_timeout")).is_empty());
+        // Dead at attempt 2 of anything else is a retry that failed the checker.
+        assert_eq!(check_retries(&retried, &journal, &dead("io")).len(), 2);
     }
 
     #[test]
