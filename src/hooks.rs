@@ -13,7 +13,8 @@
 //! between its message publish and its record write; `AX_TEST_CLAIM_DELAY_MS=N` makes
 //! every claim of a worker process take N ms longer (a slow broker), past the lead its
 //! rate tokens are taken with; [`panic_service`] makes a supervised service panic
-//! mid-run (the supervisor must start it again).
+//! mid-run and [`fail_service_starts`] makes its next starts fail (the supervisor must
+//! start it again).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
@@ -154,4 +155,24 @@ pub(crate) fn take_fire_panic(trigger: &str) -> bool {
         .lock()
         .expect("not poisoned")
         .remove(&("fire-job".to_string(), trigger.to_string()))
+}
+
+/// Makes the next `n` starts of service `name` of `scope` fail at once (as a bucket that
+/// cannot be opened would).
+pub fn fail_service_starts(scope: &str, name: &str, n: u32) {
+    let mut set = SERVICE_PANICS.lock().expect("not poisoned");
+    for k in 0..n {
+        set.insert((format!("start-fails:{scope}:{k}"), name.to_string()));
+    }
+}
+
+/// True (once per failure asked for) if this start of service `name` of `scope` must fail.
+pub(crate) fn take_start_failure(scope: &str, name: &str) -> bool {
+    let mut set = SERVICE_PANICS.lock().expect("not poisoned");
+    let prefix = format!("start-fails:{scope}:");
+    let found = set
+        .iter()
+        .find(|(s, n)| s.starts_with(&prefix) && n == name)
+        .cloned();
+    found.is_some_and(|key| set.remove(&key))
 }

@@ -100,10 +100,15 @@ async fn supervise<F, Fut, E>(
         metrics::gauge!(m::SERVICE_UP, "service" => name).set(1.0);
         let began = Instant::now();
         let run = start(shutdown.child_token());
+        let run = async move { run.await.map_err(|e| e.to_string()) };
         #[cfg(feature = "test-hooks")]
         let run = {
             let scope = scope.clone();
+            let fail = crate::hooks::take_start_failure(&scope, name);
             async move {
+                if fail {
+                    return Err("test hook: failed at start".to_string());
+                }
                 tokio::select! {
                     r = run => r,
                     _ = crate::hooks::service_panic_requested(&scope, name) => {
@@ -117,7 +122,7 @@ async fn supervise<F, Fut, E>(
         metrics::gauge!(m::SERVICE_UP, "service" => name).set(0.0);
         let (how, cause) = match ended {
             Ok(Ok(())) => (Ended::Returned, String::new()),
-            Ok(Err(e)) => (Ended::Failed, e.to_string()),
+            Ok(Err(e)) => (Ended::Failed, e),
             Err(join) => (Ended::Panicked, panic_text(join)),
         };
         if shutdown.is_cancelled() {

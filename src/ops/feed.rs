@@ -56,17 +56,24 @@ impl Unreadable {
 }
 
 impl TaskIndex {
-    /// Starts following the task-state feed.
+    /// Starts following the task-state feed (a supervised service, `task-index`: one that
+    /// stops is started again and reads the feed anew into the same index).
     pub(crate) fn start(
         js: jetstream::Context,
-        shutdown: CancellationToken,
+        services: &mut crate::supervisor::Supervisor,
     ) -> std::sync::Arc<TaskIndex> {
         let ix = std::sync::Arc::new(TaskIndex {
             index: RwLock::new(Index::default()),
             version: Default::default(),
             loaded: tokio::sync::watch::channel(false).0,
         });
-        tokio::spawn(ix.clone().follow_tasks(js, shutdown));
+        let feed = ix.clone();
+        services.spawn("task-index", move |token| {
+            use futures::FutureExt;
+            feed.clone()
+                .follow_tasks(js.clone(), token)
+                .map(Ok::<(), std::convert::Infallible>)
+        });
         ix
     }
 

@@ -385,7 +385,7 @@ impl Server {
         }
         let task_index = self
             .task_index
-            .then(|| crate::ops::feed::TaskIndex::start(js.clone(), index_token.clone()));
+            .then(|| crate::ops::feed::TaskIndex::start(js.clone(), &mut services));
         let ops = crate::ops::actions::Ops {
             js: js.clone(),
             tasks: crate::state::TaskStore::open(&js).await?,

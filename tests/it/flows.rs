@@ -79,6 +79,17 @@ pub(crate) fn step(name: &str, task: &str) -> StepDef {
     StepDef::new(name, "q", TaskSpec::new(task))
 }
 
+/// Flow `name`: step `a` sleeps 1.5 s, then `b` (a seed) runs.
+pub(crate) fn slow_chain(name: &str) -> FlowDef {
+    FlowDef::new(name)
+        .step(StepDef::new(
+            "a",
+            "q",
+            TaskSpec::new("slow").json(&json!({"ms": 1500})),
+        ))
+        .step(step("b", "seed").needs(["a"]))
+}
+
 pub(crate) async fn finish(ax: &Client, run: &str) -> ax::flow::FlowRun {
     tokio::time::timeout(Duration::from_secs(60), ax.wait_flow(run))
         .await
@@ -542,13 +553,7 @@ async fn a_trigger_starts_flow_runs_and_counts_a_running_run_as_its_fire_s_work(
     let env = Env::start(Env::server()).await;
     let calls = Calls::default();
     let (_stop, _w) = env.spawn_worker(flow_worker(calls.clone()));
-    let def = FlowDef::new("nightly")
-        .step(StepDef::new(
-            "a",
-            "q",
-            TaskSpec::new("slow").json(&json!({"ms": 1500})),
-        ))
-        .step(step("b", "seed").needs(["a"]));
+    let def = slow_chain("nightly");
     env.ax.put_flow(&def).await.unwrap();
     let missing = json!({"name": "t-missing", "kind": "interval", "every_ms": 3_600_000,
                          "flows": [{"flow": "nope"}]});

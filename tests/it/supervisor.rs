@@ -1,13 +1,13 @@
-//! The server's long-running parts are supervised: made to panic mid-run (a test hook),
-//! each comes back and does its work — cron keeps firing, a flow run that was mid-way
-//! finishes — and a fire job that panics does not stop its trigger.
+//! The server's long-running parts are supervised: made to fail at start or to panic
+//! mid-run (test hooks), each comes back and does its work — cron keeps firing, a flow run
+//! that was mid-way finishes, the task index lists new tasks — and a fire job that panics
+//! does not stop its trigger.
 
-use crate::flows::{finish, flow_worker, step, Calls};
+use crate::flows::{finish, flow_worker, slow_chain, Calls};
 use crate::support::{eventually, Env};
 use crate::triggers::{fired, interval};
-use ax::flow::{FlowDef, RunState, StepDef};
+use ax::flow::RunState;
 use ax::worker::{Task, Worker};
-use ax::TaskSpec;
 use serde_json::json;
 use std::time::Duration;
 
@@ -58,6 +58,21 @@ async fn a_trigger_engine_that_panics_comes_back_and_keeps_firing() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trigger_engine_that_fails_at_start_is_started_again_and_fires() {
+    // Its first three starts fail at once (as when its buckets cannot be opened: it used
+    // to stay stopped, cron silent until the process exited).
+    ax::hooks::fail_service_starts("sup-start", "trigger-engine", 3);
+    let env = Env::start(Env::server().id("sup-start")).await;
+    let (stop, handle) = quick_worker(&env);
+    let mut def = interval("late", 1000);
+    def["overlap"] = json!("allow");
+    env.ax.trigger("put", &def).await.unwrap();
+    fires_beyond(&env, "late", 0, 2, "two fires once the engine could start").await;
+    stop.cancel();
+    handle.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fire_job_that_panics_does_not_stop_its_trigger() {
     let env = Env::start(Env::server().id("sup-fire")).await;
     let (stop, handle) = quick_worker(&env);
@@ -82,13 +97,7 @@ async fn a_flow_engine_that_panics_comes_back_and_its_run_finishes() {
     let env = Env::start(Env::server().id("sup-flow")).await;
     let calls = Calls::default();
     let (_stop, _w) = env.spawn_worker(flow_worker(calls.clone()));
-    let def = FlowDef::new("mid")
-        .step(StepDef::new(
-            "a",
-            "q",
-            TaskSpec::new("slow").json(&json!({"ms": 1500})),
-        ))
-        .step(step("b", "seed").needs(["a"]));
+    let def = slow_chain("mid");
     env.ax.put_flow(&def).await.unwrap();
     let run = env.ax.run_flow("mid", json!({"x": 7})).await.unwrap();
     // Step a runs: panic the engine while the run waits on it.
@@ -102,4 +111,34 @@ async fn a_flow_engine_that_panics_comes_back_and_its_run_finishes() {
     assert_eq!(ended.state, RunState::Succeeded, "{:?}", ended.reason);
     let once = calls.lock().unwrap().values().all(|&n| n == 1);
     assert!(once, "each step ran once: {:?}", calls.lock().unwrap());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_index_that_panics_comes_back_and_lists_new_tasks() {
+    let env = Env::start(Env::server().id("sup-index").task_index(true)).await;
+    // Found through the index (`ax.task.list`), not by reading the bucket.
+    let listed = |id: String| {
+        let ax = env.ax.clone();
+        async move {
+            let all = ax
+                .find_tasks(&serde_json::from_value(json!({"limit": 1000})).unwrap())
+                .await
+                .ok()?;
+            all.tasks.iter().any(|r| r.id == id).then_some(())
+        }
+    };
+    let first = env.ax.submit("q", ax::TaskSpec::new("t")).await.unwrap().id;
+    eventually(Duration::from_secs(10), "the first task listed", || {
+        listed(first.clone())
+    })
+    .await;
+    ax::hooks::panic_service("sup-index", "task-index");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let second = env.ax.submit("q", ax::TaskSpec::new("t")).await.unwrap().id;
+    eventually(
+        Duration::from_secs(15),
+        "a task submitted after the panic listed",
+        || listed(second.clone()),
+    )
+    .await;
 }
