@@ -80,6 +80,19 @@ async fn heartbeats_keep_a_long_task_from_redelivery() {
         .await;
     assert_eq!(rec.attempt, 1);
     assert_eq!(*runs.lock().unwrap(), 1);
+    // Delivered once: without heartbeats the broker redelivers after the ack wait (to this
+    // same worker, which waits for the running attempt and acks it as a duplicate, so the
+    // counts above would not see it); the consumer's delivery sequence does.
+    let mut consumer: async_nats::jetstream::consumer::PullConsumer = env
+        .js
+        .get_consumer_from_stream(&consumer_name("q", Priority::Normal), "AX_READY_NORMAL")
+        .await
+        .unwrap();
+    let info = consumer.info().await.unwrap();
+    assert_eq!(
+        info.delivered.consumer_sequence, 1,
+        "the task was delivered again: its heartbeats did not hold it"
+    );
     stop.cancel();
     handle.await.unwrap();
 }
