@@ -36,27 +36,8 @@ fn json_value() -> impl Strategy<Value = Value> {
     })
 }
 
-const FIELDS: [&str; 16] = [
-    "name",
-    "queue",
-    "payload",
-    "payload_base64",
-    "priority",
-    "delay_ms",
-    "run_at",
-    "idempotency_key",
-    "max_attempts",
-    "backoff",
-    "timeout_ms",
-    "retry_on",
-    "no_retry_on",
-    "base_ms",
-    "jitter",
-    "unknown",
-];
-
 fn submit_object() -> impl Strategy<Value = Value> {
-    let field = prop::sample::select(FIELDS.to_vec());
+    let field = prop::sample::select(crate::fields::SUBMIT_FIELDS.to_vec());
     prop::collection::vec((field, json_value()), 0..8).prop_map(|pairs| {
         let mut m = Map::new();
         m.insert("name".into(), json!("task"));

@@ -9,6 +9,7 @@ mod console_guard;
 mod decoders;
 mod delay;
 mod faults;
+mod fields;
 mod first_attempt;
 mod flows;
 mod kv_read;

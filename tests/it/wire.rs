@@ -172,25 +172,6 @@ fn value_for(field: &'static str) -> BoxedStrategy<Doc> {
     prop_oneof![4 => typed, 1 => nasty_value()].boxed()
 }
 
-const SUBMIT_FIELDS: [&str; 16] = [
-    "name",
-    "queue",
-    "payload",
-    "payload_base64",
-    "priority",
-    "delay_ms",
-    "run_at",
-    "idempotency_key",
-    "max_attempts",
-    "backoff",
-    "timeout_ms",
-    "retry_on",
-    "no_retry_on",
-    "base_ms",
-    "jitter",
-    "unknown",
-];
-
 const TRIGGER_FIELDS: [&str; 17] = [
     "name",
     "kind",
@@ -227,7 +208,7 @@ fn object_of(fields: &'static [&'static str], base: Vec<(String, Doc)>) -> Boxed
 
 fn submit_body() -> BoxedStrategy<String> {
     prop_oneof![
-        6 => object_of(&SUBMIT_FIELDS, vec![("name".into(), Doc::Str("task".into()))]).prop_map(|d| d.text()),
+        6 => object_of(&crate::fields::SUBMIT_FIELDS, vec![("name".into(), Doc::Str("task".into()))]).prop_map(|d| d.text()),
         1 => nasty_value().prop_map(|d| d.text()),
         1 => prop::collection::vec(any::<u8>(), 0..64).prop_map(|b| String::from_utf8_lossy(&b).into_owned()),
     ]
