@@ -351,10 +351,9 @@ async fn note_waiting(sh: &Shared, meta: &TaskMeta, reason: Reason, limit: &str)
 /// again when one will be. A task cancelled meanwhile ends `cancelled` without its handler
 /// running. A rated delivery, held here for its token anyway, also waits out a pause
 /// begun meanwhile (the claim ran in the lead, after the gate's pause check); one without
-/// a rate starts at once, pause or not (a
-/// claimed attempt that waited through a pause was lost with its worker, and the fault
-/// campaign's retried tasks, allowed one more attempt, died of it). False if the worker
-/// shut down meanwhile.
+/// a rate starts at once, pause or not (a claimed attempt that waited through a pause was
+/// lost with its worker, and the fault campaign's retried tasks, allowed one more attempt,
+/// died of it). False if the worker shut down meanwhile.
 async fn start_when_due(
     sh: &Shared,
     meta: &TaskMeta,

@@ -117,6 +117,41 @@ async fn claims_slower_than_the_lead_never_start_ahead_of_their_tokens() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rated_delivery_claimed_before_a_pause_waits_it_out() {
+    // Claims take 300 ms longer than usual, so a delivery whose pause check passed is
+    // still claiming when the pause lands; under a rate it is held for its token anyway
+    // and must wait out the pause rather than start in it.
+    let env = Env::start(Env::server()).await;
+    let w = workers_env(&env.nats.url(), 2, 8, &[("AX_TEST_CLAIM_DELAY_MS", "300")]);
+    set(
+        &env,
+        json!({"name": "p", "queue": "q", "task": "t", "rate": 5.0, "burst": 1}),
+    )
+    .await;
+    let ids = submit_keyed(&env, 30, "t", "x", 0).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    env.ax.pause_queue("q", None).await.unwrap();
+    let paused = ax::time::now_ms();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let resumed = ax::time::now_ms();
+    env.ax.resume_queue("q").await.unwrap();
+    all_done(&env, &ids, Duration::from_secs(60)).await;
+    let r = runs(&w.journals);
+    // The workers see the pause within milliseconds here (one node); 150 ms of slack.
+    let inside: Vec<u64> = ids
+        .iter()
+        .filter_map(|id| r.get(id).map(|r| r.0))
+        .filter(|&at| at > paused + 150 && at < resumed)
+        .map(|at| at - paused)
+        .collect();
+    assert!(
+        inside.is_empty(),
+        "handlers started this long (ms) into the pause: {inside:?}"
+    );
+    drop(w);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_raised_rate_reaches_tasks_already_handed_back() {
     let env = Env::start(Env::server()).await;
     let w = workers(&env.nats.url(), 2, 8);
