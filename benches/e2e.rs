@@ -13,9 +13,10 @@
 
 mod common;
 
-use ax::worker::{Task, Worker};
-use ax::{Client, Server, TaskSpec};
-use common::natsd::LocalNats;
+use ax_sdk::worker::{Task, Worker};
+use ax_sdk::{Client, TaskSpec};
+use ax_server::Server;
+use ax_testkit::LocalNats;
 use common::*;
 use futures::stream::{FuturesUnordered, StreamExt};
 use std::future::IntoFuture;
@@ -140,7 +141,7 @@ async fn ax_end_to_end(
                 loop {
                     match ax.submit("bench", TaskSpec::new("noop").json(&value)).await {
                         Ok(_) => return,
-                        Err(ax::ClientError::Refused(e)) if e.code.is_retryable() => {
+                        Err(ax_sdk::ClientError::Refused(e)) if e.code.is_retryable() => {
                             tokio::time::sleep(Duration::from_millis(5)).await
                         }
                         Err(e) => panic!("submit: {e}"),
@@ -166,10 +167,10 @@ async fn ax_end_to_end(
     loop {
         if done.load(Ordering::Relaxed) >= n {
             let mut left = 0;
-            for p in ax::Priority::ALL {
+            for p in ax_sdk::Priority::ALL {
                 let stream = js.get_stream(p.ready_stream()).await.unwrap();
                 let mut consumer: async_nats::jetstream::consumer::PullConsumer = stream
-                    .get_consumer(&ax::names::consumer_name("bench", p))
+                    .get_consumer(&ax_sdk::names::consumer_name("bench", p))
                     .await
                     .unwrap();
                 let info = consumer.info().await.unwrap();

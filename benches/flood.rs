@@ -7,9 +7,9 @@
 
 mod common;
 
-use ax::worker::{Task, Worker};
-use ax::{Client, ClientError, Priority, TaskSpec};
-use common::natsd::LocalNats;
+use ax_sdk::worker::{Task, Worker};
+use ax_sdk::{Client, ClientError, Priority, TaskSpec};
+use ax_testkit::LocalNats;
 use common::*;
 use futures::StreamExt;
 use std::process::{Command, Stdio};

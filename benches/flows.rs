@@ -13,10 +13,11 @@
 
 mod common;
 
-use ax::flow::{FlowDef, RunState, StepDef};
-use ax::worker::{Task, Worker};
-use ax::{Client, Output, Server, TaskSpec};
-use common::natsd::LocalNats;
+use ax_sdk::flow::{FlowDef, RunState, StepDef};
+use ax_sdk::worker::{Task, Worker};
+use ax_sdk::{Client, Output, TaskSpec};
+use ax_server::Server;
+use ax_testkit::LocalNats;
 use common::*;
 use futures::StreamExt;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -113,7 +114,7 @@ async fn linear(ax: &Client, steps: usize) {
     let total = t.elapsed();
     assert_eq!(ended.state, RunState::Succeeded, "{:?}", ended.reason);
     let ids: Vec<String> = (0..steps)
-        .map(|i| ax::flow::model::step_task_id("flow", &run, &format!("s{i}"), 0, 0))
+        .map(|i| ax_sdk::flow::model::step_task_id("flow", &run, &format!("s{i}"), 0, 0))
         .collect();
     let recs: Vec<_> = futures::stream::iter(ids.iter().map(|id| ax.task(id)))
         .buffered(64)

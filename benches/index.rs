@@ -21,9 +21,10 @@
 
 mod common;
 
-use ax::ops::{ListRequest, TaskQuery};
-use ax::{Client, Server};
-use common::natsd::LocalNats;
+use ax_sdk::ops::{ListRequest, TaskQuery};
+use ax_sdk::Client;
+use ax_server::Server;
+use ax_testkit::LocalNats;
 use common::*;
 use futures::StreamExt;
 use std::future::IntoFuture;
@@ -110,7 +111,7 @@ async fn publish_all(
 async fn index_server(
     client: &async_nats::Client,
 ) -> (
-    tokio::task::JoinHandle<Result<(), ax::ServerError>>,
+    tokio::task::JoinHandle<Result<(), ax_server::ServerError>>,
     CancellationToken,
     Client,
 ) {
@@ -145,7 +146,7 @@ async fn flows(n: usize) {
     let nats = LocalNats::start().expect("nats-server (set AX_NATS_SERVER or run ./dev bench)");
     let client = async_nats::connect(nats.url()).await.unwrap();
     let js = async_nats::jetstream::new(client.clone());
-    ax::streams::apply(&js, &Default::default(), &["q".to_string()])
+    ax_server::streams::apply(&js, &Default::default(), &["q".to_string()])
         .await
         .unwrap();
     println!("step tasks: {n} of {} flow runs per round", n / 10);
@@ -222,7 +223,7 @@ async fn main() {
     let nats = LocalNats::start().expect("nats-server (set AX_NATS_SERVER or run ./dev bench)");
     let client = async_nats::connect(nats.url()).await.unwrap();
     let js = async_nats::jetstream::new(client.clone());
-    ax::streams::apply(&js, &Default::default(), &["q".to_string()])
+    ax_server::streams::apply(&js, &Default::default(), &["q".to_string()])
         .await
         .unwrap();
     println!("records: {n}");
@@ -299,7 +300,7 @@ async fn main() {
         (
             "12 dead of one error class",
             TaskQuery {
-                state: Some(ax::TaskState::Dead),
+                state: Some(ax_sdk::TaskState::Dead),
                 error_class: Some("card_declined".into()),
                 ..Default::default()
             },
@@ -307,7 +308,7 @@ async fn main() {
         (
             "a page of 50 succeeded",
             TaskQuery {
-                state: Some(ax::TaskState::Succeeded),
+                state: Some(ax_sdk::TaskState::Succeeded),
                 ..Default::default()
             },
         ),

@@ -10,9 +10,10 @@
 
 mod common;
 
-use ax::worker::{Task, Worker};
-use ax::{Client, Server, TaskSpec};
-use common::natsd::LocalNats;
+use ax_sdk::worker::{Task, Worker};
+use ax_sdk::{Client, TaskSpec};
+use ax_server::Server;
+use ax_testkit::LocalNats;
 use common::*;
 use futures::StreamExt;
 use std::sync::{Arc, Mutex};

@@ -9,8 +9,8 @@
 
 mod common;
 
-use ax::{Client, TaskSpec};
-use common::natsd::{LocalCluster, LocalNats};
+use ax_sdk::{Client, TaskSpec};
+use ax_testkit::{LocalCluster, LocalNats};
 use common::*;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -28,10 +28,10 @@ fn spawn(urls: &str, args: &[&str]) -> Child {
 
 async fn left(js: &async_nats::jetstream::Context) -> Option<u64> {
     let mut n = 0;
-    for p in ax::Priority::ALL {
+    for p in ax_sdk::Priority::ALL {
         let stream = js.get_stream(p.ready_stream()).await.ok()?;
         let mut consumer: async_nats::jetstream::consumer::PullConsumer = stream
-            .get_consumer(&ax::names::consumer_name("so", p))
+            .get_consumer(&ax_sdk::names::consumer_name("so", p))
             .await
             .ok()?;
         let info = consumer.info().await.ok()?;
@@ -51,14 +51,17 @@ async fn run(label: &str, urls: &str, nats_pids: &[u32], k: usize, n: usize, rep
     let js = async_nats::jetstream::new(client.clone());
     // A new cluster accepts R3 streams only once its meta leader is elected: apply the
     // topology first, with retries.
-    let topology = ax::streams::Topology {
+    let topology = ax_server::streams::Topology {
         replicas: replicas.parse().unwrap(),
         capacity: [100_000; 3],
         ..Default::default()
     };
     let queues = vec!["so".to_string()];
     let deadline = Instant::now() + Duration::from_secs(60);
-    while ax::streams::apply(&js, &topology, &queues).await.is_err() {
+    while ax_server::streams::apply(&js, &topology, &queues)
+        .await
+        .is_err()
+    {
         assert!(
             Instant::now() < deadline,
             "{label}: the topology was not applied in 60 s"

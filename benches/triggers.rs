@@ -10,8 +10,8 @@
 
 mod common;
 
-use ax::Client;
-use common::natsd::LocalNats;
+use ax_sdk::Client;
+use ax_testkit::LocalNats;
 use common::*;
 use futures::StreamExt;
 use std::process::{Command, Stdio};

@@ -15,9 +15,10 @@
 
 mod common;
 
-use ax::worker::{Task, TaskError, Worker};
-use ax::{Client, Server, TaskSpec};
-use common::natsd::LocalNats;
+use ax_sdk::worker::{Task, TaskError, Worker};
+use ax_sdk::{Client, TaskSpec};
+use ax_server::Server;
+use ax_testkit::LocalNats;
 use common::*;
 use futures::StreamExt;
 use std::process::{Child, Command, Stdio};
@@ -93,7 +94,7 @@ async fn w3(client: &async_nats::Client, n: usize) {
     let mut mismatched = 0;
     for id in &ids {
         match ax.task(id).await.unwrap() {
-            Some((rec, _)) if rec.attempt == 3 && rec.state == ax::TaskState::Succeeded => {}
+            Some((rec, _)) if rec.attempt == 3 && rec.state == ax_sdk::TaskState::Succeeded => {}
             _ => mismatched += 1,
         }
     }

@@ -3,10 +3,6 @@
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
-/// The local nats-server harness (not library API).
-#[path = "../../src/natsd.rs"]
-pub mod natsd;
-
 /// A numeric setting from the environment, or its default.
 pub fn env_or(name: &str, default: usize) -> usize {
     std::env::var(name)

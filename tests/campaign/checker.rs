@@ -2,7 +2,7 @@
 //! handlers wrote, every revision of every task record, trigger states, the producer's
 //! log). Each returns the violations it finds, as sentences.
 
-use ax::{TaskRecord, TaskState};
+use ax_sdk::{TaskRecord, TaskState};
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 /// One handler invocation, from the journal.

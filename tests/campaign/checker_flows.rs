@@ -15,9 +15,9 @@
 
 use crate::checker::{Histories, Invocation};
 use crate::flows::RunNote;
-use ax::flow::model::parse_step_task;
-use ax::flow::{FlowRun, RunState, StepRun, StepState, TriggerRule};
-use ax::TaskState;
+use ax_sdk::flow::model::parse_step_task;
+use ax_sdk::flow::{FlowRun, RunState, StepRun, StepState, TriggerRule};
+use ax_sdk::TaskState;
 use std::collections::{BTreeMap, HashMap};
 
 /// A run as the checker sees it: what the campaign asked of it, and its records.
@@ -312,7 +312,7 @@ mod tests {
             .iter()
             .map(|(name, needs, _, _)| json!({"name": name, "needs": needs, "task": {"name": "step", "queue": "x"}}))
             .collect();
-        let def = ax::flow::FlowDef::decode(json!({"name": flow, "steps": defs})).unwrap();
+        let def = ax_sdk::flow::FlowDef::decode(json!({"name": flow, "steps": defs})).unwrap();
         let run: FlowRun = serde_json::from_value(json!({"id": "r1", "flow": flow, "def": def,
             "state": state, "created_at_ms": 0, "updated_at_ms": 0}))
         .unwrap();
@@ -430,7 +430,7 @@ mod tests {
             ..Default::default()
         };
         let rec = |id: &str, state, at| {
-            let mut rec: ax::TaskRecord = serde_json::from_value(json!({"id": id, "queue": "x",
+            let mut rec: ax_sdk::TaskRecord = serde_json::from_value(json!({"id": id, "queue": "x",
                 "name": "step", "priority": "normal", "state": state, "attempt": 1, "max_attempts": 5,
                 "created_at_ms": 0, "updated_at_ms": at})).unwrap();
             rec.finished_at_ms = Some(at);

@@ -16,7 +16,7 @@
 use crate::checker::{Histories, Invocation};
 use crate::cluster::Timeline;
 use crate::ops::{CancelNote, RetryNote, RunNowNote};
-use ax::TaskState;
+use ax_sdk::TaskState;
 use std::collections::HashMap;
 
 /// How much earlier than it would have run a task that was run now must start.
@@ -196,7 +196,7 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    fn history(id: &str, state: &str) -> Vec<(u64, ax::TaskRecord)> {
+    fn history(id: &str, state: &str) -> Vec<(u64, ax_sdk::TaskRecord)> {
         let rec = serde_json::from_value(json!({"id": id, "queue": "x", "name": "t",
             "priority": "normal", "state": state, "attempt": 1, "max_attempts": 5,
             "created_at_ms": 0, "updated_at_ms": 0}))

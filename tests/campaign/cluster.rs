@@ -2,9 +2,8 @@
 //! pauses and restarts them. Every fault is written to a [`Timeline`] the checker reads:
 //! a `SIGSTOP`ped worker's handlers cannot run, a killed worker's never end.
 
-use crate::natsd;
 use crate::procs::AxProc;
-use ax::time::now_ms;
+use ax_sdk::time::now_ms;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::path::PathBuf;
@@ -18,8 +17,8 @@ pub const WORKERS: usize = 3;
 pub const X_WORKERS: usize = 2;
 
 pub enum Nats {
-    Single(natsd::LocalNats),
-    Cluster(natsd::LocalCluster),
+    Single(ax_testkit::LocalNats),
+    Cluster(ax_testkit::LocalCluster),
 }
 
 impl Nats {

@@ -6,10 +6,10 @@
 //! an in-process library worker that journals like the example one.
 
 use crate::journal::Journal;
-use ax::flow::model::parse_step_task;
-use ax::time::now_ms;
-use ax::worker::{Task, TaskError, Worker};
-use ax::{Client, ClientError};
+use ax_sdk::flow::model::parse_step_task;
+use ax_sdk::time::now_ms;
+use ax_sdk::worker::{Task, TaskError, Worker};
+use ax_sdk::{Client, ClientError};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
@@ -120,7 +120,7 @@ async fn ended(ax: &Client, run: &str, limit: Duration) -> Option<String> {
     let deadline = Instant::now() + limit;
     while Instant::now() < deadline {
         if let Ok(Some((r, _))) = ax.flow_run(run).await {
-            if r.state != ax::flow::RunState::Running {
+            if r.state != ax_sdk::flow::RunState::Running {
                 return Some(r.state.to_string());
             }
         }
@@ -251,7 +251,7 @@ pub async fn all_ended(ax: &Client, log: &Mutex<FlowLog>) -> bool {
         .collect();
     for run in runs {
         match ax.flow_run(&run).await {
-            Ok(Some((r, _))) if r.state != ax::flow::RunState::Running => {}
+            Ok(Some((r, _))) if r.state != ax_sdk::flow::RunState::Running => {}
             _ => return false,
         }
     }

@@ -3,7 +3,7 @@
 //! `Client` API and fed bursts larger than they let through, under the nemesis.
 
 use crate::{submit_until_answered, Log};
-use ax::{Client, TaskSpec};
+use ax_sdk::{Client, TaskSpec};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::json;

@@ -34,9 +34,6 @@ mod cluster;
 mod flows;
 mod journal;
 mod limits;
-#[allow(dead_code)]
-#[path = "../../src/natsd.rs"]
-mod natsd;
 mod ops;
 #[allow(dead_code)]
 #[path = "../it/procs.rs"]
@@ -46,8 +43,8 @@ mod procs;
 mod support;
 mod verdict;
 
-use ax::time::now_ms;
-use ax::{Client, ClientError, TaskRecord, TaskSpec};
+use ax_sdk::time::now_ms;
+use ax_sdk::{Client, ClientError, TaskRecord, TaskSpec};
 use checker::Histories;
 use cluster::{Kills, Nats, Procs, Timeline};
 use futures::StreamExt;
@@ -76,7 +73,7 @@ pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-type Answer = Result<ax::protocol::SubmitAccepted, ax::protocol::WireError>;
+type Answer = Result<ax_sdk::protocol::SubmitAccepted, ax_sdk::protocol::WireError>;
 
 /// Submits until answered (same idempotency key on every retry): the answer (`None` if no
 /// answer came within a minute), and whether every attempt before it was answered and not
@@ -93,7 +90,7 @@ pub async fn submit_until_answered(
         match ax.submit(queue, spec.clone()).await {
             Ok(a) => return (Some(Ok(a)), clean),
             Err(ClientError::Refused(e))
-                if e.code.is_retryable() && e.code != ax::protocol::ErrorCode::Busy =>
+                if e.code.is_retryable() && e.code != ax_sdk::protocol::ErrorCode::Busy =>
             {
                 clean = false;
                 log.lock().unwrap().unanswered_retries += 1;
@@ -159,7 +156,7 @@ async fn produce(ax: Client, log: Arc<Mutex<Log>>, seed: u64, until: Instant) {
                         continue;
                     }
                     // A small, slow queue (capacity 20 at high): some of these are `busy`.
-                    _ => ("hot", TaskSpec::new("hot").json(&serde_json::json!({"sleep_ms": 300})).priority(ax::Priority::High)),
+                    _ => ("hot", TaskSpec::new("hot").json(&serde_json::json!({"sleep_ms": 300})).priority(ax_sdk::Priority::High)),
                 };
                 let spec = spec.idempotency_key(key.clone());
                 match submit_until_answered(&ax, queue, spec, &log).await {
@@ -172,7 +169,7 @@ async fn produce(ax: Client, log: Arc<Mutex<Log>>, seed: u64, until: Instant) {
                 if lane == 0 && Instant::now() >= next_burst {
                     // A burst at one due time beyond the 3 s horizon.
                     next_burst = Instant::now() + Duration::from_secs(8);
-                    let at = ax::time::format_rfc3339_ms(now_ms() + 5000);
+                    let at = ax_sdk::time::format_rfc3339_ms(now_ms() + 5000);
                     let burst: Vec<_> = (0..300)
                         .map(|b| {
                             let (ax, log, at) = (ax.clone(), log.clone(), at.clone());
@@ -194,7 +191,7 @@ async fn produce(ax: Client, log: Arc<Mutex<Log>>, seed: u64, until: Instant) {
                         Ok(v) => log.lock().unwrap().manual_answered.extend(
                             v["task_ids"].as_array().into_iter().flatten().filter_map(|i| i.as_str().map(String::from)),
                         ),
-                        Err(ClientError::Refused(e)) if e.code == ax::protocol::ErrorCode::Running => {
+                        Err(ClientError::Refused(e)) if e.code == ax_sdk::protocol::ErrorCode::Running => {
                             log.lock().unwrap().manual_refused += 1
                         }
                         Err(_) => log.lock().unwrap().manual_unanswered += 1,
@@ -275,9 +272,9 @@ async fn campaign(cluster: bool) {
         "fault campaign ({kind}): seed {seed}, {secs} s of load (replay: AX_CAMPAIGN_SEED={seed}; AX_CAMPAIGN_EXTENDED=0 leaves out flows, limits and operations)"
     );
     let nats = if cluster {
-        Nats::Cluster(natsd::LocalCluster::start(3).unwrap())
+        Nats::Cluster(ax_testkit::LocalCluster::start(3).unwrap())
     } else {
-        Nats::Single(natsd::LocalNats::start().unwrap())
+        Nats::Single(ax_testkit::LocalNats::start().unwrap())
     };
     let url = nats.url();
     let dir = tempfile::tempdir().unwrap();

@@ -3,8 +3,8 @@
 //! now" of scheduled and of retrying tasks, and pause / resume of the queue.
 
 use crate::{submit_until_answered, Log};
-use ax::time::now_ms;
-use ax::{Client, ClientError, TaskSpec, TaskState};
+use ax_sdk::time::now_ms;
+use ax_sdk::{Client, ClientError, TaskSpec, TaskState};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::json;
@@ -52,7 +52,7 @@ pub struct OpsLog {
 }
 
 /// Waits (up to 40 s) for task `id` to reach `state`; its record then.
-async fn reach(ax: &Client, id: &str, state: TaskState) -> Option<ax::TaskRecord> {
+async fn reach(ax: &Client, id: &str, state: TaskState) -> Option<ax_sdk::TaskRecord> {
     let deadline = Instant::now() + Duration::from_secs(40);
     while Instant::now() < deadline {
         if let Ok(Some((rec, _))) = ax.task(id).await {

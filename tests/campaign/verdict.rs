@@ -4,9 +4,9 @@ use crate::checker::{self, Histories, Invocation, TriggerRun};
 use crate::checker_flows::{self, RunSeen};
 use crate::cluster::Timeline;
 use crate::{checker_limits, checker_ops, flows, hex, limits, ops, Log, TRIGGERS};
-use ax::flow::model::parse_step_task;
-use ax::flow::{FlowRun, RunState, StepRun};
-use ax::{Client, TaskRecord, TaskState};
+use ax_sdk::flow::model::parse_step_task;
+use ax_sdk::flow::{FlowRun, RunState, StepRun};
+use ax_sdk::{Client, TaskRecord, TaskState};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
 

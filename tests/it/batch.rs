@@ -1,8 +1,8 @@
 //! Batch submit (issue 8): one request, many tasks, one answer per task in order.
 
 use crate::support::{counting_worker, eventually, Env};
-use ax::protocol::{ErrorCode, SubmitReply};
-use ax::{Priority, TaskSpec, TaskState};
+use ax_sdk::protocol::{ErrorCode, SubmitReply};
+use ax_sdk::{Priority, TaskSpec, TaskState};
 use std::collections::HashSet;
 use std::time::Duration;
 

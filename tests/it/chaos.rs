@@ -1,11 +1,11 @@
 //! Load with faults injected into real processes; each test prints its figures.
 
-use crate::natsd::LocalNats;
 use crate::procs::{wait_ready, AxProc};
 use crate::support::{counting_worker, eventually, within};
-use ax::time::now_ms;
-use ax::worker::{Task, Worker};
-use ax::{Client, TaskSpec, TaskState};
+use ax_sdk::time::now_ms;
+use ax_sdk::worker::{Task, Worker};
+use ax_sdk::{Client, TaskSpec, TaskState};
+use ax_testkit::LocalNats;
 use futures::StreamExt;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -165,7 +165,7 @@ async fn two_servers_killed_during_load_lose_nothing() {
             "{hook}: exited cleanly instead of aborting"
         );
     }
-    let store = ax::state::TaskStore::open(&js).await.unwrap();
+    let store = ax_sdk::state::TaskStore::open(&js).await.unwrap();
     eventually(
         Duration::from_secs(90),
         "every accepted task to finish",
@@ -231,7 +231,7 @@ async fn r3_node_loss() {
     crate::support::init_logs();
     let started = Instant::now();
     let phase = |what: &str| eprintln!("[r3 {:>6.1?}] {what}", started.elapsed());
-    let mut cluster = crate::natsd::LocalCluster::start(3).unwrap();
+    let mut cluster = ax_testkit::LocalCluster::start(3).unwrap();
     let addrs: Vec<async_nats::ServerAddr> =
         cluster.urls().iter().map(|u| u.parse().unwrap()).collect();
     let client = async_nats::ConnectOptions::new()
@@ -240,7 +240,7 @@ async fn r3_node_loss() {
         .await
         .unwrap();
     let js = async_nats::jetstream::new(client.clone());
-    let topology = ax::streams::Topology {
+    let topology = ax_server::streams::Topology {
         replicas: 3,
         ack_wait: Duration::from_secs(2),
         ..Default::default()
@@ -249,13 +249,17 @@ async fn r3_node_loss() {
     eventually(
         Duration::from_secs(30),
         "the cluster to accept R3 streams",
-        || async { ax::streams::apply(&js, &topology, &queues).await.ok() },
+        || async {
+            ax_server::streams::apply(&js, &topology, &queues)
+                .await
+                .ok()
+        },
     )
     .await;
     phase("streams applied");
     let stop = CancellationToken::new();
     let server = tokio::spawn(
-        ax::Server::builder()
+        ax_server::Server::builder()
             .queues(["q"])
             .topology(topology.clone())
             .build()
@@ -335,7 +339,7 @@ async fn r3_node_loss() {
     // Every task ran; a run whose result write met the election is recorded when its
     // redelivery is: wait for every record to say `succeeded` (lost: those that never do).
     phase("every task ran");
-    let store = ax::state::TaskStore::open(&js).await.unwrap();
+    let store = ax_sdk::state::TaskStore::open(&js).await.unwrap();
     let not_done = || async {
         let mut n = 0;
         for id in &ids {
@@ -369,7 +373,7 @@ async fn r3_node_loss() {
 /// Where tasks that never ran sit: their records' states and delays, and the streams'
 /// and consumers' counts (for a failure message).
 async fn where_are(js: &async_nats::jetstream::Context, ids: &[String]) -> String {
-    let store = ax::state::TaskStore::open(js).await.unwrap();
+    let store = ax_sdk::state::TaskStore::open(js).await.unwrap();
     let mut states: HashMap<String, usize> = HashMap::new();
     for id in ids.iter().take(50) {
         let state = match store.get(id).await {
@@ -472,7 +476,10 @@ async fn trigger_leader_killed_fires_each_scheduled_time_exactly_once() {
     }
     let fires_until = now_ms();
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    let records = ax.list(&ax::state::ListFilter::default()).await.unwrap();
+    let records = ax
+        .list(&ax_sdk::state::ListFilter::default())
+        .await
+        .unwrap();
     let report: Vec<usize> = (0..triggers)
         .map(|t| fired_once_each_second(&records, &format!("t{t}"), fires_from, fires_until))
         .collect();
@@ -503,7 +510,7 @@ async fn trigger_leader_killed_fires_each_scheduled_time_exactly_once() {
 /// once, with no gap, from its first time until `until_ms` (a dead engine, or one that
 /// stopped early, fails); returns how many times it fired.
 fn fired_once_each_second(
-    records: &[ax::TaskRecord],
+    records: &[ax_sdk::TaskRecord],
     name: &str,
     from_ms: u64,
     until_ms: u64,
@@ -544,9 +551,9 @@ fn fired_once_each_second(
     fires
 }
 
-async fn store_list(client: &async_nats::Client) -> Vec<ax::TaskRecord> {
+async fn store_list(client: &async_nats::Client) -> Vec<ax_sdk::TaskRecord> {
     Client::new(client.clone())
-        .list(&ax::state::ListFilter::default())
+        .list(&ax_sdk::state::ListFilter::default())
         .await
         .unwrap()
 }

@@ -5,9 +5,9 @@
 use crate::browser::{http, Browser};
 use crate::procs::free_port;
 use crate::support::{within, Env};
-use ax::flow::{FlowDef, StepDef};
-use ax::worker::{Task, TaskError, Worker};
-use ax::{TaskSpec, TaskState};
+use ax_sdk::flow::{FlowDef, StepDef};
+use ax_sdk::worker::{Task, TaskError, Worker};
+use ax_sdk::{TaskSpec, TaskState};
 use serde_json::json;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -34,9 +34,9 @@ fn failing_until_fixed(name: &'static str, class: &'static str) -> (Worker, Arc<
     (w, fixed)
 }
 
-fn console_env_server(port: u16) -> ax::ServerBuilder {
+fn console_env_server(port: u16) -> ax_server::ServerBuilder {
     Env::server().console(
-        ax::console::ConsoleConfig::new(format!("127.0.0.1:{port}").parse().unwrap())
+        ax_server::console::ConsoleConfig::new(format!("127.0.0.1:{port}").parse().unwrap())
             .token("s3cret-admin")
             .readonly_token("viewer-token"),
     )
@@ -159,7 +159,7 @@ async fn a_failed_flow_step_shows_red_and_is_re_run() {
             .await
             .unwrap()
             .unwrap();
-        assert_eq!(ended.state, ax::flow::RunState::Failed);
+        assert_eq!(ended.state, ax_sdk::flow::RunState::Failed);
 
         let b = Browser::start().await;
         b.login(&site).await;
@@ -186,7 +186,7 @@ async fn a_failed_flow_step_shows_red_and_is_re_run() {
             "return document.querySelector('#run-state')?.textContent === 'succeeded' && \
              document.querySelector('g[data-step=transform]').dataset.state === 'succeeded'").await;
         let done = env.ax.flow_run(&run).await.unwrap().unwrap();
-        assert_eq!(done.0.state, ax::flow::RunState::Succeeded);
+        assert_eq!(done.0.state, ax_sdk::flow::RunState::Succeeded);
         b.close().await;
     })
     .await

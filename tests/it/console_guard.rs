@@ -86,8 +86,8 @@ async fn paused(port: u16, auth: &[(&str, &str)]) -> bool {
         .any(|q| q["queue"] == "q" && q["paused"] == true)
 }
 
-fn console(port: u16) -> ax::console::ConsoleConfig {
-    ax::console::ConsoleConfig::new(format!("127.0.0.1:{port}").parse().unwrap())
+fn console(port: u16) -> ax_server::console::ConsoleConfig {
+    ax_server::console::ConsoleConfig::new(format!("127.0.0.1:{port}").parse().unwrap())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -2,10 +2,10 @@
 //! error, never a panic; what decodes round-trips. Each test prints its execution count.
 
 use crate::support::Env;
-use ax::backoff::Backoff;
-use ax::protocol::ErrorCode;
-use ax::task::{decode_submit, Limits, TaskMeta};
-use ax::ClientError;
+use ax_sdk::backoff::Backoff;
+use ax_sdk::protocol::ErrorCode;
+use ax_sdk::task::{decode_submit, Limits, TaskMeta};
+use ax_sdk::ClientError;
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
 use proptest::test_runner::{Config, TestRunner};
@@ -166,7 +166,11 @@ async fn server_refuses_garbage_and_keeps_serving() {
         sent += 1;
     }
     assert_eq!(env.stream_len("KV_AX_TASKS").await, 0, "nothing stored");
-    let ok = env.ax.submit("q", ax::TaskSpec::new("fine")).await.unwrap();
+    let ok = env
+        .ax
+        .submit("q", ax_sdk::TaskSpec::new("fine"))
+        .await
+        .unwrap();
     assert!(!ok.duplicate);
     println!("fuzz live server: {sent} garbage submits refused, server still serving");
 }

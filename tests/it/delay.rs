@@ -1,9 +1,9 @@
 //! Delayed tasks: held durably, moved to ready once, survive a server restart.
 
 use crate::support::{eventually, Env};
-use ax::time::now_ms;
-use ax::worker::{Task, Worker};
-use ax::{TaskSpec, TaskState};
+use ax_sdk::time::now_ms;
+use ax_sdk::worker::{Task, Worker};
+use ax_sdk::{TaskSpec, TaskState};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -198,7 +198,7 @@ async fn bursts_beyond_the_horizon_all_reach_ready() {
                 if let Some(id) = msg
                     .headers
                     .as_ref()
-                    .and_then(|h| h.get(ax::task::header::ID))
+                    .and_then(|h| h.get(ax_sdk::task::header::ID))
                 {
                     arrived.lock().unwrap().insert(id.to_string());
                 }

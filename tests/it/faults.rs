@@ -1,10 +1,10 @@
 //! Real processes killed and paused: nothing accepted is lost, no late result counts.
 
-use crate::natsd::LocalNats;
 use crate::procs::{free_port, scrape, wait_ready, AxProc};
 use crate::support::{counting_worker, eventually, Env};
-use ax::worker::{Task, Worker};
-use ax::{Client, TaskSpec, TaskState};
+use ax_sdk::worker::{Task, Worker};
+use ax_sdk::{Client, TaskSpec, TaskState};
+use ax_testkit::LocalNats;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;

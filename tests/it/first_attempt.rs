@@ -3,8 +3,8 @@
 //! token or after a second; a stale one cannot record its result.
 
 use crate::support::Env;
-use ax::worker::{Task, Worker};
-use ax::{TaskSpec, TaskState};
+use ax_sdk::worker::{Task, Worker};
+use ax_sdk::{TaskSpec, TaskState};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{mpsc, Semaphore};
@@ -170,7 +170,7 @@ async fn a_stale_first_attempt_cannot_record_its_result() {
     let mut consumer: async_nats::jetstream::consumer::PullConsumer = env
         .js
         .get_consumer_from_stream(
-            &ax::names::consumer_name("q", ax::Priority::Normal),
+            &ax_sdk::names::consumer_name("q", ax_sdk::Priority::Normal),
             "AX_READY_NORMAL",
         )
         .await

@@ -4,9 +4,9 @@
 
 use crate::procs::{self, AxProc};
 use crate::support::Env;
-use ax::flow::{FailurePolicy, FlowDef, RerunMode, RunState, StepDef, StepState, TriggerRule};
-use ax::worker::{Task, TaskError, Worker};
-use ax::{Client, ErrorKind, Output, TaskSpec};
+use ax_sdk::flow::{FailurePolicy, FlowDef, RerunMode, RunState, StepDef, StepState, TriggerRule};
+use ax_sdk::worker::{Task, TaskError, Worker};
+use ax_sdk::{Client, ErrorKind, Output, TaskSpec};
 use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -64,7 +64,10 @@ pub(crate) fn flow_worker(calls: Calls) -> Worker {
                         tokio::time::sleep(Duration::from_millis(ms)).await;
                         Ok(Output::json(&1)?)
                     }
-                    "big" => Ok(Output::bytes(vec![7u8; ax::output::MAX_OUTPUT_BYTES + 1])),
+                    "big" => Ok(Output::bytes(vec![
+                        7u8;
+                        ax_sdk::output::MAX_OUTPUT_BYTES + 1
+                    ])),
                     "note" => Ok(Output::json(&p["errors"])?),
                     "echo" => Ok(Output::json(&p["parents"])?),
                     _ => Ok(Output::json(&1)?),
@@ -90,7 +93,7 @@ pub(crate) fn slow_chain(name: &str) -> FlowDef {
         .step(step("b", "seed").needs(["a"]))
 }
 
-pub(crate) async fn finish(ax: &Client, run: &str) -> ax::flow::FlowRun {
+pub(crate) async fn finish(ax: &Client, run: &str) -> ax_sdk::flow::FlowRun {
     tokio::time::timeout(Duration::from_secs(60), ax.wait_flow(run))
         .await
         .unwrap_or_else(|_| panic!("run {run} ended within 60 s (a run must never hang)"))
@@ -297,14 +300,14 @@ async fn bad_definitions_are_refused_by_field_and_bad_runs_end_with_a_reason() {
         .step(step("b", "seed").needs(["a"]))
         .step(step("c", "seed").needs(["b"]));
     let e = env.ax.put_flow(&cycle).await.unwrap_err();
-    let ax::ClientError::Refused(wire) = &e else {
+    let ax_sdk::ClientError::Refused(wire) = &e else {
         panic!("{e}")
     };
     assert_eq!(wire.code.as_str(), "invalid_field");
     assert!(wire.message.contains("cycle: "), "{}", wire.message);
     let unknown = FlowDef::new("unk").step(step("a", "seed").needs(["nope"]));
     let e = env.ax.put_flow(&unknown).await.unwrap_err();
-    let ax::ClientError::Refused(wire) = &e else {
+    let ax_sdk::ClientError::Refused(wire) = &e else {
         panic!("{e}")
     };
     assert_eq!(wire.field.as_deref(), Some("steps[0].needs"));
@@ -313,7 +316,7 @@ async fn bad_definitions_are_refused_by_field_and_bad_runs_end_with_a_reason() {
         .step(step("a", "seed"))
         .step(StepDef::new("b", "nowhere", TaskSpec::new("seed")).needs(["a"]));
     let e = env.ax.put_flow(&undeclared).await.unwrap_err();
-    let ax::ClientError::Refused(wire) = &e else {
+    let ax_sdk::ClientError::Refused(wire) = &e else {
         panic!("{e}")
     };
     assert_eq!(
@@ -362,7 +365,7 @@ async fn bad_definitions_are_refused_by_field_and_bad_runs_end_with_a_reason() {
     let max = env.client.server_info().max_payload;
     let input = json!("x".repeat(max - 200));
     let e = env.ax.run_flow("notlist", input).await.unwrap_err();
-    let ax::ClientError::Refused(wire) = &e else {
+    let ax_sdk::ClientError::Refused(wire) = &e else {
         panic!("{e}")
     };
     assert_eq!(
@@ -471,9 +474,9 @@ async fn a_cancelled_run_ends_at_once_and_its_queued_tasks_never_run() {
         .all(|s| s.state != StepState::Waiting && s.state != StepState::Running));
     // A worker now finds the queued tasks cancelled and does not run them.
     let (_stop2, _w2) = env.spawn_worker(flow_worker(calls.clone()));
-    let each0 = ax::flow::model::step_task_id("q", &run, "each", 0, 49);
+    let each0 = ax_sdk::flow::model::step_task_id("q", &run, "each", 0, 49);
     let rec = env.record(&each0).await;
-    assert_eq!(rec.state, ax::TaskState::Cancelled);
+    assert_eq!(rec.state, ax_sdk::TaskState::Cancelled);
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let ran_each = calls
         .lock()
@@ -558,7 +561,7 @@ async fn a_trigger_starts_flow_runs_and_counts_a_running_run_as_its_fire_s_work(
     let missing = json!({"name": "t-missing", "kind": "interval", "every_ms": 3_600_000,
                          "flows": [{"flow": "nope"}]});
     let e = env.ax.trigger("put", &missing).await.unwrap_err();
-    let ax::ClientError::Refused(wire) = &e else {
+    let ax_sdk::ClientError::Refused(wire) = &e else {
         panic!("{e}")
     };
     assert_eq!(wire.field.as_deref(), Some("flows[0].flow"), "{wire:?}");
@@ -578,7 +581,7 @@ async fn a_trigger_starts_flow_runs_and_counts_a_running_run_as_its_fire_s_work(
         .trigger("run", &json!({"name": "nightly"}))
         .await
         .unwrap_err();
-    let ax::ClientError::Refused(wire) = &e else {
+    let ax_sdk::ClientError::Refused(wire) = &e else {
         panic!("{e}")
     };
     assert_eq!(wire.code.as_str(), "running", "{wire:?}");

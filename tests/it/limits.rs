@@ -4,7 +4,7 @@
 
 use crate::procs::AxProc;
 use crate::support::Env;
-use ax::TaskSpec;
+use ax_sdk::TaskSpec;
 use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -146,7 +146,7 @@ pub(crate) async fn all_done(env: &Env, ids: &[String], within: Duration) {
     crate::support::eventually(within, "every task to succeed", || async {
         for id in ids {
             let (rec, _) = env.ax.task(id).await.ok()??;
-            if rec.state != ax::TaskState::Succeeded {
+            if rec.state != ax_sdk::TaskState::Succeeded {
                 return None;
             }
         }
@@ -429,14 +429,14 @@ async fn a_stalled_holder_stops_its_attempt_when_its_slot_is_lost() {
     // Worker a stalls (a GC pause, a frozen VM) past the ack wait (1 s here): its slots
     // expire and worker b takes the tasks over.
     a.signal("-STOP");
-    let stopped_at = ax::time::now_ms();
+    let stopped_at = ax_sdk::time::now_ms();
     let _b = spawn_worker(&env.nats.url(), &jb, 4, &[]);
     crate::support::eventually(Duration::from_secs(15), "b to run both tasks", || async {
         (journaled(&jb).len() >= 2).then_some(())
     })
     .await;
     a.signal("-CONT");
-    let resumed_at = ax::time::now_ms();
+    let resumed_at = ax_sdk::time::now_ms();
     // Back, a finds its slots lost and stops both attempts at once: it never finishes them.
     crate::support::eventually(Duration::from_secs(5), "a to stop its attempts", || async {
         journaled(&ja).iter().all(|r| r.2.is_some()).then_some(())
@@ -594,8 +594,8 @@ async fn the_api_refuses_rates_and_bursts_the_arithmetic_cannot_hold_and_says_wh
         def["name"] = json!("x");
         def["queue"] = json!("q");
         match env.ax.limits("put", &def).await {
-            Err(ax::ClientError::Refused(e)) => {
-                assert_eq!(e.code, ax::protocol::ErrorCode::InvalidField, "{def}");
+            Err(ax_sdk::ClientError::Refused(e)) => {
+                assert_eq!(e.code, ax_sdk::protocol::ErrorCode::InvalidField, "{def}");
                 assert_eq!(e.field.as_deref(), Some(field), "{def}: {e:?}");
                 if field == "rate" {
                     assert!(

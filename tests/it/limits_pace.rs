@@ -131,9 +131,9 @@ async fn a_rated_delivery_claimed_before_a_pause_waits_it_out() {
     let ids = submit_keyed(&env, 30, "t", "x", 0).await;
     tokio::time::sleep(Duration::from_millis(1500)).await;
     env.ax.pause_queue("q", None).await.unwrap();
-    let paused = ax::time::now_ms();
+    let paused = ax_sdk::time::now_ms();
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let resumed = ax::time::now_ms();
+    let resumed = ax_sdk::time::now_ms();
     env.ax.resume_queue("q").await.unwrap();
     all_done(&env, &ids, Duration::from_secs(60)).await;
     let r = runs(&w.journals);
@@ -205,7 +205,7 @@ impl Downstream {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_adaptive_rate_settles_at_what_the_downstream_takes_and_climbs_back() {
-    use ax::worker::{Task, TaskError, Worker};
+    use ax_sdk::worker::{Task, TaskError, Worker};
     use std::sync::{Arc, Mutex};
     let env = Env::start(Env::server()).await;
     set(
@@ -248,7 +248,7 @@ async fn an_adaptive_rate_settles_at_what_the_downstream_takes_and_climbs_back()
         let submits = futures::stream::iter(0..4000).map(|_| {
             let ax = ax.clone();
             async move {
-                ax.submit("q", ax::TaskSpec::new("call").max_attempts(20))
+                ax.submit("q", ax_sdk::TaskSpec::new("call").max_attempts(20))
                     .await
             }
         });

@@ -17,10 +17,6 @@ mod limits;
 mod limits_pace;
 mod monitoring;
 mod names;
-/// The local nats-server harness (shared with the benches and `ax demo`; not library API).
-#[allow(dead_code)]
-#[path = "../../src/natsd.rs"]
-mod natsd;
 mod ops;
 mod outputs;
 mod partitions;

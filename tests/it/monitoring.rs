@@ -6,8 +6,8 @@
 use crate::browser::http;
 use crate::procs::{free_port, AxProc};
 use crate::support::{eventually, Env};
-use ax::flow::{FlowDef, StepDef};
-use ax::TaskSpec;
+use ax_sdk::flow::{FlowDef, StepDef};
+use ax_sdk::TaskSpec;
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::time::Duration;

@@ -3,13 +3,13 @@
 //! failed; a name's own concurrency limit holds.
 
 use crate::support::Env;
-use ax::worker::{Task, TaskError, TaskOptions, Worker};
-use ax::{TaskSpec, TaskState};
+use ax_sdk::worker::{Task, TaskError, TaskOptions, Worker};
+use ax_sdk::{TaskSpec, TaskState};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-async fn finished(env: &Env, id: &str) -> ax::TaskRecord {
+async fn finished(env: &Env, id: &str) -> ax_sdk::TaskRecord {
     tokio::time::timeout(Duration::from_secs(20), env.ax.wait(id))
         .await
         .unwrap_or_else(|_| panic!("task {id} did not finish"))

@@ -3,9 +3,9 @@
 //! task id by the handlers themselves.
 
 use crate::support::{eventually, within, Env};
-use ax::ops::{ListRequest, TaskQuery};
-use ax::worker::{Task, TaskError, Worker};
-use ax::{ErrorKind, TaskSpec, TaskState};
+use ax_sdk::ops::{ListRequest, TaskQuery};
+use ax_sdk::worker::{Task, TaskError, Worker};
+use ax_sdk::{ErrorKind, TaskSpec, TaskState};
 use futures::StreamExt;
 use serde_json::{json, Value};
 use std::collections::HashMap;
@@ -323,7 +323,7 @@ async fn run_now_starts_scheduled_and_retrying_tasks_at_once() {
         let rec = env
             .wait_state(&flaky, TaskState::Retrying, Duration::from_secs(10))
             .await;
-        assert!(rec.next_retry_at_ms.unwrap() > ax::time::now_ms() + 3_000_000);
+        assert!(rec.next_retry_at_ms.unwrap() > ax_sdk::time::now_ms() + 3_000_000);
         env.ax.run_now(&flaky).await.unwrap();
         let done = env
             .wait_state(&flaky, TaskState::Succeeded, Duration::from_secs(10))
@@ -449,7 +449,7 @@ async fn webhook() -> (String, Arc<Mutex<Vec<Value>>>) {
 async fn alerts_fire_once_per_failure_burst_across_servers() {
     within(Duration::from_secs(60), "alerts", async {
         let (url, hooked) = webhook().await;
-        let alerts = ax::ops::AlertConfig {
+        let alerts = ax_server::ops::AlertConfig {
             window: Duration::from_secs(3),
             webhook: Some(url),
             console_url: Some("http://console.test".into()),
@@ -720,7 +720,7 @@ async fn every_attempt_logs_in_a_span_with_the_task_and_its_trace() {
                 if task.attempt == 1 {
                     return Err(TaskError::new("io", "reset"));
                 }
-                ax::Output::json(&json!({"ok": true}))
+                ax_sdk::Output::json(&json!({"ok": true}))
             })
             .build()
             .unwrap();
@@ -808,9 +808,9 @@ async fn a_retry_delivered_before_its_record_moves_waits_for_it_and_runs() {
         fixed.store(true, Ordering::SeqCst);
         // The retry's message reaches the idle worker long before its record says
         // `pending`: the worker must wait for that write, not dead-letter the task again.
-        ax::hooks::set_retry_gap_ms(800);
+        ax_sdk::hooks::set_retry_gap_ms(800);
         let retried = env.ax.retry_task(&id, false).await;
-        ax::hooks::set_retry_gap_ms(0);
+        ax_sdk::hooks::set_retry_gap_ms(0);
         assert_eq!(retried.unwrap().state, TaskState::Pending);
         let rec = env
             .wait_state(&id, TaskState::Succeeded, Duration::from_secs(10))
@@ -968,7 +968,7 @@ async fn a_console_open_to_other_hosts_without_a_token_is_refused_at_once() {
 }
 
 /// Finds tasks matching `query` once the index shows exactly `n` of them.
-async fn find_n(env: &Env, query: TaskQuery, n: usize) -> ax::ops::ListReply {
+async fn find_n(env: &Env, query: TaskQuery, n: usize) -> ax_sdk::ops::ListReply {
     let what = format!("{n} tasks matching {query:?}");
     let req = ListRequest {
         query,
@@ -995,7 +995,7 @@ async fn records_with_json_escapes_are_found_in_their_final_state() {
         let record = |state: &str, name: &str, trigger: &str| {
             format!(
                 r#"{{"id":"{id}","queue":"q","name":"{name}","priority":"normal","state":"{state}","attempt":1,"max_attempts":3,"created_at_ms":1,"updated_at_ms":{},"trigger":"{trigger}"}}"#,
-                ax::time::now_ms()
+                ax_sdk::time::now_ms()
             )
         };
         kv.put(id, record("running", "charge", "nightly").into())
@@ -1105,7 +1105,7 @@ async fn what_an_operator_sees_and_purges() {
         let none = env.ax.task_op("purge", &json!({"older_than_ms": 3_600_000, "dry_run": true})).await.unwrap();
         assert_eq!(none["would_purge"], 0);
         let refused = env.ax.task_op("purge", &json!({"state": "scheduled", "older_than_ms": 0})).await;
-        assert!(matches!(&refused, Err(ax::ClientError::Refused(e)) if e.field.as_deref() == Some("state")), "{refused:?}");
+        assert!(matches!(&refused, Err(ax_sdk::ClientError::Refused(e)) if e.field.as_deref() == Some("state")), "{refused:?}");
         let done = env
             .ax
             .task_op("purge", &json!({"queue": "q", "state": "succeeded", "older_than_ms": 0, "by": "test"}))
@@ -1130,8 +1130,8 @@ async fn finished_tasks_are_purged_with_their_outputs_unless_a_key_still_names_t
             .handler(|task: Task| async move {
                 match task.name.as_str() {
                     // Larger than an inline output: kept in AX_RESULTS.
-                    "big" => Ok(ax::Output::bytes(vec![7u8; 4096])),
-                    _ => Ok(ax::Output::none()),
+                    "big" => Ok(ax_sdk::Output::bytes(vec![7u8; 4096])),
+                    _ => Ok(ax_sdk::Output::none()),
                 }
             })
             .build()
@@ -1175,7 +1175,7 @@ async fn finished_tasks_are_purged_with_their_outputs_unless_a_key_still_names_t
                 .await
                 .unwrap_err();
             assert!(
-                matches!(&refused, ax::ClientError::Refused(e) if e.field.as_deref() == Some("state")),
+                matches!(&refused, ax_sdk::ClientError::Refused(e) if e.field.as_deref() == Some("state")),
                 "{refused:?}"
             );
         }

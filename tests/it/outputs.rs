@@ -3,9 +3,9 @@
 //! `Client::wait` / `ax task get --wait --result` hand it back.
 
 use crate::support::Env;
-use ax::output::{INLINE_OUTPUT_BYTES, MAX_OUTPUT_BYTES};
-use ax::worker::{Task, TaskError, Worker};
-use ax::{Output, TaskSpec, TaskState};
+use ax_sdk::output::{INLINE_OUTPUT_BYTES, MAX_OUTPUT_BYTES};
+use ax_sdk::worker::{Task, TaskError, Worker};
+use ax_sdk::{Output, TaskSpec, TaskState};
 use std::time::Duration;
 
 /// A worker whose handler answers by task name: `double` doubles its JSON number,
@@ -33,7 +33,7 @@ fn answering_worker() -> Worker {
         .unwrap()
 }
 
-async fn wait(env: &Env, id: &str) -> ax::client::Finished {
+async fn wait(env: &Env, id: &str) -> ax_sdk::client::Finished {
     tokio::time::timeout(Duration::from_secs(15), env.ax.wait(id))
         .await
         .expect("the task finishes")

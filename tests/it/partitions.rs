@@ -2,12 +2,12 @@
 //! delayed-task partitions; a killed owner's partitions are taken over, and nothing is
 //! lost or dispatched twice.
 
-use crate::natsd::LocalNats;
 use crate::procs::{free_port, scrape, wait_ready, AxProc};
 use crate::support::eventually;
-use ax::names::DELAYED_PARTITIONS;
-use ax::worker::{Task, Worker};
-use ax::{Client, TaskSpec};
+use ax_sdk::names::DELAYED_PARTITIONS;
+use ax_sdk::worker::{Task, Worker};
+use ax_sdk::{Client, TaskSpec};
+use ax_testkit::LocalNats;
 use futures::StreamExt;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

@@ -1,9 +1,9 @@
 //! Retries with backoff, dead letters, hard timeouts.
 
 use crate::support::Env;
-use ax::task::header;
-use ax::worker::{Task, TaskError, Worker};
-use ax::{TaskSpec, TaskState};
+use ax_sdk::task::header;
+use ax_sdk::worker::{Task, TaskError, Worker};
+use ax_sdk::{TaskSpec, TaskState};
 use futures::StreamExt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};

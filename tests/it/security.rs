@@ -1,10 +1,10 @@
 //! A least-privilege nats-server (deploy/nats-auth.conf): each role can do its job and no
 //! more.
 
-use crate::natsd::LocalNats;
 use crate::support::eventually;
-use ax::worker::{Task, Worker};
-use ax::{Client, TaskSpec, TaskState};
+use ax_sdk::worker::{Task, Worker};
+use ax_sdk::{Client, TaskSpec, TaskState};
+use ax_testkit::LocalNats;
 use futures::StreamExt;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
@@ -58,11 +58,11 @@ async fn admin_applies_and_server_runs(
 ) -> (
     async_nats::Client,
     CancellationToken,
-    tokio::task::JoinHandle<Result<(), ax::ServerError>>,
+    tokio::task::JoinHandle<Result<(), ax_server::ServerError>>,
 ) {
     let admin = connect(url, "admin", "pw-admin").await.unwrap();
     let queues: Vec<String> = queues.iter().map(|q| q.to_string()).collect();
-    ax::streams::apply(
+    ax_server::streams::apply(
         &async_nats::jetstream::new(admin.clone()),
         &Default::default(),
         &queues,
@@ -72,7 +72,7 @@ async fn admin_applies_and_server_runs(
     let server_conn = connect(url, "ax-server", "pw-server").await.unwrap();
     let stop = CancellationToken::new();
     let server = tokio::spawn(
-        ax::Server::builder()
+        ax_server::Server::builder()
             .task_index(true)
             .queues(["default"])
             .apply_streams(false)
@@ -121,7 +121,7 @@ async fn each_role_has_least_privilege() {
             if t.payload.as_ref() == b"\"block\"" {
                 tokio::time::sleep(Duration::from_secs(60)).await;
             }
-            Ok(ax::Output::bytes(vec![7u8; 2048]))
+            Ok(ax_sdk::Output::bytes(vec![7u8; 2048]))
         })
         .build()
         .unwrap();
@@ -251,7 +251,7 @@ async fn each_role_has_least_privilege() {
 
     // Flows: the admin defines them, a producer may start runs, and the server drives
     // them under its own permissions (its flow engine, the worker-default worker).
-    let flow = ax::flow::FlowDef::new("secure").step(ax::flow::StepDef::new(
+    let flow = ax_sdk::flow::FlowDef::new("secure").step(ax_sdk::flow::StepDef::new(
         "only",
         "default",
         TaskSpec::new("t"),
@@ -268,7 +268,7 @@ async fn each_role_has_least_privilege() {
         .unwrap();
     assert_eq!(
         ended.state,
-        ax::flow::RunState::Succeeded,
+        ax_sdk::flow::RunState::Succeeded,
         "{:?}",
         ended.reason
     );
@@ -277,7 +277,7 @@ async fn each_role_has_least_privilege() {
         .wait_for_server(Duration::ZERO)
         .cancel_flow(&run)
         .await
-        .is_err_and(|e| e.kind() != ax::ErrorKind::NotFound));
+        .is_err_and(|e| e.kind() != ax_sdk::ErrorKind::NotFound));
 
     // Limits: the admin sets them; the worker follows them and takes tokens and slots
     // under its own queue's keys.
@@ -321,8 +321,8 @@ async fn each_role_has_least_privilege() {
         Duration::from_secs(10),
         "the index to find the tasks",
         || async {
-            let q = ax::ops::ListRequest {
-                query: ax::ops::TaskQuery {
+            let q = ax_sdk::ops::ListRequest {
+                query: ax_sdk::ops::TaskQuery {
                     state: Some(TaskState::Succeeded),
                     queue: Some("default".into()),
                     ..Default::default()
@@ -545,7 +545,7 @@ async fn transient_failures_get_retryable_codes_and_stored_tasks_are_accepted() 
     let url = nats.url();
     let admin = connect(&url, "admin", "pw-admin").await.unwrap();
     let queues = vec!["default".to_string(), "reports".to_string()];
-    ax::streams::apply(
+    ax_server::streams::apply(
         &async_nats::jetstream::new(admin.clone()),
         &Default::default(),
         &queues,
@@ -554,7 +554,7 @@ async fn transient_failures_get_retryable_codes_and_stored_tasks_are_accepted() 
     .unwrap();
     let stop = CancellationToken::new();
     let server = tokio::spawn(
-        ax::Server::builder()
+        ax_server::Server::builder()
             .queues(["default"])
             .apply_streams(false)
             .build()
@@ -577,7 +577,7 @@ async fn transient_failures_get_retryable_codes_and_stored_tasks_are_accepted() 
         || async {
             match producer.submit("default", TaskSpec::new("t")).await {
                 Ok(a) => Some(Ok(a)),
-                Err(ax::ClientError::Refused(e)) => Some(Err(e)),
+                Err(ax_sdk::ClientError::Refused(e)) => Some(Err(e)),
                 Err(_) => None,
             }
         },
@@ -605,8 +605,8 @@ async fn transient_failures_get_retryable_codes_and_stored_tasks_are_accepted() 
     )
     .await;
     match producer.submit("reports", TaskSpec::new("t")).await {
-        Err(ax::ClientError::Refused(e)) => {
-            assert_eq!(e.code, ax::protocol::ErrorCode::Unavailable, "{e}")
+        Err(ax_sdk::ClientError::Refused(e)) => {
+            assert_eq!(e.code, ax_sdk::protocol::ErrorCode::Unavailable, "{e}")
         }
         other => panic!("expected unavailable, got {other:?}"),
     }

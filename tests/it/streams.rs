@@ -1,7 +1,7 @@
 //! `ax streams apply`: idempotent, updates what it may, refuses what it may not.
 
-use crate::natsd::LocalNats;
-use ax::streams::{apply, Outcome, StreamsError, Topology};
+use ax_server::streams::{apply, Outcome, StreamsError, Topology};
+use ax_testkit::LocalNats;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn apply_is_idempotent_and_refuses_incompatible_changes() {
@@ -11,7 +11,7 @@ async fn apply_is_idempotent_and_refuses_incompatible_changes() {
     let queues = vec!["a".to_string(), "b".to_string()];
     let first = apply(&js, &Topology::default(), &queues).await.unwrap();
     // Every stream but the optional AX_TASK_EVENTS, and 2 queues × 3 consumers.
-    assert_eq!(first.len(), ax::streams::STREAM_FILES.len() - 1 + 6);
+    assert_eq!(first.len(), ax_server::streams::STREAM_FILES.len() - 1 + 6);
     assert!(
         first.iter().all(|a| a.outcome == Outcome::Created),
         "{first:?}"
@@ -76,14 +76,15 @@ async fn apply_is_idempotent_and_refuses_incompatible_changes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_server_keeps_operator_settings() {
     let mut env = crate::support::Env::start(
-        ax::Server::builder()
+        ax_server::Server::builder()
             .queues(["q"])
             .ack_wait(std::time::Duration::from_secs(300))
             .capacity([7, 5000, 10000]),
     )
     .await;
     env.stop_server().await;
-    env.start_server(ax::Server::builder().queues(["q"])).await;
+    env.start_server(ax_server::Server::builder().queues(["q"]))
+        .await;
     let stream = env.js.get_stream("AX_READY_NORMAL").await.unwrap();
     let consumer = stream.consumer_info("ax_q_normal").await.unwrap();
     assert_eq!(
@@ -97,7 +98,7 @@ async fn a_restarted_server_keeps_operator_settings() {
     );
     // A queue the server has not seen yet is still created.
     env.stop_server().await;
-    env.start_server(ax::Server::builder().queues(["q", "fresh"]))
+    env.start_server(ax_server::Server::builder().queues(["q", "fresh"]))
         .await;
     assert!(stream.consumer_info("ax_fresh_normal").await.is_ok());
 }

@@ -6,8 +6,8 @@
 use crate::flows::{finish, flow_worker, slow_chain, Calls};
 use crate::support::{eventually, Env};
 use crate::triggers::{fired, interval};
-use ax::flow::RunState;
-use ax::worker::{Task, Worker};
+use ax_sdk::flow::RunState;
+use ax_sdk::worker::{Task, Worker};
 use serde_json::json;
 use std::time::Duration;
 
@@ -42,7 +42,7 @@ async fn a_trigger_engine_that_panics_comes_back_and_keeps_firing() {
     def["overlap"] = json!("allow");
     env.ax.trigger("put", &def).await.unwrap();
     let before = fires_beyond(&env, "beat", 0, 2, "two fires").await;
-    ax::hooks::panic_service("sup-trig", "trigger-engine");
+    ax_sdk::hooks::panic_service("sup-trig", "trigger-engine");
     // The engine panics within 50 ms, is started again within a backoff of 100 ms, takes
     // its lease back (same holder) and fires on.
     fires_beyond(
@@ -61,7 +61,7 @@ async fn a_trigger_engine_that_panics_comes_back_and_keeps_firing() {
 async fn a_trigger_engine_that_fails_at_start_is_started_again_and_fires() {
     // Its first three starts fail at once (as when its buckets cannot be opened: it used
     // to stay stopped, cron silent until the process exited).
-    ax::hooks::fail_service_starts("sup-start", "trigger-engine", 3);
+    ax_sdk::hooks::fail_service_starts("sup-start", "trigger-engine", 3);
     let env = Env::start(Env::server().id("sup-start")).await;
     let (stop, handle) = quick_worker(&env);
     let mut def = interval("late", 1000);
@@ -76,7 +76,7 @@ async fn a_trigger_engine_that_fails_at_start_is_started_again_and_fires() {
 async fn a_fire_job_that_panics_does_not_stop_its_trigger() {
     let env = Env::start(Env::server().id("sup-fire")).await;
     let (stop, handle) = quick_worker(&env);
-    ax::hooks::panic_next_fire("jolt");
+    ax_sdk::hooks::panic_next_fire("jolt");
     let mut def = interval("jolt", 1000);
     def["overlap"] = json!("allow");
     env.ax.trigger("put", &def).await.unwrap();
@@ -106,7 +106,7 @@ async fn a_flow_engine_that_panics_comes_back_and_its_run_finishes() {
         (view["steps"][0]["state"] == "running").then_some(())
     })
     .await;
-    ax::hooks::panic_service("sup-flow", "flow-engine");
+    ax_sdk::hooks::panic_service("sup-flow", "flow-engine");
     let ended = finish(&env.ax, &run).await;
     assert_eq!(ended.state, RunState::Succeeded, "{:?}", ended.reason);
     let once = calls.lock().unwrap().values().all(|&n| n == 1);
@@ -127,14 +127,24 @@ async fn a_task_index_that_panics_comes_back_and_lists_new_tasks() {
             all.tasks.iter().any(|r| r.id == id).then_some(())
         }
     };
-    let first = env.ax.submit("q", ax::TaskSpec::new("t")).await.unwrap().id;
+    let first = env
+        .ax
+        .submit("q", ax_sdk::TaskSpec::new("t"))
+        .await
+        .unwrap()
+        .id;
     eventually(Duration::from_secs(10), "the first task listed", || {
         listed(first.clone())
     })
     .await;
-    ax::hooks::panic_service("sup-index", "task-index");
+    ax_sdk::hooks::panic_service("sup-index", "task-index");
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let second = env.ax.submit("q", ax::TaskSpec::new("t")).await.unwrap().id;
+    let second = env
+        .ax
+        .submit("q", ax_sdk::TaskSpec::new("t"))
+        .await
+        .unwrap()
+        .id;
     eventually(
         Duration::from_secs(15),
         "a task submitted after the panic listed",

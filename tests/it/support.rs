@@ -1,9 +1,10 @@
 //! Test environment: a real nats-server, an ax server, helpers to run workers and wait.
 
-use crate::natsd::LocalNats;
-use ax::state::TaskStore;
-use ax::worker::{Task, Worker};
-use ax::{Client, ServerBuilder, TaskRecord, TaskState};
+use ax_sdk::state::TaskStore;
+use ax_sdk::worker::{Task, Worker};
+use ax_sdk::{Client, TaskRecord, TaskState};
+use ax_server::ServerBuilder;
+use ax_testkit::LocalNats;
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
@@ -17,7 +18,7 @@ pub struct Env {
     pub js: async_nats::jetstream::Context,
     pub ax: Client,
     pub shutdown: CancellationToken,
-    server: Option<JoinHandle<Result<(), ax::ServerError>>>,
+    server: Option<JoinHandle<Result<(), ax_server::ServerError>>>,
 }
 
 /// RUST_LOG=ax=debug shows the library's logs for a failing test.
@@ -86,7 +87,7 @@ impl Env {
 
     /// The builder most tests use: queue `q`, ack wait 1 s.
     pub fn server() -> ServerBuilder {
-        ax::Server::builder()
+        ax_server::Server::builder()
             .queues(["q"])
             .ack_wait(Duration::from_secs(1))
     }

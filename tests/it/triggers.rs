@@ -1,10 +1,10 @@
 //! Triggers end to end against a real nats-server.
 
 use crate::support::{eventually, Env};
-use ax::protocol::ErrorCode;
-use ax::state::ListFilter;
-use ax::worker::{Task, Worker};
-use ax::{ClientError, TaskRecord, TaskState};
+use ax_sdk::protocol::ErrorCode;
+use ax_sdk::state::ListFilter;
+use ax_sdk::worker::{Task, Worker};
+use ax_sdk::{ClientError, TaskRecord, TaskState};
 use serde_json::{json, Value};
 use std::sync::Arc;
 use std::time::Duration;
@@ -48,7 +48,7 @@ fn quick_worker(
     env.spawn_worker(worker)
 }
 
-fn refused(r: Result<Value, ClientError>) -> ax::protocol::WireError {
+fn refused(r: Result<Value, ClientError>) -> ax_sdk::protocol::WireError {
     match r {
         Err(ClientError::Refused(e)) => e,
         other => panic!("expected a refusal, got {other:?}"),
@@ -119,7 +119,7 @@ async fn cron_with_seconds_and_once_fire() {
     })
     .await;
     assert!(recs.iter().all(|r| r.scheduled_at_ms.unwrap() % 1000 == 0));
-    assert_eq!(recs[0].priority, ax::Priority::High);
+    assert_eq!(recs[0].priority, ax_sdk::Priority::High);
     eventually(
         Duration::from_secs(10),
         "the once trigger to fire",
@@ -185,7 +185,7 @@ async fn invalid_definitions_are_refused_and_store_nothing() {
     let missing = env.ax.trigger("run", &json!({"name": "ghost"})).await;
     assert_eq!(
         missing.as_ref().unwrap_err().kind(),
-        ax::ErrorKind::NotFound
+        ax_sdk::ErrorKind::NotFound
     );
     let e = refused(missing);
     assert_eq!(e.code, ErrorCode::NotFound);
@@ -311,7 +311,7 @@ async fn misfire_after_an_outage_fires_once() {
         .scheduled_at_ms
         .unwrap();
     tokio::time::sleep(Duration::from_millis(4200)).await;
-    let up_at = ax::time::now_ms();
+    let up_at = ax_sdk::time::now_ms();
     env.start_server(Env::server()).await;
     tokio::time::sleep(Duration::from_millis(600)).await;
     let recs = fired(&env, "nightly").await;
@@ -364,7 +364,7 @@ async fn pause_resume_and_apply_with_hot_reload() {
         .await
         .unwrap();
     let paused_at = fired(&env, "a").await.len();
-    let paused_ms = ax::time::now_ms();
+    let paused_ms = ax_sdk::time::now_ms();
     tokio::time::sleep(Duration::from_millis(2200)).await;
     assert!(
         fired(&env, "a").await.len() <= paused_at + 1,
@@ -375,7 +375,7 @@ async fn pause_resume_and_apply_with_hot_reload() {
         .trigger("resume", &json!({"name": "a"}))
         .await
         .unwrap();
-    let resumed_ms = ax::time::now_ms();
+    let resumed_ms = ax_sdk::time::now_ms();
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let during: Vec<u64> = fired(&env, "a")
         .await
@@ -424,7 +424,7 @@ async fn pause_resume_and_apply_with_hot_reload() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wall_clock_steps_neither_refire_nor_flood() {
-    let clock = Arc::new(ax::trigger::clock::SystemClock::default());
+    let clock = Arc::new(ax_server::trigger::clock::SystemClock::default());
     let env = Env::start(Env::server().clock(clock.clone())).await;
     let (stop, handle) = quick_worker(&env, Duration::ZERO);
     env.ax
@@ -679,7 +679,7 @@ async fn concurrent_manual_runs_fire_once_each() {
 async fn once_at_an_offset_time_fires_at_that_instant() {
     let env = Env::start(Env::server()).await;
     let (stop, handle) = quick_worker(&env, Duration::ZERO);
-    let at_ms = (ax::time::now_ms() / 1000 + 3) * 1000;
+    let at_ms = (ax_sdk::time::now_ms() / 1000 + 3) * 1000;
     let at = crate::submit::chrono_like(at_ms, 120, "");
     env.ax
         .trigger(
@@ -734,7 +734,7 @@ async fn every_overlap_policy_keeps_firing_on_a_busy_machine() {
     for def in &defs {
         env.ax.trigger("put", def).await.unwrap();
     }
-    let started = ax::time::now_ms();
+    let started = ax_sdk::time::now_ms();
     let need = 60;
     let result = tokio::time::timeout(Duration::from_secs(150), async {
         loop {
@@ -765,12 +765,12 @@ async fn every_overlap_policy_keeps_firing_on_a_busy_machine() {
         report.push(format!(
             "{name}: {} fires, last {} ms ago",
             recs.len(),
-            ax::time::now_ms().saturating_sub(last)
+            ax_sdk::time::now_ms().saturating_sub(last)
         ));
     }
     println!(
         "busy machine, {} s: {report:?}",
-        (ax::time::now_ms() - started) / 1000
+        (ax_sdk::time::now_ms() - started) / 1000
     );
     assert!(result.is_ok(), "a trigger stalled: {report:?}");
     stop.cancel();
@@ -793,7 +793,7 @@ async fn a_standby_with_a_clock_ahead_leaves_a_live_leader_alone() {
         (holder().await.as_deref() == Some("A")).then_some(())
     })
     .await;
-    let ahead = Arc::new(ax::trigger::clock::SystemClock::default());
+    let ahead = Arc::new(ax_server::trigger::clock::SystemClock::default());
     ahead.step(3_600_000);
     let stop_b = tokio_util::sync::CancellationToken::new();
     let b = tokio::spawn(
@@ -871,9 +871,9 @@ async fn more_triggers_due_at_once_than_fire_slots_all_keep_firing() {
         .await
         .unwrap();
     // Every trigger exists from here on: each must fire every second of the window.
-    let from = ax::time::now_ms() + 1000;
+    let from = ax_sdk::time::now_ms() + 1000;
     tokio::time::sleep(Duration::from_secs(6)).await;
-    let until = ax::time::now_ms() - 1000;
+    let until = ax_sdk::time::now_ms() - 1000;
     env.ax
         .trigger("apply", &json!({"triggers": []}))
         .await
@@ -917,7 +917,7 @@ async fn more_triggers_due_at_once_than_fire_slots_all_keep_firing() {
 #[cfg(feature = "test-hooks")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_leader_whose_state_writes_fail_fires_nothing_unrecorded() {
-    use ax::hooks::{fail_trigger_state_writes, StateWriteFault};
+    use ax_sdk::hooks::{fail_trigger_state_writes, StateWriteFault};
     let env = Env::start(Env::server()).await;
     let (stop, handle) = quick_worker(&env, Duration::from_millis(50));
     // (trigger, overlap, fault, paused while its writes fail)
@@ -948,7 +948,7 @@ async fn a_leader_whose_state_writes_fail_fires_nothing_unrecorded() {
         Some(())
     })
     .await;
-    let from = ax::time::now_ms();
+    let from = ax_sdk::time::now_ms();
     for (name, _, fault, _) in cases {
         fail_trigger_state_writes(name, Some(fault));
     }
@@ -965,7 +965,7 @@ async fn a_leader_whose_state_writes_fail_fires_nothing_unrecorded() {
     for (name, ..) in cases {
         fail_trigger_state_writes(name, None);
     }
-    let until = ax::time::now_ms();
+    let until = ax_sdk::time::now_ms();
     // Healed: the triggers fire (and record) again, then are paused.
     tokio::time::sleep(Duration::from_secs(4)).await;
     for (name, .., paused) in cases {

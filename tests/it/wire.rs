@@ -6,8 +6,8 @@
 //! stores nothing in any stream or bucket. `AX_WIRE_CASES` (default 400) and `AX_WIRE_SEED`
 //! (default a fixed seed; `random` to explore) set the run.
 
-use crate::natsd::LocalNats;
 use crate::procs::{free_port, scrape, wait_ready, AxProc};
+use ax_testkit::LocalNats;
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
 use proptest::test_runner::{Config, TestRunner};

@@ -1,9 +1,9 @@
 //! Worker SDK: priority pick policy, heartbeats, redelivery, graceful shutdown.
 
 use crate::support::Env;
-use ax::names::{consumer_name, Priority};
-use ax::worker::{Task, Worker};
-use ax::{TaskSpec, TaskState};
+use ax_sdk::names::{consumer_name, Priority};
+use ax_sdk::worker::{Task, Worker};
+use ax_sdk::{TaskSpec, TaskState};
 use futures::StreamExt;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -148,8 +148,8 @@ async fn lost_heartbeat_redelivers_and_counts_the_attempt() {
     let mut late = running.transition(TaskState::Succeeded);
     late.worker = Some("doomed".into());
     let lost = store.cas(&late, dead_token).await.unwrap_err();
-    assert!(matches!(lost, ax::state::StateError::Stale { .. }));
-    assert_eq!(lost.kind(), ax::ErrorKind::Conflict);
+    assert!(matches!(lost, ax_sdk::state::StateError::Stale { .. }));
+    assert_eq!(lost.kind(), ax_sdk::ErrorKind::Conflict);
     stop.cancel();
     handle.await.unwrap();
 }

@@ -1,0 +1,73 @@
+//! Building a [`FlowDef`] in Rust (the same thing as the YAML / JSON form).
+//!
+//! ```
+//! use ax_sdk::flow::{FlowDef, StepDef, TriggerRule};
+//! use ax_sdk::TaskSpec;
+//! let def = FlowDef::new("thumbnails")
+//!     .step(StepDef::new("list", "media", TaskSpec::new("list_images")))
+//!     .step(StepDef::new("resize", "media", TaskSpec::new("resize")).needs(["list"]).for_each("list"))
+//!     .step(StepDef::new("report", "media", TaskSpec::new("report")).needs(["resize"]))
+//!     .step(StepDef::new("cleanup", "media", TaskSpec::new("cleanup"))
+//!         .needs(["resize"]).trigger(TriggerRule::OneFailed));
+//! assert!(def.validate(&Default::default()).is_ok());
+//! ```
+
+use super::def::{FailurePolicy, FlowDef, StepDef, TriggerRule};
+use crate::client::TaskSpec;
+
+impl FlowDef {
+    /// A flow with no steps yet and the default failure policy (`fail_fast`).
+    pub fn new(name: impl Into<String>) -> FlowDef {
+        FlowDef {
+            name: name.into(),
+            failure: FailurePolicy::default(),
+            steps: Vec::new(),
+        }
+    }
+
+    /// Sets the failure policy.
+    pub fn failure(mut self, policy: FailurePolicy) -> FlowDef {
+        self.failure = policy;
+        self
+    }
+
+    /// Adds a step.
+    pub fn step(mut self, step: StepDef) -> FlowDef {
+        self.steps.push(step);
+        self
+    }
+}
+
+impl StepDef {
+    /// A step that submits `task` to `queue`, with no parents and rule `all_success`.
+    /// The task's payload, if any, reaches it as `args`.
+    pub fn new(name: impl Into<String>, queue: impl Into<String>, task: TaskSpec) -> StepDef {
+        let mut task = task.into_request();
+        task.queue = Some(queue.into());
+        StepDef {
+            name: name.into(),
+            needs: Vec::new(),
+            for_each: None,
+            trigger: TriggerRule::default(),
+            task,
+        }
+    }
+
+    /// The steps this one waits for.
+    pub fn needs<I: IntoIterator<Item = S>, S: Into<String>>(mut self, parents: I) -> StepDef {
+        self.needs = parents.into_iter().map(Into::into).collect();
+        self
+    }
+
+    /// Fan out over `parent`'s output (a JSON array): one task per item.
+    pub fn for_each(mut self, parent: impl Into<String>) -> StepDef {
+        self.for_each = Some(parent.into());
+        self
+    }
+
+    /// When the step runs.
+    pub fn trigger(mut self, rule: TriggerRule) -> StepDef {
+        self.trigger = rule;
+        self
+    }
+}

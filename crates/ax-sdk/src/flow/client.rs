@@ -1,0 +1,109 @@
+//! The flow calls of [`Client`]: define, start, watch, cancel and re-run flows.
+
+use super::def::FlowDef;
+use super::model::{FlowRun, RunState, StepRun};
+use super::rerun::RerunMode;
+use super::store::FlowStore;
+use crate::client::{Client, ClientError};
+use crate::names::FLOW_API_PREFIX;
+use async_nats::jetstream::kv;
+use futures::StreamExt;
+use serde_json::{json, Value};
+use std::time::Duration;
+
+impl Client {
+    /// Calls the flow API: `op` is `put`, `def`, `defs`, `delete`, `run`, `get`, `list`,
+    /// `cancel` or `rerun` (docs/PROTOCOL.md §6); returns the `ok` value.
+    pub async fn flow(&self, op: &str, body: &Value) -> Result<Value, ClientError> {
+        self.management(FLOW_API_PREFIX, op, body).await
+    }
+
+    /// Stores a flow definition (checked by the server first; refused with
+    /// `invalid_field` naming the field, or the steps of a cycle).
+    pub async fn put_flow(&self, def: &FlowDef) -> Result<(), ClientError> {
+        self.flow("put", &serde_json::to_value(def).expect("serializes"))
+            .await
+            .map(|_| ())
+    }
+
+    /// Starts a run of flow `name` with `input`; returns the run id.
+    pub async fn run_flow(&self, name: &str, input: Value) -> Result<String, ClientError> {
+        let ok = self
+            .flow("run", &json!({"flow": name, "input": input}))
+            .await?;
+        Ok(ok["run"].as_str().unwrap_or_default().to_string())
+    }
+
+    /// Cancels a run: steps not started never start, queued tasks are cancelled, running
+    /// ones finish; the run ends `cancelled`.
+    pub async fn cancel_flow(&self, run: &str) -> Result<(), ClientError> {
+        self.flow("cancel", &json!({ "run": run }))
+            .await
+            .map(|_| ())
+    }
+
+    /// Re-runs an ended run: its failed steps (keeping succeeded steps' outputs), those and
+    /// everything downstream, or the whole run as a new run (`input`: a new input, mode
+    /// `Whole` only). Returns the run id (the same one, or the new run's).
+    pub async fn rerun_flow(
+        &self,
+        run: &str,
+        mode: RerunMode,
+        input: Option<Value>,
+    ) -> Result<String, ClientError> {
+        let mode = match mode {
+            RerunMode::Failed => "failed",
+            RerunMode::FailedAndDownstream => "failed_and_downstream",
+            RerunMode::Whole => "whole",
+        };
+        let mut body = json!({"run": run, "mode": mode});
+        if let Some(input) = input {
+            body["input"] = input;
+        }
+        let ok = self.flow("rerun", &body).await?;
+        Ok(ok["run"].as_str().unwrap_or_default().to_string())
+    }
+
+    async fn flows(&self) -> Result<FlowStore, ClientError> {
+        Ok(FlowStore::open(&async_nats::jetstream::new(self.nats.clone())).await?)
+    }
+
+    /// A run and its steps (in definition order), read from `AX_FLOW_RUNS`.
+    pub async fn flow_run(
+        &self,
+        run: &str,
+    ) -> Result<Option<(FlowRun, Vec<StepRun>)>, ClientError> {
+        let store = self.flows().await?;
+        let Some((found, _)) = store.run(run).await? else {
+            return Ok(None);
+        };
+        let steps = store.steps(&found).await?;
+        let steps = steps
+            .into_iter()
+            .map(|s| s.map(|(s, _)| s).unwrap_or_default())
+            .collect();
+        Ok(Some((found, steps)))
+    }
+
+    /// Waits until run `run` has ended (`succeeded`, `failed` or `cancelled`) and returns
+    /// it. Pushed, not polled: a KV watch on the run's key. No deadline of its own.
+    pub async fn wait_flow(&self, run: &str) -> Result<FlowRun, ClientError> {
+        let store = self.flows().await?;
+        loop {
+            let mut watch = store.watch_run(run).await?;
+            while let Some(entry) = watch.next().await {
+                let Ok(entry) = entry else { break };
+                if entry.operation != kv::Operation::Put {
+                    continue;
+                }
+                let Ok(found) = serde_json::from_slice::<FlowRun>(&entry.value) else {
+                    continue;
+                };
+                if found.state != RunState::Running {
+                    return Ok(found);
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}

@@ -1,0 +1,14 @@
+//! Flows from a [`Client`](crate::Client): DAGs of tasks — their definitions and checks
+//! ([`def`]), builders, the run records in KV ([`model`], [`store`]) and the flow calls.
+//! The engine that drives runs lives in the `ax-server` crate.
+
+mod build;
+mod client;
+pub mod def;
+pub mod model;
+mod rerun;
+pub mod store;
+
+pub use def::{FailurePolicy, FlowDef, Plan, StepDef, TriggerRule};
+pub use model::{FlowRun, RunState, StepRun, StepState};
+pub use rerun::RerunMode;

@@ -1,0 +1,212 @@
+//! Prometheus metrics (S2-11). Names are constants so docs/METRICS in README and the Grafana
+//! dashboard have one place to match; [`describe`] registers their help texts. The process
+//! installs the exporter (the `ax` command serves `/metrics`).
+
+/// Gauge, server: tasks admitted or due but not yet in a ready subject (admission pressure).
+pub const PENDING_DISPATCH: &str = "ax_pending_dispatch";
+/// Gauge, worker `{queue}`: handlers running / concurrency, 0..=1 (executor saturation).
+pub const WORKER_BUSY_RATE: &str = "ax_worker_busy_rate";
+/// Gauge, worker `{queue}`: attempts ended by timeout (hard timeout or lost heartbeat) /
+/// attempts ended, over the last 60 s (live tasks wrongly killed).
+pub const TASK_TIMEOUT_RATE: &str = "ax_task_timeout_rate";
+/// Counter, server `{queue, priority}`: tasks accepted.
+pub const SUBMITTED: &str = "ax_tasks_submitted_total";
+/// Counter, server `{queue, code}`: submit requests refused, by error code.
+pub const SUBMIT_REJECTED: &str = "ax_submit_rejected_total";
+/// Counter, server `{queue}`: submits answered with an existing task (idempotency key).
+pub const SUBMIT_DUPLICATES: &str = "ax_submit_duplicates_total";
+/// Counter, server `{api}`: requests whose handler panicked (a bug), answered
+/// `unavailable`; `api` is `submit`, `trigger` or `event`.
+pub const REQUEST_PANICS: &str = "ax_request_panics_total";
+/// Counter, server `{queue}`: accepted tasks whose record could not be written at
+/// admission (the worker writes it when it claims the task).
+pub const RECORD_DEFERRED: &str = "ax_record_write_deferred_total";
+/// Counter, server: delayed tasks moved to their ready subject.
+pub const DELAYED_DISPATCHED: &str = "ax_delayed_dispatched_total";
+/// Gauge, server: delayed-task partitions this server owns (of `names::DELAYED_PARTITIONS`).
+pub const DELAYED_PARTITIONS_OWNED: &str = "ax_delayed_partitions_owned";
+/// Gauge, server: delayed tasks this server's timer index holds.
+pub const DELAYED_TRACKED: &str = "ax_delayed_tracked";
+/// Histogram, server: seconds from a delayed task's due time to its publish to ready.
+pub const DISPATCH_LAG: &str = "ax_dispatch_lag_seconds";
+/// Counter, worker `{queue, task}`: attempts that succeeded.
+pub const SUCCEEDED: &str = "ax_tasks_succeeded_total";
+/// Counter, worker `{queue, task, class}`: attempts that failed (any reason).
+pub const FAILED: &str = "ax_tasks_failed_total";
+/// Counter, worker `{queue, task}`: failed attempts scheduled for a retry.
+pub const RETRIED: &str = "ax_tasks_retried_total";
+/// Counter, worker `{queue, task}`: tasks moved to the dead-letter stream.
+pub const DEAD: &str = "ax_tasks_dead_total";
+/// Counter, worker `{queue, kind}`: attempts ended by `hard` timeout or lost `heartbeat`.
+pub const TIMEOUTS: &str = "ax_task_timeouts_total";
+/// Counter, worker `{queue}`: results refused because another attempt took over (stale
+/// fencing token, e.g. a late ack).
+pub const STALE_RESULTS: &str = "ax_stale_results_total";
+/// Counter, worker `{queue, task}`: deliveries handed back because this worker serves no
+/// handler for the task's name.
+pub const UNSERVED: &str = "ax_worker_unserved_total";
+/// Histogram, worker `{queue, task}`: handler run time in seconds.
+pub const RUN_DURATION: &str = "ax_task_run_duration_seconds";
+/// Histogram, worker `{queue}`: seconds from ready (creation or due time) to attempt start.
+pub const QUEUE_WAIT: &str = "ax_task_queue_wait_seconds";
+/// Counter, server `{flow}`: flow runs started (new runs and re-runs of failed steps).
+pub const FLOW_RUNS_STARTED: &str = "ax_flow_runs_started_total";
+/// Counter, server (the flow engine's leader) `{flow, state}`: flow runs that ended
+/// `succeeded`, `failed` or `cancelled`.
+pub const FLOW_RUNS_ENDED: &str = "ax_flow_runs_ended_total";
+/// Alerts published (`queue`, `kind`: `task_dead` / `flow_failed`).
+pub const ALERTS: &str = "ax_alerts_total";
+/// Terminal failures folded into an alert window instead of alerting (`queue`).
+pub const ALERTS_SUPPRESSED: &str = "ax_alerts_suppressed_total";
+/// Counter, server (with a task index): task records the index could not read (not JSON
+/// of a task record's shape); each is logged with its key and left out of the index.
+pub const INDEX_UNREADABLE: &str = "ax_index_unreadable_records_total";
+/// Failed attempts in a row per task name in one worker process, reset by a success
+/// (`queue`, `task`).
+pub const CONSECUTIVE_FAILURES: &str = "ax_task_consecutive_failures";
+/// Gauge, server (the flow engine's leader): runs it is driving now.
+pub const FLOW_RUNS_ACTIVE: &str = "ax_flow_runs_active";
+/// Histogram, server (the flow engine's leader) `{flow}`: seconds from the last parent
+/// task's finish to the first task of the child step starting on a worker (both times from
+/// the task records).
+pub const FLOW_STEP_LATENCY: &str = "ax_flow_step_latency_seconds";
+/// Counter, worker `{queue, limit, reason}`: deliveries handed back by a limit
+/// (`rate_limit`, `concurrency`, `limits_unavailable`); no attempt is counted.
+pub const LIMIT_WAITS: &str = "ax_limit_waits_total";
+/// Histogram, worker `{queue, limit}`: seconds from a task first seen waiting for a limit
+/// to its attempt's start (`limit`: the one it last waited for).
+pub const LIMIT_WAIT: &str = "ax_limit_wait_seconds";
+/// Gauge, worker `{queue, limit}`: concurrency slots this worker holds.
+pub const LIMIT_SLOTS_HELD: &str = "ax_limit_slots_held";
+/// Gauge, worker `{queue, limit}`: tokens left in a rate limit's bucket when this worker
+/// last took one (limits without `per_key` only).
+pub const LIMIT_TOKENS: &str = "ax_limit_tokens";
+/// Counter, worker `{queue, limit}`: concurrency slots found lost while their attempt ran
+/// (the worker stalled past the ack wait and the slot expired): the attempt was stopped.
+pub const LIMIT_SLOTS_LOST: &str = "ax_limit_slots_lost_total";
+/// Gauge, worker `{queue, limit}`: the rate in force of an adaptive limit (lowered by
+/// pressure, raised while calm), as this worker last computed it (not per key).
+pub const LIMIT_RATE: &str = "ax_limit_rate";
+/// Counter, worker `{queue, limit}`: reports of pressure (a handler failed with a class
+/// the adaptive limit listens to); `lowered="true"` for the ones that lowered the rate.
+pub const LIMIT_PRESSURE: &str = "ax_limit_pressure_total";
+/// Counter, server: console connections closed at once because the console had its
+/// most connections open (`ConsoleConfig::max_connections`).
+pub const CONSOLE_CONNECTIONS_REFUSED: &str = "ax_console_connections_refused_total";
+/// Counter, server (the flow engine's leader) `{queue}`: step task submits refused for now
+/// (a full ready queue, the broker away) and retried with backoff; one summary line every
+/// 10 s at most, not one per task.
+pub const FLOW_STEP_SUBMIT_RETRIES: &str = "ax_flow_step_submit_retries_total";
+/// Gauge, by `service`: 1 while a supervised part of the process runs, 0 while it waits to
+/// be started again after it stopped.
+pub const SERVICE_UP: &str = "ax_service_up";
+/// Counter, by `service` and `reason` (`ended`, `error`, `panic`): supervised parts that
+/// stopped while the process ran (each is started again).
+pub const SERVICE_RESTARTS: &str = "ax_service_restarts_total";
+
+/// Registers help texts for every metric.
+pub fn describe() {
+    use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+    describe_gauge!(
+        PENDING_DISPATCH,
+        "Tasks admitted or due but not yet published to a ready subject"
+    );
+    describe_gauge!(WORKER_BUSY_RATE, "Busy handler slots / concurrency (0..1)");
+    describe_gauge!(
+        TASK_TIMEOUT_RATE,
+        "Attempts ended by timeout / attempts ended, last 60 s"
+    );
+    describe_counter!(SUBMITTED, "Tasks accepted");
+    describe_counter!(SUBMIT_REJECTED, "Submit requests refused, by code");
+    describe_counter!(SUBMIT_DUPLICATES, "Submits answered by an existing task");
+    describe_counter!(
+        REQUEST_PANICS,
+        "Request handlers that panicked (bugs), by API"
+    );
+    describe_counter!(
+        RECORD_DEFERRED,
+        "Accepted tasks whose record is left for the worker to write"
+    );
+    describe_counter!(DELAYED_DISPATCHED, "Delayed tasks moved to ready");
+    describe_gauge!(
+        DELAYED_PARTITIONS_OWNED,
+        "Delayed-task partitions this server indexes and dispatches"
+    );
+    describe_gauge!(
+        DELAYED_TRACKED,
+        "Delayed tasks in this server's timer index"
+    );
+    describe_histogram!(DISPATCH_LAG, Unit::Seconds, "Due time to ready publish");
+    describe_counter!(SUCCEEDED, "Attempts that succeeded");
+    describe_counter!(FAILED, "Attempts that failed");
+    describe_counter!(RETRIED, "Failed attempts scheduled for retry");
+    describe_counter!(DEAD, "Tasks dead-lettered");
+    describe_counter!(TIMEOUTS, "Attempts ended by hard timeout or lost heartbeat");
+    describe_counter!(STALE_RESULTS, "Results refused for a stale fencing token");
+    describe_counter!(
+        UNSERVED,
+        "Deliveries handed back: no handler for the task name in this worker"
+    );
+    describe_histogram!(RUN_DURATION, Unit::Seconds, "Handler run time");
+    describe_histogram!(QUEUE_WAIT, Unit::Seconds, "Ready to attempt start");
+    describe_counter!(LIMIT_WAITS, "Deliveries handed back by a limit, by reason");
+    describe_gauge!(LIMIT_SLOTS_HELD, "Concurrency slots this worker holds");
+    describe_histogram!(
+        LIMIT_WAIT,
+        Unit::Seconds,
+        "First seen waiting for a limit to start"
+    );
+    describe_gauge!(LIMIT_TOKENS, "Tokens left in a rate limit's bucket");
+    describe_counter!(FLOW_RUNS_STARTED, "Flow runs started, by flow");
+    describe_counter!(FLOW_RUNS_ENDED, "Flow runs ended, by flow and final state");
+    describe_counter!(
+        ALERTS,
+        "Alerts published on terminal failures, by queue and kind"
+    );
+    describe_counter!(
+        ALERTS_SUPPRESSED,
+        "Terminal failures folded into an open alert window"
+    );
+    describe_counter!(
+        INDEX_UNREADABLE,
+        "Task records the task index could not read (left out of it)"
+    );
+    describe_gauge!(
+        CONSECUTIVE_FAILURES,
+        "Attempts of a task name that failed in a row (reset by a success)"
+    );
+    describe_counter!(
+        LIMIT_SLOTS_LOST,
+        "Concurrency slots lost while their attempt ran; the attempt was stopped"
+    );
+    describe_gauge!(
+        LIMIT_RATE,
+        "The rate in force of an adaptive limit (starts/s)"
+    );
+    describe_counter!(
+        LIMIT_PRESSURE,
+        "Reports of pressure to an adaptive limit (lowered: whether it lowered the rate)"
+    );
+    describe_counter!(
+        CONSOLE_CONNECTIONS_REFUSED,
+        "Console connections closed at once: too many were open"
+    );
+    describe_gauge!(FLOW_RUNS_ACTIVE, "Flow runs the engine's leader drives now");
+    describe_histogram!(
+        FLOW_STEP_LATENCY,
+        Unit::Seconds,
+        "Last parent task finished to the child step's first task started"
+    );
+    describe_counter!(
+        FLOW_STEP_SUBMIT_RETRIES,
+        "Flow step task submits refused for now (queue full, broker away) and retried"
+    );
+    describe_gauge!(
+        SERVICE_UP,
+        "1 while a supervised part of the process runs, 0 while it waits to start again"
+    );
+    describe_counter!(
+        SERVICE_RESTARTS,
+        "Supervised parts that stopped (ended, error, panic) and were started again"
+    );
+}

@@ -1,0 +1,234 @@
+//! Task outputs: what a handler returns, stored with the task's `succeeded` write
+//! (docs/PROTOCOL.md §3, "Outputs").
+//!
+//! An output of at most [`INLINE_OUTPUT_BYTES`] lives in the task record itself (field
+//! `output`); a larger one is put in the `AX_RESULTS` bucket under `<task id>.<attempt>`
+//! first and the record names that key, so a record never points at an output that is not
+//! stored, and a stale attempt's output never overwrites the winner's. An output over
+//! [`MAX_OUTPUT_BYTES`] fails the attempt for good with class `output_too_large`.
+
+use crate::names::RESULTS_BUCKET;
+use base64::Engine;
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+/// Outputs up to this size are stored in the task record (1 KiB).
+pub const INLINE_OUTPUT_BYTES: usize = 1024;
+/// The largest output a task may return (512 KiB, half of NATS' default `max_payload`).
+pub const MAX_OUTPUT_BYTES: usize = 512 * 1024;
+
+const JSON: &str = "application/json";
+const BYTES: &str = "application/octet-stream";
+
+/// What a handler returns on success: nothing, JSON, or bytes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Output(pub(crate) Option<TaskOutput>);
+
+/// A stored output, as read back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TaskOutput {
+    /// The output bytes (JSON text when `is_json`).
+    pub bytes: Bytes,
+    /// True if the output is JSON.
+    pub is_json: bool,
+}
+
+impl TaskOutput {
+    /// Decodes a JSON output.
+    pub fn json<T: serde::de::DeserializeOwned>(&self) -> Result<T, serde_json::Error> {
+        serde_json::from_slice(&self.bytes)
+    }
+}
+
+impl Output {
+    /// No output.
+    pub fn none() -> Output {
+        Output(None)
+    }
+    /// A JSON output.
+    pub fn json<T: Serialize>(value: &T) -> Result<Output, crate::worker::TaskError> {
+        let bytes = serde_json::to_vec(value).map_err(|e| {
+            crate::worker::TaskError::permanent("bad_output", format!("not JSON: {e}"))
+        })?;
+        Ok(Output(Some(TaskOutput {
+            bytes: bytes.into(),
+            is_json: true,
+        })))
+    }
+    /// A binary output.
+    pub fn bytes(bytes: impl Into<Bytes>) -> Output {
+        Output(Some(TaskOutput {
+            bytes: bytes.into(),
+            is_json: false,
+        }))
+    }
+}
+
+/// What a handler may return: `()` (no output), [`Output`], or a [`serde_json::Value`].
+pub trait IntoOutput {
+    /// The output.
+    fn into_output(self) -> Output;
+}
+
+impl IntoOutput for () {
+    fn into_output(self) -> Output {
+        Output::none()
+    }
+}
+
+impl IntoOutput for Output {
+    fn into_output(self) -> Output {
+        self
+    }
+}
+
+impl IntoOutput for serde_json::Value {
+    fn into_output(self) -> Output {
+        Output(Some(TaskOutput {
+            bytes: serde_json::to_vec(&self)
+                .expect("a JSON value serializes")
+                .into(),
+            is_json: true,
+        }))
+    }
+}
+
+/// The `output` field of a task record.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoredOutput {
+    /// `application/json` or `application/octet-stream`.
+    pub content_type: String,
+    /// Size of the output in bytes.
+    pub size: usize,
+    /// An inline JSON output: the value itself.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub json: Option<serde_json::Value>,
+    /// An inline binary output: standard base64.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base64: Option<String>,
+    /// A larger output: its key in the `AX_RESULTS` bucket.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
+}
+
+impl StoredOutput {
+    /// The inline form of `out` if it is small enough, else a reference to `key`.
+    pub(crate) fn of(out: &TaskOutput, key: &str) -> StoredOutput {
+        let content_type = if out.is_json { JSON } else { BYTES }.to_string();
+        let mut stored = StoredOutput {
+            content_type,
+            size: out.bytes.len(),
+            json: None,
+            base64: None,
+            key: None,
+        };
+        let value = out
+            .is_json
+            .then(|| serde_json::from_slice::<serde_json::Value>(&out.bytes).ok())
+            .flatten();
+        match value {
+            _ if out.bytes.len() > INLINE_OUTPUT_BYTES => stored.key = Some(key.to_string()),
+            Some(value) => stored.json = Some(value),
+            None => {
+                stored.base64 = Some(base64::engine::general_purpose::STANDARD.encode(&out.bytes))
+            }
+        }
+        stored
+    }
+
+    /// True if the bytes live in `AX_RESULTS`.
+    pub fn is_external(&self) -> bool {
+        self.key.is_some()
+    }
+
+    /// The inline output, if it is inline.
+    pub fn inline(&self) -> Option<TaskOutput> {
+        let is_json = self.content_type == JSON;
+        if let Some(value) = &self.json {
+            return Some(TaskOutput {
+                bytes: serde_json::to_vec(value)
+                    .expect("a JSON value serializes")
+                    .into(),
+                is_json,
+            });
+        }
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(self.base64.as_deref()?)
+            .ok()?;
+        Some(TaskOutput {
+            bytes: bytes.into(),
+            is_json,
+        })
+    }
+}
+
+/// The `AX_RESULTS` bucket.
+#[derive(Clone)]
+pub struct ResultStore {
+    kv: async_nats::jetstream::kv::Store,
+}
+
+impl ResultStore {
+    /// Opens the bucket (it must exist: `ax streams apply` or the server creates it).
+    pub async fn open(
+        js: &async_nats::jetstream::Context,
+    ) -> Result<ResultStore, async_nats::Error> {
+        Ok(ResultStore {
+            kv: js.get_key_value(RESULTS_BUCKET).await?,
+        })
+    }
+
+    pub(crate) async fn put(&self, key: &str, bytes: Bytes) -> Result<(), async_nats::Error> {
+        self.kv.put(key, bytes).await?;
+        Ok(())
+    }
+
+    /// Removes an output (its task is purged).
+    pub async fn delete(&self, key: &str) -> Result<(), async_nats::Error> {
+        self.kv.purge(key).await?;
+        Ok(())
+    }
+
+    /// The bytes of an output kept here (`stored.key`); `None` if the entry is gone.
+    pub async fn read(
+        &self,
+        stored: &StoredOutput,
+    ) -> Result<Option<TaskOutput>, async_nats::Error> {
+        let Some(key) = &stored.key else {
+            return Ok(None);
+        };
+        Ok(self.kv.get(key).await?.map(|bytes| TaskOutput {
+            bytes,
+            is_json: stored.content_type == JSON,
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn small_outputs_are_inline_and_large_ones_named() {
+        let json = Output::json(&serde_json::json!({"w": 3}))
+            .unwrap()
+            .0
+            .unwrap();
+        let s = StoredOutput::of(&json, "q.a.1");
+        assert_eq!(serde_json::to_value(&s).unwrap()["json"]["w"], 3);
+        assert_eq!(s.inline().unwrap(), json);
+        let bin = Output::bytes(vec![0u8, 255, 7]).0.unwrap();
+        let s = StoredOutput::of(&bin, "q.a.1");
+        assert_eq!(s.base64.as_deref(), Some("AP8H"));
+        assert_eq!(s.inline().unwrap(), bin);
+        let big = Output::bytes(vec![1u8; INLINE_OUTPUT_BYTES + 1]).0.unwrap();
+        let s = StoredOutput::of(&big, "q.a.1");
+        assert_eq!(
+            (s.key.as_deref(), s.size),
+            (Some("q.a.1"), INLINE_OUTPUT_BYTES + 1)
+        );
+        assert!(s.inline().is_none() && s.is_external());
+        let back: StoredOutput = serde_json::from_str(&serde_json::to_string(&s).unwrap()).unwrap();
+        assert_eq!(back, s);
+    }
+}

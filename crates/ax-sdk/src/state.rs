@@ -1,0 +1,509 @@
+//! Task state records in the `AX_TASKS` KV bucket (S0-6).
+//!
+//! One key per task id; every transition is a compare-and-set on the key's revision, so two
+//! writers (a late worker and the one that took over its redelivered attempt) can never both
+//! win. The revision written when an attempt starts is that attempt's fencing token (S2-9).
+
+use crate::names::{Priority, TASKS_BUCKET};
+use crate::time::now_ms;
+use async_nats::jetstream::{self, kv};
+use futures::StreamExt;
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// Where a task is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TaskState {
+    /// Held until its due time.
+    Scheduled,
+    /// In the ready queue, waiting for a worker.
+    Pending,
+    /// A worker is running an attempt.
+    Running,
+    /// An attempt failed; waiting for its backoff before the next one.
+    Retrying,
+    /// Finished successfully.
+    Succeeded,
+    /// Failed for good (non-retryable error or attempts exhausted); in the dead-letter stream.
+    Dead,
+    /// Cancelled before an attempt started (a flow run cancelled or failing fast); never
+    /// runs. A running attempt is never cancelled this way.
+    Cancelled,
+}
+
+impl TaskState {
+    /// True for `succeeded`, `dead` and `cancelled`: no further transition happens.
+    pub fn is_terminal(self) -> bool {
+        matches!(
+            self,
+            TaskState::Succeeded | TaskState::Dead | TaskState::Cancelled
+        )
+    }
+
+    /// The lowercase wire name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TaskState::Scheduled => "scheduled",
+            TaskState::Pending => "pending",
+            TaskState::Running => "running",
+            TaskState::Retrying => "retrying",
+            TaskState::Succeeded => "succeeded",
+            TaskState::Dead => "dead",
+            TaskState::Cancelled => "cancelled",
+        }
+    }
+}
+
+impl fmt::Display for TaskState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for TaskState {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        serde_json::from_value(serde_json::Value::String(s.to_string()))
+            .map_err(|_| format!("unknown state {s:?}"))
+    }
+}
+
+/// The last error of a task.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorInfo {
+    /// Error class (what `retry_on` / `no_retry_on` match).
+    pub class: String,
+    /// Message.
+    pub message: String,
+    /// What the worker sent beyond the message (a stack trace, a response body), at most
+    /// 8 KiB; none if it sent nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
+}
+
+/// The stored state of one task (JSON in `AX_TASKS`, key = task id).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TaskRecord {
+    /// Task id.
+    pub id: String,
+    /// Queue.
+    pub queue: String,
+    /// Task name.
+    pub name: String,
+    /// Priority.
+    pub priority: Priority,
+    /// Current state.
+    pub state: TaskState,
+    /// Attempts started so far (0 before the first).
+    pub attempt: u32,
+    /// Attempts allowed in all.
+    pub max_attempts: u32,
+    /// Created, ms since the epoch.
+    pub created_at_ms: u64,
+    /// Last transition, ms since the epoch.
+    pub updated_at_ms: u64,
+    /// Due time of a delayed task.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_at_ms: Option<u64>,
+    /// Start of the current / last attempt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_at_ms: Option<u64>,
+    /// When the task reached `succeeded` or `dead`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finished_at_ms: Option<u64>,
+    /// When the next attempt is due, while `retrying`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_retry_at_ms: Option<u64>,
+    /// The last error.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<ErrorInfo>,
+    /// Worker that runs / ran the current attempt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub worker: Option<String>,
+    /// Ready-stream sequence of the message the current attempt was claimed from; tells a
+    /// redelivery of that message from a stray duplicate message of the same task.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready_seq: Option<u64>,
+    /// Business idempotency key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idempotency_key: Option<String>,
+    /// The trigger that created the task.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trigger: Option<String>,
+    /// Why it fired: `schedule` or `manual`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trigger_source: Option<String>,
+    /// The scheduled time the fire stands for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scheduled_at_ms: Option<u64>,
+    /// The output of a `succeeded` task, if its handler returned one (inline, or the key
+    /// of its bytes in `AX_RESULTS`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output: Option<crate::output::StoredOutput>,
+    /// `AX_DELAYED` sequence of a scheduled task's message (set at submit): "run now"
+    /// reads the message from there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delayed_seq: Option<u64>,
+    /// A ready message that "run now" replaced with a fresh copy: a delivery of it is
+    /// retired (Term) instead of starting an attempt early.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub superseded_seq: Option<u64>,
+    /// Set on a `running` record when an operator cancelled the task and no worker
+    /// answered the cancel signal: the next delivery records it `cancelled` unrun.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cancel_requested_at_ms: Option<u64>,
+    /// The last operator action on the task (`cancel`, `retry`, `run_now`), with who and
+    /// when.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub op: Option<OpNote>,
+    /// W3C trace context of the submit (`traceparent`), carried into every attempt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub traceparent: Option<String>,
+    /// Why the task has not started yet, while a limit holds it back.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waiting: Option<Waiting>,
+    /// Fields this version does not know, kept as they were so that a newer writer's
+    /// fields survive this one's writes (docs/PROTOCOL.md §3).
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+/// An operator action recorded on a task (`op` in its record).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OpNote {
+    /// `cancel`, `retry` or `run_now`.
+    pub op: String,
+    /// Who asked (the API caller's `by`, default `api`).
+    pub by: String,
+    /// When, ms since the epoch.
+    pub at_ms: u64,
+}
+
+/// Why a task waits (`waiting` in its record).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Waiting {
+    /// `rate_limit`, `concurrency` or `limits_unavailable`.
+    pub reason: String,
+    /// The limit's name.
+    pub limit: String,
+    /// When it was first seen waiting, ms since the epoch.
+    pub since_ms: u64,
+}
+
+impl TaskRecord {
+    /// Moves to `state`, stamping the update time with now.
+    pub fn transition(self, state: TaskState) -> TaskRecord {
+        self.transition_at(state, now_ms())
+    }
+
+    /// Moves to `state` at `now_ms`: sets `updated_at_ms`; `finished_at_ms` on reaching
+    /// `succeeded`, `dead` or `cancelled`; clears `next_retry_at_ms` unless the new state is
+    /// `retrying`. Every other field is kept (`last_error` stays the latest failure).
+    pub fn transition_at(mut self, state: TaskState, now_ms: u64) -> TaskRecord {
+        self.state = state;
+        self.updated_at_ms = now_ms;
+        if state.is_terminal() {
+            self.finished_at_ms = Some(self.updated_at_ms);
+        }
+        if state != TaskState::Retrying {
+            self.next_retry_at_ms = None;
+        }
+        self.waiting = None;
+        self
+    }
+}
+
+/// Errors of the state store.
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    /// The revision changed since it was read: another writer won (stale fencing token).
+    #[error("task {id}: stale revision {expected} (another writer changed the task)")]
+    Stale {
+        /// Task id.
+        id: String,
+        /// The revision the caller held.
+        expected: u64,
+    },
+    /// The record already exists.
+    #[error("task {0} already exists")]
+    Exists(String),
+    /// A stored record is not valid JSON of the record's shape.
+    #[error("task {id}: corrupt record: {source}")]
+    Corrupt {
+        /// Task id.
+        id: String,
+        /// Decode error.
+        source: serde_json::Error,
+    },
+    /// The broker failed or could not be reached.
+    #[error("task {id}: {op} failed: {source}")]
+    Broker {
+        /// Task id (or `*` for a listing).
+        id: String,
+        /// Operation.
+        op: &'static str,
+        /// Underlying error.
+        source: async_nats::Error,
+    },
+}
+
+impl StateError {
+    /// What kind of failure this is.
+    pub fn kind(&self) -> crate::error::ErrorKind {
+        use crate::error::ErrorKind;
+        match self {
+            StateError::Stale { .. } | StateError::Exists(_) => ErrorKind::Conflict,
+            StateError::Corrupt { .. } => ErrorKind::Invalid,
+            StateError::Broker { source, .. } => ErrorKind::of(source.as_ref()),
+        }
+    }
+}
+
+/// The `AX_TASKS` bucket.
+#[derive(Clone, Debug)]
+pub struct TaskStore {
+    kv: kv::Store,
+}
+
+/// Filter for [`TaskStore::list`].
+#[derive(Debug, Clone, Default)]
+pub struct ListFilter {
+    /// Only this queue.
+    pub queue: Option<String>,
+    /// Only this state.
+    pub state: Option<TaskState>,
+    /// At most this many records (0: no limit).
+    pub limit: usize,
+}
+
+/// A record read from the bucket (`None`: never written, deleted or purged).
+fn decode_entry(
+    id: &str,
+    entry: Option<kv::Entry>,
+) -> Result<Option<(TaskRecord, u64)>, StateError> {
+    match entry {
+        Some(e) if e.operation == kv::Operation::Put => {
+            let rec = serde_json::from_slice(&e.value).map_err(|source| StateError::Corrupt {
+                id: id.to_string(),
+                source,
+            })?;
+            Ok(Some((rec, e.revision)))
+        }
+        _ => Ok(None),
+    }
+}
+
+impl TaskStore {
+    /// Opens the bucket (it must exist: `ax streams apply`).
+    pub async fn open(js: &jetstream::Context) -> Result<TaskStore, StateError> {
+        let kv = js
+            .get_key_value(TASKS_BUCKET)
+            .await
+            .map_err(|e| broker("*", "open bucket", e))?;
+        Ok(TaskStore { kv })
+    }
+
+    /// Stores the first record; fails with [`StateError::Exists`] if the id is taken.
+    pub async fn create(&self, rec: &TaskRecord) -> Result<u64, StateError> {
+        let body = serde_json::to_vec(rec).expect("a record serializes");
+        self.kv
+            .create(&rec.id, body.into())
+            .await
+            .map_err(|e| match create_lost(&e) {
+                true => StateError::Exists(rec.id.clone()),
+                false => broker(&rec.id, "create", e),
+            })
+    }
+
+    /// Removes a record and its history, if it is still at `revision` (an operator's
+    /// purge of a finished task): [`StateError::Stale`] if it moved on. The bucket keeps
+    /// a purge marker in its place (`KV-Operation: PURGE`), which watchers see.
+    pub async fn purge(&self, id: &str, revision: u64) -> Result<(), StateError> {
+        self.kv
+            .purge_expect_revision(id, Some(revision))
+            .await
+            .map_err(|e| match e.kind() {
+                kv::UpdateErrorKind::WrongLastRevision => StateError::Stale {
+                    id: id.to_string(),
+                    expected: revision,
+                },
+                _ => broker(id, "purge", e),
+            })
+    }
+
+    /// The current record and its revision.
+    pub async fn get(&self, id: &str) -> Result<Option<(TaskRecord, u64)>, StateError> {
+        let entry = self.kv.entry(id).await.map_err(|e| broker(id, "get", e))?;
+        decode_entry(id, entry)
+    }
+
+    /// The current record and its revision as the bucket's leader has it: never older than
+    /// an acknowledged write ([`crate::kv_read`]), where [`TaskStore::get`] may answer from
+    /// a replica that is behind. For reads whose answer decides without a compare-and-set.
+    pub async fn get_latest(&self, id: &str) -> Result<Option<(TaskRecord, u64)>, StateError> {
+        let entry = crate::kv_read::latest(&self.kv, id)
+            .await
+            .map_err(|e| broker(id, "get", e))?;
+        decode_entry(id, entry)
+    }
+
+    /// Writes `rec` if the key is still at `revision`; returns the new revision.
+    pub async fn cas(&self, rec: &TaskRecord, revision: u64) -> Result<u64, StateError> {
+        let body = serde_json::to_vec(rec).expect("a record serializes");
+        self.kv
+            .update(&rec.id, body.into(), revision)
+            .await
+            .map_err(|e| match e.kind() {
+                kv::UpdateErrorKind::WrongLastRevision => StateError::Stale {
+                    id: rec.id.clone(),
+                    expected: revision,
+                },
+                _ => broker(&rec.id, "update", e),
+            })
+    }
+
+    /// Cancels task `id` if no attempt of it has started (`scheduled`, `pending` or
+    /// `retrying`): compare-and-set to `cancelled`, read again on a lost race. Returns the
+    /// state it ends in (`running` and finished states are left as they are), or `None`
+    /// when there is no record.
+    pub async fn cancel_unstarted(
+        &self,
+        id: &str,
+        reason: &str,
+    ) -> Result<Option<TaskState>, StateError> {
+        loop {
+            let Some((rec, revision)) = self.get(id).await? else {
+                return Ok(None);
+            };
+            if !matches!(
+                rec.state,
+                TaskState::Scheduled | TaskState::Pending | TaskState::Retrying
+            ) {
+                return Ok(Some(rec.state));
+            }
+            let mut cancelled = rec.transition(TaskState::Cancelled);
+            cancelled.last_error = Some(ErrorInfo {
+                detail: None,
+                class: "cancelled".into(),
+                message: reason.to_string(),
+            });
+            match self.cas(&cancelled, revision).await {
+                Ok(_) => return Ok(Some(TaskState::Cancelled)),
+                Err(StateError::Stale { .. }) => continue,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// A live feed of every write to a flow step task's record (keys `*.fl.>`), from now
+    /// on, delivered by an ordered consumer.
+    pub async fn watch_flow_tasks(&self) -> Result<kv::Watch, kv::WatchError> {
+        self.kv.watch("*.fl.>").await
+    }
+
+    /// The record of `id` now (if any) and every later write to it, as KV entries.
+    pub async fn watch_task(&self, id: &str) -> Result<kv::Watch, StateError> {
+        self.kv
+            .watch_with_history(id)
+            .await
+            .map_err(|e| broker(id, "watch", e))
+    }
+
+    /// A live feed of every write to a trigger task's record (keys `*.tr.>`), from now on,
+    /// delivered by an ordered consumer (no message is lost to a slow reader).
+    pub async fn watch_trigger_tasks(&self) -> Result<kv::Watch, kv::WatchError> {
+        self.kv.watch("*.tr.>").await
+    }
+
+    /// The stored transitions of a task, oldest first (as many as the bucket's history keeps).
+    pub async fn history(&self, id: &str) -> Result<Vec<(TaskRecord, u64)>, StateError> {
+        let mut entries = self
+            .kv
+            .history(id)
+            .await
+            .map_err(|e| broker(id, "history", e))?;
+        let mut out = Vec::new();
+        while let Some(entry) = entries.next().await {
+            let entry = entry.map_err(|e| broker(id, "history", e))?;
+            if entry.operation != kv::Operation::Put {
+                continue;
+            }
+            let rec =
+                serde_json::from_slice(&entry.value).map_err(|source| StateError::Corrupt {
+                    id: id.to_string(),
+                    source,
+                })?;
+            out.push((rec, entry.revision));
+        }
+        Ok(out)
+    }
+
+    /// Lists current records matching `filter`. This reads the whole bucket (an operator
+    /// command, never on the task path).
+    pub async fn list(&self, filter: &ListFilter) -> Result<Vec<TaskRecord>, StateError> {
+        let mut watch = self
+            .kv
+            .watch_with_history(">")
+            .await
+            .map_err(|e| broker("*", "list", e))?;
+        let mut out = Vec::new();
+        let total = self
+            .kv
+            .status()
+            .await
+            .map_err(|e| broker("*", "list", e))?
+            .values();
+        if total == 0 {
+            return Ok(out);
+        }
+        // A key written while we read arrives again (its newer revision): keep the newest.
+        let mut at: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
+        let mut slots: Vec<Option<TaskRecord>> = Vec::new();
+        let mut found = 0usize;
+        while let Some(entry) = watch.next().await {
+            let entry = entry.map_err(|e| broker("*", "list", e))?;
+            let rec = match entry.operation {
+                kv::Operation::Put => serde_json::from_slice::<TaskRecord>(&entry.value).ok(),
+                _ => None,
+            };
+            let keep = rec.filter(|rec| {
+                filter.queue.as_ref().is_none_or(|q| *q == rec.queue)
+                    && filter.state.is_none_or(|s| s == rec.state)
+            });
+            let added = usize::from(keep.is_some());
+            match at.get(&entry.key) {
+                Some(&i) => {
+                    found = found + added - usize::from(slots[i].is_some());
+                    slots[i] = keep;
+                }
+                None => {
+                    found += added;
+                    at.insert(entry.key.clone(), slots.len());
+                    slots.push(keep);
+                }
+            }
+            if entry.delta == 0 || (filter.limit > 0 && found >= filter.limit) {
+                break;
+            }
+        }
+        out.extend(slots.into_iter().flatten());
+        Ok(out)
+    }
+}
+
+/// True if a KV create failed because the key exists. A create racing another create of
+/// the same key can also come back as a "wrong last sequence" error (JetStream 10071 or
+/// 10164) instead of `AlreadyExists`; both mean another writer created it first.
+pub fn create_lost(e: &kv::CreateError) -> bool {
+    e.kind() == kv::CreateErrorKind::AlreadyExists
+        || crate::error::ErrorKind::of(e) == crate::error::ErrorKind::Conflict
+}
+
+fn broker(id: &str, op: &'static str, e: impl Into<async_nats::Error>) -> StateError {
+    StateError::Broker {
+        id: id.to_string(),
+        op,
+        source: e.into(),
+    }
+}

@@ -1,0 +1,210 @@
+//! One supervisor for the long-running parts of a process: the server's engines and
+//! followers, a worker's limit watchers and cancel listener.
+//!
+//! Each part is a named *service*: a function that starts it (given a cancellation token)
+//! and a future that runs until the token is cancelled. A service that ends on its own,
+//! fails or panics while the process runs is logged with its name and cause, counted in
+//! `ax_service_restarts_total{service, reason}` and started again after a backoff (100 ms
+//! doubling to 5 s; back to 100 ms once it ran a minute). `ax_service_up{service}` is 1
+//! while it runs, 0 while it waits to be started again. A service is written as if it
+//! could end at any line: its state lives in the broker, what it holds is a cache.
+
+use crate::metrics as m;
+use std::fmt::Display;
+use std::future::Future;
+use std::time::{Duration, Instant};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info, warn};
+
+/// A service that ran this long is taken as healthy: its next restart pauses from the
+/// shortest backoff again.
+const STABLE: Duration = Duration::from_secs(60);
+
+/// Why a service stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Ended {
+    /// It returned `Ok` before the process shut down.
+    Returned,
+    /// It returned an error.
+    Failed,
+    /// It panicked.
+    Panicked,
+}
+
+impl Ended {
+    fn as_str(self) -> &'static str {
+        match self {
+            Ended::Returned => "ended",
+            Ended::Failed => "error",
+            Ended::Panicked => "panic",
+        }
+    }
+}
+
+/// The services of one process (a server or a worker), stopped together.
+pub struct Supervisor {
+    /// Names this process among others in one test binary (the test hooks' scope).
+    scope: String,
+    set: JoinSet<()>,
+    shutdown: CancellationToken,
+}
+
+impl Supervisor {
+    /// Services stop when `shutdown` is cancelled (or [`Supervisor::stop`] is called).
+    pub fn new(scope: impl Into<String>, shutdown: CancellationToken) -> Supervisor {
+        Supervisor {
+            scope: scope.into(),
+            set: JoinSet::new(),
+            shutdown: shutdown.child_token(),
+        }
+    }
+
+    /// Runs service `name`, started by `start` now and again after each end (see the
+    /// module's documentation).
+    pub fn spawn<F, Fut, E>(&mut self, name: &'static str, start: F)
+    where
+        F: FnMut(CancellationToken) -> Fut + Send + 'static,
+        Fut: Future<Output = Result<(), E>> + Send + 'static,
+        E: Display + Send + 'static,
+    {
+        let (scope, shutdown) = (self.scope.clone(), self.shutdown.clone());
+        self.set.spawn(supervise(scope, name, start, shutdown));
+    }
+
+    /// Stops every service and waits until each has returned.
+    pub async fn stop(mut self) {
+        self.shutdown.cancel();
+        while self.set.join_next().await.is_some() {}
+    }
+}
+
+impl Drop for Supervisor {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+async fn supervise<F, Fut, E>(
+    scope: String,
+    name: &'static str,
+    mut start: F,
+    shutdown: CancellationToken,
+) where
+    F: FnMut(CancellationToken) -> Fut + Send + 'static,
+    Fut: Future<Output = Result<(), E>> + Send + 'static,
+    E: Display + Send + 'static,
+{
+    let mut restarts = 0u32;
+    loop {
+        metrics::gauge!(m::SERVICE_UP, "service" => name).set(1.0);
+        let began = Instant::now();
+        let run = start(shutdown.child_token());
+        let run = async move { run.await.map_err(|e| e.to_string()) };
+        #[cfg(feature = "test-hooks")]
+        let run = {
+            let scope = scope.clone();
+            let fail = crate::hooks::take_start_failure(&scope, name);
+            async move {
+                if fail {
+                    return Err("test hook: failed at start".to_string());
+                }
+                tokio::select! {
+                    r = run => r,
+                    _ = crate::hooks::service_panic_requested(&scope, name) => {
+                        panic!("test hook: service {name} of {scope} made to panic")
+                    }
+                }
+            }
+        };
+        // Its own task: a panic ends that task, not the supervisor.
+        let ended = tokio::spawn(run).await;
+        metrics::gauge!(m::SERVICE_UP, "service" => name).set(0.0);
+        let (how, cause) = match ended {
+            Ok(Ok(())) => (Ended::Returned, String::new()),
+            Ok(Err(e)) => (Ended::Failed, e),
+            Err(join) => (Ended::Panicked, panic_text(join)),
+        };
+        if shutdown.is_cancelled() {
+            if how != Ended::Returned {
+                warn!(
+                    service = name,
+                    reason = how.as_str(),
+                    cause,
+                    "service stopped badly at shutdown"
+                );
+            }
+            return;
+        }
+        metrics::counter!(m::SERVICE_RESTARTS, "service" => name, "reason" => how.as_str())
+            .increment(1);
+        if began.elapsed() >= STABLE {
+            restarts = 0;
+        }
+        let pause = crate::retry::pause(restarts);
+        restarts = restarts.saturating_add(1);
+        match how {
+            Ended::Panicked => error!(service = name, %scope, cause, ?pause,
+                "service panicked (a bug); starting it again"),
+            _ => warn!(service = name, %scope, reason = how.as_str(), cause, ?pause,
+                "service stopped while the process runs; starting it again"),
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(pause) => {}
+        }
+        info!(service = name, %scope, "service starting again");
+    }
+}
+
+/// The message of a panic, or what the join error says.
+fn panic_text(join: tokio::task::JoinError) -> String {
+    if !join.is_panic() {
+        return join.to_string();
+    }
+    let payload = join.into_panic();
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use std::sync::Arc;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_service_that_fails_or_panics_is_started_again_until_shutdown() {
+        let starts = Arc::new(AtomicU32::new(0));
+        let shutdown = CancellationToken::new();
+        let mut sup = Supervisor::new("unit", shutdown.clone());
+        let counted = starts.clone();
+        sup.spawn("flaky", move |token: CancellationToken| {
+            let n = counted.fetch_add(1, Ordering::SeqCst);
+            async move {
+                match n {
+                    0 => Err("cannot open a bucket".to_string()),
+                    1 => panic!("a bug"),
+                    2 => Ok(()), // ended on its own
+                    _ => {
+                        token.cancelled().await;
+                        Ok(())
+                    }
+                }
+            }
+        });
+        // Three ends, each followed by a backoff of at most 100 ms, 200 ms, 400 ms.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert_eq!(
+            starts.load(Ordering::SeqCst),
+            4,
+            "started again after each end"
+        );
+        sup.stop().await;
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        assert_eq!(starts.load(Ordering::SeqCst), 4, "not after shutdown");
+    }
+}

@@ -1,0 +1,481 @@
+//! The flow API: requests on `ax.flow.<op>` with JSON bodies, answered `{"ok": …}` or
+//! `{"error": {"code", "message", "field"}}` (docs/PROTOCOL.md §6). Any server answers;
+//! the engine's leader drives the runs these requests create or change.
+
+use super::def::{FlowDef, Plan};
+use super::model::{valid_run_id, FlowRun, RunState, StepRun, StepState};
+use super::store::{FlowStore, FlowStoreError};
+use super::RerunMode;
+use crate::submit::Admission;
+use ax_sdk::metrics as m;
+use ax_sdk::protocol::{ErrorCode, WireError};
+use ax_sdk::time::now_ms;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use std::sync::Arc;
+
+/// Most compare-and-set attempts on a run that keeps changing.
+const MAX_ATTEMPTS: usize = 20;
+
+pub(crate) struct FlowApi {
+    pub(crate) admission: Arc<Admission>,
+    pub(crate) store: FlowStore,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Named {
+    name: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RunRequest {
+    flow: String,
+    #[serde(default)]
+    input: Value,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RunId {
+    run: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ListRequest {
+    #[serde(default)]
+    flow: Option<String>,
+    #[serde(default)]
+    state: Option<RunState>,
+    #[serde(default)]
+    limit: Option<usize>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RerunRequest {
+    run: String,
+    mode: RerunMode,
+    /// A new input (mode `whole` only; default: the original run's).
+    #[serde(default)]
+    input: Option<Value>,
+}
+
+fn bad(e: serde_json::Error) -> WireError {
+    WireError::new(ErrorCode::BadRequest, e.to_string())
+}
+
+fn unavailable(e: FlowStoreError) -> WireError {
+    WireError::new(ErrorCode::Unavailable, e.to_string())
+}
+
+/// A lost compare-and-set during a re-run: retryable.
+fn changed_meanwhile(e: FlowStoreError) -> WireError {
+    match e {
+        FlowStoreError::Stale(_) => WireError::new(
+            ErrorCode::Unavailable,
+            "the run changed while re-running it; retry",
+        ),
+        e => unavailable(e),
+    }
+}
+
+fn not_found(what: String) -> WireError {
+    WireError::new(ErrorCode::NotFound, what)
+}
+
+fn decode<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, WireError> {
+    serde_json::from_slice(body).map_err(bad)
+}
+
+/// A flow name is checked before it is used as a KV key (an invalid key would be an
+/// `unavailable` broker error, not the caller's `invalid_field`).
+fn flow_name(name: &str, field: &str) -> Result<(), WireError> {
+    if ax_sdk::names::valid_token(name, 64) {
+        Ok(())
+    } else {
+        Err(WireError::field(field, "must be 1..=64 of A-Z a-z 0-9 _ -"))
+    }
+}
+
+impl FlowApi {
+    pub(crate) async fn handle(&self, op: &str, body: &[u8]) -> Result<Value, WireError> {
+        match op {
+            "put" => {
+                let value: Value = decode(body)?;
+                let def = FlowDef::decode(value)?;
+                def.validate(&self.admission.limits)?;
+                // A step on a queue no server declared would fail its run later: refuse it
+                // now, by field.
+                for (i, step) in def.steps.iter().enumerate() {
+                    let queue = step.task.queue.as_deref().unwrap_or_default();
+                    if let Err(e) = self.admission.queues.check(&self.admission.js, queue).await {
+                        return Err(match e.code {
+                            ErrorCode::UnknownQueue => {
+                                WireError::field(&format!("steps[{i}].task.queue"), e.message)
+                            }
+                            _ => e,
+                        });
+                    }
+                }
+                self.store.put_def(&def).await.map_err(unavailable)?;
+                Ok(json!({"name": def.name, "steps": def.steps.len()}))
+            }
+            "def" => {
+                let Named { name } = decode(body)?;
+                flow_name(&name, "name")?;
+                match self.store.def(&name).await.map_err(unavailable)? {
+                    Some(def) => Ok(serde_json::to_value(def).expect("serializes")),
+                    None => Err(not_found(format!("no flow {name:?}"))),
+                }
+            }
+            "defs" => {
+                let defs = self.store.defs().await.map_err(unavailable)?;
+                Ok(json!(defs
+                    .iter()
+                    .map(|d| json!({"name": d.name, "steps": d.steps.len(), "failure": d.failure}))
+                    .collect::<Vec<_>>()))
+            }
+            "delete" => {
+                let Named { name } = decode(body)?;
+                flow_name(&name, "name")?;
+                self.store.delete_def(&name).await.map_err(unavailable)?;
+                Ok(json!({"name": name}))
+            }
+            "run" => {
+                let RunRequest { flow, input } = decode(body)?;
+                flow_name(&flow, "flow")?;
+                let def = self
+                    .store
+                    .def(&flow)
+                    .await
+                    .map_err(unavailable)?
+                    .ok_or_else(|| not_found(format!("no flow {flow:?}")))?;
+                self.start(def, input, None).await
+            }
+            "get" => {
+                let RunId { run } = decode(body)?;
+                let (run, steps) = self.load(&run).await?;
+                Ok(view(&run, &steps))
+            }
+            "list" => {
+                let req: ListRequest = decode(body)?;
+                if let Some(flow) = &req.flow {
+                    flow_name(flow, "flow")?;
+                }
+                let mut runs = self.store.runs().await.map_err(unavailable)?;
+                runs.retain(|r| {
+                    req.flow.as_ref().is_none_or(|f| *f == r.flow)
+                        && req.state.is_none_or(|s| s == r.state)
+                });
+                runs.sort_by_key(|r| std::cmp::Reverse(r.created_at_ms));
+                runs.truncate(req.limit.unwrap_or(100));
+                Ok(json!(runs.iter().map(summary).collect::<Vec<_>>()))
+            }
+            // The flow engine's lease: which server drives the running runs now.
+            "leader" => {
+                crate::lease::leader(&self.admission.js, crate::flow::engine::FLOWS_KEY).await
+            }
+            "cancel" => {
+                let RunId { run } = decode(body)?;
+                self.cancel(&run).await
+            }
+            "rerun" => {
+                let req: RerunRequest = decode(body)?;
+                self.rerun(req).await
+            }
+            _ => Err(WireError::new(
+                ErrorCode::BadRequest,
+                format!("unknown flow operation {op:?}"),
+            )),
+        }
+    }
+
+    async fn start(
+        &self,
+        def: FlowDef,
+        input: Value,
+        rerun_of: Option<String>,
+    ) -> Result<Value, WireError> {
+        let start = Start {
+            rerun_of,
+            ..Start::default()
+        };
+        let (id, flow) = start_run(&self.store, &self.admission.limits, def, input, start).await?;
+        Ok(json!({"run": id, "flow": flow}))
+    }
+
+    async fn load(&self, id: &str) -> Result<(FlowRun, Vec<StepRun>), WireError> {
+        if !valid_run_id(id) {
+            return Err(WireError::field("run", "not a run id"));
+        }
+        let (run, _) = self
+            .store
+            .run(id)
+            .await
+            .map_err(unavailable)?
+            .ok_or_else(|| not_found(format!("no run {id:?}")))?;
+        let steps = self.store.steps(&run).await.map_err(unavailable)?;
+        Ok((
+            run,
+            steps
+                .into_iter()
+                .map(|s| s.map(|(s, _)| s).unwrap_or_default())
+                .collect(),
+        ))
+    }
+
+    async fn cancel(&self, id: &str) -> Result<Value, WireError> {
+        if !valid_run_id(id) {
+            return Err(WireError::field("run", "not a run id"));
+        }
+        for _ in 0..MAX_ATTEMPTS {
+            let (mut run, rev) = self
+                .store
+                .run(id)
+                .await
+                .map_err(unavailable)?
+                .ok_or_else(|| not_found(format!("no run {id:?}")))?;
+            if run.state != RunState::Running || run.cancel_requested {
+                return Ok(
+                    json!({"run": id, "state": run.state, "cancel_requested": run.cancel_requested}),
+                );
+            }
+            run.cancel_requested = true;
+            run.updated_at_ms = now_ms();
+            match self.store.put_run(&run, Some(rev)).await {
+                Ok(_) => {
+                    return Ok(json!({"run": id, "state": run.state, "cancel_requested": true}))
+                }
+                Err(FlowStoreError::Stale(_)) => continue,
+                Err(e) => return Err(unavailable(e)),
+            }
+        }
+        Err(WireError::new(
+            ErrorCode::Unavailable,
+            "the run keeps changing; retry",
+        ))
+    }
+
+    async fn rerun(&self, req: RerunRequest) -> Result<Value, WireError> {
+        if req.mode == RerunMode::Whole {
+            let (run, _) = self.load(&req.run).await?;
+            let input = req.input.unwrap_or(run.input);
+            return self.start(run.def, input, Some(run.id)).await;
+        }
+        if req.input.is_some() {
+            return Err(WireError::field(
+                "input",
+                "a new input starts a new run: use mode \"whole\"",
+            ));
+        }
+        if !valid_run_id(&req.run) {
+            return Err(WireError::field("run", "not a run id"));
+        }
+        let (mut run, rev) = self
+            .store
+            .run(&req.run)
+            .await
+            .map_err(unavailable)?
+            .ok_or_else(|| not_found(format!("no run {:?}", req.run)))?;
+        if run.state == RunState::Running {
+            return Err(WireError::new(
+                ErrorCode::Running,
+                "the run is still running: re-run it once it has ended, or cancel it first",
+            ));
+        }
+        let plan = run.def.validate(&self.admission.limits)?;
+        let stored = self.store.steps(&run).await.map_err(unavailable)?;
+        let states: Vec<StepState> = stored
+            .iter()
+            .map(|s| s.as_ref().map(|(s, _)| s.state).unwrap_or_default())
+            .collect();
+        let chosen = choose(&plan, &states, req.mode);
+        if chosen.is_empty() {
+            return Err(WireError::field(
+                "mode",
+                "every step succeeded: nothing to re-run (mode \"whole\" starts a new run)",
+            ));
+        }
+        for &i in &chosen {
+            let (old, step_rev) = stored[i]
+                .clone()
+                .map_or((StepRun::default(), None), |(s, r)| (s, Some(r)));
+            let fresh = StepRun {
+                epoch: old.epoch + 1,
+                ..StepRun::default()
+            };
+            let name = &run.def.steps[i].name;
+            self.store
+                .put_step(&run.id, name, &fresh, step_rev)
+                .await
+                .map_err(changed_meanwhile)?;
+        }
+        run.state = RunState::Running;
+        run.reason = None;
+        run.finished_at_ms = None;
+        run.cancel_requested = false;
+        run.reruns += 1;
+        run.updated_at_ms = now_ms();
+        self.store
+            .put_run(&run, Some(rev))
+            .await
+            .map_err(changed_meanwhile)?;
+        metrics::counter!(m::FLOW_RUNS_STARTED, "flow" => run.flow.clone()).increment(1);
+        let names: Vec<&str> = chosen
+            .iter()
+            .map(|&i| run.def.steps[i].name.as_str())
+            .collect();
+        Ok(json!({"run": run.id, "steps": names}))
+    }
+}
+
+/// Where a new run comes from (all optional).
+#[derive(Debug, Default)]
+pub(crate) struct Start {
+    /// A fixed run id (a trigger's fire); default a fresh NUID.
+    pub(crate) id: Option<String>,
+    /// The run this one re-runs.
+    pub(crate) rerun_of: Option<String>,
+    /// The trigger, its source and scheduled time.
+    pub(crate) trigger: Option<(String, String, u64)>,
+}
+
+/// Stores a new run of `def` (`running`); the engine's leader starts its root steps.
+/// With a fixed id that exists already (a fire made again), nothing changes. Returns the
+/// run id and flow name.
+pub(crate) async fn start_run(
+    store: &FlowStore,
+    limits: &ax_sdk::task::Limits,
+    def: FlowDef,
+    input: Value,
+    start: Start,
+) -> Result<(String, String), WireError> {
+    def.validate(limits)?;
+    let now = now_ms();
+    let fixed = start.id.is_some();
+    let (trigger, trigger_source, scheduled_at_ms) = match start.trigger {
+        Some((t, s, at)) => (Some(t), Some(s), Some(at)),
+        None => (None, None, None),
+    };
+    let run = FlowRun {
+        id: start.id.unwrap_or_else(|| nuid::next().to_string()),
+        flow: def.name.clone(),
+        def,
+        input,
+        state: RunState::Running,
+        reason: None,
+        created_at_ms: now,
+        updated_at_ms: now,
+        finished_at_ms: None,
+        rerun_of: start.rerun_of,
+        reruns: 0,
+        cancel_requested: false,
+        trigger,
+        trigger_source,
+        scheduled_at_ms,
+        extra: Default::default(),
+    };
+    match store.put_run(&run, None).await {
+        Ok(_) => {
+            metrics::counter!(m::FLOW_RUNS_STARTED, "flow" => run.flow.clone()).increment(1);
+        }
+        Err(FlowStoreError::Stale(_)) if fixed => {} // started by an earlier try of this fire
+        Err(FlowStoreError::TooLarge { bytes, .. }) => {
+            return Err(WireError::field(
+                "input",
+                format!(
+                    "the run (definition + input) would be {bytes} bytes, over the server's \
+                     max payload"
+                ),
+            ))
+        }
+        Err(e) => return Err(unavailable(e)),
+    }
+    Ok((run.id, run.flow))
+}
+
+/// The steps a re-run starts again: those that did not succeed; with
+/// `failed_and_downstream` also every step downstream of a failed one.
+pub(crate) fn choose(plan: &Plan, states: &[StepState], mode: RerunMode) -> Vec<usize> {
+    let mut chosen: Vec<bool> = states.iter().map(|s| *s != StepState::Succeeded).collect();
+    if mode == RerunMode::FailedAndDownstream {
+        let mut tainted: Vec<bool> = states.iter().map(|s| *s == StepState::Failed).collect();
+        for &i in &plan.order {
+            if plan.parents[i].iter().any(|&p| tainted[p]) {
+                tainted[i] = true;
+                chosen[i] = true;
+            }
+        }
+    }
+    (0..states.len()).filter(|&i| chosen[i]).collect()
+}
+
+fn summary(run: &FlowRun) -> Value {
+    json!({
+        "run": run.id, "flow": run.flow, "state": run.state, "reason": run.reason,
+        "created_at_ms": run.created_at_ms, "finished_at_ms": run.finished_at_ms,
+        "rerun_of": run.rerun_of, "reruns": run.reruns,
+        "trigger": run.trigger, "trigger_source": run.trigger_source,
+        "scheduled_at_ms": run.scheduled_at_ms,
+    })
+}
+
+/// A run with its steps, as `get` answers it.
+fn view(run: &FlowRun, steps: &[StepRun]) -> Value {
+    let mut out = summary(run);
+    out["input"] = run.input.clone();
+    out["failure"] = json!(run.def.failure);
+    out["cancel_requested"] = json!(run.cancel_requested);
+    out["steps"] = json!(run
+        .def
+        .steps
+        .iter()
+        .zip(steps)
+        .map(|(def, s)| {
+            let queue = def.task.queue.as_deref().unwrap_or_default();
+            let mut v = serde_json::to_value(s).expect("serializes");
+            v["name"] = json!(def.name);
+            v["needs"] = json!(def.needs);
+            v["trigger"] = json!(def.trigger);
+            v["task"] = json!(def.task.name);
+            if s.items.is_some() {
+                v["task_id"] = json!(super::model::step_task_id(
+                    queue, &run.id, &def.name, s.epoch, 0
+                ));
+            }
+            v
+        })
+        .collect::<Vec<_>>());
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ax_sdk::task::Limits;
+
+    #[test]
+    fn a_rerun_chooses_failed_steps_and_optionally_what_ran_after_them() {
+        // a → b → c(all_done) ; d independent.
+        let def = FlowDef::decode(json!({"name": "f", "steps": [
+            {"name": "a", "task": {"name": "a", "queue": "q"}},
+            {"name": "b", "needs": ["a"], "task": {"name": "b", "queue": "q"}},
+            {"name": "c", "needs": ["b"], "trigger": "all_done", "task": {"name": "c", "queue": "q"}},
+            {"name": "d", "task": {"name": "d", "queue": "q"}},
+        ]}))
+        .unwrap();
+        let plan = def.validate(&Limits::default()).unwrap();
+        use StepState::*;
+        let states = [Succeeded, Failed, Succeeded, Succeeded];
+        assert_eq!(choose(&plan, &states, RerunMode::Failed), vec![1]);
+        assert_eq!(
+            choose(&plan, &states, RerunMode::FailedAndDownstream),
+            vec![1, 2]
+        );
+        let states = [Succeeded, Failed, UpstreamFailed, Cancelled];
+        assert_eq!(choose(&plan, &states, RerunMode::Failed), vec![1, 2, 3]);
+    }
+}

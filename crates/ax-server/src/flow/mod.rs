@@ -1,0 +1,18 @@
+//! Flows: DAGs of tasks whose outputs feed the next steps (issue 9, S0-4, S4-2, S4-3).
+//!
+//! - [`def`]: the definition and its checks (unknown steps, cycles named, fan-out, trigger
+//!   rules, task templates checked as their submits would be).
+//! - [`model`]: what a run stores (`AX_FLOW_RUNS`: the run, one record per step) and the
+//!   deterministic ids of step tasks.
+//! - [`advance`]: the state machine, a pure function of the steps and their tasks' ends.
+//! - `engine` / `actor`: the leader inside `ax server` that drives running runs.
+//! - `api`: `ax.flow.<op>` requests (put, run, get, list, cancel, rerun, …).
+//! - [`store`]: the two KV buckets.
+
+mod actor;
+pub mod advance;
+pub(crate) mod api;
+pub(crate) mod engine;
+mod input;
+
+pub use ax_sdk::flow::*;

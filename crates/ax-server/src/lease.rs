@@ -1,0 +1,191 @@
+//! A lease in `AX_LEASES`: one KV key, taken and renewed by compare-and-set. The trigger
+//! engine's leader holds `triggers`; the owners of delayed-task partitions hold
+//! `delayed.<partition>` (`schedule::partitions`).
+//!
+//! No wall clocks of two hosts are ever compared. The holder renews every third of the TTL
+//! and acts as leader only while its last successful renewal, by its own monotonic clock,
+//! is younger than the TTL. A standby watches the key's *revision*: it takes over only after
+//! seeing the same revision for a whole TTL by its own monotonic clock, so a live holder
+//! (whose renewals change the revision) is never displaced, whatever the standby's wall
+//! clock says.
+//!
+//! The revision written by the last successful take or renewal is the holder's fencing
+//! token ([`Lease::token`]): it is stored with every trigger-state write, and an engine that
+//! reads a state written under a newer token steps down (see `engine`).
+
+use async_nats::jetstream::kv;
+use serde::{Deserialize, Serialize};
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// The key of the trigger engine's lease in `AX_LEASES`.
+pub(crate) const TRIGGERS_KEY: &str = "triggers";
+
+/// The lease's value: who holds it and for how long a renewal counts. No absolute times.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct LeaseValue {
+    /// Holder id; empty when released.
+    pub(crate) holder: String,
+    /// The TTL the holder renews against, ms.
+    #[serde(default)]
+    pub(crate) ttl_ms: u64,
+}
+
+pub(crate) struct Lease {
+    kv: kv::Store,
+    key: String,
+    holder: String,
+    ttl: Duration,
+    /// Revision of our last take or renewal, while held.
+    revision: Option<u64>,
+    /// When our last successful take or renewal was sent.
+    renewed_at: Instant,
+    /// The revision a standby last saw, and since when.
+    seen: Option<(u64, Instant)>,
+}
+
+impl Lease {
+    pub(crate) fn new(
+        kv: kv::Store,
+        key: impl Into<String>,
+        holder: String,
+        ttl: Duration,
+    ) -> Lease {
+        Lease {
+            kv,
+            key: key.into(),
+            holder,
+            ttl,
+            revision: None,
+            renewed_at: Instant::now(),
+            seen: None,
+        }
+    }
+
+    /// The fencing token while held.
+    pub(crate) fn token(&self) -> Option<u64> {
+        self.revision
+    }
+
+    /// True while held and the last renewal is younger than the TTL.
+    pub(crate) fn valid(&self) -> bool {
+        self.revision.is_some() && self.renewed_at.elapsed() < self.ttl
+    }
+
+    fn body(&self, holder: &str) -> bytes::Bytes {
+        let value = LeaseValue {
+            holder: holder.to_string(),
+            ttl_ms: self.ttl.as_millis() as u64,
+        };
+        serde_json::to_vec(&value).expect("serializes").into()
+    }
+
+    /// Renews the lease if held, else tries to take it; true while held.
+    pub(crate) async fn hold(&mut self) -> bool {
+        self.hold_if(true).await
+    }
+
+    /// Like [`Lease::hold`], but when not held only takes the lease if `take`; otherwise
+    /// it just watches the holder's revision, so that an expired lease can be taken as soon
+    /// as `take` is true.
+    pub(crate) async fn hold_if(&mut self, take: bool) -> bool {
+        let sent = Instant::now();
+        if let Some(rev) = self.revision {
+            match self
+                .kv
+                .update(&self.key, self.body(&self.holder), rev)
+                .await
+            {
+                Ok(new) => {
+                    self.revision = Some(new);
+                    self.renewed_at = sent;
+                    return true;
+                }
+                Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
+                    self.revision = None; // someone else holds it now
+                    return false;
+                }
+                // The broker failed: still ours until the TTL runs out, unless renewed.
+                Err(_) => return self.valid(),
+            }
+        }
+        let current = match self.kv.entry(&self.key).await {
+            Ok(current) => current,
+            Err(_) => return false,
+        };
+        let take = match current {
+            None if take => self
+                .kv
+                .create(&self.key, self.body(&self.holder))
+                .await
+                .ok(),
+            None => None,
+            Some(e) => {
+                let value: Option<LeaseValue> = if e.operation == kv::Operation::Put {
+                    serde_json::from_slice(&e.value).ok()
+                } else {
+                    None
+                };
+                let free = match &value {
+                    None => true,
+                    // Released, or ours from before a restart with the same id.
+                    Some(v) => v.holder.is_empty() || v.holder == self.holder,
+                };
+                let expired = match self.seen {
+                    Some((rev, since)) if rev == e.revision => since.elapsed() >= self.ttl,
+                    _ => {
+                        self.seen = Some((e.revision, sent));
+                        false
+                    }
+                };
+                if take && (free || expired) {
+                    self.kv
+                        .update(&self.key, self.body(&self.holder), e.revision)
+                        .await
+                        .ok()
+                } else {
+                    None
+                }
+            }
+        };
+        match take {
+            Some(rev) => {
+                self.revision = Some(rev);
+                self.renewed_at = sent;
+                self.seen = None;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Gives the lease up so a standby takes over at once.
+    pub(crate) async fn release(&mut self) {
+        if let Some(rev) = self.revision.take() {
+            let _ = self.kv.update(&self.key, self.body(""), rev).await;
+        }
+    }
+}
+
+/// The holder of lease `key` (`triggers`, `flows`) as the `leader` API operations answer
+/// it: `{"leader": <server id or null>}` (null when nobody holds it).
+pub(crate) async fn leader(
+    js: &async_nats::jetstream::Context,
+    key: &str,
+) -> Result<serde_json::Value, ax_sdk::protocol::WireError> {
+    let unavailable =
+        |e: String| ax_sdk::protocol::WireError::new(ax_sdk::protocol::ErrorCode::Unavailable, e);
+    let leases = js
+        .get_key_value(ax_sdk::names::LEASES_BUCKET)
+        .await
+        .map_err(|e| unavailable(e.to_string()))?;
+    let lease = leases
+        .get(key)
+        .await
+        .map_err(|e| unavailable(e.to_string()))?;
+    let holder = lease
+        .and_then(|v| serde_json::from_slice::<LeaseValue>(&v).ok())
+        .map(|v| v.holder)
+        .filter(|h| !h.is_empty());
+    Ok(serde_json::json!({ "leader": holder }))
+}

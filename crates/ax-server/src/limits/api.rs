@@ -1,0 +1,224 @@
+//! The limits API: requests on `ax.limit.<op>` (`put`, `get`, `list`, `delete`,
+//! `status`) with JSON bodies, answered `{"ok": …}` or `{"error": …}` (docs/PROTOCOL.md
+//! §7). Definitions live in `AX_LIMITS`; every worker of the queue follows them and
+//! applies a change to its next deliveries within a second, to tasks already queued too
+//! (a task handed back by a rate comes back within one interval of the old rate, at most
+//! an hour). A delete of a limit that does not exist answers `deleted: false`.
+
+use super::model::LimitDef;
+use crate::submit::Admission;
+use async_nats::jetstream::kv;
+use ax_sdk::names::LIMITS_BUCKET;
+use ax_sdk::protocol::{ErrorCode, WireError};
+use futures::StreamExt;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use std::sync::Arc;
+
+pub(crate) struct LimitApi {
+    pub(crate) admission: Arc<Admission>,
+    pub(crate) defs: kv::Store,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Named {
+    queue: String,
+    name: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ListRequest {
+    #[serde(default)]
+    queue: Option<String>,
+}
+
+fn bad(e: serde_json::Error) -> WireError {
+    WireError::new(ErrorCode::BadRequest, e.to_string())
+}
+
+fn unavailable(e: impl std::fmt::Display) -> WireError {
+    WireError::new(ErrorCode::Unavailable, e.to_string())
+}
+
+impl LimitApi {
+    pub(crate) async fn open(admission: Arc<Admission>) -> Result<LimitApi, async_nats::Error> {
+        let defs = admission.js.get_key_value(LIMITS_BUCKET).await?;
+        Ok(LimitApi { admission, defs })
+    }
+
+    pub(crate) async fn handle(&self, op: &str, body: &[u8]) -> Result<Value, WireError> {
+        match op {
+            "put" => {
+                let def: LimitDef = serde_json::from_slice(body).map_err(bad)?;
+                def.validate()?;
+                self.admission
+                    .queues
+                    .check(&self.admission.js, &def.queue)
+                    .await?;
+                let value = serde_json::to_vec(&def).expect("serializes");
+                self.defs
+                    .put(def.key(), value.into())
+                    .await
+                    .map_err(unavailable)?;
+                Ok(serde_json::to_value(&def).expect("serializes"))
+            }
+            "get" => {
+                let Named { queue, name } = serde_json::from_slice(body).map_err(bad)?;
+                let key = format!("{queue}.{name}");
+                if !ax_sdk::names::valid_queue(&queue) || !ax_sdk::names::valid_token(&name, 64) {
+                    return Err(WireError::field("name", "not a limit name"));
+                }
+                match self.defs.get(&key).await.map_err(unavailable)? {
+                    Some(v) => serde_json::from_slice(&v).map_err(unavailable),
+                    None => Err(WireError::new(
+                        ErrorCode::NotFound,
+                        format!("no limit {name:?} on queue {queue:?}"),
+                    )),
+                }
+            }
+            "delete" => {
+                let Named { queue, name } = serde_json::from_slice(body).map_err(bad)?;
+                if !ax_sdk::names::valid_queue(&queue) || !ax_sdk::names::valid_token(&name, 64) {
+                    return Err(WireError::field("name", "not a limit name"));
+                }
+                let deleted = self.delete(&format!("{queue}.{name}")).await?;
+                Ok(json!({"queue": queue, "name": name, "deleted": deleted}))
+            }
+            "status" | "list" => {
+                let req: ListRequest = serde_json::from_slice(body).map_err(bad)?;
+                let filter = match &req.queue {
+                    Some(q) if ax_sdk::names::valid_queue(q) => format!("{q}.>"),
+                    Some(_) => return Err(WireError::field("queue", "not a queue name")),
+                    None => ">".to_string(),
+                };
+                let defs = self.list(&filter).await?;
+                if op == "status" {
+                    self.status(defs).await
+                } else {
+                    Ok(json!(defs))
+                }
+            }
+            _ => Err(WireError::new(
+                ErrorCode::BadRequest,
+                format!("unknown limits operation {op:?}"),
+            )),
+        }
+    }
+
+    /// Each limit with what it holds now: tokens left in a queue- or name-wide rate bucket
+    /// (per-key buckets are many: not listed), an adaptive limit's rate in force
+    /// (`rate_now`), and the concurrency slots held, by whom.
+    async fn status(&self, defs: Vec<LimitDef>) -> Result<Value, WireError> {
+        use ax_sdk::names::{LIMIT_SLOTS_BUCKET, LIMIT_STATE_BUCKET};
+        let js = &self.admission.js;
+        let state = js
+            .get_key_value(LIMIT_STATE_BUCKET)
+            .await
+            .map_err(unavailable)?;
+        let slots = js
+            .get_key_value(LIMIT_SLOTS_BUCKET)
+            .await
+            .map_err(unavailable)?;
+        let mut held: Vec<(String, String)> = Vec::new();
+        if slots
+            .stream
+            .get_info()
+            .await
+            .map_err(unavailable)?
+            .state
+            .messages
+            > 0
+        {
+            let mut keys = slots.keys().await.map_err(unavailable)?;
+            while let Some(key) = keys.next().await {
+                let key = key.map_err(unavailable)?;
+                if let Ok(Some(v)) = slots.get(&key).await {
+                    held.push((key, String::from_utf8_lossy(&v).to_string()));
+                }
+            }
+        }
+        let now_us = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_micros() as u64);
+        let mut out = Vec::new();
+        for def in defs {
+            let (tokens, rate_now) = match (def.rate, def.per_key) {
+                (Some(_), false) => {
+                    let key = ax_sdk::limits::model::bucket_key(&def, None);
+                    let bucket = state
+                        .get(&key)
+                        .await
+                        .ok()
+                        .flatten()
+                        .map(|v| super::adaptive::BucketState::parse(&v))
+                        .unwrap_or_default();
+                    let rate = bucket.rate(&def, now_us);
+                    let interval = super::gcra::interval_us(rate);
+                    let tokens = bucket.tat.map_or(f64::from(def.burst()), |t| {
+                        super::gcra::tokens(t, now_us, interval, def.burst())
+                    });
+                    (Some(tokens), def.adaptive.is_some().then_some(rate))
+                }
+                _ => (None, None),
+            };
+            let prefix = format!("{}.{}.", def.queue, def.name);
+            let holders: Vec<Value> = held
+                .iter()
+                .filter(|(k, _)| k.starts_with(&prefix))
+                .map(|(k, h)| json!({"slot": k, "holder": h}))
+                .collect();
+            let mut entry = json!({"limit": def, "tokens": tokens, "slots_held": holders});
+            if let Some(rate) = rate_now {
+                entry["rate_now"] = json!(rate);
+            }
+            out.push(entry);
+        }
+        Ok(Value::Array(out))
+    }
+
+    /// Deletes a definition if there is one: `true` if it existed (a delete of the revision
+    /// read, so a put racing it is not lost unseen: read again), `false` if not.
+    async fn delete(&self, key: &str) -> Result<bool, WireError> {
+        for _ in 0..8 {
+            let entry = self.defs.entry(key).await.map_err(unavailable)?;
+            let Some(entry) = entry.filter(|e| e.operation == kv::Operation::Put) else {
+                return Ok(false);
+            };
+            match self
+                .defs
+                .delete_expect_revision(key, Some(entry.revision))
+                .await
+            {
+                Ok(()) => return Ok(true),
+                Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => continue,
+                Err(e) => return Err(unavailable(e)),
+            }
+        }
+        Err(unavailable("the limit kept changing while being deleted"))
+    }
+
+    async fn list(&self, filter: &str) -> Result<Vec<LimitDef>, WireError> {
+        let info = self.defs.stream.get_info().await.map_err(unavailable)?;
+        if info.state.messages == 0 {
+            return Ok(Vec::new());
+        }
+        let mut keys = self.defs.keys().await.map_err(unavailable)?;
+        let mut out = Vec::new();
+        while let Some(key) = keys.next().await {
+            let key = key.map_err(unavailable)?;
+            let matches = filter == ">" || key.starts_with(filter.trim_end_matches('>'));
+            if !matches {
+                continue;
+            }
+            if let Some(v) = self.defs.get(&key).await.map_err(unavailable)? {
+                if let Ok(def) = serde_json::from_slice::<LimitDef>(&v) {
+                    out.push(def);
+                }
+            }
+        }
+        out.sort_by(|a, b| (&a.queue, &a.name).cmp(&(&b.queue, &b.name)));
+        Ok(out)
+    }
+}

@@ -1,0 +1,422 @@
+//! Delayed tasks: held in `AX_DELAYED`, moved to their ready subject when due (S2-5).
+//!
+//! The server keeps a timer index built from an ordered consumer over `AX_DELAYED`: on
+//! start it replays every held task, then it follows new ones. Tasks due within the
+//! *horizon* (default 30 s) are held with their message (headers + payload), so dispatching
+//! them costs no read; tasks further out are held as `(due, stream sequence)` only, 16 bytes
+//! each, and their messages are read back by sequence as they cross into the horizon. The
+//! index is a cache: the stream is the truth, so a server killed at any line rebuilds it and
+//! loses nothing.
+//!
+//! At the due instant a task is published to its ready subject with `Nats-Msg-Id` = task id,
+//! then its delayed message is deleted. A crash in between repeats the publish on restart;
+//! the message id makes it a no-op within the duplicate window. A full ready subject leaves
+//! the task in `AX_DELAYED` and retries with backoff (counted in `ax_pending_dispatch`),
+//! never spinning or dropping it. The record stays `scheduled` until a worker claims it
+//! (see docs/ARCHITECTURE.md for why no `pending` write is made here).
+
+use crate::submit::publish_headers;
+use async_nats::jetstream::{self, consumer, stream};
+use ax_sdk::metrics as m;
+use ax_sdk::names::DELAYED_STREAM;
+use ax_sdk::task::{header, TaskMeta};
+use ax_sdk::time::now_ms;
+use futures::StreamExt;
+use index::{Body, Due, Index};
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+mod index;
+pub(crate) mod partitions;
+
+/// Errors of the scheduler loop.
+#[derive(Debug, thiserror::Error)]
+#[error("delayed-task scheduler: {op}: {source}")]
+pub struct ScheduleError {
+    pub(crate) op: &'static str,
+    pub(crate) source: async_nats::Error,
+}
+
+impl ScheduleError {
+    /// What kind of failure this is.
+    pub fn kind(&self) -> ax_sdk::error::ErrorKind {
+        ax_sdk::error::ErrorKind::of(self.source.as_ref())
+    }
+}
+
+fn err(op: &'static str) -> impl FnOnce(async_nats::Error) -> ScheduleError {
+    move |source| ScheduleError { op, source }
+}
+
+/// The instant a wall-clock time (ms since the epoch) is reached, by the monotonic clock.
+pub(crate) fn instant_at(at_ms: u64) -> Instant {
+    Instant::now() + Duration::from_millis(at_ms.saturating_sub(now_ms()))
+}
+
+/// The index and dispatcher of one delayed-task partition (`partitions` runs one per
+/// partition this server owns).
+#[derive(Clone)]
+pub(crate) struct Scheduler {
+    pub(crate) js: jetstream::Context,
+    pub(crate) lookahead: Duration,
+    pub(crate) horizon: Duration,
+    pub(crate) max_inflight: usize,
+    pub(crate) max_held_bytes: usize,
+    /// The subjects of `AX_DELAYED` this scheduler follows.
+    pub(crate) filters: Vec<String>,
+    /// Its slot in `totals`.
+    pub(crate) slot: usize,
+    /// Gauge contributions of every scheduler of this process.
+    pub(crate) totals: std::sync::Arc<Totals>,
+}
+
+/// Per-scheduler counts behind the process-wide gauges `ax_pending_dispatch` and
+/// `ax_delayed_tracked`, which show their sums.
+#[derive(Debug, Default)]
+pub(crate) struct Totals {
+    pending: Vec<std::sync::atomic::AtomicUsize>,
+    tracked: Vec<std::sync::atomic::AtomicUsize>,
+}
+
+impl Totals {
+    pub(crate) fn new(slots: usize) -> Totals {
+        Totals {
+            pending: (0..slots).map(|_| Default::default()).collect(),
+            tracked: (0..slots).map(|_| Default::default()).collect(),
+        }
+    }
+
+    /// Sets one scheduler's counts and the gauges to the sums.
+    pub(crate) fn set(&self, slot: usize, pending: usize, tracked: usize) {
+        self.pending[slot].store(pending, Ordering::Relaxed);
+        self.tracked[slot].store(tracked, Ordering::Relaxed);
+        let sum = |v: &[std::sync::atomic::AtomicUsize]| {
+            v.iter().map(|a| a.load(Ordering::Relaxed)).sum::<usize>() as f64
+        };
+        metrics::gauge!(m::PENDING_DISPATCH).set(sum(&self.pending));
+        metrics::gauge!(m::DELAYED_TRACKED).set(sum(&self.tracked));
+    }
+}
+
+/// Most concurrent read-aheads of delayed messages.
+const MAX_LOADS: usize = 256;
+
+/// How one dispatch ended.
+enum Outcome {
+    /// Published to `subject` (and the delayed message deleted).
+    Done { subject: String },
+    /// The delayed message is gone: another server moved it, or it was removed by hand.
+    Gone,
+    /// Not dispatchable (bad headers): left in the stream, dropped from the index.
+    Bad,
+    /// Publish refused or failed, or the read failed: park under `group`.
+    Refused {
+        group: String,
+        due: u64,
+        seq: u64,
+        body: Option<Body>,
+    },
+}
+
+impl Scheduler {
+    pub(crate) async fn run(self, shutdown: CancellationToken) -> Result<(), ScheduleError> {
+        // A cluster electing leaders (a node lost) answers nothing for a few seconds: wait
+        // with backoff rather than end, which would stop the partition.
+        let started =
+            ax_sdk::retry::until_ok("AX_DELAYED, to index delayed tasks", &shutdown, || async {
+                let stream = self
+                    .js
+                    .get_stream(DELAYED_STREAM)
+                    .await
+                    .map_err(|e| err("get stream")(e.into()))?;
+                let feed = follow(&stream, &self.filters, 0).await?;
+                Ok::<_, ScheduleError>((stream, feed))
+            })
+            .await;
+        let Some((stream, mut feed)) = started else {
+            return Ok(()); // shut down while waiting
+        };
+        let mut last_seq = 0u64;
+        // An ordered consumer notices a restarted nats-server only after two missed 15 s
+        // heartbeats; watching the client's reconnect count lets the index resume within
+        // a quarter second.
+        let stats = self.js.client().statistics();
+        let mut connects = stats.connects.load(Ordering::Relaxed);
+        let mut watch = tokio::time::interval(Duration::from_millis(250));
+        let horizon_ms = self.horizon.as_millis() as u64;
+        let lookahead_ms = self.lookahead.as_millis() as u64;
+        let mut index = Index::new(self.max_held_bytes);
+        // Batches of dispatches; `inflight` counts the tasks in them.
+        let mut dispatching: JoinSet<Vec<(Option<String>, Outcome)>> = JoinSet::new();
+        let mut inflight = 0usize;
+        let mut loads: JoinSet<(u64, Option<Body>)> = JoinSet::new();
+        loop {
+            // Start what there is room for; nothing below waits for room.
+            let now = now_ms();
+            let free = self.max_inflight.saturating_sub(inflight);
+            let mut due = index.probes(Instant::now());
+            due.truncate(free);
+            let more = free - due.len();
+            due.extend(index.take_due(now + lookahead_ms, more));
+            inflight += due.len();
+            while !due.is_empty() {
+                let rest = due.split_off(due.len().min(BATCH));
+                let batch = std::mem::replace(&mut due, rest);
+                let (js, stream, token) = (self.js.clone(), stream.clone(), shutdown.clone());
+                dispatching.spawn(async move {
+                    let n = batch.len();
+                    tokio::select! {
+                        _ = token.cancelled() => (0..n).map(|_| (None, Outcome::Gone)).collect(),
+                        out = dispatch_batch(&js, &stream, batch) => out,
+                    }
+                });
+            }
+            let room = MAX_LOADS.saturating_sub(loads.len());
+            for seq in index.take_loads(now + horizon_ms, room) {
+                let stream = stream.clone();
+                loads.spawn(async move { (seq, load(&stream, seq).await.ok().flatten()) });
+            }
+            self.totals
+                .set(self.slot, index.parked() + inflight, index.len() + inflight);
+
+            let mut wake: Option<Instant> = index.next_probe();
+            if inflight < self.max_inflight {
+                if let Some(at) = index.next_due() {
+                    wake = earliest(wake, instant_at(at.saturating_sub(lookahead_ms)));
+                }
+            }
+            if loads.len() < MAX_LOADS {
+                if let Some(at) = index.next_load_due() {
+                    wake = earliest(wake, instant_at(at.saturating_sub(horizon_ms)));
+                }
+            }
+            let sleep = wake.unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
+            tokio::select! {
+                _ = shutdown.cancelled() => break,
+                _ = watch.tick() => {
+                    let now_connects = stats.connects.load(Ordering::Relaxed);
+                    if now_connects != connects {
+                        debug!(last_seq, "reconnected: following AX_DELAYED again");
+                        match follow(&stream, &self.filters, last_seq + 1).await {
+                            Ok(f) => {
+                                feed = f;
+                                connects = now_connects;
+                            }
+                            Err(e) => warn!(cause = %e, "cannot follow AX_DELAYED yet; retrying"),
+                        }
+                    }
+                }
+                next = feed.next() => match next {
+                    Some(Ok(msg)) => {
+                        let Ok(info) = msg.info() else { continue };
+                        let seq = info.stream_sequence;
+                        if seq <= last_seq {
+                            continue; // seen before a re-follow
+                        }
+                        last_seq = seq;
+                        let at = msg.headers.as_ref()
+                            .and_then(|h| h.get(header::RUN_AT_MS))
+                            .and_then(|v| v.as_str().parse::<u64>().ok());
+                        match at {
+                            Some(at) => {
+                                let body = (msg.headers.clone().unwrap_or_default(), msg.payload.clone());
+                                index.add(at, seq, Some(body), now_ms(), horizon_ms);
+                            }
+                            None => warn!(seq, "delayed message without a valid Ax-Run-At-Ms; left in place"),
+                        }
+                    }
+                    Some(Err(e)) => warn!(cause = %e, "delayed index feed error; the ordered consumer resets itself"),
+                    None => return Err(err("follow stream")("feed ended".into())),
+                },
+                Some(done) = dispatching.join_next(), if !dispatching.is_empty() => {
+                    let Ok(outcomes) = done else {
+                        // A batch task failed (a bug): its tasks are still in AX_DELAYED,
+                        // and the next replay picks them up.
+                        warn!("a delayed-dispatch batch failed");
+                        continue;
+                    };
+                    inflight = inflight.saturating_sub(outcomes.len());
+                    for (probe_of, outcome) in outcomes { match outcome {
+                        Outcome::Done { subject } => {
+                            index.unpark(&subject);
+                            if let Some(group) = probe_of {
+                                index.unpark(&group);
+                            }
+                        }
+                        Outcome::Refused { group, due, seq, body } => {
+                            index.park(group, due, seq, body, Instant::now(), probe_of.as_deref());
+                        }
+                        Outcome::Gone | Outcome::Bad => {
+                            if let Some(group) = probe_of {
+                                index.unpark(&group);
+                            }
+                        }
+                    } }
+                }
+                Some(done) = loads.join_next(), if !loads.is_empty() => {
+                    if let Ok((seq, body)) = done {
+                        index.loaded(seq, body);
+                    }
+                }
+                _ = tokio::time::sleep_until(sleep) => {}
+            }
+        }
+        dispatching.shutdown().await;
+        loads.shutdown().await;
+        self.totals.set(self.slot, 0, 0);
+        Ok(())
+    }
+}
+
+fn earliest(a: Option<Instant>, b: Instant) -> Option<Instant> {
+    Some(a.map_or(b, |a| a.min(b)))
+}
+
+/// How long a pull request of the index feed waits; its idle heartbeat is half of it.
+const FEED_EXPIRES: Duration = Duration::from_secs(2);
+
+/// An ordered consumer over `AX_DELAYED` from `start` (0: from the first message).
+async fn follow(
+    stream: &stream::Stream,
+    filters: &[String],
+    start: u64,
+) -> Result<consumer::pull::Ordered, ScheduleError> {
+    let deliver_policy = match start {
+        0 => consumer::DeliverPolicy::All,
+        start_sequence => consumer::DeliverPolicy::ByStartSequence { start_sequence },
+    };
+    stream
+        .create_consumer(consumer::pull::OrderedConfig {
+            deliver_policy,
+            filter_subjects: filters.to_vec(),
+            // Pull requests expire after 2 s with a 1 s idle heartbeat, so a consumer lost
+            // with a cluster node is noticed (two missed heartbeats) and recreated within a
+            // few seconds rather than after the default 15 s heartbeats.
+            max_expires: FEED_EXPIRES,
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| err("create index consumer")(e.into()))?
+        .messages()
+        .await
+        .map_err(|e| err("follow stream")(e.into()))
+}
+
+/// Reads a delayed message back by sequence: `Ok(None)` if it is gone (another server
+/// moved it, or it was removed by hand), `Err` if the broker could not answer.
+async fn load(stream: &stream::Stream, seq: u64) -> Result<Option<Body>, String> {
+    match stream.direct_get(seq).await {
+        Ok(msg) => Ok(Some((msg.headers, msg.payload))),
+        // A direct get may be answered by any replica, and one that lags (catching up after
+        // a node was lost) may say "not found" for a message that is stored: only the
+        // stream leader's word drops a task from the index (it would stay in AX_DELAYED,
+        // undispatched until a restart).
+        Err(e) if e.kind() == stream::DirectGetErrorKind::NotFound => {
+            match stream.get_raw_message(seq).await {
+                Ok(msg) => Ok(Some((msg.headers, msg.payload))),
+                Err(e) if e.kind() == stream::LastRawMessageErrorKind::NoMessageFound => Ok(None),
+                Err(e) => {
+                    debug!(seq, cause = %e, "delayed message not confirmed gone by the leader");
+                    Err(e.to_string())
+                }
+            }
+        }
+        Err(e) => {
+            debug!(seq, cause = %e, "delayed message not readable now");
+            Err(e.to_string())
+        }
+    }
+}
+
+/// Most tasks one dispatch batch carries.
+const BATCH: usize = 256;
+
+/// Moves delayed tasks to their ready subjects at their due times, a batch at a time: the
+/// tasks due by now are read (if their bodies are not held) and published together, their
+/// publish acks awaited together, and their delayed messages deleted together. One task
+/// per batch rather than per message keeps a burst of 100,000 cheap to start.
+async fn dispatch_batch(
+    js: &jetstream::Context,
+    stream: &stream::Stream,
+    mut batch: Vec<Due>,
+) -> Vec<(Option<String>, Outcome)> {
+    batch.sort_by_key(|d| d.due);
+    let mut out = Vec::with_capacity(batch.len());
+    let mut rest = batch.into_iter().peekable();
+    while let Some(first) = rest.peek() {
+        tokio::time::sleep_until(instant_at(first.due)).await;
+        let now = now_ms();
+        let mut ready = Vec::new();
+        while let Some(d) = rest.next_if(|d| d.due <= now) {
+            ready.push(d);
+        }
+        let round = ready.into_iter().map(|d| async move {
+            let probe_of = d.probe_of.clone();
+            (probe_of, dispatch(js, stream, d).await)
+        });
+        out.extend(futures::future::join_all(round).await);
+    }
+    out
+}
+
+/// Moves one delayed task to its ready subject (it is due).
+async fn dispatch(js: &jetstream::Context, stream: &stream::Stream, d: Due) -> Outcome {
+    let Due { due, seq, body, .. } = d;
+    let (headers, payload) = match body {
+        Some(body) => body,
+        None => match load(stream, seq).await {
+            Ok(Some(body)) => body,
+            Ok(None) => {
+                debug!(
+                    seq,
+                    "delayed message gone (moved by another server, or removed)"
+                );
+                return Outcome::Gone;
+            }
+            Err(_) => {
+                return Outcome::Refused {
+                    group: "(read)".into(),
+                    due,
+                    seq,
+                    body: None,
+                }
+            }
+        },
+    };
+    let (subject, id) = match TaskMeta::ready_route(&headers) {
+        Ok((subject, id)) => (subject, id.to_string()),
+        Err(e) => {
+            warn!(seq, cause = %e, "delayed message with bad headers; left in place");
+            return Outcome::Bad;
+        }
+    };
+    if let Err(e) = publish_headers(js, subject.clone(), headers, &id, payload).await {
+        // Parked without its body (read back when it is retried): refusals are rare, and
+        // keeping the headers would cost a copy of every one on the way out.
+        debug!(task_id = %id, cause = %e, "ready publish refused; parked");
+        return Outcome::Refused {
+            group: subject,
+            due,
+            seq,
+            body: None,
+        };
+    }
+    metrics::histogram!(m::DISPATCH_LAG).record(now_ms().saturating_sub(due) as f64 / 1000.0);
+    metrics::counter!(m::DELAYED_DISPATCHED).increment(1);
+    #[cfg(feature = "test-hooks")]
+    ax_sdk::hooks::after_dispatch();
+    // Delete without the secure erase (overwriting the stored bytes) that
+    // `Stream::delete_message` asks for: the task lives on in the ready stream anyway.
+    let request = serde_json::json!({ "seq": seq, "no_erase": true });
+    let deleted: Result<serde_json::Value, _> = js
+        .request(format!("STREAM.MSG.DELETE.{DELAYED_STREAM}"), &request)
+        .await;
+    if let Err(e) = deleted {
+        debug!(seq, cause = %e, "delayed message not deleted; a restart re-publishes it (deduplicated)");
+    }
+    Outcome::Done { subject }
+}

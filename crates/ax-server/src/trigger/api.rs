@@ -1,0 +1,368 @@
+//! The trigger management API: requests on `ax.trigger.<op>` with JSON bodies, answered
+//! `{"ok": …}` or `{"error": {"code", "message", "field"}}` (docs/PROTOCOL.md §5).
+
+use super::clock::Clock;
+use super::fire::{fire, manual_tag, tracked_ids as tracked, unfinished};
+use super::model::TriggerDef;
+use super::plan::{Source, TriggerState};
+use super::recur::Recurrence;
+use super::store::{TriggerStore, TriggerStoreError};
+use crate::submit::Admission;
+use ax_sdk::protocol::{ErrorCode, WireError};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use std::sync::Arc;
+
+/// Most compare-and-set attempts to record a manual run in a changing trigger state.
+const MAX_RECORD_ATTEMPTS: usize = 50;
+
+pub(crate) struct TriggerApi {
+    pub(crate) admission: Arc<Admission>,
+    pub(crate) store: TriggerStore,
+    pub(crate) clock: Arc<dyn Clock>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Named {
+    name: String,
+    #[serde(default)]
+    force: bool,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ApplyRequest {
+    triggers: Vec<Value>,
+    #[serde(default = "yes")]
+    prune: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn bad(e: serde_json::Error) -> WireError {
+    WireError::new(ErrorCode::BadRequest, e.to_string())
+}
+
+fn unavailable(e: TriggerStoreError) -> WireError {
+    WireError::new(ErrorCode::Unavailable, e.to_string())
+}
+
+fn rfc3339(ms: u64) -> String {
+    ax_sdk::time::format_rfc3339_ms(ms)
+}
+
+/// The next `n` fire times from `now` (ignoring overlap, which depends on running tasks).
+fn upcoming(
+    def: &TriggerDef,
+    rec: &Recurrence,
+    state: &TriggerState,
+    now: u64,
+    n: usize,
+) -> Vec<String> {
+    if !def.enabled {
+        return Vec::new();
+    }
+    let anchor = if rec.is_fixed_delay() {
+        state.last_completed_ms.unwrap_or(state.created_at_ms)
+    } else {
+        state.created_at_ms
+    };
+    let mut t = state.last_scheduled_ms.unwrap_or(0).max(now);
+    let mut out = Vec::new();
+    while out.len() < n {
+        match rec.next_after(t, anchor) {
+            Some(next) => {
+                out.push(rfc3339(next));
+                t = next;
+                if rec.is_fixed_delay() {
+                    break;
+                }
+            }
+            None => break,
+        }
+    }
+    out
+}
+
+impl TriggerApi {
+    pub(crate) async fn handle(&self, op: &str, body: &[u8]) -> Result<Value, WireError> {
+        match op {
+            "put" => {
+                let def = TriggerDef::decode(serde_json::from_slice(body).map_err(bad)?)?;
+                let outcome = self.put(def).await?;
+                Ok(json!({ "outcome": outcome }))
+            }
+            "apply" => {
+                let req: ApplyRequest = serde_json::from_slice(body).map_err(bad)?;
+                self.apply(req).await
+            }
+            // The trigger engine's lease: who fires the scheduled triggers now.
+            "leader" => crate::lease::leader(&self.admission.js, crate::lease::TRIGGERS_KEY).await,
+            "list" => {
+                let now = self.clock.now_ms();
+                let mut out = Vec::new();
+                for def in self.store.all().await.map_err(unavailable)? {
+                    let state = self.state_of(&def.name).await?.0;
+                    let next = def
+                        .validate()
+                        .map(|r| upcoming(&def, &r, &state, now, 1))
+                        .unwrap_or_default();
+                    out.push(json!({
+                        "name": def.name, "kind": def.kind, "enabled": def.enabled,
+                        "next": next.first(), "fires": state.fires,
+                        "last_fired_at_ms": state.last_fire.as_ref().map(|f| f.fired_at_ms),
+                        "last_result": state.last_result,
+                    }));
+                }
+                Ok(Value::Array(out))
+            }
+            _ => {
+                let req: Named = serde_json::from_slice(body).map_err(bad)?;
+                if !ax_sdk::names::valid_token(&req.name, 64) {
+                    return Err(WireError::field(
+                        "name",
+                        "must be 1..=64 of A-Z a-z 0-9 _ -",
+                    ));
+                }
+                match op {
+                    "get" => self.describe(&req.name).await,
+                    "pause" | "resume" => {
+                        let (mut def, _) = self.def_of(&req.name).await?;
+                        if op == "resume" && !def.enabled {
+                            self.skip_paused_times(&req.name).await?;
+                        }
+                        def.enabled = op == "resume";
+                        self.put(def).await?;
+                        Ok(json!({ "name": req.name, "enabled": op == "resume" }))
+                    }
+                    "delete" => {
+                        self.def_of(&req.name).await?;
+                        self.store.delete(&req.name).await.map_err(unavailable)?;
+                        Ok(json!({ "name": req.name, "deleted": true }))
+                    }
+                    "run" => self.run(&req.name, req.force).await,
+                    other => Err(WireError::new(
+                        ErrorCode::BadRequest,
+                        format!("unknown trigger operation {other:?}"),
+                    )),
+                }
+            }
+        }
+    }
+
+    async fn def_of(&self, name: &str) -> Result<(TriggerDef, u64), WireError> {
+        self.store
+            .def(name)
+            .await
+            .map_err(unavailable)?
+            .ok_or_else(|| WireError::new(ErrorCode::NotFound, format!("no trigger {name:?}")))
+    }
+
+    async fn state_of(&self, name: &str) -> Result<(TriggerState, Option<u64>), WireError> {
+        Ok(match self.store.state(name).await.map_err(unavailable)? {
+            Some((s, rev)) => (s, Some(rev)),
+            None => (
+                TriggerState {
+                    created_at_ms: self.clock.now_ms(),
+                    ..Default::default()
+                },
+                None,
+            ),
+        })
+    }
+
+    /// Marks the times that passed while a trigger was paused as handled, so resuming does
+    /// not fire them as missed.
+    async fn skip_paused_times(&self, name: &str) -> Result<(), WireError> {
+        for _ in 0..3 {
+            let (mut state, rev) = self.state_of(name).await?;
+            let now = self.clock.now_ms();
+            if state.last_scheduled_ms.is_some_and(|t| t >= now) {
+                return Ok(());
+            }
+            state.last_scheduled_ms = Some(now);
+            match self.store.put_state(name, &state, rev).await {
+                Ok(_) => return Ok(()),
+                Err(TriggerStoreError::Stale(_)) => continue,
+                Err(e) => return Err(unavailable(e)),
+            }
+        }
+        Err(WireError::new(
+            ErrorCode::Unavailable,
+            "trigger state kept changing; retry",
+        ))
+    }
+
+    /// The flows a trigger starts must exist when it is stored (a flow deleted later makes
+    /// its fires fail and retry, logged, until it is back).
+    async fn check_flows(&self, def: &TriggerDef) -> Result<(), WireError> {
+        for (i, start) in def.flows.iter().enumerate() {
+            let found = self
+                .admission
+                .flows
+                .def(&start.flow)
+                .await
+                .map_err(|e| WireError::new(ErrorCode::Unavailable, e.to_string()))?;
+            if found.is_none() {
+                return Err(WireError::field(
+                    &format!("flows[{i}].flow"),
+                    format!("no flow {:?} (put it first)", start.flow),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Validates and stores a definition; `created`, `updated` or `unchanged`.
+    async fn put(&self, def: TriggerDef) -> Result<&'static str, WireError> {
+        def.validate()?;
+        def.check_templates(&self.admission.limits)?;
+        self.check_flows(&def).await?;
+        for queue in def.queues() {
+            self.admission
+                .queues
+                .check(&self.admission.js, queue)
+                .await?;
+        }
+        let existing = self.store.def(&def.name).await.map_err(unavailable)?;
+        let outcome = match &existing {
+            Some((old, _)) if *old == def => return Ok("unchanged"),
+            Some(_) => "updated",
+            None => "created",
+        };
+        let (state, rev) = self.state_of(&def.name).await?;
+        if rev.is_none() {
+            match self.store.put_state(&def.name, &state, None).await {
+                Ok(_) | Err(TriggerStoreError::Stale(_)) => {}
+                Err(e) => return Err(unavailable(e)),
+            }
+        }
+        self.store
+            .put_def(&def, existing.map(|(_, rev)| rev))
+            .await
+            .map_err(|e| match e {
+                TriggerStoreError::Stale(name) => WireError::new(
+                    ErrorCode::Unavailable,
+                    format!("trigger {name} changed concurrently; retry"),
+                ),
+                e => unavailable(e),
+            })?;
+        Ok(outcome)
+    }
+
+    async fn apply(&self, req: ApplyRequest) -> Result<Value, WireError> {
+        // Decode and validate everything first: an invalid file changes nothing.
+        let mut defs = Vec::with_capacity(req.triggers.len());
+        for (i, value) in req.triggers.into_iter().enumerate() {
+            let at = |mut e: WireError| {
+                e.field = Some(format!("triggers[{i}].{}", e.field.unwrap_or_default()));
+                e
+            };
+            let def = TriggerDef::decode(value).map_err(at)?;
+            def.validate().map_err(at)?;
+            def.check_templates(&self.admission.limits).map_err(at)?;
+            self.check_flows(&def).await.map_err(at)?;
+            defs.push(def);
+        }
+        for def in &defs {
+            for queue in def.queues() {
+                self.admission
+                    .queues
+                    .check(&self.admission.js, queue)
+                    .await?;
+            }
+        }
+        let mut report = Vec::new();
+        let wanted: Vec<String> = defs.iter().map(|d| d.name.clone()).collect();
+        for def in defs {
+            let name = def.name.clone();
+            let outcome = self.put(def).await?;
+            report.push(json!({ "name": name, "outcome": outcome }));
+        }
+        if req.prune {
+            for def in self.store.all().await.map_err(unavailable)? {
+                if !wanted.contains(&def.name) {
+                    self.store.delete(&def.name).await.map_err(unavailable)?;
+                    report.push(json!({ "name": def.name, "outcome": "deleted" }));
+                }
+            }
+        }
+        Ok(Value::Array(report))
+    }
+
+    async fn describe(&self, name: &str) -> Result<Value, WireError> {
+        let (def, _) = self.def_of(name).await?;
+        let (state, _) = self.state_of(name).await?;
+        let rec = def.validate()?;
+        let mut running: Vec<String> = unfinished(&self.admission, tracked(&state))
+            .await
+            .into_iter()
+            .collect();
+        running.sort();
+        Ok(json!({
+            "definition": def,
+            "state": state,
+            "next": upcoming(&def, &rec, &state, self.clock.now_ms(), 5),
+            "running": running,
+        }))
+    }
+
+    /// A manual run (S0-12): refused while an earlier fire's tasks are unfinished, unless
+    /// `force`. One request is one fire: its task ids are chosen once, the tasks submitted
+    /// once, and a state that changed meanwhile gets the fire merged in, never fired again.
+    async fn run(&self, name: &str, force: bool) -> Result<Value, WireError> {
+        let (def, _) = self.def_of(name).await?;
+        let (state, rev) = self.state_of(name).await?;
+        let known: Vec<String> = tracked(&state).cloned().collect();
+        let running = unfinished(&self.admission, known.iter()).await;
+        if !running.is_empty() && !force {
+            let mut running: Vec<String> = running.into_iter().collect();
+            running.sort();
+            return Err(WireError::new(
+                ErrorCode::Running,
+                format!(
+                    "trigger {name} is running (tasks {}); pass force to run anyway",
+                    running.join(", ")
+                ),
+            ));
+        }
+        let finished: Vec<&String> = known.iter().filter(|id| !running.contains(*id)).collect();
+        let now = self.clock.now_ms();
+        let task_ids = fire(
+            &self.admission,
+            &def,
+            now,
+            Source::Manual,
+            &manual_tag(),
+            None,
+        )
+        .await?;
+        let forced = force && !running.is_empty();
+        let (mut state, mut rev) = (state, rev);
+        for attempt in 0..MAX_RECORD_ATTEMPTS {
+            if attempt > 0 {
+                // Many runs at once: spread the retries out.
+                let ms = rand::random_range(1..=20u64);
+                tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+            }
+            state.active.retain(|id| !finished.contains(&id));
+            state.record_fire(&[now], now, Source::Manual, &task_ids);
+            match self.store.put_state(name, &state, rev).await {
+                Ok(_) => return Ok(json!({ "task_ids": task_ids, "forced": forced })),
+                Err(TriggerStoreError::Stale(_)) => {
+                    // Changed meanwhile: record this same fire into what is stored now.
+                    (state, rev) = self.state_of(name).await?;
+                }
+                Err(e) => {
+                    tracing::warn!(trigger = %name, cause = %e, "manual run made but not recorded in the trigger state");
+                    return Ok(json!({ "task_ids": task_ids, "forced": forced }));
+                }
+            }
+        }
+        tracing::warn!(trigger = %name, "trigger state kept changing; manual run made but not recorded");
+        Ok(json!({ "task_ids": task_ids, "forced": forced }))
+    }
+}

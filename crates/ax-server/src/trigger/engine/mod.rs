@@ -1,0 +1,694 @@
+//! The trigger engine inside `ax server`: one leader fires, the others stand by.
+//!
+//! Leadership is the lease in `AX_LEASES` (see `lease`); its revision is the leader's
+//! fencing token, stored in every trigger state the leader writes. The leader follows
+//! `AX_TRIGGERS` (definitions, hot-reloaded) and `AX_TRIGGER_STATE` (manual runs made
+//! through any server), keeps a timer heap of next fire times, and follows the records of
+//! trigger tasks with a KV watch on `AX_TASKS` keys `*.tr.>` (an ordered consumer: no
+//! message is dropped, whatever the load) to know when they finish (overlap policies,
+//! fixed-delay). Completion tracking is recoverable: on every (re)load of a trigger, and at
+//! most every few seconds while a trigger waits on unfinished tasks, the unfinished ids are
+//! re-checked against their records.
+//!
+//! A fire is: submit each template as task `<queue>.tr.<trigger>.<scheduled ms>.<i>`, then
+//! compare-and-set the trigger's state. A crash in between is repaired by the next leader
+//! re-planning the same scheduled time: the same task ids make the re-submission a no-op
+//! (the message id within the 2-minute window, the record's create-if-absent after it). If
+//! the state changed meanwhile (a manual run), the fire is merged into the new state, never
+//! re-planned, so a fired time is never recorded as skipped.
+//!
+//! **No fire over an unrecorded one.** A fire whose state write failed or went unanswered
+//! (or whose submit was refused, which may still have stored its task) leaves the trigger
+//! *unsure*: nothing of it is planned until the state is read again from the store, the
+//! fires found as tasks but missing from it are written into it (`recover.rs`), and that
+//! write has succeeded. So a leader whose state writes fail fires a trigger at most once
+//! until the broker takes its writes again, and every fire it made is in the stored state
+//! before the next one (the fault campaign found a leader that kept firing, each fire
+//! unrecorded, and its state undercounted them: seed 4781888180537039789). A leader that
+//! stops leading aborts the fires it still has in flight, as a crash would.
+
+mod recover;
+
+use super::clock::Clock;
+use super::fire::{fire, scheduled_tag, tracked_ids, trigger_of_task, unfinished};
+use super::model::TriggerDef;
+use super::plan::{plan, Plan, Source, TriggerState};
+use super::recur::Recurrence;
+use super::store::{TriggerStore, TriggerStoreError};
+use crate::lease::{Lease, TRIGGERS_KEY};
+use crate::submit::Admission;
+use async_nats::jetstream::kv;
+use ax_sdk::names::LEASES_BUCKET;
+use ax_sdk::state::TaskRecord;
+use futures::{FutureExt, StreamExt};
+use recover::merge_fire;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, HashSet};
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, error, info, warn};
+
+/// Errors that stop the engine.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum EngineError {
+    /// A bucket could not be opened or followed.
+    #[error("trigger engine: {0}")]
+    Store(#[from] TriggerStoreError),
+    /// The broker failed.
+    #[error("trigger engine: {op}: {source}")]
+    Broker {
+        /// Operation.
+        op: &'static str,
+        /// Underlying error.
+        source: async_nats::Error,
+    },
+}
+
+fn broker(op: &'static str) -> impl FnOnce(async_nats::Error) -> EngineError {
+    move |source| EngineError::Broker { op, source }
+}
+
+/// How many of the latest scheduled times a new leader checks for unrecorded fires.
+const REPAIR_WINDOW: usize = 128;
+
+/// How often, at most, a trigger waiting on unfinished tasks re-checks their records.
+const RECHECK: Duration = Duration::from_secs(3);
+
+/// Most triggers fired at once by the leader.
+const MAX_CONCURRENT_FIRES: usize = 512;
+
+/// Most attempts to record a fire into a state that keeps changing.
+const MERGE_ATTEMPTS: usize = 10;
+
+/// How soon a trigger whose state could not be read or written is looked at again, ms.
+const RETRY_MS: u64 = 1000;
+
+/// One trigger as the leader holds it.
+struct Held {
+    def: TriggerDef,
+    rec: Recurrence,
+    state: TriggerState,
+    revision: u64,
+    /// Task ids of its fires not yet seen finished.
+    active: HashSet<String>,
+    /// Completions seen while a fire was in flight, before its ids were known.
+    early_done: HashSet<String>,
+    /// When `active` was last checked against the records (`None`: it must be).
+    checked_at: Option<Instant>,
+    /// The stored state may lack fires a leader made but could not record (it died, or its
+    /// state write failed or went unanswered): find them and write them into the stored
+    /// state before planning anything (`recover::record_unrecorded`).
+    unsure: bool,
+    /// `state` and `revision` are the stored ones as last read or written (not after a
+    /// failed write, whose outcome is unknown).
+    fresh: bool,
+    /// `state` holds a change the store must get before anything is planned (a late fire
+    /// adopted from a previous leader).
+    unstored: bool,
+    /// Scheduled times this leader fired, recorded from the tasks it found, or adopted:
+    /// the creation of their tasks, seen late through a lagging watch, is never adopted
+    /// again (it would count one fire twice). The latest [`KNOWN_FIRES`].
+    known: std::collections::VecDeque<u64>,
+}
+
+/// Notes in `known` ([`Held::known`]) that scheduled time `t` fired.
+fn known_fire(known: &mut std::collections::VecDeque<u64>, t: u64) {
+    if !known.contains(&t) {
+        if known.len() == KNOWN_FIRES {
+            known.pop_front();
+        }
+        known.push_back(t);
+    }
+}
+
+/// How many scheduled times a leader keeps in [`Held::known`] per trigger (the watch of
+/// task records lags by seconds at most; a trigger fires at most once a second).
+const KNOWN_FIRES: usize = 256;
+
+impl Held {
+    /// True if planning this trigger depends on whether its tasks still run.
+    fn waits_on_tasks(&self) -> bool {
+        !self.active.is_empty()
+            && (self.rec.is_fixed_delay()
+                || self.def.overlap != super::model::OverlapPolicy::Allow
+                || self.state.buffered_ms.is_some())
+    }
+}
+
+pub(crate) struct Engine {
+    pub(crate) admission: Arc<Admission>,
+    pub(crate) clock: Arc<dyn Clock>,
+    pub(crate) lease_ttl: Duration,
+    pub(crate) id: String,
+}
+
+/// Why leading stopped.
+enum Stop {
+    Shutdown,
+    StepDown(&'static str),
+}
+
+impl Engine {
+    pub(crate) async fn run(self, shutdown: CancellationToken) -> Result<(), EngineError> {
+        let js = self.admission.js.clone();
+        let store = TriggerStore::open(&js).await?;
+        let kv = js
+            .get_key_value(LEASES_BUCKET)
+            .await
+            .map_err(|e| broker("open leases")(e.into()))?;
+        let mut lease = Lease::new(kv, TRIGGERS_KEY, self.id.clone(), self.lease_ttl);
+        let poll = self.lease_ttl / 3;
+        loop {
+            if lease.hold().await {
+                let token = lease.token().unwrap_or_default();
+                info!(id = %self.id, token, "trigger engine: leader");
+                match self.lead(&store, &mut lease, &shutdown).await {
+                    Ok(Stop::Shutdown) => {
+                        lease.release().await;
+                        return Ok(());
+                    }
+                    Ok(Stop::StepDown(why)) => {
+                        warn!(id = %self.id, why, "trigger engine: stepping down")
+                    }
+                    Err(e) => {
+                        warn!(cause = %e, "trigger engine: leadership ended with an error");
+                        lease.release().await;
+                    }
+                }
+                info!(id = %self.id, "trigger engine: standing by");
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => return Ok(()),
+                _ = tokio::time::sleep(poll) => {}
+            }
+        }
+    }
+
+    /// Loads a trigger's state (creating it if missing) and re-checks its unfinished tasks.
+    async fn load(
+        &self,
+        store: &TriggerStore,
+        def: TriggerDef,
+        rec: Recurrence,
+    ) -> Result<Held, EngineError> {
+        let name = def.name.clone();
+        let (state, revision) = match store.state(&name).await? {
+            Some(found) => found,
+            None => {
+                let state = TriggerState {
+                    created_at_ms: self.clock.now_ms(),
+                    ..Default::default()
+                };
+                match store.put_state(&name, &state, None).await {
+                    Ok(rev) => (state, rev),
+                    Err(TriggerStoreError::Stale(_)) => store
+                        .state(&name)
+                        .await?
+                        .ok_or_else(|| TriggerStoreError::Stale(name.clone()))?,
+                    Err(e) => return Err(e.into()),
+                }
+            }
+        };
+        let active = unfinished(&self.admission, tracked_ids(&state)).await;
+        let mut h = Held {
+            def,
+            rec,
+            state,
+            revision,
+            active,
+            early_done: HashSet::new(),
+            checked_at: Some(Instant::now()),
+            unsure: true,
+            fresh: true,
+            unstored: false,
+            known: Default::default(),
+        };
+        self.settle(&mut h);
+        Ok(h)
+    }
+
+    async fn lead(
+        &self,
+        store: &TriggerStore,
+        lease: &mut Lease,
+        shutdown: &CancellationToken,
+    ) -> Result<Stop, EngineError> {
+        let token = lease.token().unwrap_or_default();
+        let mut watch = store
+            .defs()
+            .watch_with_history(">")
+            .await
+            .map_err(|e| broker("watch definitions")(e.into()))?;
+        // Every write to a trigger task's record, delivered by an ordered consumer.
+        let mut completions = self
+            .admission
+            .tasks
+            .watch_trigger_tasks()
+            .await
+            .map_err(|e| broker("follow trigger task records")(e.into()))?;
+        // State written by others (a manual run on another server) is taken in at once.
+        let mut state_watch = store
+            .states()
+            .watch_all()
+            .await
+            .map_err(|e| broker("watch trigger state")(e.into()))?;
+        let mut held: HashMap<String, Held> = HashMap::new();
+        let mut wakes: BinaryHeap<Reverse<(u64, String)>> = BinaryHeap::new();
+        let mut renew = tokio::time::interval(self.lease_ttl / 3);
+        // Fires run as tasks so the timer loop never waits on the broker; a trigger is not
+        // planned again while its fire is in flight (`recheck` remembers it was due).
+        let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel::<(String, Outcome)>();
+        let fire_slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_FIRES));
+        // Dropped when leading stops: fires still in flight are aborted, as a crash would,
+        // instead of landing under whoever leads next.
+        let mut firing = tokio::task::JoinSet::new();
+        let mut in_flight: HashSet<String> = HashSet::new();
+        let mut recheck: HashSet<String> = HashSet::new();
+        // Triggers due while every fire slot was busy, planned again as slots free up.
+        let mut starved: std::collections::VecDeque<String> = Default::default();
+        loop {
+            let now = self.clock.now_ms();
+            let sleep = wakes
+                .peek()
+                .map_or(Duration::from_secs(3600), |Reverse((at, _))| {
+                    Duration::from_millis(at.saturating_sub(now))
+                });
+            let mut due: Vec<String> = Vec::new();
+            tokio::select! {
+                _ = shutdown.cancelled() => return Ok(Stop::Shutdown),
+                _ = renew.tick() => {
+                    if !lease.hold().await {
+                        return Ok(Stop::StepDown("lease lost"));
+                    }
+                }
+                entry = watch.next() => {
+                    let Some(entry) = entry else { return Ok(Stop::StepDown("definition watch ended")) };
+                    let entry = entry.map_err(|e| broker("watch definitions")(e.into()))?;
+                    let name = entry.key.clone();
+                    if entry.operation != kv::Operation::Put {
+                        held.remove(&name);
+                        continue;
+                    }
+                    let Ok(def) = serde_json::from_slice::<TriggerDef>(&entry.value) else {
+                        warn!(trigger = %name, "stored definition does not decode; ignored");
+                        continue;
+                    };
+                    let Ok(rec) = def.validate() else {
+                        warn!(trigger = %name, "stored definition is invalid; ignored");
+                        continue;
+                    };
+                    let h = self.load(store, def, rec).await?;
+                    if h.state.leader > token {
+                        return Ok(Stop::StepDown("a newer leader wrote trigger state"));
+                    }
+                    held.insert(name.clone(), h);
+                    due.push(name);
+                }
+                entry = state_watch.next() => {
+                    let Some(entry) = entry else { return Ok(Stop::StepDown("state watch ended")) };
+                    let entry = entry.map_err(|e| broker("watch trigger state")(e.into()))?;
+                    let name = entry.key.clone();
+                    // Our own writes are in flight until their outcome is applied.
+                    if entry.operation != kv::Operation::Put || in_flight.contains(&name) {
+                        continue;
+                    }
+                    let Some(h) = held.get_mut(&name) else { continue };
+                    if entry.revision <= h.revision {
+                        continue;
+                    }
+                    let Ok(state) = serde_json::from_slice::<TriggerState>(&entry.value) else { continue };
+                    if state.leader > token {
+                        return Ok(Stop::StepDown("a newer leader wrote trigger state"));
+                    }
+                    h.active = unfinished(&self.admission, tracked_ids(&state)).await;
+                    h.checked_at = Some(Instant::now());
+                    h.state = state;
+                    h.revision = entry.revision;
+                    h.fresh = true;
+                    self.settle(h);
+                    due.push(name);
+                }
+                entry = completions.next() => {
+                    let Some(entry) = entry else { return Ok(Stop::StepDown("task record watch ended")) };
+                    let entry = entry.map_err(|e| broker("follow trigger task records")(e.into()))?;
+                    let Some(name) = trigger_of_task(&entry.key) else { continue };
+                    let Some(h) = held.get_mut(name) else { continue };
+                    if entry.operation != kv::Operation::Put {
+                        continue;
+                    }
+                    let Ok(rec) = serde_json::from_slice::<TaskRecord>(&entry.value) else { continue };
+                    let id = entry.key.clone();
+                    if !rec.state.is_terminal() {
+                        if rec.attempt == 0 && !in_flight.contains(name) {
+                            self.adopt(h, &id, &rec);
+                        }
+                        continue;
+                    }
+                    if h.active.remove(&id) {
+                        h.state.last_result.push(rec.state.to_string());
+                        if h.active.is_empty() {
+                            h.state.last_completed_ms = Some(self.clock.now_ms());
+                            due.push(name.to_string());
+                        }
+                    } else if in_flight.contains(name) {
+                        // Finished before its fire's outcome registered it.
+                        h.early_done.insert(id);
+                    }
+                }
+                Some((name, outcome)) = done_rx.recv() => {
+                    in_flight.remove(&name);
+                    if let Some(h) = held.get_mut(&name) {
+                        match self.apply(h, outcome, token) {
+                            Applied::Wake(Some(wake)) => wakes.push(Reverse((wake, name.clone()))),
+                            Applied::Wake(None) => {}
+                            Applied::StepDown(why) => return Ok(Stop::StepDown(why)),
+                        }
+                    }
+                    if recheck.remove(&name) {
+                        due.push(name);
+                    }
+                    // A slot is free again (one more than that, as others may free meanwhile).
+                    for _ in 0..=fire_slots.available_permits() {
+                        match starved.pop_front() {
+                            Some(waiting) => due.push(waiting),
+                            None => break,
+                        }
+                    }
+                }
+                // Reap finished fire tasks (their outcomes come through `done_rx`).
+                Some(_) = firing.join_next(), if !firing.is_empty() => {}
+                _ = tokio::time::sleep(sleep), if !wakes.is_empty() => {
+                    let now = self.clock.now_ms();
+                    while let Some(Reverse((at, _))) = wakes.peek() {
+                        if *at > now {
+                            break;
+                        }
+                        let Reverse((_, name)) = wakes.pop().expect("peeked");
+                        due.push(name);
+                    }
+                }
+            }
+            if !lease.valid() {
+                return Ok(Stop::StepDown("lease not renewed within its TTL"));
+            }
+            due.sort();
+            due.dedup();
+            // Plan each due trigger, then fire and store them concurrently.
+            let mut jobs = Vec::new();
+            for name in due {
+                if in_flight.contains(&name) {
+                    recheck.insert(name);
+                    continue;
+                }
+                let Some(h) = held.get_mut(&name) else {
+                    continue;
+                };
+                if h.unsure || h.unstored {
+                    match self.record_unrecorded(store, h, token).await {
+                        Recorded::Yes => {}
+                        Recorded::Later => {
+                            // The broker did not let it finish: fire nothing yet, look again.
+                            let again = self.clock.now_ms() + RETRY_MS;
+                            wakes.push(Reverse((again, name)));
+                            continue;
+                        }
+                        Recorded::StepDown => {
+                            return Ok(Stop::StepDown("a newer leader wrote trigger state"))
+                        }
+                    }
+                }
+                if h.waits_on_tasks() && h.checked_at.is_none_or(|at| at.elapsed() >= RECHECK) {
+                    // Recover completions no feed delivered (belt and braces).
+                    h.active = unfinished(&self.admission, h.active.iter()).await;
+                    h.checked_at = Some(Instant::now());
+                    self.settle(h);
+                }
+                let now = self.clock.now_ms();
+                let p = plan(&h.def, &h.rec, &h.state, now, !h.active.is_empty());
+                if p.fires.is_empty() && p.state == h.state {
+                    let mut wake = p.next_wake_ms;
+                    if h.waits_on_tasks() {
+                        // Look at the records again in a while, whatever the feed says.
+                        let again = now + RECHECK.as_millis() as u64;
+                        wake = Some(wake.map_or(again, |w| w.min(again)));
+                    }
+                    if let Some(wake) = wake {
+                        wakes.push(Reverse((wake, name)));
+                    }
+                    continue;
+                }
+                for &t in &p.fires {
+                    known_fire(&mut h.known, t);
+                }
+                jobs.push(Job {
+                    name,
+                    def: h.def.clone(),
+                    plan: p,
+                    revision: h.revision,
+                    active: h.active.iter().cloned().collect(),
+                    token,
+                    now,
+                });
+            }
+            for job in jobs {
+                in_flight.insert(job.name.clone());
+                let permit = match fire_slots.clone().try_acquire_owned() {
+                    Ok(p) => p,
+                    Err(_) => {
+                        // All fire slots busy: plan it again when one frees up.
+                        in_flight.remove(&job.name);
+                        starved.push_back(job.name);
+                        continue;
+                    }
+                };
+                let (admission, store, done) =
+                    (self.admission.clone(), store.clone(), done_tx.clone());
+                firing.spawn(async move {
+                    let name = job.name.clone();
+                    // A panic (a bug) still reports: the fire may have been made, so the
+                    // trigger's fires are recovered before it is planned again.
+                    let outcome = AssertUnwindSafe(execute(&admission, &store, job))
+                        .catch_unwind()
+                        .await
+                        .unwrap_or_else(|_| {
+                            error!(trigger = %name, "fire job panicked (a bug); its fires are recovered before the next");
+                            Outcome::Unrecorded
+                        });
+                    drop(permit);
+                    let _ = done.send((name, outcome));
+                });
+            }
+        }
+    }
+
+    /// Applies a fire's outcome to the held trigger.
+    fn apply(&self, h: &mut Held, outcome: Outcome, token: u64) -> Applied {
+        let now = self.clock.now_ms();
+        match outcome {
+            Outcome::Stored {
+                state,
+                revision,
+                ids,
+                next_wake_ms,
+            } => {
+                h.state = state;
+                h.revision = revision;
+                h.fresh = true;
+                if !ids.is_empty() && !tracks_every_fire(&h.def) {
+                    // Nothing waits on older fires: follow the latest one only.
+                    h.active.clear();
+                }
+                for id in ids {
+                    if !h.early_done.remove(&id) {
+                        h.active.insert(id);
+                    }
+                }
+                h.early_done.clear();
+                if h.active.is_empty() && h.state.last_completed_ms.is_none() {
+                    // Every task of the fire finished before it was recorded.
+                    h.state.last_completed_ms = Some(now);
+                }
+                let mut wake = next_wake_ms;
+                if h.waits_on_tasks() {
+                    let again = now + RECHECK.as_millis() as u64;
+                    wake = Some(wake.map_or(again, |w| w.min(again)));
+                }
+                if h.active.is_empty() && (h.rec.is_fixed_delay() || h.state.buffered_ms.is_some())
+                {
+                    wake = Some(now);
+                }
+                Applied::Wake(wake)
+            }
+            Outcome::Unrecorded => {
+                // A fire may have been made but not recorded (and the state write's outcome
+                // is unknown): read the state again and record what is missing before
+                // planning anything.
+                h.unsure = true;
+                h.fresh = false;
+                Applied::Wake(Some(now + RETRY_MS))
+            }
+            Outcome::Reload(state, revision) => {
+                if state.leader > token {
+                    return Applied::StepDown("a newer leader wrote trigger state");
+                }
+                h.state = state;
+                h.revision = revision;
+                h.fresh = true;
+                h.checked_at = None;
+                h.active.extend(h.state.active.iter().cloned());
+                self.settle(h);
+                Applied::Wake(Some(now))
+            }
+            Outcome::StepDown => Applied::StepDown("a newer leader wrote trigger state"),
+        }
+    }
+}
+
+/// Whether a trigger's planning waits on the tasks of every earlier fire (overlap `skip` or
+/// `buffer_one`, fixed-delay). With overlap `allow` nothing does, and only the latest fire's
+/// tasks are followed (for `last_completed_ms` / `last_result`), so `active` stays small
+/// however long its tasks take.
+fn tracks_every_fire(def: &TriggerDef) -> bool {
+    use super::model::{IntervalMode, Kind, OverlapPolicy};
+    def.overlap != OverlapPolicy::Allow
+        || matches!(
+            def.kind,
+            Kind::Interval {
+                mode: IntervalMode::FixedDelay,
+                ..
+            }
+        )
+}
+
+/// A planned trigger to fire and store.
+struct Job {
+    name: String,
+    def: TriggerDef,
+    plan: Plan,
+    revision: u64,
+    /// Its unfinished task ids when planned.
+    active: Vec<String>,
+    token: u64,
+    now: u64,
+}
+
+/// What firing one trigger came to.
+enum Outcome {
+    Stored {
+        state: TriggerState,
+        revision: u64,
+        ids: Vec<String>,
+        next_wake_ms: Option<u64>,
+    },
+    /// A fire was refused (busy, unavailable: its task may be stored all the same), or made
+    /// and its state write failed, went unanswered or kept conflicting: the stored state
+    /// may lack it. Recorded before anything else is planned.
+    Unrecorded,
+    /// Nothing was fired and the state changed elsewhere: plan again from this state.
+    Reload(TriggerState, u64),
+    /// A newer leader wrote the state.
+    StepDown,
+}
+
+enum Applied {
+    Wake(Option<u64>),
+    StepDown(&'static str),
+}
+
+/// What recording a trigger's unrecorded fires came to.
+pub(super) enum Recorded {
+    /// The stored state has every fire found (or none was missing): plan as usual.
+    Yes,
+    /// The broker did not answer, or the state kept changing: fire nothing, try again.
+    Later,
+    /// A newer leader wrote the state.
+    StepDown,
+}
+
+/// Fires a planned trigger and stores its new state.
+async fn execute(admission: &Admission, store: &TriggerStore, job: Job) -> Outcome {
+    let Job {
+        name,
+        def,
+        plan,
+        revision,
+        active,
+        token,
+        now,
+    } = job;
+    #[cfg(feature = "test-hooks")]
+    if !plan.fires.is_empty() && ax_sdk::hooks::take_fire_panic(&name) {
+        panic!("test hook: a fire job of trigger {name} panicked");
+    }
+    let mut ids = Vec::new();
+    for &scheduled in &plan.fires {
+        let tag = scheduled_tag(scheduled);
+        match fire(admission, &def, scheduled, Source::Schedule, &tag, None).await {
+            Ok(mut fired) => ids.append(&mut fired),
+            Err(e) => {
+                // Busy or unavailable: keep the state as it was and try again shortly.
+                warn!(trigger = %name, cause = %e, "fire not accepted; retrying in 1 s");
+                return Outcome::Unrecorded;
+            }
+        }
+    }
+    #[cfg(feature = "test-hooks")]
+    if !plan.fires.is_empty() {
+        ax_sdk::hooks::after_fire();
+    }
+    let mut state = plan.state.clone();
+    state.leader = token;
+    state.active = if ids.is_empty() || tracks_every_fire(&def) {
+        active
+    } else {
+        Vec::new()
+    };
+    state.record_fire(&plan.fires, now, Source::Schedule, &ids);
+    if !plan.fires.is_empty() {
+        debug!(trigger = %name, scheduled = ?plan.fires.last(), tasks = ids.len(), "fired");
+    }
+    let mut revision = revision;
+    let base = plan.state;
+    for _ in 0..MERGE_ATTEMPTS {
+        match store.put_state(&name, &state, Some(revision)).await {
+            Ok(revision) => {
+                return Outcome::Stored {
+                    state,
+                    revision,
+                    ids,
+                    next_wake_ms: plan.next_wake_ms,
+                }
+            }
+            Err(TriggerStoreError::Stale(_)) => {}
+            Err(e) => {
+                warn!(trigger = %name, cause = %e, fired = plan.fires.len(),
+                    "trigger state not written; nothing more is fired until it is");
+                return Outcome::Unrecorded;
+            }
+        }
+        // Changed elsewhere (a manual run, or a newer leader).
+        let (current, rev) = match store.state(&name).await {
+            Ok(Some(found)) => found,
+            Ok(None) => return Outcome::Unrecorded, // deleted meanwhile
+            Err(e) => {
+                warn!(trigger = %name, cause = %e, "trigger state not read; nothing more is fired until it is");
+                return Outcome::Unrecorded;
+            }
+        };
+        if current.leader > token {
+            return Outcome::StepDown;
+        }
+        if plan.fires.is_empty() {
+            // Nothing fired: plan again from what is stored.
+            return Outcome::Reload(current, rev);
+        }
+        // Something fired: record it into the current state, never re-plan it.
+        state = merge_fire(&base, &state, current, token);
+        revision = rev;
+    }
+    warn!(trigger = %name, "trigger state kept changing; fire made but not recorded yet");
+    Outcome::Unrecorded
+}

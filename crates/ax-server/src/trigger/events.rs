@@ -1,0 +1,122 @@
+//! Event triggers (S4-3): every ax server serves each event trigger's subject in the queue
+//! group `ax-events`, so each message starts exactly one fire while any server runs.
+//!
+//! Core NATS delivers at most once: publish events as requests (the reply is
+//! `{"ok": {"task_ids": [...]}}` or `{"error": …}`) and retry on no answer, with a
+//! `Nats-Msg-Id` header so a retried event is the same fire. For events that must survive
+//! ax being down entirely, capture the subject in a stream and re-publish from there.
+
+use super::engine::EngineError;
+use super::fire::fire;
+use super::model::{Kind, TriggerDef};
+use super::plan::Source;
+use super::store::TriggerStore;
+use crate::submit::Admission;
+use async_nats::jetstream::kv;
+use ax_sdk::time::now_ms;
+use futures::StreamExt;
+use std::collections::HashMap;
+use std::sync::Arc;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+/// Queue group of the event subscriptions.
+const EVENTS_QUEUE_GROUP: &str = "ax-events";
+
+pub(crate) struct EventRouter {
+    pub(crate) admission: Arc<Admission>,
+    pub(crate) store: TriggerStore,
+}
+
+impl EventRouter {
+    pub(crate) async fn run(self, shutdown: CancellationToken) -> Result<(), EngineError> {
+        let mut watch = self
+            .store
+            .defs()
+            .watch_with_history(">")
+            .await
+            .map_err(|e| EngineError::Broker {
+                op: "watch definitions",
+                source: e.into(),
+            })?;
+        let mut served: HashMap<String, (TriggerDef, JoinHandle<()>)> = HashMap::new();
+        // A watch that fails or ends stops the router: its supervisor starts it again,
+        // which follows every definition anew (it used to stop following changes).
+        let outcome = loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => break Ok(()),
+                entry = watch.next() => {
+                    let entry = match entry {
+                        Some(Ok(entry)) => entry,
+                        Some(Err(e)) => break Err(EngineError::Broker {
+                            op: "watch definitions",
+                            source: e.into(),
+                        }),
+                        None => break Err(EngineError::Broker {
+                            op: "watch definitions",
+                            source: "the watch ended".into(),
+                        }),
+                    };
+                    let def = (entry.operation == kv::Operation::Put)
+                        .then(|| serde_json::from_slice::<TriggerDef>(&entry.value).ok())
+                        .flatten()
+                        .filter(|d| d.enabled && matches!(d.kind, Kind::Event { .. }) && d.validate().is_ok());
+                    if let Some((old, _)) = served.get(&entry.key) {
+                        if def.as_ref() == Some(old) {
+                            continue;
+                        }
+                    }
+                    if let Some((_, task)) = served.remove(&entry.key) {
+                        task.abort();
+                    }
+                    if let Some(def) = def {
+                        let task = tokio::spawn(serve(self.admission.clone(), def.clone()));
+                        served.insert(entry.key.clone(), (def, task));
+                    }
+                }
+            }
+        };
+        for (_, (_, task)) in served {
+            task.abort();
+        }
+        outcome
+    }
+}
+
+async fn serve(admission: Arc<Admission>, def: TriggerDef) {
+    let Kind::Event { subject } = &def.kind else {
+        return;
+    };
+    let client = admission.js.client();
+    let mut sub = match client
+        .queue_subscribe(subject.clone(), EVENTS_QUEUE_GROUP.to_string())
+        .await
+    {
+        Ok(sub) => sub,
+        Err(e) => {
+            warn!(trigger = %def.name, cause = %e, "cannot subscribe to the event subject");
+            return;
+        }
+    };
+    while let Some(msg) = sub.next().await {
+        let fired = match super::fire::event_tag(&msg) {
+            Ok(tag) => fire(&admission, &def, now_ms(), Source::Event, &tag, Some(&msg)).await,
+            Err(e) => Err(e),
+        };
+        let answer = match fired {
+            Ok(ids) => {
+                debug!(trigger = %def.name, tasks = ids.len(), "event fired");
+                serde_json::json!({ "ok": { "task_ids": ids } })
+            }
+            Err(error) => {
+                warn!(trigger = %def.name, cause = %error, "event not fired");
+                serde_json::json!({ "error": error })
+            }
+        };
+        if let Some(reply) = msg.reply {
+            let body = serde_json::to_vec(&answer).expect("serializes");
+            let _ = client.publish(reply, body.into()).await;
+        }
+    }
+}

@@ -1,0 +1,90 @@
+//! `ax trigger …` and `ax apply -f`.
+
+use crate::conn::Conn;
+use anyhow::{Context, Result};
+use ax_sdk::Client;
+use clap::Subcommand;
+use std::path::{Path, PathBuf};
+
+#[derive(Subcommand)]
+pub(crate) enum TriggerCommand {
+    /// Create or update one trigger from a YAML or JSON file.
+    Put {
+        /// The file.
+        #[arg(short = 'f', long)]
+        file: PathBuf,
+    },
+    /// Definition, state, next 5 fire times, running tasks.
+    Get {
+        /// Trigger name.
+        name: String,
+    },
+    /// All triggers with their next fire time.
+    List,
+    /// Stop firing (state is kept).
+    Pause {
+        /// Trigger name.
+        name: String,
+    },
+    /// Fire again.
+    Resume {
+        /// Trigger name.
+        name: String,
+    },
+    /// Delete the definition and state (tasks already created are not touched).
+    Delete {
+        /// Trigger name.
+        name: String,
+    },
+    /// Run now (trigger_source=manual); refused while a run is in progress unless --force.
+    Run {
+        /// Trigger name.
+        name: String,
+        /// Run even if the previous run is still running.
+        #[arg(long)]
+        force: bool,
+    },
+}
+
+/// Reads a YAML or JSON file into JSON.
+pub(crate) fn read_definitions(path: &Path) -> Result<serde_json::Value> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    serde_yaml::from_str(&text)
+        .with_context(|| format!("{} is not valid YAML or JSON", path.display()))
+}
+
+pub(crate) async fn run(command: TriggerCommand, conn: &Conn) -> Result<()> {
+    let client = Client::new(conn.connect().await?);
+    let named = |name: String| serde_json::json!({ "name": name });
+    let (op, body) = match command {
+        TriggerCommand::Put { file } => ("put", read_definitions(&file)?),
+        TriggerCommand::Get { name } => ("get", named(name)),
+        TriggerCommand::List => ("list", serde_json::json!({})),
+        TriggerCommand::Pause { name } => ("pause", named(name)),
+        TriggerCommand::Resume { name } => ("resume", named(name)),
+        TriggerCommand::Delete { name } => ("delete", named(name)),
+        TriggerCommand::Run { name, force } => {
+            ("run", serde_json::json!({ "name": name, "force": force }))
+        }
+    };
+    let answer = client.trigger(op, &body).await?;
+    println!("{}", serde_json::to_string_pretty(&answer)?);
+    Ok(())
+}
+
+/// `ax apply -f FILE [--no-prune]`.
+pub(crate) async fn apply(file: &Path, no_prune: bool, conn: &Conn) -> Result<()> {
+    let client = Client::new(conn.connect().await?);
+    let mut body = read_definitions(file)?;
+    body["prune"] = (!no_prune).into();
+    let report = client.trigger("apply", &body).await?;
+    for line in report.as_array().into_iter().flatten() {
+        println!(
+            "{:<10} {}",
+            line["outcome"].as_str().unwrap_or("?"),
+            line["name"].as_str().unwrap_or("?")
+        );
+    }
+    Ok(())
+}
