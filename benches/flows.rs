@@ -1,4 +1,4 @@
-//! Flow overhead (issue 9) and many runs at once (issue 18): a linear flow of
+//! Flow overhead and many runs at once: a linear flow of
 //! AX_BENCH_FLOW_STEPS (default 1,000) steps, a fan-out of AX_BENCH_FANOUT (default
 //! 10,000) tasks gathered by one step against the same tasks submitted without a flow,
 //! and AX_BENCH_FLOW_RUNS (default 20,000) concurrent runs of a 4-step diamond.
@@ -8,8 +8,8 @@
 //! from the task records: a child's `started_at_ms` minus its parent's `finished_at_ms`
 //! (ms resolution), i.e. everything between a parent's `succeeded` write and the child's
 //! attempt starting on the worker (the feed, the engine's step writes, the submit, the
-//! worker's fetch). Printed, not asserted (docs/PERFORMANCE.md; the goal from issue 9 is
-//! p99 ≤ 10 ms, from issue 18 ≤ 2 KiB of the leader's memory per waiting run).
+//! worker's fetch). Printed, not asserted (docs/PERFORMANCE.md;  the goals are
+//! p99 ≤ 10 ms and ≤ 2 KiB of the leader's memory per waiting run).
 
 mod common;
 
@@ -304,7 +304,7 @@ fn live_heap() -> u64 {
 const MIB: f64 = 1024.0 * 1024.0;
 
 /// Part 3: `runs` concurrent runs of a diamond (a → b, a → c, {b, c} → d) on a server with the
-/// default capacity (5,000 normal tasks per queue), as in issue 18: first with no worker
+/// default capacity (5,000 normal tasks per queue): first with no worker
 /// (every run waits: the leader's memory per waiting run), then with a worker of 256 slots
 /// whose handler sleeps 50–300 ms like `ax worker --example` (runs/s, CPU, RSS at peak).
 async fn many(runs: usize, warns: &Warnings) {

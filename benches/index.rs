@@ -1,4 +1,4 @@
-//! The task index at scale (issue 11): N task records (default 1,000,000) in `AX_TASKS`,
+//! The task index at scale: N task records (default 1,000,000) in `AX_TASKS`,
 //! then a server with `task_index(true)` loads them and answers searches.
 //!
 //! Run: `./dev bench index` (AX_BENCH_RECORDS to change N).

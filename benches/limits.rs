@@ -1,4 +1,4 @@
-//! Limits (issues 10, 18): the overhead of a generous limit against none; the accuracy of
+//! Limits: the overhead of a generous limit against none; the accuracy of
 //! a rate limit (achieved / configured) and the most *handler starts* in any 1 s window at
 //! 10, 100 and 1,000 starts per second; and the utilisation of a saturated concurrency cap
 //! (busy slot-time / capacity) whose tasks finish at 10, 100 and 1,000 per second.

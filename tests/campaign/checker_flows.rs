@@ -1,4 +1,4 @@
-//! Flow rules (issue 18 §3), over the runs' and steps' records in `AX_FLOW_RUNS`, the task
+//! Flow rules, over the runs' and steps' records in `AX_FLOW_RUNS`, the task
 //! records and the journal (handler starts, which deterministic step task ids cannot hide):
 //!
 //! - **a run ends, in the state its policy says**: every run the campaign started ends;

@@ -1,4 +1,4 @@
-//! Limit rules (issue 18 §3), counted from the workers' journals (every handler start and
+//! Limit rules, counted from the workers' journals (every handler start and
 //! end, which no record can hide):
 //!
 //! - **rate**: per key, never more starts in any window of `w` seconds than `burst + rate ×

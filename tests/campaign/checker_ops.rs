@@ -1,4 +1,4 @@
-//! Operation rules (issue 18 §3), over the acknowledged operations, the task records and
+//! Operation rules, over the acknowledged operations, the task records and
 //! the journal:
 //!
 //! - **cancel**: a cancelled task never starts after its cancel was acknowledged, and ends

@@ -267,7 +267,7 @@ fn signal(pid: u32, sig: &str) {
         .status();
 }
 
-/// The nemesis of issue 7: every 1.5–3.5 s one of: `kill -9` of one ax server (30 %), of
+/// The nemesis: every 1.5–3.5 s one of: `kill -9` of one ax server (30 %), of
 /// two (10 %), of a `q` worker (20 %), `SIGSTOP` of a `q` worker (20 %), the nats-server
 /// (20 %; R3: one node). Its random choices are those of earlier versions of the campaign
 /// for the same seed.

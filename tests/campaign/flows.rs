@@ -1,4 +1,4 @@
-//! The flow load (issue 18 §3): fan-out and gather, chains, fail-fast and continue
+//! The flow load: fan-out and gather, chains, fail-fast and continue
 //! failures, cancels and re-runs of every mode, under the nemesis. Flows are put and driven
 //! through the public `Client` API; their steps run on queue `x` (the example workers,
 //! killed and paused by the second nemesis) except the fan-out's `list` step, whose output

@@ -1,4 +1,4 @@
-//! The limited load (issue 18 §3): on queue `x`, a per-key rate (task `rated`), a per-key
+//! The limited load: on queue `x`, a per-key rate (task `rated`), a per-key
 //! concurrency cap (task `capped`) and a singleton (task `single`), set through the public
 //! `Client` API and fed bursts larger than they let through, under the nemesis.
 

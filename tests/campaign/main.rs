@@ -1,4 +1,4 @@
-//! The fault campaign (issues 7 §3 and 18 §3): mixed load while a seeded nemesis kills and
+//! The fault campaign : mixed load while a seeded nemesis kills and
 //! restarts real processes, then a checker over what was observed.
 //!
 //! Load: immediate tasks, delayed ones, bursts at one due time beyond the servers' read-ahead
@@ -324,7 +324,7 @@ async fn campaign(cluster: bool) {
     let started = Instant::now();
     // The load on queue `x` (flows, limits, operations) and its nemesis run by default;
     // `AX_CAMPAIGN_EXTENDED=0` leaves them out (the campaign of tasks and triggers alone,
-    // as before issue 18).
+    // as the first campaigns did).
     let extended = std::env::var("AX_CAMPAIGN_EXTENDED").map_or(true, |v| v != "0");
     let (kills, x_kills, ..) = tokio::join!(
         cluster::nemesis(procs.clone(), nats.clone(), timeline.clone(), seed, until),

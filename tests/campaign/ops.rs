@@ -1,4 +1,4 @@
-//! Operations under the nemesis (issue 18 §3), on queue `x` through the public `Client`
+//! Operations under the nemesis, on queue `x` through the public `Client`
 //! API: cancels of running, just-submitted and scheduled tasks, retries of dead tasks, "run
 //! now" of scheduled and of retrying tasks, and pause / resume of the queue.
 

@@ -39,7 +39,7 @@ pub struct Seen {
     pub paused_ms: u64,
 }
 
-/// The rules of issue 7: tasks, tokens, triggers, stored fires, manual runs, refused
+/// The core rules: tasks, tokens, triggers, stored fires, manual runs, refused
 /// submits; and that every start is one its record counts. Returns the summary's parts.
 pub async fn check_core(
     ax: &Client,
@@ -175,7 +175,7 @@ async fn read_run(ax: &Client, id: &str) -> Option<(FlowRun, Vec<StepRun>)> {
     None
 }
 
-/// The rules of issue 18 §3: flows, limits, operations.
+/// The rules of the extended load: flows, limits, operations.
 pub async fn check_new(ax: &Client, seen: &Seen, verdict: &mut Verdict) -> Vec<String> {
     let (journal, histories, timeline) = (&seen.journal, &seen.histories, &seen.timeline);
     // Flows: every run the campaign noted, and every run a started step task names.

@@ -1,4 +1,4 @@
-//! Batch submit (issue 8): one request, many tasks, one answer per task in order.
+//! Batch submit: one request, many tasks, one answer per task in order.
 
 use crate::support::{counting_worker, eventually, Env};
 use ax_sdk::protocol::{ErrorCode, SubmitReply};

@@ -1,4 +1,4 @@
-//! The lean first attempt (issue 8): a first attempt on its message's first delivery runs
+//! The lean first attempt: a first attempt on its message's first delivery runs
 //! without writing `running` first; it writes it when the handler asks for its fencing
 //! token or after a second; a stale one cannot record its result.
 

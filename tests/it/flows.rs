@@ -1,4 +1,4 @@
-//! Flows (issue 9): DAGs of tasks with data passing, fan-out / fan-in, failure policies,
+//! Flows: DAGs of tasks with data passing, fan-out / fan-in, failure policies,
 //! re-runs and cancel, against a real nats-server. No run may hang: every test waits for
 //! the run's final state with a deadline, and counts handler invocations per task id.
 

@@ -1,4 +1,4 @@
-//! Limits (issue 10) against a real nats-server and 4 `ax worker` processes: starts and
+//! Limits against a real nats-server and 4 `ax worker` processes: starts and
 //! running handlers are counted from the workers' journals (one JSON line per start and
 //! end, written by the processes themselves), never from what ax says of itself.
 
@@ -481,7 +481,7 @@ pub(crate) async fn ax_cli(env: &Env, args: &[&str]) -> std::process::Output {
         .unwrap()
 }
 
-/// Issue 18 §2.3 / §2.7: `--rate NaN` (or inf, 1e999) was sent as JSON null and stored a
+/// `--rate NaN` (or inf, 1e999) was sent as JSON null and stored a
 /// limit without a rate, exit 0; `--rate -5` got clap's tip `-- -5`, which does not work;
 /// refusals read "submit refused: InvalidField: 1..=1000" and printed a backtrace under
 /// `RUST_BACKTRACE`.
@@ -572,7 +572,7 @@ async fn the_cli_refuses_bad_limits_naming_the_option_in_one_line_and_stores_not
     );
 }
 
-/// Issue 18 §2.2: `rate: 1e-20` was accepted (and broke the limit: its interval
+/// `rate: 1e-20` was accepted (and broke the limit: its interval
 /// saturated and the TAT wrapped), so was `1e-11` (a Nak delay past what the broker
 /// takes). The API bounds rates and bursts to what the arithmetic holds, naming the field
 /// and the range; and a delete of a limit that does not exist says so.
@@ -630,7 +630,7 @@ async fn the_api_refuses_rates_and_bursts_the_arithmetic_cannot_hold_and_says_wh
     assert_eq!(left.as_array().unwrap().len(), 1, "{left}");
 }
 
-/// Issue 18 §2.7: no `ax limits status`, and `-o json` was ignored by `ax limits`.
+/// no `ax limits status`, and `-o json` was ignored by `ax limits`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_limits_command_prints_a_table_or_json_and_status_shows_what_is_held() {
     let env = Env::start(Env::server()).await;
@@ -696,7 +696,7 @@ async fn every_limits_command_prints_a_table_or_json_and_status_shows_what_is_he
     assert_eq!(again["deleted"], json!(false));
 }
 
-/// Issue 18 §1 / §2.7: `ax flow def X | head` panicked on the broken pipe. Whatever the
+/// `ax flow def X | head` panicked on the broken pipe. Whatever the
 /// command, a reader that has gone ends it quietly with success.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reader_that_has_gone_ends_any_command_quietly_with_success() {
@@ -732,7 +732,7 @@ async fn a_reader_that_has_gone_ends_any_command_quietly_with_success() {
     }
 }
 
-/// Issue 18 §2.2: at the slowest rate accepted, waiting tasks are handed back for at most
+/// at the slowest rate accepted, waiting tasks are handed back for at most
 /// an hour at a time (before, a rate of 1e-11/s handed them back 8,710 times in 4 s): the
 /// burst starts, the rest wait, each handed back once or twice, none started.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

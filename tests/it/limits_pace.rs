@@ -1,4 +1,4 @@
-//! Limits at their pace (issue 18 §2.5, §2.6): a saturated cap keeps its slots busy (a
+//! Limits at their pace: a saturated cap keeps its slots busy (a
 //! freed slot reaches a waiting delivery at once), a rate is met (a denied delivery books
 //! the next token and starts when it is due) and never exceeded in handler starts, and a
 //! raised rate reaches tasks already handed back. Counted from the workers' journals.
@@ -41,7 +41,7 @@ async fn a_saturated_cap_keeps_its_slots_busy() {
     );
     let used = utilisation(&intervals, 5);
     println!("cap 5, 40 × 300 ms on 2 workers of 16: utilisation {used:.2}");
-    // Handed back for 250 ms × deliveries it was 0.23–0.30 (issue 18); woken by the
+    // Handed back for 250 ms × deliveries it was 0.23–0.30; woken by the
     // release, with the waiting deliveries within the workers' hold budget (half their
     // concurrency), it is about 0.9 (./dev bench limits). The bound leaves room for a
     // loaded machine, twice the old figure.
@@ -72,7 +72,7 @@ async fn a_rate_is_met_and_its_handler_starts_stay_within_the_bound() {
     let achieved = (n - 1) as f64 / span / rate;
     let most = max_in_window(starts.clone(), 1000);
     println!("rate 100/s, burst 1, 400 tasks on 4 workers: achieved/configured {achieved:.3}, most handler starts in 1 s {most}");
-    // Before reservations: 0.83 at 100/s (issue 18). Alone ≥ 0.98 (./dev bench limits).
+    // Before reservations: 0.83 at 100/s. Alone ≥ 0.98 (./dev bench limits).
     assert!(achieved >= 0.9, "achieved {achieved:.3} of the rate");
     // Token due times are exact (gcra unit tests); a handler starts when its token is due,
     // late by the process's scheduling delay (a token missed by more than 10 ms is given

@@ -1,4 +1,4 @@
-//! A worker serving several task names (issue 9, part 1): a handler and options per name;
+//! A worker serving several task names : a handler and options per name;
 //! options apply where the submit left them unset; an unserved name is handed back, not
 //! failed; a name's own concurrency limit holds.
 

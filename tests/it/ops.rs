@@ -1,4 +1,4 @@
-//! Task operations (issue 11) against a real nats-server: find, cancel, retry, replay,
+//! Task operations against a real nats-server: find, cancel, retry, replay,
 //! run now, pause and resume, through the SDK and the CLI. Handler runs are counted per
 //! task id by the handlers themselves.
 

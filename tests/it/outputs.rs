@@ -1,4 +1,4 @@
-//! Task outputs (issue 9, part 1): what a handler returns is stored with its `succeeded`
+//! Task outputs : what a handler returns is stored with its `succeeded`
 //! write — inline when small, in `AX_RESULTS` when large, refused over the cap — and
 //! `Client::wait` / `ax task get --wait --result` hand it back.
 

@@ -1,4 +1,4 @@
-//! Delayed dispatch shared among servers (issue 8): each server owns about 1/N of the
+//! Delayed dispatch shared among servers: each server owns about 1/N of the
 //! delayed-task partitions; a killed owner's partitions are taken over, and nothing is
 //! lost or dispatched twice.
 

@@ -1,4 +1,4 @@
-//! Bad input on the wire (issue 7 §5): generated requests to a live `ax server` process,
+//! Bad input on the wire: generated requests to a live `ax server` process,
 //! on every request subject (submit and each trigger API operation). Valid shapes with
 //! extreme values, control characters in every string field, huge numbers, deep nesting,
 //! wrong types, long bodies. Every request is answered with a typed reply; the process

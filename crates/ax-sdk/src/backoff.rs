@@ -1,4 +1,4 @@
-//! Exponential retry backoff with jitter (S2-7, S4-7).
+//! Exponential retry backoff with jitter.
 //!
 //! The delay before retry `n` (n = 1 after the first failed attempt) is
 //! `min(max, base × 2^(n-1))`, then shortened by a random fraction in `[0, jitter)`, so a

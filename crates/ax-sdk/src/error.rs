@@ -23,7 +23,7 @@ pub enum ErrorCode {
     Unavailable,
     /// No such trigger.
     NotFound,
-    /// A manual run was refused: the trigger's previous run is still running (S0-12).
+    /// A manual run was refused: the trigger's previous run is still running.
     Running,
     /// The task's state does not allow the operation (retrying a task that is not dead,
     /// cancelling a finished one, ...).

@@ -1,4 +1,4 @@
-//! Prometheus metrics (S2-11). Names are constants so docs/METRICS in README and the Grafana
+//! Prometheus metrics. Names are constants so docs/METRICS in README and the Grafana
 //! dashboard have one place to match; [`describe`] registers their help texts. The process
 //! installs the exporter (the `ax` command serves `/metrics`).
 

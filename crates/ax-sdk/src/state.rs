@@ -1,8 +1,8 @@
-//! Task state records in the `AX_TASKS` KV bucket (S0-6).
+//! Task state records in the `AX_TASKS` KV bucket.
 //!
 //! One key per task id; every transition is a compare-and-set on the key's revision, so two
 //! writers (a late worker and the one that took over its redelivered attempt) can never both
-//! win. The revision written when an attempt starts is that attempt's fencing token (S2-9).
+//! win. The revision written when an attempt starts is that attempt's fencing token.
 
 use crate::names::{Priority, TASKS_BUCKET};
 use crate::time::now_ms;

@@ -132,7 +132,7 @@ impl Default for Limits {
 
 /// Default attempts in all.
 pub const DEFAULT_MAX_ATTEMPTS: u32 = 5;
-/// Default hard timeout of one attempt (S0-8).
+/// Default hard timeout of one attempt.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Payload encoding.

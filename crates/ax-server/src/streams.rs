@@ -104,7 +104,7 @@ pub const READY_CONSUMER_TEMPLATE: &str = include_str!("../../../streams/consume
 #[derive(Debug, Clone)]
 pub struct Topology {
     /// Capacity of each queue's ready subject per priority (high, normal, low):
-    /// default 1000 / 5000 / 10000 tasks (S2-2). A full one answers `busy`.
+    /// default 1000 / 5000 / 10000 tasks. A full one answers `busy`.
     pub capacity: [i64; 3],
     /// Most delayed tasks held at once, all queues (default 1,000,000).
     pub max_delayed: i64,

@@ -1,5 +1,5 @@
 //! Flow definitions: named steps, `needs:` edges, fan-out, trigger rules, a failure
-//! policy; checked whole before anything is stored (S0-4, S4-2).
+//! policy; checked whole before anything is stored.
 //!
 //! ```yaml
 //! name: thumbnails

@@ -311,7 +311,7 @@ mod tests {
             let i = interval_us(bad);
             assert!((1..=MAX_INTERVAL_US).contains(&i), "{bad}: {i}");
         }
-        // What broke (issue 18): at 1e-20/s the interval saturated and the TAT wrapped,
+        // What broke: at 1e-20/s the interval saturated and the TAT wrapped,
         // so every take passed; at 1e-11/s the wait overflowed the broker's delay.
         let now = 1_700_000_000_000_000;
         let tat = take(None, now, interval_us(1e-20), 1).unwrap();

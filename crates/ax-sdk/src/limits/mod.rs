@@ -1,4 +1,4 @@
-//! Limits (issue 10, S2-3, S4-8): token-bucket rate limits and concurrency caps shared by
+//! Limits: token-bucket rate limits and concurrency caps shared by
 //! every worker process — per queue, per task name, per `limit_key` — kept in KV and
 //! applied by each worker before it claims a delivery.
 //!

@@ -316,7 +316,7 @@ mod tests {
             .validate()
             .map_err(|e| e.field.unwrap())
         };
-        // Issue 18: 1e-20 and 1e-11 were accepted and broke the limit.
+        // 1e-20 and 1e-11 were accepted and broke the limit.
         for bad in [
             1e-20,
             1e-11,

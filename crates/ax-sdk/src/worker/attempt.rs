@@ -602,7 +602,7 @@ async fn run(
         traceparent: meta.traceparent.clone(),
         cancel: slot.cancel.clone(),
     };
-    // Every attempt runs in a span with the task's identity (S4-12): the handler's own log
+    // Every attempt runs in a span with the task's identity: the handler's own log
     // lines carry it.
     let span = tracing::info_span!(
         "task",

@@ -7,7 +7,7 @@
 //! 3 at normal and 1 at low, so low priority is slowed under load but never starved; when
 //! high is empty its share goes to the rest, so no slot idles while anything is queued.
 //!
-//! **Batches, no idle waiting** (S2-6). Fetches use `no_wait` pulls of up to the free slot
+//! **Batches, no idle waiting**. Fetches use `no_wait` pulls of up to the free slot
 //! count, so a busy worker never blocks on an empty priority. Only when all three are empty
 //! does it long-poll all three at once (one message each, expiring after `idle_poll`): the
 //! first task to arrive starts at once and the worker returns to batch fetching.

@@ -39,16 +39,16 @@
 //! ```
 //!
 //! What the SDK guarantees (see docs/ARCHITECTURE.md for the why):
-//! - **Ack after success only** (S2-8): a task is acknowledged after its handler returned
+//! - **Ack after success only**: a task is acknowledged after its handler returned
 //!   `Ok` and the `succeeded` state was written under the attempt's fencing token.
 //! - **Retries**: a retryable error writes `retrying` and naks with the task's exponential
 //!   backoff + jitter; a non-retryable error, or the last attempt, writes `dead`, publishes a
 //!   dead letter to `ax.dead.<queue>` and terminates the message.
-//! - **Hard timeout** (S4-6): the handler future is dropped when the task's timeout passes.
-//! - **Heartbeats** (S2-7): while a task is held the SDK sends `+WPI` every ack-wait / 3;
+//! - **Hard timeout**: the handler future is dropped when the task's timeout passes.
+//! - **Heartbeats**: while a task is held the SDK sends `+WPI` every ack-wait / 3;
 //!   a worker that stops (crash, SIGSTOP) has the task redelivered after the ack wait, and
 //!   its late result is refused by compare-and-set on the task record (nats-server #4786).
-//! - **Priority** (S2-6): see [`fetch`] for the pick policy.
+//! - **Priority**: see [`fetch`] for the pick policy.
 //! - **Shutdown**: cancel the token to stop pulling; running handlers get
 //!   [`WorkerBuilder::shutdown_grace`] to finish, then are aborted and handed back (nak).
 
@@ -107,7 +107,7 @@ pub struct Task {
 }
 
 impl Task {
-    /// The fencing token of this attempt (S2-9): the revision of its `running` record,
+    /// The fencing token of this attempt: the revision of its `running` record,
     /// strictly greater than any earlier attempt's token for this task. Pass it to systems
     /// you write to, and have them refuse writes with a smaller token.
     ///

@@ -1,4 +1,4 @@
-//! Task names a worker serves, each with its own handler and options (issue 9, S4-1).
+//! Task names a worker serves, each with its own handler and options.
 //!
 //! Options declared in code apply where the submit left the option unset (the message's
 //! `Ax-Defaulted` header lists those): a producer's explicit `max_attempts` wins over the

@@ -1,4 +1,4 @@
-//! The web console (issue 11): served by `ax server --console-addr`, assets embedded in
+//! The web console: served by `ax server --console-addr`, assets embedded in
 //! the binary, no separate process. The page calls the same APIs as the CLI and the SDK
 //! (`POST /api/<api>/<op>` runs `ax.<api>.<op>` in this server), and listens to
 //! `GET /api/live` (server-sent events: a tick whenever the task index moved) to refresh

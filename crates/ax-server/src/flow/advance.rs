@@ -691,7 +691,7 @@ mod tests {
         assert_eq!(step.rev(), Some(7));
         let none = Tracked::new(StepRun::default(), None);
         assert_eq!((none.record(), none.rev()), (StepRun::default(), None));
-        // What a waiting run costs per step (issue 18): the record and tally, no outputs.
+        // What a waiting run costs per step: the record and tally, no outputs.
         let size = std::mem::size_of::<Tracked>();
         assert!(size <= 112, "Tracked is {size} bytes");
     }

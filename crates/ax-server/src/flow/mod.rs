@@ -1,4 +1,4 @@
-//! Flows: DAGs of tasks whose outputs feed the next steps (issue 9, S0-4, S4-2, S4-3).
+//! Flows: DAGs of tasks whose outputs feed the next steps.
 //!
 //! - [`def`]: the definition and its checks (unknown steps, cycles named, fan-out, trigger
 //!   rules, task templates checked as their submits would be).

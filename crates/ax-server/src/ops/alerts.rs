@@ -1,4 +1,4 @@
-//! Alerts on terminal failures only (S4-13): a task that ends `dead`, a flow run that ends
+//! Alerts on terminal failures only: a task that ends `dead`, a flow run that ends
 //! `failed`. One alert per (queue, task name, error class) — or (flow, error class) — per
 //! window: the first failure of a burst is published on `ax.events.alert.<queue>` (and
 //! POSTed to the webhook, if one is set); repeats within the window are counted, and the

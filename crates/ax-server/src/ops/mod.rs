@@ -1,4 +1,4 @@
-//! Operating ax (issue 11, S4-11): finding tasks and acting on them.
+//! Operating ax: finding tasks and acting on them.
 //!
 //! - `index`: every task's searchable fields, kept from the task-state feed.
 //! - `feed`: follows `KV_AX_TASKS` and `AX_DEAD` into the index.

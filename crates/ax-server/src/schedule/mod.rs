@@ -1,4 +1,4 @@
-//! Delayed tasks: held in `AX_DELAYED`, moved to their ready subject when due (S2-5).
+//! Delayed tasks: held in `AX_DELAYED`, moved to their ready subject when due.
 //!
 //! The server keeps a timer index built from an ordered consumer over `AX_DELAYED`: on
 //! start it replays every held task, then it follows new ones. Tasks due within the

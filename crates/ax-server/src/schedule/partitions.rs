@@ -1,4 +1,4 @@
-//! Delayed tasks shared among servers (issue 8).
+//! Delayed tasks shared among servers.
 //!
 //! `AX_DELAYED` is split into [`DELAYED_PARTITIONS`] partitions by a hash of the task id
 //! (the last token of the subject, `names::delayed_partition`). Each partition is owned

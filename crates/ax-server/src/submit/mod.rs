@@ -1,4 +1,4 @@
-//! Level-1 admission (S2-1): validate, de-duplicate, store, answer.
+//! Level-1 admission: validate, de-duplicate, store, answer.
 //!
 //! A request is answered "accepted" only after its message is in JetStream (a ready subject,
 //! or `AX_DELAYED` for a task with a due time) and its state record is in `AX_TASKS`. The

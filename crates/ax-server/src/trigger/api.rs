@@ -310,7 +310,7 @@ impl TriggerApi {
         }))
     }
 
-    /// A manual run (S0-12): refused while an earlier fire's tasks are unfinished, unless
+    /// A manual run: refused while an earlier fire's tasks are unfinished, unless
     /// `force`. One request is one fire: its task ids are chosen once, the tasks submitted
     /// once, and a state that changed meanwhile gets the fire merged in, never fired again.
     async fn run(&self, name: &str, force: bool) -> Result<Value, WireError> {

@@ -1,4 +1,4 @@
-//! The one time authority for "is it due" (S0-13), injectable for tests.
+//! The one time authority for "is it due", injectable for tests.
 
 use std::sync::atomic::{AtomicI64, Ordering};
 

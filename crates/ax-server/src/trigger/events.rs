@@ -1,4 +1,4 @@
-//! Event triggers (S4-3): every ax server serves each event trigger's subject in the queue
+//! Event triggers: every ax server serves each event trigger's subject in the queue
 //! group `ax-events`, so each message starts exactly one fire while any server runs.
 //!
 //! Core NATS delivers at most once: publish events as requests (the reply is

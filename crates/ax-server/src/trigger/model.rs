@@ -1,4 +1,4 @@
-//! Trigger definitions (S0-2): when (kind + params), what (task templates), and policies.
+//! Trigger definitions: when (kind + params), what (task templates), and policies.
 //!
 //! A definition is JSON (or YAML) stored in the `AX_TRIGGERS` bucket under its name;
 //! [`TriggerDef::validate`] turns it into a [`Recurrence`] or a typed error naming the field.
@@ -39,7 +39,7 @@ pub enum Kind {
         /// The time.
         at: String,
     },
-    /// Every message on a NATS subject starts a fire (S4-3); the message body becomes the
+    /// Every message on a NATS subject starts a fire; the message body becomes the
     /// payload of templates that have none.
     Event {
         /// The subject (wildcards allowed; not under `ax.` or `$`).
@@ -62,7 +62,7 @@ pub enum IntervalMode {
     FixedDelay,
 }
 
-/// What to do with fire times missed while ax or NATS was down (S0-7).
+/// What to do with fire times missed while ax or NATS was down.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum MisfirePolicy {
@@ -75,14 +75,14 @@ pub enum MisfirePolicy {
     FireAll,
 }
 
-/// When the previous fire's tasks are still running at the next fire (S4-5).
+/// When the previous fire's tasks are still running at the next fire.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum OverlapPolicy {
     /// Do not fire; count it as skipped.
     Skip,
     /// Remember one fire and start it as soon as the running one ends, then return to the
-    /// normal cadence (S0-9) (default).
+    /// normal cadence (default).
     #[default]
     BufferOne,
     /// Fire anyway.
@@ -101,7 +101,7 @@ fn yes() -> bool {
     true
 }
 
-/// A flow run started at each fire (S4-3: flows started by cron, interval, once, event or
+/// A flow run started at each fire (flows started by cron, interval, once, event or
 /// manual runs; overlap policies count the run as the fire's work until it ends).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

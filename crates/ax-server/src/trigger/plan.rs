@@ -1,7 +1,7 @@
 //! Deciding what a trigger fires now: a pure function of (definition, state, now, active),
 //! so misfire, overlap, drift and clock steps are tested without a clock or a broker.
 //!
-//! Clock steps (S0-13): `last_scheduled_ms` is stored, and only scheduled times strictly
+//! Clock steps: `last_scheduled_ms` is stored, and only scheduled times strictly
 //! after it are ever fired, so a wall clock stepping back never fires a time twice; a step
 //! forward makes the skipped times "missed", handled by the misfire policy (fire once by
 //! default).
@@ -350,7 +350,7 @@ mod tests {
             plan(&d, &r, &state(Some(1000)), 2000, true).fires,
             vec![2000]
         );
-        // buffer_one: held while running, fired right after, then back to cadence (S0-9).
+        // buffer_one: held while running, fired right after, then back to cadence.
         d.overlap = OverlapPolicy::BufferOne;
         let p = plan(&d, &r, &state(Some(1000)), 2000, true);
         assert!(p.fires.is_empty());

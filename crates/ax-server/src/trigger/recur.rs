@@ -1,4 +1,4 @@
-//! Recurrence math: `next_after(t)` for each trigger kind (S0-3).
+//! Recurrence math: `next_after(t)` for each trigger kind.
 //!
 //! All times are ms since the Unix epoch. Cron expressions are evaluated in the trigger's
 //! time zone with chrono-tz, so "08:00 Europe/Berlin" stays 08:00 local across DST changes;
