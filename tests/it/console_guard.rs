@@ -12,10 +12,10 @@ const ADMIN: &str = "s3cret-admin";
 const VIEWER: &str = "viewer-token";
 
 /// An HTTP answer: status, headers (lowercased names) and body.
-struct Answer {
-    status: u16,
+pub(crate) struct Answer {
+    pub(crate) status: u16,
     headers: Vec<(String, String)>,
-    body: String,
+    pub(crate) body: String,
 }
 
 impl Answer {
@@ -29,7 +29,13 @@ impl Answer {
 
 /// Sends one request (`Connection: close`) with exactly the headers given and reads the
 /// answer.
-async fn send(port: u16, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> Answer {
+pub(crate) async fn send(
+    port: u16,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Answer {
     let mut tcp = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
     let mut text = format!("{method} {path} HTTP/1.1\r\nconnection: close\r\n");
     for (k, v) in headers {
@@ -86,7 +92,7 @@ async fn paused(port: u16, auth: &[(&str, &str)]) -> bool {
         .any(|q| q["queue"] == "q" && q["paused"] == true)
 }
 
-fn console(port: u16) -> ax_server::console::ConsoleConfig {
+pub(crate) fn console(port: u16) -> ax_server::console::ConsoleConfig {
     ax_server::console::ConsoleConfig::new(format!("127.0.0.1:{port}").parse().unwrap())
 }
 
@@ -369,4 +375,38 @@ async fn slow_clients_are_timed_out_and_bounded() {
         assert_eq!(page.status, 200);
     })
     .await
+}
+
+/// The status of `GET /` with this console's own `Host`, or `None` when nothing answers.
+async fn page_status(port: u16) -> Option<u16> {
+    let mut tcp = TcpStream::connect(("127.0.0.1", port)).await.ok()?;
+    let text = format!("GET / HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\nconnection: close\r\n\r\n");
+    tcp.write_all(text.as_bytes()).await.ok()?;
+    let mut raw = Vec::new();
+    tokio::time::timeout(Duration::from_secs(2), tcp.read_to_end(&mut raw))
+        .await
+        .ok()?
+        .ok()?;
+    String::from_utf8_lossy(&raw)
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+}
+
+/// The console is a supervised service of the server: made to panic mid-run, it serves
+/// again on the same address.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_console_that_panics_comes_back_and_serves() {
+    let port = free_port();
+    let _env = Env::start(Env::server().id("sup-console").console(console(port))).await;
+    assert_eq!(page_status(port).await, Some(200));
+    ax_sdk::hooks::panic_service("sup-console", "console");
+    // The hook is polled every 50 ms; the restart waits 100 ms.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    crate::support::eventually(
+        Duration::from_secs(10),
+        "the console serves again",
+        || async { (page_status(port).await == Some(200)).then_some(()) },
+    )
+    .await;
 }

@@ -155,21 +155,30 @@ pub(crate) async fn all_done(env: &Env, ids: &[String], within: Duration) {
     .await;
 }
 
+/// Stores a limit. Tests start their workers afterwards: a worker loads the definitions
+/// before it claims anything, so nothing runs unlimited.
 pub(crate) async fn set(env: &Env, def: Value) {
-    env.ax.limits("put", &def).await.unwrap();
-    // Workers follow the definitions by a KV watch; give them a moment.
+    let def: ax_sdk::limits::LimitDef = serde_json::from_value(def).unwrap();
+    assert_eq!(env.ax.put_limit(&def).await.unwrap(), def);
+}
+
+/// Changes a limit while workers run. They follow the definitions by a KV watch, which
+/// tells nobody when it has delivered: this waits 300 ms, the one fixed wait left here.
+pub(crate) async fn change(env: &Env, def: Value) {
+    set(env, def).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rate_limited_key_stays_within_its_rate_while_another_key_runs_at_full_speed() {
     let env = Env::start(Env::server()).await;
-    let w = workers(&env.nats.url(), 4, 16);
     set(
         &env,
         json!({"name": "hot", "queue": "q", "key": "hot", "rate": 20.0, "burst": 5}),
     )
     .await;
+    // Workers started after the definitions load them before they claim.
+    let w = workers(&env.nats.url(), 4, 16);
     let hot = submit_keyed(&env, 100, "t", "hot", 5).await;
     let cold = submit_keyed(&env, 400, "t", "cold", 5).await;
     all_done(&env, &cold, Duration::from_secs(30)).await;
@@ -235,7 +244,6 @@ async fn a_rate_limited_key_stays_within_its_rate_while_another_key_runs_at_full
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrency_caps_per_key_and_a_singleton_are_never_exceeded() {
     let env = Env::start(Env::server()).await;
-    let w = workers(&env.nats.url(), 4, 16);
     set(
         &env,
         json!({"name": "per-customer", "queue": "q", "per_key": true, "concurrency": 3}),
@@ -252,6 +260,8 @@ async fn concurrency_caps_per_key_and_a_singleton_are_never_exceeded() {
         json!({"name": "ceiling", "queue": "q", "task": "t", "concurrency": 5}),
     )
     .await;
+    // Workers started after the definitions load them before they claim.
+    let w = workers(&env.nats.url(), 4, 16);
     let a = submit_keyed(&env, 24, "t", "a", 150).await;
     let b = submit_keyed(&env, 24, "t", "b", 150).await;
     let c = submit_keyed(&env, 24, "t", "c", 150).await;
@@ -346,18 +356,19 @@ pub(crate) fn runs_started(journals: &[PathBuf]) -> Vec<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rate_and_cap_together_never_deadlock_and_a_changed_limit_applies_to_queued_tasks() {
     let env = Env::start(Env::server()).await;
-    let w = workers(&env.nats.url(), 4, 8);
     set(
         &env,
         json!({"name": "both", "queue": "q", "task": "t", "rate": 30.0, "concurrency": 2}),
     )
     .await;
+    // Workers started after the definitions load them before they claim.
+    let w = workers(&env.nats.url(), 4, 8);
     let ids = submit_keyed(&env, 40, "t", "x", 20).await;
     all_done(&env, &ids, Duration::from_secs(30)).await;
     let r = runs(&w.journals);
     assert!(max_overlap(ids.iter().filter_map(|id| r.get(id).copied())) <= 2);
     // A slow limit, then raised while its tasks are queued: they speed up.
-    set(
+    change(
         &env,
         json!({"name": "slow", "queue": "q", "key": "k", "rate": 1.0, "burst": 1}),
     )
@@ -369,7 +380,7 @@ async fn rate_and_cap_together_never_deadlock_and_a_changed_limit_applies_to_que
         .filter(|id| queued.contains(id))
         .count();
     assert!(early <= 4, "{early} started at 1/s in 2 s");
-    set(
+    change(
         &env,
         json!({"name": "slow", "queue": "q", "key": "k", "rate": 1000.0}),
     )
@@ -377,12 +388,18 @@ async fn rate_and_cap_together_never_deadlock_and_a_changed_limit_applies_to_que
     all_done(&env, &queued, Duration::from_secs(15)).await;
     // Tasks waiting for a limit show why in their record meanwhile (checked above by
     // the state alone); removing a limit works too.
-    env.ax
-        .limits("delete", &json!({"queue": "q", "name": "slow"}))
-        .await
-        .unwrap();
-    let listed = env.ax.limits("list", &json!({"queue": "q"})).await.unwrap();
-    assert_eq!(listed.as_array().unwrap().len(), 1, "{listed}");
+    assert!(env.ax.delete_limit("q", "slow").await.unwrap());
+    assert!(
+        !env.ax.delete_limit("q", "slow").await.unwrap(),
+        "deleted once"
+    );
+    assert_eq!(env.ax.get_limit("q", "slow").await.unwrap(), None);
+    let listed = env.ax.list_limits(Some("q")).await.unwrap();
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(
+        env.ax.get_limit("q", "both").await.unwrap().as_ref(),
+        listed.first()
+    );
     drop(w);
 }
 

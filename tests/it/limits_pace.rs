@@ -4,7 +4,7 @@
 //! raised rate reaches tasks already handed back. Counted from the workers' journals.
 
 use crate::limits::{
-    all_done, max_in_window, max_overlap, runs, runs_started, set, submit_keyed, workers,
+    all_done, change, max_in_window, max_overlap, runs, runs_started, set, submit_keyed, workers,
     workers_env,
 };
 use crate::support::Env;
@@ -23,12 +23,13 @@ fn utilisation(intervals: &[(u64, u64)], cap: usize) -> f64 {
 async fn a_saturated_cap_keeps_its_slots_busy() {
     // A delivery waits for a freed slot up to half the ack wait (at most 10 s).
     let env = Env::start(Env::server().ack_wait(Duration::from_secs(4))).await;
-    let w = workers(&env.nats.url(), 2, 16);
     set(
         &env,
         json!({"name": "five", "queue": "q", "task": "t", "concurrency": 5}),
     )
     .await;
+    // Workers started after the definitions load them before they claim.
+    let w = workers(&env.nats.url(), 2, 16);
     let ids = submit_keyed(&env, 40, "t", "x", 300).await;
     all_done(&env, &ids, Duration::from_secs(60)).await;
     let r = runs(&w.journals);
@@ -55,13 +56,14 @@ async fn a_saturated_cap_keeps_its_slots_busy() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rate_is_met_and_its_handler_starts_stay_within_the_bound() {
     let env = Env::start(Env::server()).await;
-    let w = workers(&env.nats.url(), 4, 16);
     let (rate, burst, n) = (100.0, 1usize, 400usize);
     set(
         &env,
         json!({"name": "r", "queue": "q", "task": "t", "rate": rate, "burst": burst}),
     )
     .await;
+    // Workers started after the definitions load them before they claim.
+    let w = workers(&env.nats.url(), 4, 16);
     let ids = submit_keyed(&env, n, "t", "x", 0).await;
     all_done(&env, &ids, Duration::from_secs(60)).await;
     let r = runs(&w.journals);
@@ -91,13 +93,13 @@ async fn claims_slower_than_the_lead_never_start_ahead_of_their_tokens() {
     // each claimed delivery finds its token gone by and takes another; with the workers'
     // holds booking the tokens of the next second, often none is due within the horizon.
     let env = Env::start(Env::server()).await;
-    let w = workers_env(&env.nats.url(), 2, 16, &[("AX_TEST_CLAIM_DELAY_MS", "300")]);
     let (rate, burst, n) = (10.0, 1usize, 40usize);
     set(
         &env,
         json!({"name": "slow", "queue": "q", "task": "t", "rate": rate, "burst": burst}),
     )
     .await;
+    let w = workers_env(&env.nats.url(), 2, 16, &[("AX_TEST_CLAIM_DELAY_MS", "300")]);
     let ids = submit_keyed(&env, n, "t", "x", 0).await;
     all_done(&env, &ids, Duration::from_secs(60)).await;
     let r = runs(&w.journals);
@@ -122,12 +124,12 @@ async fn a_rated_delivery_claimed_before_a_pause_waits_it_out() {
     // still claiming when the pause lands; under a rate it is held for its token anyway
     // and must wait out the pause rather than start in it.
     let env = Env::start(Env::server()).await;
-    let w = workers_env(&env.nats.url(), 2, 8, &[("AX_TEST_CLAIM_DELAY_MS", "300")]);
     set(
         &env,
         json!({"name": "p", "queue": "q", "task": "t", "rate": 5.0, "burst": 1}),
     )
     .await;
+    let w = workers_env(&env.nats.url(), 2, 8, &[("AX_TEST_CLAIM_DELAY_MS", "300")]);
     let ids = submit_keyed(&env, 30, "t", "x", 0).await;
     tokio::time::sleep(Duration::from_millis(1500)).await;
     env.ax.pause_queue("q", None).await.unwrap();
@@ -154,12 +156,13 @@ async fn a_rated_delivery_claimed_before_a_pause_waits_it_out() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_raised_rate_reaches_tasks_already_handed_back() {
     let env = Env::start(Env::server()).await;
-    let w = workers(&env.nats.url(), 2, 8);
     set(
         &env,
         json!({"name": "slow", "queue": "q", "key": "k", "rate": 0.2, "burst": 1}),
     )
     .await;
+    // Workers started after the definitions load them before they claim.
+    let w = workers(&env.nats.url(), 2, 8);
     let queued = submit_keyed(&env, 20, "u", "k", 5).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     let early = runs_started(&w.journals)
@@ -167,7 +170,7 @@ async fn a_raised_rate_reaches_tasks_already_handed_back() {
         .filter(|id| queued.contains(id))
         .count();
     assert!(early <= 2, "{early} started at 0.2/s in 2 s");
-    set(
+    change(
         &env,
         json!({"name": "slow", "queue": "q", "key": "k", "rate": 1000.0}),
     )
@@ -271,12 +274,8 @@ async fn an_adaptive_rate_settles_at_what_the_downstream_takes_and_climbs_back()
     // Overloaded: 500/s offered to a downstream of 50/s.
     tokio::time::sleep(Duration::from_secs(12)).await;
     let (served, refused) = window(6.0, 12.0);
-    let status = env
-        .ax
-        .limits("status", &json!({"queue": "q"}))
-        .await
-        .unwrap();
-    let rate_now = status[0]["rate_now"].as_f64().unwrap();
+    let status = env.ax.limit_status(Some("q")).await.unwrap();
+    let rate_now = status[0].rate_now.unwrap();
     println!(
         "downstream 50/s: served {served:.1}/s, refused {:.0} % of calls, rate now {rate_now:.1}",
         refused * 100.0

@@ -21,6 +21,7 @@ mod ops;
 mod outputs;
 mod partitions;
 mod procs;
+mod registry;
 mod retry;
 mod security;
 mod streams;

@@ -1015,3 +1015,42 @@ async fn a_leader_whose_state_writes_fail_fires_nothing_unrecorded() {
     stop.cancel();
     handle.await.unwrap();
 }
+
+/// The typed trigger calls of `Client` make the same requests as `ax trigger …` and read
+/// their answers into types: put (created, unchanged, updated), get, list, pause and
+/// resume, a manual run, delete.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_typed_trigger_calls_round_trip() {
+    use ax_sdk::trigger::{PutOutcome, TriggerDef};
+    let env = Env::start(Env::server()).await;
+    let mut def: TriggerDef = serde_json::from_value(interval("typed", 3_600_000)).unwrap();
+    assert_eq!(env.ax.put_trigger(&def).await.unwrap(), PutOutcome::Created);
+    assert_eq!(
+        env.ax.put_trigger(&def).await.unwrap(),
+        PutOutcome::Unchanged
+    );
+    def.max_catch_up = 2;
+    assert_eq!(env.ax.put_trigger(&def).await.unwrap(), PutOutcome::Updated);
+    let info = env.ax.get_trigger("typed").await.unwrap().unwrap();
+    assert_eq!(info.definition, def);
+    assert_eq!(info.next.len(), 5, "{:?}", info.next);
+    let listed = env.ax.list_triggers().await.unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(
+        (listed[0].name.as_str(), listed[0].enabled),
+        ("typed", true)
+    );
+    env.ax.set_trigger_enabled("typed", false).await.unwrap();
+    assert!(!env.ax.list_triggers().await.unwrap()[0].enabled);
+    env.ax.set_trigger_enabled("typed", true).await.unwrap();
+    let run = env.ax.run_trigger("typed", false).await.unwrap();
+    assert_eq!(run.task_ids.len(), 1);
+    assert!(!run.forced);
+    env.ax.delete_trigger("typed").await.unwrap();
+    assert_eq!(env.ax.get_trigger("typed").await.unwrap(), None);
+    let gone = env.ax.delete_trigger("typed").await.unwrap_err();
+    assert!(
+        matches!(&gone, ax_sdk::ClientError::Refused(e) if e.code == ax_sdk::error::ErrorCode::NotFound),
+        "{gone:?}"
+    );
+}

@@ -360,27 +360,6 @@ impl Client {
         Ok(self.store().await?.history(id).await?)
     }
 
-    /// Calls the trigger API: `op` is `put`, `apply`, `get`, `list`, `pause`, `resume`,
-    /// `delete` or `run` (docs/PROTOCOL.md §5); returns the `ok` value.
-    pub async fn trigger(
-        &self,
-        op: &str,
-        body: &serde_json::Value,
-    ) -> Result<serde_json::Value, ClientError> {
-        self.management(names::TRIGGER_API_PREFIX, op, body).await
-    }
-
-    /// Calls the limits API: `op` is `put` (a limit definition), `get` / `delete`
-    /// (`{"queue", "name"}`) or `list` (`{"queue"?}`) (docs/PROTOCOL.md §7); returns the
-    /// `ok` value.
-    pub async fn limits(
-        &self,
-        op: &str,
-        body: &serde_json::Value,
-    ) -> Result<serde_json::Value, ClientError> {
-        self.management(names::LIMIT_API_PREFIX, op, body).await
-    }
-
     /// A request to a management API (`<prefix><op>`), its `ok` value or its refusal.
     pub(crate) async fn management(
         &self,

@@ -27,9 +27,11 @@
 //! | module | concept |
 //! |---|---|
 //! | [`client`] | submit tasks, read their records and outputs, call the APIs |
+//! | [`api`] | the request APIs: one entry per operation (`ax.<api>.<op>`) |
 //! | [`worker`] | pull, claim, run and settle tasks (fencing, heartbeats, retries) |
 //! | [`flow`] | flow definitions, builders and run records |
 //! | [`ops`] | the operations calls: find, cancel, retry, replay, run now, pause |
+//! | [`trigger`] | trigger definitions and the trigger calls |
 //! | [`limits`] | rate limits and concurrency caps, and the gate every worker applies |
 //! | [`error`] | error codes on the wire, [`ErrorKind`] (a leaf) |
 //! | [`time`] | ms since the epoch, strict RFC 3339 (a leaf) |
@@ -43,6 +45,7 @@
 //! | [`metrics`] | Prometheus metric names (the process installs the exporter) |
 #![warn(missing_docs, unreachable_pub, rustdoc::broken_intra_doc_links)]
 
+pub mod api;
 pub mod backoff;
 pub mod client;
 pub mod error;
@@ -67,6 +70,7 @@ pub mod state;
 pub mod supervisor;
 pub mod task;
 pub mod time;
+pub mod trigger;
 pub mod worker;
 
 pub use client::{Client, ClientError, TaskSpec};

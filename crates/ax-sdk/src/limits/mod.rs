@@ -9,11 +9,13 @@
 //! - the `ax.limit.<op>` API is served by `ax server` (the `ax-server` crate).
 
 pub mod adaptive;
+mod client;
 mod expiry;
 pub(crate) mod gate;
 pub mod gcra;
 pub mod model;
 
+pub use client::{LimitStatus, SlotHeld};
 pub use model::LimitDef;
 
 /// The `AX_LIMITS` key that pauses a queue while it exists: `<queue>.=paused` (`=` is

@@ -74,7 +74,7 @@ fn with_cookie(mut r: Response<Body>, cookie: String) -> Response<Body> {
 }
 
 pub(crate) async fn serve(
-    listener: tokio::net::TcpListener,
+    listener: &tokio::net::TcpListener,
     state: Arc<State>,
     shutdown: CancellationToken,
 ) {

@@ -183,17 +183,11 @@ pub(crate) enum Role {
     ReadOnly,
 }
 
-/// Operations a read-only user may call, by API.
+/// Operations a read-only user may call: those the API registry marks read-only.
 fn read_only(api: &str, op: &str) -> bool {
-    matches!(
-        (api, op),
-        (
-            "task",
-            "get" | "list" | "events" | "queues" | "series" | "payload"
-        ) | ("flow", "get" | "list" | "def" | "defs" | "leader")
-            | ("trigger", "list" | "get" | "leader")
-            | ("limit", "get" | "list" | "status")
-    )
+    ax_sdk::api::Api::from_name(api)
+        .and_then(|api| ax_sdk::api::operation(api, op))
+        .is_some_and(|o| o.read_only)
 }
 
 /// Binds the console and serves it until `shutdown`.
@@ -201,8 +195,7 @@ pub(crate) async fn start(
     config: ConsoleConfig,
     apis: Arc<Apis>,
     index: Arc<TaskIndex>,
-    shutdown: CancellationToken,
-) -> Result<tokio::task::JoinHandle<()>, ConsoleError> {
+) -> Result<Console, ConsoleError> {
     config.check()?;
     let listener = tokio::net::TcpListener::bind(config.addr)
         .await
@@ -219,7 +212,25 @@ pub(crate) async fn start(
         apis,
         index,
     });
-    Ok(tokio::spawn(http::serve(listener, state, shutdown)))
+    Ok(Console {
+        listener: Arc::new(listener),
+        state,
+    })
+}
+
+/// A console bound to its address: [`Console::serve`] accepts connections until its token
+/// is cancelled, and may be called again (the server's supervisor does when it ends).
+#[derive(Clone)]
+pub(crate) struct Console {
+    listener: Arc<tokio::net::TcpListener>,
+    state: Arc<http::State>,
+}
+
+impl Console {
+    /// Serves until `shutdown` is cancelled; connections open then get 5 s to finish.
+    pub(crate) async fn serve(self, shutdown: CancellationToken) {
+        http::serve(&self.listener, self.state, shutdown).await
+    }
 }
 
 #[cfg(test)]

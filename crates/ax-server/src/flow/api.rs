@@ -186,10 +186,7 @@ impl FlowApi {
                 let req: RerunRequest = decode(body)?;
                 self.rerun(req).await
             }
-            _ => Err(WireError::new(
-                ErrorCode::BadRequest,
-                format!("unknown flow operation {op:?}"),
-            )),
+            _ => Err(ax_sdk::api::unknown_operation(ax_sdk::api::Api::Flow, op)),
         }
     }
 

@@ -100,10 +100,7 @@ impl LimitApi {
                     Ok(json!(defs))
                 }
             }
-            _ => Err(WireError::new(
-                ErrorCode::BadRequest,
-                format!("unknown limits operation {op:?}"),
-            )),
+            _ => Err(ax_sdk::api::unknown_operation(ax_sdk::api::Api::Limit, op)),
         }
     }
 

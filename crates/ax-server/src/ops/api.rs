@@ -9,14 +9,6 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use std::time::Duration;
 
-/// The task operations every server answers.
-pub(crate) const OPS: [&str; 8] = [
-    "get", "events", "cancel", "retry", "run_now", "pause", "resume", "payload",
-];
-/// The operations only a server with a task index answers.
-pub(crate) const INDEX_OPS: [&str; 6] =
-    ["list", "replay", "queues", "cancel_many", "series", "purge"];
-
 /// Most rows one `list` answers; most tasks one `replay` retries.
 pub(crate) const MAX_LIST: usize = 1000;
 pub(crate) const MAX_REPLAY: usize = 10_000;
@@ -166,10 +158,7 @@ impl Ops {
                 let (events, complete) = self.events(&id).await?;
                 Ok(json!({"id": id, "events": events, "complete": complete}))
             }
-            _ => Err(WireError::new(
-                ErrorCode::BadRequest,
-                format!("unknown task operation {op:?}"),
-            )),
+            _ => Err(ax_sdk::api::unknown_operation(ax_sdk::api::Api::Task, op)),
         }
     }
 

@@ -4,6 +4,7 @@
 
 use crate::submit::Admission;
 use async_nats::service::Request;
+use ax_sdk::api::Api;
 use ax_sdk::metrics as m;
 use ax_sdk::protocol::{ErrorCode, SubmitAccepted, SubmitReply, WireError};
 use futures::FutureExt;
@@ -134,44 +135,41 @@ impl Apis {
         op: &str,
         body: bytes::Bytes,
     ) -> Option<Result<serde_json::Value, WireError>> {
-        Some(match api {
-            "task" => guarded("task", self.tasks.handle(op, &body)).await,
-            "flow" => guarded("flow", self.flows.handle(op, &body)).await,
-            "limit" => guarded("limit", self.limits.handle(op, &body)).await,
-            "trigger" => match &self.triggers {
-                Some(t) => guarded("trigger", t.handle(op, &body)).await,
-                None => return None,
+        let api = Api::from_name(api)?;
+        if api == Api::Trigger && self.triggers.is_none() {
+            return None;
+        }
+        Some(self.run(api, op, &body).await)
+    }
+
+    /// Runs operation `op` of `api`: refused as unknown unless the registry lists it.
+    async fn run(&self, api: Api, op: &str, body: &[u8]) -> Result<serde_json::Value, WireError> {
+        if ax_sdk::api::operation(api, op).is_none() {
+            return Err(ax_sdk::api::unknown_operation(api, op));
+        }
+        match api {
+            Api::Task => guarded("task", self.tasks.handle(op, body)).await,
+            Api::Flow => guarded("flow", self.flows.handle(op, body)).await,
+            Api::Limit => guarded("limit", self.limits.handle(op, body)).await,
+            Api::Trigger => match &self.triggers {
+                Some(t) => guarded("trigger", t.handle(op, body)).await,
+                None => Err(ax_sdk::api::unknown_operation(api, op)),
             },
-            _ => return None,
-        })
+        }
     }
 
     /// Answers one management request, routed by its subject's prefix.
     pub(crate) async fn handle(&self, req: Request) {
         let subject = req.message.subject.clone();
-        use ax_sdk::names::{
-            FLOW_API_PREFIX, LIMIT_API_PREFIX, TASK_API_PREFIX, TRIGGER_API_PREFIX,
+        let Some(api) = Api::ALL
+            .into_iter()
+            .find(|a| subject.starts_with(a.prefix()))
+        else {
+            return;
         };
-        if subject.starts_with(TASK_API_PREFIX) {
-            management_api("task", TASK_API_PREFIX, req, |op, body| async move {
-                self.tasks.handle(&op, &body).await
-            })
-            .await
-        } else if subject.starts_with(FLOW_API_PREFIX) {
-            management_api("flow", FLOW_API_PREFIX, req, |op, body| async move {
-                self.flows.handle(&op, &body).await
-            })
-            .await
-        } else if subject.starts_with(LIMIT_API_PREFIX) {
-            management_api("limit", LIMIT_API_PREFIX, req, |op, body| async move {
-                self.limits.handle(&op, &body).await
-            })
-            .await
-        } else if let Some(api) = &self.triggers {
-            management_api("trigger", TRIGGER_API_PREFIX, req, |op, body| async move {
-                api.handle(&op, &body).await
-            })
-            .await
-        }
+        management_api(api.name(), api.prefix(), req, |op, body| async move {
+            self.run(api, &op, &body).await
+        })
+        .await
     }
 }

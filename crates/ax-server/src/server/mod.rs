@@ -18,6 +18,7 @@ use crate::trigger::clock::{Clock, SystemClock};
 use crate::trigger::engine::Engine;
 use crate::trigger::events::EventRouter;
 use crate::trigger::store::{TriggerStore, TriggerStoreError};
+use ax_sdk::api::Api;
 use ax_sdk::metrics as m;
 use ax_sdk::names::{self, TRIGGER_API_PREFIX};
 use ax_sdk::retry;
@@ -366,7 +367,6 @@ impl Server {
                     op: "open the limits bucket",
                     source: e,
                 })?;
-        let index_token = shutdown.child_token();
         let alerts = crate::ops::alerts::Alerts::open(&js, self.alerts.clone())
             .await
             .map_err(|e| StateError::Broker {
@@ -401,13 +401,14 @@ impl Server {
         if self.triggers {
             management.push(subscribe(format!("{TRIGGER_API_PREFIX}*")).await?);
         }
-        for op in crate::ops::api::OPS {
-            management.push(subscribe(format!("{}{op}", names::TASK_API_PREFIX)).await?);
-        }
-        if self.task_index {
-            for op in crate::ops::api::INDEX_OPS {
-                let subject = format!("{}{op}", names::TASK_API_PREFIX);
-                let name = format!("task-{op}");
+        // One subscription per task operation (the API registry): the index's go to the
+        // index servers' queue group, and only where this server keeps one.
+        for op in ax_sdk::api::operations(Api::Task) {
+            let subject = Api::Task.subject(op.name);
+            if !op.needs_index {
+                management.push(subscribe(subject).await?);
+            } else if self.task_index {
+                let name = format!("task-{}", op.name);
                 management.push(endpoint(name, subject, names::INDEX_QUEUE_GROUP).await?);
             }
         }
@@ -485,18 +486,15 @@ impl Server {
             limits: limit_api,
             tasks: ops,
         });
-        let console = match (&self.console, &task_index) {
-            (Some(config), Some(index)) => Some(
-                crate::console::start(
-                    config.clone(),
-                    apis.clone(),
-                    index.clone(),
-                    index_token.clone(),
-                )
-                .await?,
-            ),
-            _ => None,
-        };
+        // The console binds at start (a taken address fails the start), then serves as a
+        // service of its own.
+        if let (Some(config), Some(index)) = (&self.console, &task_index) {
+            let console =
+                crate::console::start(config.clone(), apis.clone(), index.clone()).await?;
+            services.spawn("console", move |token| {
+                console.clone().serve(token).map(Ok::<(), Infallible>)
+            });
+        }
         // A management request (triggers, flows, limits) runs in the tracker on its slot.
         let serve = |req: async_nats::service::Request,
                      permit: tokio::sync::OwnedSemaphorePermit| {
@@ -532,11 +530,7 @@ impl Server {
         if let Err(e) = service.stop().await {
             warn!(cause = %e, "service endpoints not stopped cleanly");
         }
-        index_token.cancel();
         services.stop().await;
-        if let Some(console) = console {
-            let _ = console.await;
-        }
         tracker.close();
         tracker.wait().await;
         info!("ax server stopped");

@@ -8,6 +8,7 @@ use super::plan::{Source, TriggerState};
 use super::recur::Recurrence;
 use super::store::{TriggerStore, TriggerStoreError};
 use crate::submit::Admission;
+use crate::trigger::Validate;
 use ax_sdk::protocol::{ErrorCode, WireError};
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -144,9 +145,9 @@ impl TriggerApi {
                         Ok(json!({ "name": req.name, "deleted": true }))
                     }
                     "run" => self.run(&req.name, req.force).await,
-                    other => Err(WireError::new(
-                        ErrorCode::BadRequest,
-                        format!("unknown trigger operation {other:?}"),
+                    other => Err(ax_sdk::api::unknown_operation(
+                        ax_sdk::api::Api::Trigger,
+                        other,
                     )),
                 }
             }

@@ -12,6 +12,7 @@ use super::model::{Kind, TriggerDef};
 use super::plan::Source;
 use super::store::TriggerStore;
 use crate::submit::Admission;
+use crate::trigger::Validate;
 use async_nats::jetstream::kv;
 use ax_sdk::time::now_ms;
 use futures::StreamExt;

@@ -24,10 +24,11 @@ pub mod clock;
 pub(crate) mod engine;
 pub(crate) mod events;
 pub(crate) mod fire;
-pub mod model;
+pub use ax_sdk::trigger::model;
 pub mod plan;
 pub mod recur;
 pub mod store;
 
 pub use model::{Kind, MisfirePolicy, OverlapPolicy, TriggerDef};
 pub use plan::{Source, TriggerState};
+pub use recur::Validate;

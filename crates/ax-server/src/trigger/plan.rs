@@ -269,6 +269,7 @@ pub fn plan(
 mod tests {
     use super::*;
     use crate::trigger::model::{IntervalMode, Kind};
+    use crate::trigger::Validate;
 
     fn def(every_ms: u64, mode: IntervalMode) -> TriggerDef {
         serde_json::from_value(serde_json::json!({

@@ -5,7 +5,7 @@
 //! a local time that does not exist (spring forward) is skipped that day, and one that
 //! exists twice (fall back) fires once, at its first occurrence.
 
-use super::model::{IntervalMode, Kind};
+use super::model::{IntervalMode, Kind, TriggerDef};
 use ax_sdk::protocol::WireError;
 use chrono::TimeZone;
 use std::str::FromStr;
@@ -74,6 +74,20 @@ fn schedule(expr: &str) -> Result<std::sync::Arc<cron::Schedule>, cron::error::E
 
 fn rfc3339_ms(field: &str, text: &str) -> Result<u64, WireError> {
     ax_sdk::time::parse_rfc3339_ms(text).map_err(|e| WireError::field(field, e.to_string()))
+}
+
+/// A definition checked whole: its fields ([`TriggerDef::check_fields`]) and its
+/// recurrence, parsed.
+pub trait Validate {
+    /// Checks every field; returns the parsed recurrence or a typed error naming the field.
+    fn validate(&self) -> Result<Recurrence, WireError>;
+}
+
+impl Validate for TriggerDef {
+    fn validate(&self) -> Result<Recurrence, WireError> {
+        self.check_fields()?;
+        Recurrence::parse(&self.kind)
+    }
 }
 
 impl Recurrence {

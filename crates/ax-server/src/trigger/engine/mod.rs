@@ -37,6 +37,7 @@ use super::recur::Recurrence;
 use super::store::{TriggerStore, TriggerStoreError};
 use crate::lease::{Lease, TRIGGERS_KEY};
 use crate::submit::Admission;
+use crate::trigger::Validate;
 use async_nats::jetstream::kv;
 use ax_sdk::names::LEASES_BUCKET;
 use ax_sdk::state::TaskRecord;

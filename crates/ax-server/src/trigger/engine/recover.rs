@@ -268,6 +268,7 @@ mod tests {
     use super::*;
     use crate::trigger::model::TriggerDef;
     use crate::trigger::plan::FireRecord;
+    use crate::trigger::Validate;
     use serde_json::json;
     use std::collections::HashSet;
 

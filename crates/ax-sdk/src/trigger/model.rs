@@ -1,11 +1,11 @@
 //! Trigger definitions: when (kind + params), what (task templates), and policies.
 //!
-//! A definition is JSON (or YAML) stored in the `AX_TRIGGERS` bucket under its name;
-//! [`TriggerDef::validate`] turns it into a [`Recurrence`] or a typed error naming the field.
+//! A definition is JSON (or YAML) stored in the `AX_TRIGGERS` bucket under its name.
+//! [`TriggerDef::check_fields`] checks every field but the schedule's expression; the
+//! server parses that too (cron and time zones live there) before it stores one.
 
-use super::recur::Recurrence;
-use ax_sdk::names;
-use ax_sdk::protocol::{ErrorCode, SubmitRequest, WireError};
+use crate::names;
+use crate::protocol::{ErrorCode, SubmitRequest, WireError};
 use serde::{Deserialize, Serialize};
 
 /// When a trigger fires.
@@ -189,8 +189,9 @@ impl TriggerDef {
         serde_json::from_value(value).map_err(|e| bad(e.to_string()))
     }
 
-    /// Checks every field; returns the parsed recurrence.
-    pub fn validate(&self) -> Result<Recurrence, WireError> {
+    /// Checks every field but the recurrence (the cron expression, zone, interval), which
+    /// the server parses.
+    pub fn check_fields(&self) -> Result<(), WireError> {
         if !names::valid_token(&self.name, MAX_NAME) {
             return Err(WireError::field(
                 "name",
@@ -239,16 +240,16 @@ impl TriggerDef {
         if self.max_catch_up == 0 || self.max_catch_up > 1000 {
             return Err(WireError::field("max_catch_up", "must be 1..=1000"));
         }
-        Recurrence::parse(&self.kind)
+        Ok(())
     }
 
     /// Checks each task template as a submit of it would be checked, so a trigger that
     /// could never fire is refused when it is stored, naming the field
     /// (`tasks[<i>].<field>`).
-    pub fn check_templates(&self, limits: &ax_sdk::task::Limits) -> Result<(), WireError> {
+    pub fn check_templates(&self, limits: &crate::task::Limits) -> Result<(), WireError> {
         for (i, task) in self.tasks.iter().enumerate() {
             let queue = task.queue.clone().unwrap_or_default();
-            ax_sdk::task::TaskMeta::from_request(&queue, task.clone(), limits).map_err(
+            crate::task::TaskMeta::from_request(&queue, task.clone(), limits).map_err(
                 |mut e| {
                     e.field = Some(format!("tasks[{i}].{}", e.field.as_deref().unwrap_or("")));
                     e

@@ -1,0 +1,171 @@
+//! The request APIs a server answers, one entry per operation: `ax.<api>.<op>` over NATS
+//! and `POST /api/<api>/<op>` on the console (PROTOCOL.md §5–§8).
+//!
+//! The server routes by this table (an operation not in it is answered
+//! [`unknown_operation`] before any handler runs), subscribes the index's operations only
+//! where it keeps an index, and lets the console's read-only role call exactly the
+//! operations marked [`Operation::read_only`]. A test reads PROTOCOL.md's tables and checks
+//! them against this one, and calls every entry over NATS and through the console.
+
+use crate::error::{ErrorCode, WireError};
+use crate::names;
+
+/// One of the request APIs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Api {
+    /// `ax.task.<op>`: operating tasks and queues.
+    Task,
+    /// `ax.flow.<op>`: flow definitions and runs.
+    Flow,
+    /// `ax.limit.<op>`: rate limits and concurrency caps.
+    Limit,
+    /// `ax.trigger.<op>`: triggers.
+    Trigger,
+}
+
+impl Api {
+    /// Every API.
+    pub const ALL: [Api; 4] = [Api::Task, Api::Flow, Api::Limit, Api::Trigger];
+
+    /// The API's name in subjects and console paths: `task`, `flow`, `limit`, `trigger`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Api::Task => "task",
+            Api::Flow => "flow",
+            Api::Limit => "limit",
+            Api::Trigger => "trigger",
+        }
+    }
+
+    /// The API by its name.
+    pub fn from_name(name: &str) -> Option<Api> {
+        Api::ALL.into_iter().find(|a| a.name() == name)
+    }
+
+    /// The subject prefix of its requests (`ax.task.`, …).
+    pub fn prefix(self) -> &'static str {
+        match self {
+            Api::Task => names::TASK_API_PREFIX,
+            Api::Flow => names::FLOW_API_PREFIX,
+            Api::Limit => names::LIMIT_API_PREFIX,
+            Api::Trigger => names::TRIGGER_API_PREFIX,
+        }
+    }
+
+    /// The subject of operation `op`: `ax.<api>.<op>`.
+    pub fn subject(self, op: &str) -> String {
+        format!("{}{op}", self.prefix())
+    }
+}
+
+/// One operation of an API.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Operation {
+    /// Its API.
+    pub api: Api,
+    /// Its name, the last token of the subject.
+    pub name: &'static str,
+    /// It changes nothing: the console's read-only role may call it.
+    pub read_only: bool,
+    /// Only servers that keep the task index answer it (`--task-index`).
+    pub needs_index: bool,
+}
+
+const fn op(api: Api, name: &'static str, read_only: bool, needs_index: bool) -> Operation {
+    Operation {
+        api,
+        name,
+        read_only,
+        needs_index,
+    }
+}
+
+const R: bool = true;
+const W: bool = false;
+const INDEX: bool = true;
+const ANY: bool = false;
+
+/// Every operation of every API.
+pub const OPERATIONS: &[Operation] = &[
+    op(Api::Task, "get", R, ANY),
+    op(Api::Task, "events", R, ANY),
+    op(Api::Task, "payload", R, ANY),
+    op(Api::Task, "cancel", W, ANY),
+    op(Api::Task, "retry", W, ANY),
+    op(Api::Task, "run_now", W, ANY),
+    op(Api::Task, "pause", W, ANY),
+    op(Api::Task, "resume", W, ANY),
+    op(Api::Task, "list", R, INDEX),
+    op(Api::Task, "queues", R, INDEX),
+    op(Api::Task, "series", R, INDEX),
+    op(Api::Task, "replay", W, INDEX),
+    op(Api::Task, "cancel_many", W, INDEX),
+    op(Api::Task, "purge", W, INDEX),
+    op(Api::Flow, "put", W, ANY),
+    op(Api::Flow, "def", R, ANY),
+    op(Api::Flow, "defs", R, ANY),
+    op(Api::Flow, "delete", W, ANY),
+    op(Api::Flow, "run", W, ANY),
+    op(Api::Flow, "get", R, ANY),
+    op(Api::Flow, "list", R, ANY),
+    op(Api::Flow, "leader", R, ANY),
+    op(Api::Flow, "cancel", W, ANY),
+    op(Api::Flow, "rerun", W, ANY),
+    op(Api::Limit, "put", W, ANY),
+    op(Api::Limit, "get", R, ANY),
+    op(Api::Limit, "list", R, ANY),
+    op(Api::Limit, "delete", W, ANY),
+    op(Api::Limit, "status", R, ANY),
+    op(Api::Trigger, "put", W, ANY),
+    op(Api::Trigger, "apply", W, ANY),
+    op(Api::Trigger, "get", R, ANY),
+    op(Api::Trigger, "list", R, ANY),
+    op(Api::Trigger, "leader", R, ANY),
+    op(Api::Trigger, "pause", W, ANY),
+    op(Api::Trigger, "resume", W, ANY),
+    op(Api::Trigger, "delete", W, ANY),
+    op(Api::Trigger, "run", W, ANY),
+];
+
+/// Operation `name` of `api`, if there is one.
+pub fn operation(api: Api, name: &str) -> Option<&'static Operation> {
+    OPERATIONS.iter().find(|o| o.api == api && o.name == name)
+}
+
+/// The operations of `api`.
+pub fn operations(api: Api) -> impl Iterator<Item = &'static Operation> {
+    OPERATIONS.iter().filter(move |o| o.api == api)
+}
+
+/// The answer to an operation that is not in [`OPERATIONS`] (`bad_request`).
+pub fn unknown_operation(api: Api, op: &str) -> WireError {
+    WireError::new(
+        ErrorCode::BadRequest,
+        format!("unknown {} operation {op:?}", api.name()),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+
+    #[test]
+    fn each_operation_is_listed_once_with_a_subject_token_name() {
+        let mut seen = HashSet::new();
+        for o in OPERATIONS {
+            assert!(seen.insert((o.api, o.name)), "{o:?} twice");
+            assert!(names::valid_token(o.name, 32), "{o:?}");
+            assert_eq!(operation(o.api, o.name), Some(o));
+        }
+        assert_eq!(operation(Api::Task, "frobnicate"), None);
+        // Only the task API has operations that need the index.
+        assert!(OPERATIONS
+            .iter()
+            .all(|o| !o.needs_index || o.api == Api::Task));
+        for api in Api::ALL {
+            assert_eq!(Api::from_name(api.name()), Some(api));
+            assert!(operations(api).count() > 0);
+        }
+    }
+}
