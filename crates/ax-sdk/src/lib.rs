@@ -50,6 +50,10 @@ pub mod backoff;
 pub mod client;
 pub mod error;
 pub mod flow;
+/// Following a stream or bucket across broker restarts (shared with the server crate;
+/// not a stable API).
+#[doc(hidden)]
+pub mod follow;
 #[cfg(feature = "test-hooks")]
 #[doc(hidden)]
 pub mod hooks;

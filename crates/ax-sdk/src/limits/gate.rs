@@ -320,19 +320,14 @@ impl Gate {
             // After a reconnect (a broker restart) the watch may stall until its consumer
             // misses heartbeats, seconds in which a pause or a changed limit goes unseen:
             // follow again at once instead.
-            let stats = js.client().statistics();
-            let connects = stats.connects.load(Ordering::Relaxed);
-            let mut tick = tokio::time::interval(Duration::from_millis(250));
+            let mut reconnects = crate::follow::Reconnects::new(&js.client());
             loop {
                 let entry = tokio::select! {
                     _ = shutdown.cancelled() => return,
                     entry = watch.next() => entry,
-                    _ = tick.tick() => {
-                        if stats.connects.load(Ordering::Relaxed) != connects {
-                            info!(queue = %self.queue, "limit definitions: reconnected; following again");
-                            break;
-                        }
-                        continue;
+                    _ = reconnects.changed() => {
+                        info!(queue = %self.queue, "limit definitions: reconnected; following again");
+                        break;
                     }
                 };
                 let Some(Ok(entry)) = entry else {

@@ -266,7 +266,7 @@ impl Alerts {
                             .create_consumer(consumer::pull::OrderedConfig {
                                 deliver_policy: consumer::DeliverPolicy::ByStartTime { start_time },
                                 headers_only: true,
-                                max_expires: Duration::from_secs(2),
+                                max_expires: ax_sdk::follow::PULL_EXPIRES,
                                 ..Default::default()
                             })
                             .await

@@ -20,8 +20,6 @@ pub(crate) struct TaskIndex {
     loaded: tokio::sync::watch::Sender<bool>,
 }
 
-const FEED_EXPIRES: Duration = Duration::from_secs(2);
-
 /// Records the index could not read: each counted (`ax_index_unreadable_records_total`)
 /// and logged with its key, at most one line per [`UNREADABLE_LOG_EVERY`] (the lines in
 /// between are counted in the next).
@@ -117,7 +115,7 @@ impl TaskIndex {
                             .create_consumer(consumer::pull::OrderedConfig {
                                 deliver_policy: consumer::DeliverPolicy::LastPerSubject,
                                 filter_subject: format!("$KV.{TASKS_BUCKET}.>"),
-                                max_expires: FEED_EXPIRES,
+                                max_expires: ax_sdk::follow::PULL_EXPIRES,
                                 ..Default::default()
                             })
                             .await

@@ -17,6 +17,7 @@
 
 use crate::submit::publish_headers;
 use async_nats::jetstream::{self, consumer, stream};
+use ax_sdk::follow::{Reconnects, PULL_EXPIRES};
 use ax_sdk::metrics as m;
 use ax_sdk::names::DELAYED_STREAM;
 use ax_sdk::task::{header, TaskMeta};
@@ -141,12 +142,8 @@ impl Scheduler {
             return Ok(()); // shut down while waiting
         };
         let mut last_seq = 0u64;
-        // An ordered consumer notices a restarted nats-server only after two missed 15 s
-        // heartbeats; watching the client's reconnect count lets the index resume within
-        // a quarter second.
-        let stats = self.js.client().statistics();
-        let mut connects = stats.connects.load(Ordering::Relaxed);
-        let mut watch = tokio::time::interval(Duration::from_millis(250));
+        // Follows again within a quarter second of a reconnect (`ax_sdk::follow`).
+        let mut reconnects = Reconnects::new(&self.js.client());
         let horizon_ms = self.horizon.as_millis() as u64;
         let lookahead_ms = self.lookahead.as_millis() as u64;
         let mut index = Index::new(self.max_held_bytes);
@@ -197,17 +194,14 @@ impl Scheduler {
             let sleep = wake.unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
             tokio::select! {
                 _ = shutdown.cancelled() => break,
-                _ = watch.tick() => {
-                    let now_connects = stats.connects.load(Ordering::Relaxed);
-                    if now_connects != connects {
-                        debug!(last_seq, "reconnected: following AX_DELAYED again");
-                        match follow(&stream, &self.filters, last_seq + 1).await {
-                            Ok(f) => {
-                                feed = f;
-                                connects = now_connects;
-                            }
-                            Err(e) => warn!(cause = %e, "cannot follow AX_DELAYED yet; retrying"),
+                _ = reconnects.changed() => {
+                    debug!(last_seq, "reconnected: following AX_DELAYED again");
+                    match follow(&stream, &self.filters, last_seq + 1).await {
+                        Ok(f) => {
+                            feed = f;
+                            reconnects.mark();
                         }
+                        Err(e) => warn!(cause = %e, "cannot follow AX_DELAYED yet; retrying"),
                     }
                 }
                 next = feed.next() => match next {
@@ -276,9 +270,6 @@ fn earliest(a: Option<Instant>, b: Instant) -> Option<Instant> {
     Some(a.map_or(b, |a| a.min(b)))
 }
 
-/// How long a pull request of the index feed waits; its idle heartbeat is half of it.
-const FEED_EXPIRES: Duration = Duration::from_secs(2);
-
 /// An ordered consumer over `AX_DELAYED` from `start` (0: from the first message).
 async fn follow(
     stream: &stream::Stream,
@@ -296,7 +287,7 @@ async fn follow(
             // Pull requests expire after 2 s with a 1 s idle heartbeat, so a consumer lost
             // with a cluster node is noticed (two missed heartbeats) and recreated within a
             // few seconds rather than after the default 15 s heartbeats.
-            max_expires: FEED_EXPIRES,
+            max_expires: PULL_EXPIRES,
             ..Default::default()
         })
         .await

@@ -1,0 +1,52 @@
+//! Following a stream or a bucket (an ordered consumer, a KV watch) across broker
+//! restarts: one pull expiry and one reconnect detector for every follower of the server
+//! and the worker.
+//!
+//! An ordered consumer or a KV watch notices a restarted nats-server only after two
+//! missed idle heartbeats (seconds); the client knows at once that it connected again.
+//! A follower checks [`Reconnects::changed`] beside its feed and follows again from where
+//! it was when it fires.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How long one pull request of a follower waits (its idle heartbeat is half of it).
+pub const PULL_EXPIRES: Duration = Duration::from_secs(2);
+
+/// How often [`Reconnects`] looks at the client's connection count.
+pub const RECONNECT_CHECK: Duration = Duration::from_millis(250);
+
+/// Notices the client connecting again (a restarted or replaced nats-server).
+pub struct Reconnects {
+    stats: Arc<async_nats::Statistics>,
+    seen: u64,
+    tick: tokio::time::Interval,
+}
+
+impl Reconnects {
+    /// Counts from the client's connections now.
+    pub fn new(client: &async_nats::Client) -> Reconnects {
+        let stats = client.statistics();
+        let seen = stats.connects.load(Ordering::Relaxed);
+        let mut tick = tokio::time::interval(RECONNECT_CHECK);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        Reconnects { stats, seen, tick }
+    }
+
+    /// Resolves at the first check (every [`RECONNECT_CHECK`]) that finds a connection
+    /// made since this was created or last [`marked`](Reconnects::mark). Cancel-safe.
+    pub async fn changed(&mut self) {
+        loop {
+            self.tick.tick().await;
+            if self.stats.connects.load(Ordering::Relaxed) != self.seen {
+                return;
+            }
+        }
+    }
+
+    /// Takes the connections made so far as seen (after following again).
+    pub fn mark(&mut self) {
+        self.seen = self.stats.connects.load(Ordering::Relaxed);
+    }
+}
