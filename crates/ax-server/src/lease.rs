@@ -1,6 +1,7 @@
 //! A lease in `AX_LEASES`: one KV key, taken and renewed by compare-and-set. The trigger
-//! engine's leader holds `triggers`; the owners of delayed-task partitions hold
-//! `delayed.<partition>` (`schedule::partitions`).
+//! engine's leader holds `triggers`, the flow engine's `flows`; the owners of delayed-task
+//! partitions hold `delayed.<partition>` (`schedule::partitions`). Both engines run their
+//! terms through [`run_as_leader`].
 //!
 //! No wall clocks of two hosts are ever compared. The holder renews every third of the TTL
 //! and acts as leader only while its last successful renewal, by its own monotonic clock,
@@ -163,6 +164,69 @@ impl Lease {
     pub(crate) async fn release(&mut self) {
         if let Some(rev) = self.revision.take() {
             let _ = self.kv.update(&self.key, self.body(""), rev).await;
+        }
+    }
+}
+
+/// How one term of leadership ended.
+pub(crate) enum Stop {
+    /// The process is shutting down: the lease is released.
+    Shutdown,
+    /// The leader found it is no longer one (the lease lost or a newer leader's write
+    /// seen): it stands by again.
+    StepDown(&'static str),
+}
+
+/// The work of an engine while it leads.
+pub(crate) trait Leader {
+    /// What ends a term with an error (the lease is released, the engine stands by).
+    type Error: std::fmt::Display;
+    /// Leads until shut down or no longer the leader; `lease` is held at the start and is
+    /// to be renewed (`hold`) every third of its TTL.
+    fn lead(
+        &self,
+        lease: &mut Lease,
+        shutdown: &tokio_util::sync::CancellationToken,
+    ) -> impl std::future::Future<Output = Result<Stop, Self::Error>> + Send;
+}
+
+/// The leader loop of an engine (`engine` names it in the logs): takes `lease` when it is
+/// free, leads while it holds it, and stands by (polling every third of the TTL) in
+/// between, until `shutdown`. A term that ends in an error releases the lease, so a
+/// standby takes over without waiting out the TTL; a term that steps down does not (it
+/// lost the lease already). `stood_down` runs after every term.
+pub(crate) async fn run_as_leader<L: Leader + Sync>(
+    engine: &'static str,
+    leader: &L,
+    mut lease: Lease,
+    shutdown: &tokio_util::sync::CancellationToken,
+    mut stood_down: impl FnMut() + Send,
+) {
+    let poll = lease.ttl / 3;
+    let id = lease.holder.clone();
+    loop {
+        if lease.hold().await {
+            let token = lease.token().unwrap_or_default();
+            tracing::info!(%id, token, "{engine}: leader");
+            match leader.lead(&mut lease, shutdown).await {
+                Ok(Stop::Shutdown) => {
+                    lease.release().await;
+                    return;
+                }
+                Ok(Stop::StepDown(why)) => {
+                    tracing::warn!(%id, why, "{engine}: stepping down")
+                }
+                Err(e) => {
+                    tracing::warn!(cause = %e, "{engine}: leadership ended with an error");
+                    lease.release().await;
+                }
+            }
+            stood_down();
+            tracing::info!(%id, "{engine}: standing by");
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(poll) => {}
         }
     }
 }

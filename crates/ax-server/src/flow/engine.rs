@@ -18,7 +18,7 @@ use super::actor::{Event, Outcome, Run};
 use super::def::{FlowDef, Plan};
 use super::model::{parse_step_task, RunState};
 use super::store::{FlowStore, FlowStoreError};
-use crate::lease::Lease;
+use crate::lease::{run_as_leader, Leader, Lease, Stop};
 use crate::submit::Admission;
 use async_nats::jetstream::kv;
 use ax_sdk::metrics as m;
@@ -34,7 +34,7 @@ use std::time::Duration;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::{error, info, warn};
+use tracing::{error, warn};
 
 /// The key of the flow engine's lease in `AX_LEASES`.
 pub(crate) const FLOWS_KEY: &str = "flows";
@@ -74,11 +74,6 @@ pub(crate) struct FlowEngine {
     pub(crate) lease_ttl: Duration,
     pub(crate) id: String,
     pub(crate) alerts: Option<crate::ops::alerts::Alerts>,
-}
-
-enum Stop {
-    Shutdown,
-    StepDown(&'static str),
 }
 
 /// What every run's turn uses.
@@ -500,6 +495,27 @@ struct RunBrief {
     state: RunState,
 }
 
+/// The engine's term as leader, for [`run_as_leader`].
+struct Leading<'a> {
+    engine: &'a FlowEngine,
+    store: &'a FlowStore,
+    results: &'a ResultStore,
+}
+
+impl Leader for Leading<'_> {
+    type Error = FlowEngineError;
+
+    async fn lead(
+        &self,
+        lease: &mut Lease,
+        shutdown: &CancellationToken,
+    ) -> Result<Stop, FlowEngineError> {
+        self.engine
+            .lead(self.store, self.results, lease, shutdown)
+            .await
+    }
+}
+
 impl FlowEngine {
     pub(crate) async fn run(self, shutdown: CancellationToken) -> Result<(), FlowEngineError> {
         let js = self.admission.js.clone();
@@ -520,33 +536,17 @@ impl FlowEngine {
         let Some((store, results, kv)) = opened else {
             return Ok(()); // shut down while waiting
         };
-        let mut lease = Lease::new(kv, FLOWS_KEY, self.id.clone(), self.lease_ttl);
-        let poll = self.lease_ttl / 3;
-        loop {
-            if lease.hold().await {
-                let token = lease.token().unwrap_or_default();
-                info!(id = %self.id, token, "flow engine: leader");
-                match self.lead(&store, &results, &mut lease, &shutdown).await {
-                    Ok(Stop::Shutdown) => {
-                        lease.release().await;
-                        return Ok(());
-                    }
-                    Ok(Stop::StepDown(why)) => {
-                        warn!(id = %self.id, why, "flow engine: stepping down")
-                    }
-                    Err(e) => {
-                        warn!(cause = %e, "flow engine: leadership ended with an error");
-                        lease.release().await;
-                    }
-                }
-                metrics::gauge!(m::FLOW_RUNS_ACTIVE).set(0.0);
-                info!(id = %self.id, "flow engine: standing by");
-            }
-            tokio::select! {
-                _ = shutdown.cancelled() => return Ok(()),
-                _ = tokio::time::sleep(poll) => {}
-            }
-        }
+        let lease = Lease::new(kv, FLOWS_KEY, self.id.clone(), self.lease_ttl);
+        let leading = Leading {
+            engine: &self,
+            store: &store,
+            results: &results,
+        };
+        run_as_leader("flow engine", &leading, lease, &shutdown, || {
+            metrics::gauge!(m::FLOW_RUNS_ACTIVE).set(0.0)
+        })
+        .await;
+        Ok(())
     }
 
     async fn lead(

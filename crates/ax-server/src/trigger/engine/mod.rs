@@ -35,7 +35,7 @@ use super::model::TriggerDef;
 use super::plan::{plan, Plan, Source, TriggerState};
 use super::recur::Recurrence;
 use super::store::{TriggerStore, TriggerStoreError};
-use crate::lease::{Lease, TRIGGERS_KEY};
+use crate::lease::{run_as_leader, Leader, Lease, Stop, TRIGGERS_KEY};
 use crate::submit::Admission;
 use crate::trigger::Validate;
 use async_nats::jetstream::kv;
@@ -50,7 +50,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, error, info, warn};
+use tracing::{debug, error, warn};
 
 /// Errors that stop the engine.
 #[derive(Debug, thiserror::Error)]
@@ -147,9 +147,22 @@ pub(crate) struct Engine {
 }
 
 /// Why leading stopped.
-enum Stop {
-    Shutdown,
-    StepDown(&'static str),
+/// The engine's term as leader, for [`run_as_leader`].
+struct Leading<'a> {
+    engine: &'a Engine,
+    store: &'a TriggerStore,
+}
+
+impl Leader for Leading<'_> {
+    type Error = EngineError;
+
+    async fn lead(
+        &self,
+        lease: &mut Lease,
+        shutdown: &CancellationToken,
+    ) -> Result<Stop, EngineError> {
+        self.engine.lead(self.store, lease, shutdown).await
+    }
 }
 
 impl Engine {
@@ -160,32 +173,13 @@ impl Engine {
             .get_key_value(LEASES_BUCKET)
             .await
             .map_err(|e| broker("open leases")(e.into()))?;
-        let mut lease = Lease::new(kv, TRIGGERS_KEY, self.id.clone(), self.lease_ttl);
-        let poll = self.lease_ttl / 3;
-        loop {
-            if lease.hold().await {
-                let token = lease.token().unwrap_or_default();
-                info!(id = %self.id, token, "trigger engine: leader");
-                match self.lead(&store, &mut lease, &shutdown).await {
-                    Ok(Stop::Shutdown) => {
-                        lease.release().await;
-                        return Ok(());
-                    }
-                    Ok(Stop::StepDown(why)) => {
-                        warn!(id = %self.id, why, "trigger engine: stepping down")
-                    }
-                    Err(e) => {
-                        warn!(cause = %e, "trigger engine: leadership ended with an error");
-                        lease.release().await;
-                    }
-                }
-                info!(id = %self.id, "trigger engine: standing by");
-            }
-            tokio::select! {
-                _ = shutdown.cancelled() => return Ok(()),
-                _ = tokio::time::sleep(poll) => {}
-            }
-        }
+        let lease = Lease::new(kv, TRIGGERS_KEY, self.id.clone(), self.lease_ttl);
+        let leading = Leading {
+            engine: &self,
+            store: &store,
+        };
+        run_as_leader("trigger engine", &leading, lease, &shutdown, || {}).await;
+        Ok(())
     }
 
     /// Loads a trigger's state (creating it if missing) and re-checks its unfinished tasks.
