@@ -11,6 +11,7 @@ use super::inflight::{Held, InFlight, Slot};
 use super::labels::Labels;
 use super::options::Routes;
 use super::rate::TimeoutRate;
+use super::settle::{settle, After, End};
 use super::{is_json, Handler, Task, TaskError};
 use crate::limits::gate::{Admit, Gate, Reason};
 use crate::metrics as m;
@@ -678,23 +679,24 @@ async fn run(
         Some(Ok(Ok(Ok(output)))) => {
             metrics::gauge!(m::TASK_TIMEOUT_RATE, "queue" => queue.clone())
                 .set(sh.rate.record(false));
-            let mut done = rec.transition(TaskState::Succeeded);
+            let mut stored = None;
             if let Output(Some(out)) = output {
                 // Under a key of this attempt: a stale attempt never overwrites the
                 // output the record names; stored before the record names it.
-                let stored = StoredOutput::of(&out, &format!("{}.{}", done.id, done.attempt));
-                if let Some(key) = &stored.key {
-                    if !put_output(sh, &done.id, key, out.bytes, held).await {
+                let named = StoredOutput::of(&out, &format!("{}.{}", rec.id, rec.attempt));
+                if let Some(key) = &named.key {
+                    if !put_output(sh, &rec.id, key, out.bytes, held).await {
                         return;
                     }
                 }
-                done.output = Some(stored);
+                stored = Some(named);
             }
+            let (done, after) = settle(meta, rec, End::Succeeded(stored), now_ms(), Duration::ZERO);
             if write(sh, &done, token, held).await {
                 streak(sh, &task_label, false);
                 metrics::counter!(m::SUCCEEDED, "queue" => queue, "task" => task_label)
                     .increment(1);
-                reply(msg, AckKind::Ack).await;
+                reply(msg, ack_kind(after)).await;
             }
         }
         Some(Ok(Ok(Err(e)))) => fail(sh, meta, msg, rec, token, e, false, held).await,
@@ -715,50 +717,30 @@ async fn run(
             );
             fail(sh, meta, msg, rec, token, e, true, held).await;
         }
-        None if slot.cancel.is_cancelled() => {
-            // An operator cancelled the task while it ran (`ax.cancel.<queue>`).
-            let attempt = rec.attempt;
-            let mut cancelled = rec.transition(TaskState::Cancelled);
-            cancelled.last_error = Some(ErrorInfo {
-                detail: None,
-                class: "cancelled".into(),
-                message: "cancelled by an operator while running".into(),
-            });
-            if write(sh, &cancelled, token, held).await {
-                info!(task_id = %meta.id, attempt, "attempt cancelled");
-                reply(msg, AckKind::Ack).await;
-            }
-        }
-        None if lost.is_lost() => {
-            // A concurrency slot expired under the attempt (the worker stalled past the ack
-            // wait) and may be held by another attempt: the handler was stopped so the cap
-            // holds; the task goes back (its record says why) unless another attempt
-            // already took it over (then this write is stale and refused).
-            let mut back = rec.transition(TaskState::Retrying);
-            back.last_error = Some(ErrorInfo {
-                detail: None,
-                class: "slot_lost".into(),
-                message: "the attempt's concurrency slot expired (the worker stalled past the \
-                          ack wait): attempt stopped"
-                    .into(),
-            });
-            back.next_retry_at_ms = Some(now_ms());
-            if write(sh, &back, token, held).await {
-                warn!(task_id = %meta.id, "attempt stopped: its concurrency slot was lost");
-                reply(msg, AckKind::Nak(None)).await;
-            }
-        }
+        // An operator cancelled the task while it ran (`ax.cancel.<queue>`); or a
+        // concurrency slot expired under the attempt (the worker stalled past the ack wait)
+        // and may be held by another attempt: the handler was stopped so the cap holds, and
+        // the task goes back unless another attempt took it over (then this write is stale
+        // and refused); or the shutdown grace is over: handed back for another worker.
         None => {
-            // Shutdown grace is over: hand the task back for another worker.
-            let mut back = rec.transition(TaskState::Retrying);
-            back.last_error = Some(ErrorInfo {
-                detail: None,
-                class: "shutdown".into(),
-                message: "worker shut down during the attempt".into(),
-            });
-            back.next_retry_at_ms = Some(now_ms());
-            if write(sh, &back, token, held).await {
-                reply(msg, AckKind::Nak(None)).await;
+            let attempt = rec.attempt;
+            let end = if slot.cancel.is_cancelled() {
+                End::Cancelled
+            } else if lost.is_lost() {
+                End::SlotLost
+            } else {
+                End::Shutdown
+            };
+            let (record, after) = settle(meta, rec, end.clone(), now_ms(), Duration::ZERO);
+            if write(sh, &record, token, held).await {
+                match end {
+                    End::Cancelled => info!(task_id = %meta.id, attempt, "attempt cancelled"),
+                    End::SlotLost => {
+                        warn!(task_id = %meta.id, "attempt stopped: its concurrency slot was lost")
+                    }
+                    _ => {}
+                }
+                reply(msg, ack_kind(after)).await;
             }
         }
     }
@@ -918,24 +900,30 @@ async fn fail(
         let started = rec.started_at_ms.unwrap_or(0);
         async move { gate.pressure(&meta, &class, started).await }
     });
-    let retry = !e.permanent && meta.retryable(&e.class) && rec.attempt < meta.max_attempts;
-    if !retry {
-        let mut dead = rec.transition(TaskState::Dead);
-        dead.last_error = Some(error.clone());
-        if write(sh, &dead, token, held).await {
-            dead_written(sh, meta, &dead, &error);
-            publish_dead_letter_and_term(sh, meta, msg, &dead, &error).await;
-        }
+    let delay = meta.backoff.delay(rec.attempt);
+    let end = End::Failed {
+        error: error.clone(),
+        permanent: e.permanent,
+    };
+    let (record, after) = settle(meta, rec, end, now_ms(), delay);
+    if !write(sh, &record, token, held).await {
         return;
     }
-    let delay = meta.backoff.delay(rec.attempt);
-    let mut next = rec.transition(TaskState::Retrying);
-    next.last_error = Some(error);
-    next.next_retry_at_ms = Some(now_ms() + delay.as_millis() as u64);
-    if write(sh, &next, token, held).await {
+    if after == After::DeadLetter {
+        dead_written(sh, meta, &record, &error);
+        publish_dead_letter_and_term(sh, meta, msg, &record, &error).await;
+    } else {
         metrics::counter!(m::RETRIED, "queue" => queue, "task" => task_label).increment(1);
-        debug!(task_id = %meta.id, attempt = next.attempt, ?delay, "retry scheduled");
-        reply(msg, AckKind::Nak(Some(delay))).await;
+        debug!(task_id = %meta.id, attempt = record.attempt, ?delay, "retry scheduled");
+        reply(msg, ack_kind(after)).await;
+    }
+}
+
+/// The broker's answer for a settled attempt that is not a dead letter.
+fn ack_kind(after: After) -> AckKind {
+    match after {
+        After::Nak(delay) => AckKind::Nak(delay),
+        After::Ack | After::DeadLetter => AckKind::Ack,
     }
 }
 

@@ -60,6 +60,7 @@ mod inflight;
 mod labels;
 mod options;
 mod rate;
+mod settle;
 
 pub use options::TaskOptions;
 
