@@ -4,7 +4,7 @@
 //!
 //! An ordered consumer or a KV watch notices a restarted nats-server only after two
 //! missed idle heartbeats (seconds); the client knows at once that it connected again.
-//! A follower checks [`Reconnects::changed`] beside its feed and follows again from where
+//! A follower checks [`Reconnects::changed`](crate::follow::Reconnects::changed) beside its feed and follows again from where
 //! it was when it fires.
 
 use std::sync::atomic::Ordering;
