@@ -40,6 +40,7 @@
 //! | [`task`] | a validated task and its message headers |
 //! | [`backoff`] | exponential backoff with jitter |
 //! | [`state`] | task state records in the `AX_TASKS` KV bucket |
+//! | [`typed_kv`] | JSON values in KV written by create or compare-and-set, one error type |
 //! | [`kv_read`] | KV reads from a bucket's stream leader (see every acknowledged write) |
 //! | [`output`] | task outputs: inline in the record or in the `AX_RESULTS` bucket |
 //! | [`metrics`] | Prometheus metric names (the process installs the exporter) |
@@ -75,6 +76,7 @@ pub mod supervisor;
 pub mod task;
 pub mod time;
 pub mod trigger;
+pub mod typed_kv;
 pub mod worker;
 
 pub use client::{Client, ClientError, TaskSpec};

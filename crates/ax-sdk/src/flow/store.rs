@@ -4,167 +4,18 @@
 use super::def::FlowDef;
 use super::model::{step_key, FlowRun, StepRun};
 use crate::names::{FLOWS_BUCKET, FLOW_RUNS_BUCKET};
+use crate::typed_kv::{broker, get, put, scan, KvError};
 use async_nats::jetstream::{self, kv};
 use futures::StreamExt;
-use serde::de::DeserializeOwned;
-use serde::Serialize;
 
-/// Errors of the flow store.
-#[derive(Debug, thiserror::Error)]
-pub enum FlowStoreError {
-    /// Another writer changed the key since it was read (or created it first).
-    #[error("{0}: changed concurrently")]
-    Stale(String),
-    /// A stored value does not decode.
-    #[error("{key}: corrupt value: {source}")]
-    Corrupt {
-        /// Key.
-        key: String,
-        /// Decode error.
-        source: serde_json::Error,
-    },
-    /// The value is larger than the server accepts in one message (`max_payload`).
-    #[error("{key}: {bytes} bytes is over the server's max payload")]
-    TooLarge {
-        /// Key.
-        key: String,
-        /// Size of the value.
-        bytes: usize,
-    },
-    /// The broker failed.
-    #[error("{key}: {op}: {source}")]
-    Broker {
-        /// Key.
-        key: String,
-        /// Operation.
-        op: &'static str,
-        /// Underlying error.
-        source: async_nats::Error,
-    },
-}
-
-impl FlowStoreError {
-    /// What kind of failure this is.
-    pub fn kind(&self) -> crate::error::ErrorKind {
-        use crate::error::ErrorKind;
-        match self {
-            FlowStoreError::Stale(_) => ErrorKind::Conflict,
-            FlowStoreError::Corrupt { .. } | FlowStoreError::TooLarge { .. } => ErrorKind::Invalid,
-            FlowStoreError::Broker { source, .. } => ErrorKind::of(source.as_ref()),
-        }
-    }
-}
-
-fn broker(key: &str, op: &'static str, e: impl Into<async_nats::Error>) -> FlowStoreError {
-    FlowStoreError::Broker {
-        key: key.to_string(),
-        op,
-        source: e.into(),
-    }
-}
+/// Errors of the flow store: those of every typed KV store.
+pub type FlowStoreError = KvError;
 
 /// Both flow buckets.
 #[derive(Debug, Clone)]
 pub struct FlowStore {
     defs: kv::Store,
     runs: kv::Store,
-}
-
-async fn get<T: DeserializeOwned>(
-    kv: &kv::Store,
-    key: &str,
-) -> Result<Option<(T, u64)>, FlowStoreError> {
-    // From the leader: the engine loads a run it was told of a moment ago (`kv_read`).
-    let entry = crate::kv_read::latest(kv, key)
-        .await
-        .map_err(|e| broker(key, "get", e))?;
-    match entry {
-        Some(e) if e.operation == kv::Operation::Put => {
-            let value =
-                serde_json::from_slice(&e.value).map_err(|source| FlowStoreError::Corrupt {
-                    key: key.to_string(),
-                    source,
-                })?;
-            Ok(Some((value, e.revision)))
-        }
-        _ => Ok(None),
-    }
-}
-
-/// Creates (`revision` None) or compare-and-sets `key`.
-async fn put<T: Serialize>(
-    kv: &kv::Store,
-    key: &str,
-    value: &T,
-    revision: Option<u64>,
-) -> Result<u64, FlowStoreError> {
-    let body: bytes::Bytes = serde_json::to_vec(value).expect("serializes").into();
-    let bytes = body.len();
-    let too_large = |e: &(dyn std::error::Error + 'static)| {
-        crate::error::is_max_payload(e).then(|| FlowStoreError::TooLarge {
-            key: key.to_string(),
-            bytes,
-        })
-    };
-    match revision {
-        None => kv.create(key, body).await.map_err(|e| {
-            if crate::state::create_lost(&e) {
-                FlowStoreError::Stale(key.to_string())
-            } else {
-                too_large(&e).unwrap_or_else(|| broker(key, "create", e))
-            }
-        }),
-        Some(rev) => kv.update(key, body, rev).await.map_err(|e| {
-            if e.kind() == kv::UpdateErrorKind::WrongLastRevision {
-                FlowStoreError::Stale(key.to_string())
-            } else {
-                too_large(&e).unwrap_or_else(|| broker(key, "update", e))
-            }
-        }),
-    }
-}
-
-/// Every current value of keys matching `filter`, read from a watch with history.
-async fn scan<T: DeserializeOwned>(
-    kv: &kv::Store,
-    filter: &str,
-) -> Result<Vec<(String, T)>, FlowStoreError> {
-    let mut watch = kv
-        .watch_with_history(filter)
-        .await
-        .map_err(|e| broker(filter, "list", e))?;
-    let mut out: std::collections::BTreeMap<String, T> = Default::default();
-    // An empty bucket delivers nothing, so look first. (Fresh stream info: `status()`
-    // answers from what was cached when the bucket was opened.)
-    let pending = kv
-        .stream
-        .get_info()
-        .await
-        .map_err(|e| broker(filter, "list", e))?
-        .state
-        .messages;
-    if pending == 0 {
-        return Ok(Vec::new());
-    }
-    loop {
-        let next = tokio::time::timeout(std::time::Duration::from_secs(2), watch.next()).await;
-        let Ok(Some(entry)) = next else { break };
-        let entry = entry.map_err(|e| broker(filter, "list", e))?;
-        match entry.operation {
-            kv::Operation::Put => {
-                if let Ok(v) = serde_json::from_slice(&entry.value) {
-                    out.insert(entry.key.clone(), v);
-                }
-            }
-            _ => {
-                out.remove(&entry.key);
-            }
-        }
-        if entry.delta == 0 {
-            break;
-        }
-    }
-    Ok(out.into_iter().collect())
 }
 
 impl FlowStore {

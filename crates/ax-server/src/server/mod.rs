@@ -7,7 +7,7 @@
 
 use crate::flow::api::FlowApi;
 use crate::flow::engine::FlowEngine;
-use crate::flow::store::{FlowStore, FlowStoreError};
+use crate::flow::store::FlowStore;
 use crate::limits::api::LimitApi;
 use crate::schedule::partitions::Partitions;
 use crate::schedule::{Scheduler, Totals};
@@ -17,7 +17,7 @@ use crate::trigger::api::TriggerApi;
 use crate::trigger::clock::{Clock, SystemClock};
 use crate::trigger::engine::Engine;
 use crate::trigger::events::EventRouter;
-use crate::trigger::store::{TriggerStore, TriggerStoreError};
+use crate::trigger::store::TriggerStore;
 use ax_sdk::api::Api;
 use ax_sdk::metrics as m;
 use ax_sdk::names::{self, TRIGGER_API_PREFIX};
@@ -45,12 +45,9 @@ pub enum ServerError {
     /// Opening a bucket failed.
     #[error(transparent)]
     State(#[from] StateError),
-    /// Opening the trigger buckets failed.
+    /// Opening the trigger or flow buckets failed.
     #[error(transparent)]
-    Triggers(#[from] TriggerStoreError),
-    /// Opening the flow buckets failed.
-    #[error(transparent)]
-    Flows(#[from] FlowStoreError),
+    Buckets(#[from] ax_sdk::typed_kv::KvError),
     /// The console could not start.
     #[error(transparent)]
     Console(#[from] crate::console::ConsoleError),
@@ -79,8 +76,7 @@ impl ServerError {
         match self {
             ServerError::Streams(e) => e.kind(),
             ServerError::State(e) => e.kind(),
-            ServerError::Triggers(e) => e.kind(),
-            ServerError::Flows(e) => e.kind(),
+            ServerError::Buckets(e) => e.kind(),
             ServerError::Subscribe { source, .. } => ErrorKind::of(source),
             ServerError::Service { source, .. } => ErrorKind::of(source.as_ref()),
             ServerError::Console(_) => ErrorKind::Invalid,

@@ -4,111 +4,17 @@ use super::model::TriggerDef;
 use super::plan::TriggerState;
 use async_nats::jetstream::{self, kv};
 use ax_sdk::names::{TRIGGERS_BUCKET, TRIGGER_STATE_BUCKET};
+use ax_sdk::typed_kv::{broker, get, put as write, KvError};
 use futures::StreamExt;
-use serde::de::DeserializeOwned;
-use serde::Serialize;
 
-/// Errors of the trigger store.
-#[derive(Debug, thiserror::Error)]
-pub enum TriggerStoreError {
-    /// Another writer changed the key since it was read.
-    #[error("trigger {0}: changed concurrently")]
-    Stale(String),
-    /// A stored value does not decode.
-    #[error("trigger {name}: corrupt value: {source}")]
-    Corrupt {
-        /// Trigger name.
-        name: String,
-        /// Decode error.
-        source: serde_json::Error,
-    },
-    /// The broker failed.
-    #[error("trigger {name}: {op}: {source}")]
-    Broker {
-        /// Trigger name.
-        name: String,
-        /// Operation.
-        op: &'static str,
-        /// Underlying error.
-        source: async_nats::Error,
-    },
-}
-
-impl TriggerStoreError {
-    /// What kind of failure this is.
-    pub fn kind(&self) -> ax_sdk::error::ErrorKind {
-        use ax_sdk::error::ErrorKind;
-        match self {
-            TriggerStoreError::Stale(_) => ErrorKind::Conflict,
-            TriggerStoreError::Corrupt { .. } => ErrorKind::Invalid,
-            TriggerStoreError::Broker { source, .. } => ErrorKind::of(source.as_ref()),
-        }
-    }
-}
-
-fn broker(name: &str, op: &'static str, e: impl Into<async_nats::Error>) -> TriggerStoreError {
-    TriggerStoreError::Broker {
-        name: name.to_string(),
-        op,
-        source: e.into(),
-    }
-}
+/// Errors of the trigger store: those of every typed KV store.
+pub type TriggerStoreError = KvError;
 
 /// Both trigger buckets.
 #[derive(Debug, Clone)]
 pub struct TriggerStore {
     defs: kv::Store,
     states: kv::Store,
-}
-
-async fn get<T: DeserializeOwned>(
-    kv: &kv::Store,
-    name: &str,
-) -> Result<Option<(T, u64)>, TriggerStoreError> {
-    // From the leader: a new trigger leader decides from what it reads (`kv_read`).
-    let entry = ax_sdk::kv_read::latest(kv, name)
-        .await
-        .map_err(|e| broker(name, "get", e))?;
-    match entry {
-        Some(e) if e.operation == kv::Operation::Put => {
-            let value =
-                serde_json::from_slice(&e.value).map_err(|source| TriggerStoreError::Corrupt {
-                    name: name.to_string(),
-                    source,
-                })?;
-            Ok(Some((value, e.revision)))
-        }
-        _ => Ok(None),
-    }
-}
-
-/// Writes `value`: create if `revision` is `None`, else compare-and-set.
-async fn write<T: Serialize>(
-    kv: &kv::Store,
-    name: &str,
-    value: &T,
-    revision: Option<u64>,
-) -> Result<u64, TriggerStoreError> {
-    let body: bytes::Bytes = serde_json::to_vec(value).expect("serializes").into();
-    let result = match revision {
-        None => kv
-            .create(name, body)
-            .await
-            .map_err(|e| match ax_sdk::state::create_lost(&e) {
-                true => TriggerStoreError::Stale(name.to_string()),
-                false => broker(name, "create", e),
-            }),
-        Some(rev) => kv
-            .update(name, body, rev)
-            .await
-            .map_err(|e| match e.kind() {
-                kv::UpdateErrorKind::WrongLastRevision => {
-                    TriggerStoreError::Stale(name.to_string())
-                }
-                _ => broker(name, "update", e),
-            }),
-    };
-    result
 }
 
 impl TriggerStore {

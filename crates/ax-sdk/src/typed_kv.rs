@@ -1,0 +1,168 @@
+//! JSON values in a KV bucket, written only by create or compare-and-set: the idiom the
+//! flow, trigger and task stores share, written once with one error type.
+//!
+//! - [`get`] reads a key's latest value and revision from the bucket's stream leader
+//!   ([`kv_read`](crate::kv_read)): a reader that decides from what it reads sees every
+//!   acknowledged write.
+//! - [`put`] creates a key (`revision` `None`) or compare-and-sets it; a lost race is
+//!   [`KvError::Stale`], never a broker error.
+//! - [`scan`] reads every current value of the keys matching a filter.
+
+use crate::error::ErrorKind;
+use async_nats::jetstream::kv;
+use futures::StreamExt;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+/// Errors of a typed KV store.
+#[derive(Debug, thiserror::Error)]
+pub enum KvError {
+    /// Another writer changed the key since it was read (or created it first).
+    #[error("{0}: changed concurrently")]
+    Stale(String),
+    /// A stored value does not decode.
+    #[error("{key}: corrupt value: {source}")]
+    Corrupt {
+        /// Key.
+        key: String,
+        /// Decode error.
+        source: serde_json::Error,
+    },
+    /// The value is larger than the server accepts in one message (`max_payload`).
+    #[error("{key}: {bytes} bytes is over the server's max payload")]
+    TooLarge {
+        /// Key.
+        key: String,
+        /// Size of the value.
+        bytes: usize,
+    },
+    /// The broker failed.
+    #[error("{key}: {op}: {source}")]
+    Broker {
+        /// Key (or bucket, or filter).
+        key: String,
+        /// Operation.
+        op: &'static str,
+        /// Underlying error.
+        source: async_nats::Error,
+    },
+}
+
+impl KvError {
+    /// What kind of failure this is.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            KvError::Stale(_) => ErrorKind::Conflict,
+            KvError::Corrupt { .. } | KvError::TooLarge { .. } => ErrorKind::Invalid,
+            KvError::Broker { source, .. } => ErrorKind::of(source.as_ref()),
+        }
+    }
+}
+
+/// A broker error of `op` on `key`.
+pub fn broker(key: &str, op: &'static str, e: impl Into<async_nats::Error>) -> KvError {
+    KvError::Broker {
+        key: key.to_string(),
+        op,
+        source: e.into(),
+    }
+}
+
+/// The value of `key` and its revision, read from the stream's leader; `None` if absent
+/// or deleted.
+pub async fn get<T: DeserializeOwned>(
+    kv: &kv::Store,
+    key: &str,
+) -> Result<Option<(T, u64)>, KvError> {
+    let entry = crate::kv_read::latest(kv, key)
+        .await
+        .map_err(|e| broker(key, "get", e))?;
+    match entry {
+        Some(e) if e.operation == kv::Operation::Put => {
+            let value = serde_json::from_slice(&e.value).map_err(|source| KvError::Corrupt {
+                key: key.to_string(),
+                source,
+            })?;
+            Ok(Some((value, e.revision)))
+        }
+        _ => Ok(None),
+    }
+}
+
+/// Creates `key` (`revision` `None`) or compare-and-sets it against `revision`; answers
+/// the new revision.
+pub async fn put<T: Serialize>(
+    kv: &kv::Store,
+    key: &str,
+    value: &T,
+    revision: Option<u64>,
+) -> Result<u64, KvError> {
+    let body: bytes::Bytes = serde_json::to_vec(value).expect("serializes").into();
+    let bytes = body.len();
+    let too_large = |e: &(dyn std::error::Error + 'static)| {
+        crate::error::is_max_payload(e).then(|| KvError::TooLarge {
+            key: key.to_string(),
+            bytes,
+        })
+    };
+    match revision {
+        None => kv.create(key, body).await.map_err(|e| {
+            if crate::state::create_lost(&e) {
+                KvError::Stale(key.to_string())
+            } else {
+                too_large(&e).unwrap_or_else(|| broker(key, "create", e))
+            }
+        }),
+        Some(rev) => kv.update(key, body, rev).await.map_err(|e| {
+            if e.kind() == kv::UpdateErrorKind::WrongLastRevision {
+                KvError::Stale(key.to_string())
+            } else {
+                too_large(&e).unwrap_or_else(|| broker(key, "update", e))
+            }
+        }),
+    }
+}
+
+/// Every current value of the keys matching `filter`, by key (values that do not decode
+/// are left out), read from a watch with history.
+pub async fn scan<T: DeserializeOwned>(
+    kv: &kv::Store,
+    filter: &str,
+) -> Result<Vec<(String, T)>, KvError> {
+    let mut watch = kv
+        .watch_with_history(filter)
+        .await
+        .map_err(|e| broker(filter, "list", e))?;
+    let mut out: std::collections::BTreeMap<String, T> = Default::default();
+    // An empty bucket delivers nothing, so look first. (Fresh stream info: `status()`
+    // answers from what was cached when the bucket was opened.)
+    let pending = kv
+        .stream
+        .get_info()
+        .await
+        .map_err(|e| broker(filter, "list", e))?
+        .state
+        .messages;
+    if pending == 0 {
+        return Ok(Vec::new());
+    }
+    loop {
+        let next = tokio::time::timeout(crate::follow::PULL_EXPIRES, watch.next()).await;
+        let Ok(Some(entry)) = next else { break };
+        let entry = entry.map_err(|e| broker(filter, "list", e))?;
+        match entry.operation {
+            kv::Operation::Put => {
+                if let Ok(v) = serde_json::from_slice(&entry.value) {
+                    out.insert(entry.key.clone(), v);
+                }
+            }
+            _ => {
+                out.remove(&entry.key);
+            }
+        }
+        if entry.delta == 0 {
+            break;
+        }
+    }
+    Ok(out.into_iter().collect())
+}
