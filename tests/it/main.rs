@@ -29,5 +29,6 @@ mod submit;
 mod supervisor;
 mod support;
 mod triggers;
+mod typed_kv;
 mod wire;
 mod worker;

@@ -33,6 +33,9 @@ function morph(from, to) {
     if (na.nodeType !== nb.nodeType || na.nodeName !== nb.nodeName ||
         (na.nodeType === 1 && (na.id !== nb.id || na.nodeName === "svg"))) { from.replaceChild(nb, na); return; }
     if (na.nodeType === 3 || na.nodeType === 8) { if (na.nodeValue !== nb.nodeValue) na.nodeValue = nb.nodeValue; return; }
+    // An open dialog is the user's: a refresh that started before it opened must not
+    // close it (by dropping its `open` attribute) or change what it shows.
+    if (na.nodeName === "DIALOG" && na.open) return;
     for (const { name } of [...na.attributes]) if (!nb.hasAttribute(name)) na.removeAttribute(name);
     for (const { name, value } of [...nb.attributes]) if (na.getAttribute(name) !== value) na.setAttribute(name, value);
     if (na === document.activeElement && ["INPUT", "SELECT", "TEXTAREA"].includes(na.nodeName)) return;

@@ -1,0 +1,70 @@
+//! `ax_sdk::typed_kv`, the store the flow and trigger stores are built on, against a real
+//! bucket: a create or a compare-and-set that lost its race is `Stale` (a conflict), a
+//! value that does not decode is `Corrupt`, one over the server's max payload is
+//! `TooLarge`, deletes read as absent, and a scan sees each key's latest value.
+
+use async_nats::jetstream::{self, kv};
+use ax_sdk::error::ErrorKind;
+use ax_sdk::typed_kv::{get, put, scan, KvError};
+use ax_testkit::LocalNats;
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct Thing {
+    n: u32,
+}
+
+#[tokio::test]
+async fn writes_are_creates_or_compare_and_sets_and_errors_are_typed() {
+    let nats = LocalNats::start().unwrap();
+    let js = jetstream::new(async_nats::connect(nats.url()).await.unwrap());
+    let store = js
+        .create_key_value(kv::Config {
+            bucket: "TYPED".into(),
+            history: 5,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(get::<Thing>(&store, "a").await.unwrap(), None);
+    let r1 = put(&store, "a", &Thing { n: 1 }, None).await.unwrap();
+    assert_eq!(get(&store, "a").await.unwrap(), Some((Thing { n: 1 }, r1)));
+    // A second create, and a compare-and-set against an old revision, lost their race.
+    let again = put(&store, "a", &Thing { n: 9 }, None).await.unwrap_err();
+    assert!(matches!(&again, KvError::Stale(k) if k == "a"), "{again:?}");
+    assert_eq!(again.kind(), ErrorKind::Conflict);
+    let r2 = put(&store, "a", &Thing { n: 2 }, Some(r1)).await.unwrap();
+    let stale = put(&store, "a", &Thing { n: 3 }, Some(r1))
+        .await
+        .unwrap_err();
+    assert!(matches!(stale, KvError::Stale(_)), "{stale:?}");
+    assert_eq!(get(&store, "a").await.unwrap(), Some((Thing { n: 2 }, r2)));
+    // A value that is not a Thing.
+    store.put("b", "not json".into()).await.unwrap();
+    let corrupt = get::<Thing>(&store, "b").await.unwrap_err();
+    assert!(
+        matches!(&corrupt, KvError::Corrupt { key, .. } if key == "b"),
+        "{corrupt:?}"
+    );
+    assert_eq!(corrupt.kind(), ErrorKind::Invalid);
+    // Over the server's max payload (1 MiB by default).
+    let big = vec![7u8; 2 << 20];
+    let too_large = put(&store, "c", &big, None).await.unwrap_err();
+    assert!(
+        matches!(too_large, KvError::TooLarge { .. }),
+        "{too_large:?}"
+    );
+    assert_eq!(too_large.kind(), ErrorKind::Invalid);
+    // Deleted reads as absent; a scan sees the latest value of each key, none deleted.
+    put(&store, "d", &Thing { n: 4 }, None).await.unwrap();
+    store.delete("b").await.unwrap();
+    assert_eq!(get::<Thing>(&store, "b").await.unwrap(), None);
+    let all: Vec<(String, Thing)> = scan(&store, ">").await.unwrap();
+    assert_eq!(
+        all,
+        vec![
+            ("a".to_string(), Thing { n: 2 }),
+            ("d".to_string(), Thing { n: 4 })
+        ]
+    );
+}
