@@ -410,3 +410,47 @@ async fn a_console_that_panics_comes_back_and_serves() {
     )
     .await;
 }
+
+/// `GET /healthz` answers the server's services as its supervisor sees them: every one up
+/// at start; one made to panic and then to fail twice at start is counted (three stops,
+/// the last one's cause) and up again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn healthz_shows_each_service_and_its_restarts() {
+    let port = free_port();
+    let _env = Env::start(Env::server().id("sup-health").console(console(port))).await;
+    let host = format!("127.0.0.1:{port}");
+    let health = || async {
+        let a = send(port, "GET", "/healthz", &[("host", &host)], "").await;
+        (
+            a.status,
+            serde_json::from_str::<serde_json::Value>(&a.body).unwrap(),
+        )
+    };
+    let all = [
+        "alerts",
+        "console",
+        "delayed-dispatch",
+        "event-router",
+        "flow-engine",
+        "task-index",
+        "trigger-engine",
+    ];
+    crate::support::eventually(Duration::from_secs(10), "every service up", || async {
+        let (status, v) = health().await;
+        let up = all.iter().all(|s| v["services"][s]["up"] == true);
+        (status == 200 && v["ok"] == true && up).then_some(())
+    })
+    .await;
+    ax_sdk::hooks::fail_service_starts("sup-health", "alerts", 2);
+    ax_sdk::hooks::panic_service("sup-health", "alerts");
+    let v = crate::support::eventually(Duration::from_secs(15), "alerts restarted", || async {
+        let (status, v) = health().await;
+        let alerts = &v["services"]["alerts"];
+        (status == 200 && alerts["up"] == true && alerts["restarts"] == 3).then_some(v)
+    })
+    .await;
+    let last = v["services"]["alerts"]["last_stop"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(last.starts_with("error: "), "{v}");
+}

@@ -10,8 +10,10 @@
 //! could end at any line: its state lives in the broker, what it holds is a cache.
 
 use crate::metrics as m;
+use std::collections::BTreeMap;
 use std::fmt::Display;
 use std::future::Future;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -48,6 +50,39 @@ pub struct Supervisor {
     scope: String,
     set: JoinSet<()>,
     shutdown: CancellationToken,
+    health: Health,
+}
+
+/// How one service is doing.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ServiceHealth {
+    /// Running now (false while it waits to be started again).
+    pub up: bool,
+    /// Times it ended, failed or panicked while the process ran.
+    pub restarts: u64,
+    /// Why it last stopped: `ended`, `error: <cause>` or `panic: <cause>`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_stop: Option<String>,
+}
+
+/// The health of a supervisor's services, by name; cheap to clone and read.
+#[derive(Debug, Clone, Default)]
+pub struct Health(Arc<Mutex<BTreeMap<&'static str, ServiceHealth>>>);
+
+impl Health {
+    /// Every service, by name.
+    pub fn services(&self) -> BTreeMap<&'static str, ServiceHealth> {
+        self.0.lock().expect("not poisoned").clone()
+    }
+
+    fn update(&self, name: &'static str, f: impl FnOnce(&mut ServiceHealth)) {
+        f(self
+            .0
+            .lock()
+            .expect("not poisoned")
+            .entry(name)
+            .or_default());
+    }
 }
 
 impl Supervisor {
@@ -57,7 +92,13 @@ impl Supervisor {
             scope: scope.into(),
             set: JoinSet::new(),
             shutdown: shutdown.child_token(),
+            health: Health::default(),
         }
+    }
+
+    /// The health of this supervisor's services (updated as they stop and start).
+    pub fn health(&self) -> Health {
+        self.health.clone()
     }
 
     /// Runs service `name`, started by `start` now and again after each end (see the
@@ -69,7 +110,9 @@ impl Supervisor {
         E: Display + Send + 'static,
     {
         let (scope, shutdown) = (self.scope.clone(), self.shutdown.clone());
-        self.set.spawn(supervise(scope, name, start, shutdown));
+        let health = self.health.clone();
+        self.set
+            .spawn(supervise(scope, name, start, shutdown, health));
     }
 
     /// Stops every service and waits until each has returned.
@@ -90,6 +133,7 @@ async fn supervise<F, Fut, E>(
     name: &'static str,
     mut start: F,
     shutdown: CancellationToken,
+    health: Health,
 ) where
     F: FnMut(CancellationToken) -> Fut + Send + 'static,
     Fut: Future<Output = Result<(), E>> + Send + 'static,
@@ -98,6 +142,7 @@ async fn supervise<F, Fut, E>(
     let mut restarts = 0u32;
     loop {
         metrics::gauge!(m::SERVICE_UP, "service" => name).set(1.0);
+        health.update(name, |h| h.up = true);
         let began = Instant::now();
         let run = start(shutdown.child_token());
         let run = async move { run.await.map_err(|e| e.to_string()) };
@@ -138,6 +183,14 @@ async fn supervise<F, Fut, E>(
         }
         metrics::counter!(m::SERVICE_RESTARTS, "service" => name, "reason" => how.as_str())
             .increment(1);
+        health.update(name, |h| {
+            h.up = false;
+            h.restarts += 1;
+            h.last_stop = Some(match cause.is_empty() {
+                true => how.as_str().to_string(),
+                false => format!("{}: {cause}", how.as_str()),
+            });
+        });
         if began.elapsed() >= STABLE {
             restarts = 0;
         }
@@ -203,6 +256,9 @@ mod tests {
             4,
             "started again after each end"
         );
+        let health = sup.health().services()["flaky"].clone();
+        assert_eq!((health.up, health.restarts), (true, 3));
+        assert_eq!(health.last_stop.as_deref(), Some("ended"));
         sup.stop().await;
         tokio::time::sleep(Duration::from_secs(10)).await;
         assert_eq!(starts.load(Ordering::SeqCst), 4, "not after shutdown");

@@ -35,6 +35,8 @@ pub(crate) struct State {
     pub(crate) sessions: Sessions,
     pub(crate) apis: Arc<Apis>,
     pub(crate) index: Arc<TaskIndex>,
+    /// The server's services, as its supervisor sees them.
+    pub(crate) health: ax_sdk::supervisor::Health,
 }
 
 type Body = BoxBody<Bytes, Infallible>;
@@ -228,6 +230,7 @@ async fn route(
             respond(StatusCode::OK, "text/javascript; charset=utf-8", CHART_JS)
         }
         (&Method::GET, "/app.css") => respond(StatusCode::OK, "text/css; charset=utf-8", APP_CSS),
+        (&Method::GET, "/healthz") => healthz(state, &req),
         (&Method::POST, "/api/login") => login(state, req, peer).await,
         (&Method::POST, "/api/logout") => {
             let cleared = state.sessions.end(cookies(&req), secure(state, &req));
@@ -247,6 +250,29 @@ async fn route(
         (&Method::POST, p) if p.starts_with("/api/") => api(state, req).await,
         _ => respond(StatusCode::NOT_FOUND, "text/plain", "not found"),
     }
+}
+
+/// `GET /healthz`: 200 while every service of the server runs, 503 while one waits to be
+/// started again; each service's `up` and `restarts`, and with a login why it last
+/// stopped.
+fn healthz(state: &State, req: &Request<Incoming>) -> Response<Body> {
+    let services = state.health.services();
+    let ok = services.values().all(|s| s.up);
+    let detail = role(state, req).is_some();
+    let services: serde_json::Map<String, serde_json::Value> = services
+        .into_iter()
+        .map(|(name, mut s)| {
+            if !detail {
+                s.last_stop = None;
+            }
+            (name.to_string(), json!(s))
+        })
+        .collect();
+    let status = match ok {
+        true => StatusCode::OK,
+        false => StatusCode::SERVICE_UNAVAILABLE,
+    };
+    json_reply(status, &json!({"ok": ok, "services": services}))
 }
 
 fn role_name(r: Role) -> &'static str {

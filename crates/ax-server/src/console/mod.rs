@@ -195,6 +195,7 @@ pub(crate) async fn start(
     config: ConsoleConfig,
     apis: Arc<Apis>,
     index: Arc<TaskIndex>,
+    health: ax_sdk::supervisor::Health,
 ) -> Result<Console, ConsoleError> {
     config.check()?;
     let listener = tokio::net::TcpListener::bind(config.addr)
@@ -211,6 +212,7 @@ pub(crate) async fn start(
         config,
         apis,
         index,
+        health,
     });
     Ok(Console {
         listener: Arc::new(listener),

@@ -485,8 +485,9 @@ impl Server {
         // The console binds at start (a taken address fails the start), then serves as a
         // service of its own.
         if let (Some(config), Some(index)) = (&self.console, &task_index) {
+            let health = services.health();
             let console =
-                crate::console::start(config.clone(), apis.clone(), index.clone()).await?;
+                crate::console::start(config.clone(), apis.clone(), index.clone(), health).await?;
             services.spawn("console", move |token| {
                 console.clone().serve(token).map(Ok::<(), Infallible>)
             });
