@@ -139,22 +139,21 @@ impl Apis {
         if api == Api::Trigger && self.triggers.is_none() {
             return None;
         }
-        Some(self.run(api, op, &body).await)
+        Some(guarded(api.name(), self.run(api, op, &body)).await)
     }
 
-    /// Runs operation `op` of `api`: refused as unknown unless the registry lists it.
+    /// Runs operation `op` of `api`: refused as unknown unless the registry lists it. The
+    /// callers guard it (a panic becomes an `unavailable` answer).
     async fn run(&self, api: Api, op: &str, body: &[u8]) -> Result<serde_json::Value, WireError> {
         if ax_sdk::api::operation(api, op).is_none() {
             return Err(ax_sdk::api::unknown_operation(api, op));
         }
-        match api {
-            Api::Task => guarded("task", self.tasks.handle(op, body)).await,
-            Api::Flow => guarded("flow", self.flows.handle(op, body)).await,
-            Api::Limit => guarded("limit", self.limits.handle(op, body)).await,
-            Api::Trigger => match &self.triggers {
-                Some(t) => guarded("trigger", t.handle(op, body)).await,
-                None => Err(ax_sdk::api::unknown_operation(api, op)),
-            },
+        match (api, &self.triggers) {
+            (Api::Task, _) => self.tasks.handle(op, body).await,
+            (Api::Flow, _) => self.flows.handle(op, body).await,
+            (Api::Limit, _) => self.limits.handle(op, body).await,
+            (Api::Trigger, Some(t)) => t.handle(op, body).await,
+            (Api::Trigger, None) => Err(ax_sdk::api::unknown_operation(api, op)),
         }
     }
 
