@@ -454,3 +454,37 @@ async fn healthz_shows_each_service_and_its_restarts() {
         .unwrap_or_default();
     assert!(last.starts_with("error: "), "{v}");
 }
+
+/// `/healthz` as a stranger meets it: a forged `Host` is refused like every request; with
+/// a token configured it needs no login but tells why a service stopped only with one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn healthz_tells_a_stranger_no_causes_and_refuses_a_forged_host() {
+    let port = free_port();
+    let _env = Env::start(
+        Env::server()
+            .id("sup-health-auth")
+            .console(console(port).token(ADMIN).readonly_token(VIEWER)),
+    )
+    .await;
+    let host = format!("127.0.0.1:{port}");
+    let forged = send(port, "GET", "/healthz", &[("host", "evil.example")], "").await;
+    assert_eq!(forged.status, 403, "{}", forged.body);
+    ax_sdk::hooks::panic_service("sup-health-auth", "alerts");
+    let bearer = format!("Bearer {ADMIN}");
+    for (auth, cause) in [
+        (None, false),
+        (Some(bearer.as_str()), true),
+        (Some("Bearer wrong"), false),
+    ] {
+        let mut headers = vec![("host", host.as_str())];
+        headers.extend(auth.map(|a| ("authorization", a)));
+        let v = crate::support::eventually(Duration::from_secs(10), "alerts restarted", || async {
+            let a = send(port, "GET", "/healthz", &headers, "").await;
+            let v: serde_json::Value = serde_json::from_str(&a.body).ok()?;
+            (a.status == 200 && v["services"]["alerts"]["restarts"] == 1).then_some(v)
+        })
+        .await;
+        let shown = v["services"]["alerts"].get("last_stop").is_some();
+        assert_eq!(shown, cause, "{auth:?}: {v}");
+    }
+}
