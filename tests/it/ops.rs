@@ -342,22 +342,33 @@ async fn a_paused_queue_takes_nothing_until_resumed() {
     within(Duration::from_secs(60), "pause", async {
         let env = Env::start(Env::server().task_index(true)).await;
         let (w, runs, _) = worker(Arc::new(AtomicBool::new(false)));
+        let mut status = w.status();
         let _w = env.spawn_worker(w);
         let first = submit(&env, TaskSpec::new("t")).await;
         env.wait_state(&first, TaskState::Succeeded, Duration::from_secs(10))
             .await;
+        assert!(status.ready() && !status.paused());
 
         let paused = cli(&env, &["queue", "pause", "q", "--reason", "deploy"]).await;
         assert!(paused.status.success(), "{paused:?}");
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        // The pause reaches the running worker through a KV watch (and a 250 ms poll):
+        // wait until the worker says it saw it.
+        status.wait_paused(true).await;
         let mut held = Vec::new();
         for _ in 0..20 {
             held.push(submit(&env, TaskSpec::new("t")).await);
         }
         // A worker started during the pause takes nothing either (it ran 3–9 tasks before
-        // it read the pause flag: found by the fault campaign).
+        // it read the pause flag: found by the fault campaign). It is ready and paused from
+        // its first read; then nothing may run for 3 s (an absence needs a window).
         let (late, late_runs, _) = worker(Arc::new(AtomicBool::new(false)));
+        let mut late_status = late.status();
         let _late = env.spawn_worker(late);
+        late_status.wait_ready().await;
+        assert!(
+            late_status.paused(),
+            "a worker ready during the pause saw no pause"
+        );
         tokio::time::sleep(Duration::from_secs(3)).await;
         assert!(
             held.iter().all(|id| runs_of(&runs, id) == 0),
@@ -385,6 +396,8 @@ async fn a_paused_queue_takes_nothing_until_resumed() {
         );
 
         env.ax.resume_queue("q").await.unwrap();
+        status.wait_paused(false).await;
+        late_status.wait_paused(false).await;
         for id in &held {
             env.wait_state(id, TaskState::Succeeded, Duration::from_secs(15))
                 .await;

@@ -175,6 +175,7 @@ impl Gate {
         holder: String,
         (renew_every, slot_ttl): (Duration, Duration),
         max_held: usize,
+        flags: crate::worker::status::Flags,
         shutdown: CancellationToken,
         services: &mut Supervisor,
     ) -> Arc<Gate> {
@@ -185,8 +186,8 @@ impl Gate {
             buckets: RwLock::new(None),
             renew_every,
             slot_ttl: std::sync::Mutex::new(Some(slot_ttl)),
-            ready: tokio::sync::watch::channel(false).0,
-            paused: tokio::sync::watch::channel(false).0,
+            ready: flags.ready,
+            paused: flags.paused,
             local: Default::default(),
             holds: Arc::new(Semaphore::new(max_held.max(1))),
             rate_hold: (slot_ttl / 4).min(MAX_RATE_HOLD),

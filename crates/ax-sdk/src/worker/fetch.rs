@@ -93,6 +93,7 @@ pub(super) async fn run(
         worker.id.clone(),
         (heartbeat, ack_wait),
         (worker.concurrency / 2).max(1),
+        std::mem::take(&mut worker.flags),
         shutdown.clone(),
         &mut services,
     );

@@ -61,8 +61,10 @@ mod labels;
 mod options;
 mod rate;
 mod settle;
+pub(crate) mod status;
 
 pub use options::TaskOptions;
+pub use status::WorkerStatus;
 
 use crate::names::{self, Priority};
 use crate::output::{IntoOutput, Output, ResultStore};
@@ -251,6 +253,7 @@ pub struct Worker {
     max_batch: usize,
     weights: [u32; 3],
     lean_first_attempt: bool,
+    flags: status::Flags,
 }
 
 impl std::fmt::Debug for Worker {
@@ -282,8 +285,15 @@ impl Worker {
                 max_batch: 256,
                 weights: fetch::DEFAULT_WEIGHTS,
                 lean_first_attempt: false,
+                flags: Default::default(),
             },
         }
+    }
+
+    /// A handle on what this worker knows of its queue (ready, paused), for a health
+    /// check: take it before [`run`](Self::run).
+    pub fn status(&self) -> WorkerStatus {
+        self.flags.status()
     }
 
     /// Pulls and runs tasks until `shutdown` is cancelled, then drains (see module docs).
