@@ -46,7 +46,7 @@ fn console_env_server(port: u16) -> ax_server::ServerBuilder {
 async fn find_a_dead_task_by_error_class_retry_it_and_watch_it_succeed() {
     within(Duration::from_secs(120), "console: dead task", async {
         let port = free_port();
-        let env = Env::start(console_env_server(port)).await;
+        let env = Env::start(console_env_server(port).id("console-overview")).await;
         let site = format!("http://127.0.0.1:{port}");
         let (w, fixed) = failing_until_fixed("charge", "card_declined");
         let _w = env.spawn_worker(w);
@@ -76,6 +76,20 @@ async fn find_a_dead_task_by_error_class_retry_it_and_watch_it_succeed() {
         b.until("the throughput chart with points", 15,
             "return document.querySelectorAll('#chart-throughput circle').length > 0").await;
         b.screenshot("console-overview.png").await;
+        // The overview lists the server's services as its supervisor keeps them; one that
+        // panicked shows its restart and, to a logged-in user, why.
+        b.until("every service up on the overview", 15,
+            "const r = [...document.querySelectorAll('#services tr[data-service]')]; \
+             return r.length === 7 && r.every((t) => t.querySelector('.up').textContent.trim() === 'up')").await;
+        ax_sdk::hooks::panic_service("console-overview", "alerts");
+        crate::support::eventually(Duration::from_secs(15), "the alerts service restarted", || async {
+            env.ax.submit("q", TaskSpec::new("send").json(&98)).await.unwrap();
+            b.script("const r = document.querySelector('#services tr[data-service=alerts]'); \
+                      return !!r && r.querySelector('.restarts').textContent.trim() === '1' \
+                      && r.querySelector('.last-stop').textContent.startsWith('panic')").await
+                .as_bool().unwrap_or(false).then_some(())
+        })
+        .await;
         // A live refresh changes what changed and keeps the rest: the Pause button under
         // the pointer is the same element after it.
         b.script("window.keep = document.querySelector('[data-act^=\"pause:\"]'); window.before = window.axRenders;").await;

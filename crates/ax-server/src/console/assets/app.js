@@ -117,8 +117,22 @@ const latencyChart = (id, rows) => chart({ id, title: "latency per minute (ms)",
 const pausedBy = (x) => x.pause ? `paused by ${esc(x.pause.by || "?")} ${when(x.pause.paused_at_ms)}${x.pause.reason ? `: ${esc(x.pause.reason)}` : ""}` : "";
 const pauseButton = (x) => x.paused ? btn("Resume", `task/resume/${JSON.stringify({ queue: x.queue })}`) : btn("Pause…", `pause:${x.queue}`);
 
+// The server's services as its supervisor keeps them (GET /healthz): up or waiting to be
+// started again, restarts, and why one last stopped.
+async function services() {
+  const r = await fetch("/healthz").catch(() => null);
+  const h = r ? await r.json().catch(() => null) : null;
+  if (!h || !h.services) return `<p class="muted" id="services">The services' health is not available.</p>`;
+  const rows = Object.entries(h.services).map(([name, s]) => `<tr data-service="${esc(name)}">
+    <td>${esc(name)}</td><td class="up">${badge(s.up ? "up" : "restarting")}</td>
+    <td class="n restarts">${num(s.restarts)}</td><td class="muted last-stop">${esc(s.last_stop || "")}</td></tr>`).join("");
+  return `<h2>Services ${h.ok ? "" : badge("restarting")}</h2><table id="services"><tr><th>service</th><th>state</th>
+    <th>restarts</th><th>last stop</th></tr>${rows}</table>`;
+}
+
 async function overview() {
-  const [q, series] = await Promise.all([call("task", "queues"), call("task", "series", {}).catch(() => ({ queues: {} }))]);
+  const [q, series, health] = await Promise.all([call("task", "queues"),
+    call("task", "series", {}).catch(() => ({ queues: {} })), services()]);
   const total = (s) => q.queues.reduce((n, x) => n + x.tasks[s], 0);
   const rate = (s) => num(q.last_minute?.[s]);
   const cards = ["pending", "running", "retrying", "scheduled", "dead"].map((s) =>
@@ -138,6 +152,7 @@ async function overview() {
     <table id="queues"><tr><th>queue</th><th>status</th><th>ready high / normal / low</th><th>scheduled</th><th>pending</th>
     <th>running</th><th>retrying</th><th>succeeded</th><th>dead</th><th>cancelled</th><th></th></tr>${rows}</table>
     ${q.complete ? "" : `<p class="muted">The index is still loading.</p>`}
+    ${health}
     <p class="muted">Headline metrics (<code>ax_pending_dispatch</code>, <code>ax_worker_busy_rate</code>, <code>ax_task_timeout_rate</code>) are on each process's <code>/metrics</code>.</p>`);
   bindPause();
 }
