@@ -21,7 +21,7 @@ impl AxProc {
         Self::spawn_full(url, args, "off", env)
     }
 
-    fn spawn_full(url: &str, args: &[&str], metrics: &str, env: &[(&str, &str)]) -> AxProc {
+    pub fn spawn_full(url: &str, args: &[&str], metrics: &str, env: &[(&str, &str)]) -> AxProc {
         let child = Command::new(env!("CARGO_BIN_EXE_ax"))
             .args(args)
             .args(["--metrics-addr", metrics])

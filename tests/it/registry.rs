@@ -177,3 +177,83 @@ async fn every_registered_operation_is_served_over_nats_and_by_the_console_with_
     })
     .await;
 }
+
+/// A management handler that panics (a bug) takes neither the server nor the console down:
+/// over NATS and from the console the request is answered `unavailable`, counted in
+/// `ax_request_panics_total{api}`, and the next request is served. A real `ax server`
+/// process, its hook set by `AX_TEST_PANIC_REQUEST` (requests whose body holds the marker).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_management_handler_answers_unavailable_and_the_server_serves_on() {
+    within(Duration::from_secs(60), "request panic", async {
+        let nats = ax_testkit::LocalNats::start().unwrap();
+        let (console_port, metrics_port) = (free_port(), free_port());
+        let console_addr = format!("127.0.0.1:{console_port}");
+        let _server = crate::procs::AxProc::spawn_full(
+            &nats.url(),
+            &[
+                "server",
+                "--queue",
+                "q",
+                "--console-addr",
+                &console_addr,
+                "--console-token",
+                ADMIN,
+            ],
+            &format!("127.0.0.1:{metrics_port}"),
+            &[("AX_TEST_PANIC_REQUEST", "boom-marker")],
+        );
+        let client = async_nats::connect(nats.url()).await.unwrap();
+        crate::procs::wait_ready(&client).await;
+        let ask = |op: &'static str, body: &'static str| {
+            let client = client.clone();
+            async move {
+                let reply = client
+                    .request(Api::Task.subject(op), body.into())
+                    .await
+                    .unwrap();
+                serde_json::from_slice::<Value>(&reply.payload).unwrap()
+            }
+        };
+        let unavailable = |reply: &Value| {
+            error_of(reply).map(|e| e.code) == Some(ax_sdk::protocol::ErrorCode::Unavailable)
+        };
+        let reply = ask("get", r#"{"id": "boom-marker"}"#).await;
+        assert!(unavailable(&reply), "{reply}");
+        let reply = ask("queues", "{}").await;
+        assert!(reply["ok"]["queues"].is_array(), "{reply}");
+
+        let auth = format!("Bearer {ADMIN}");
+        let headers = [
+            ("host", console_addr.as_str()),
+            ("content-type", "application/json"),
+            ("authorization", &auth),
+        ];
+        crate::support::eventually(Duration::from_secs(10), "the console to listen", || async {
+            tokio::net::TcpStream::connect(("127.0.0.1", console_port))
+                .await
+                .ok()
+        })
+        .await;
+        let body = r#"{"id": "boom-marker"}"#;
+        let a = send(console_port, "POST", "/api/task/get", &headers, body).await;
+        let reply: Value = serde_json::from_str(&a.body).unwrap();
+        assert!(unavailable(&reply), "{} {}", a.status, a.body);
+        let a = send(
+            console_port,
+            "POST",
+            "/api/task/get",
+            &headers,
+            r#"{"id": "x"}"#,
+        )
+        .await;
+        assert_eq!(a.status, 200, "{}", a.body);
+
+        let metrics = crate::procs::scrape(metrics_port).await;
+        let panics = metrics
+            .lines()
+            .find(|l| l.starts_with("ax_request_panics_total{") && l.contains("api=\"task\""))
+            .unwrap_or_else(|| panic!("no request panics counted:\n{metrics}"));
+        assert!(panics.ends_with(" 2"), "{panics}");
+    })
+    .await;
+}

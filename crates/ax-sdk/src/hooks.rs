@@ -14,7 +14,9 @@
 //! every claim of a worker process take N ms longer (a slow broker), past the lead its
 //! rate tokens are taken with; [`panic_service`] makes a supervised service panic
 //! mid-run and [`fail_service_starts`] makes its next starts fail (the supervisor must
-//! start it again).
+//! start it again); `AX_TEST_PANIC_REQUEST=<marker>` makes every management request
+//! whose body holds `<marker>` panic in its handler (the request path must answer
+//! `unavailable` and count it).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
@@ -175,4 +177,17 @@ pub fn take_start_failure(scope: &str, name: &str) -> bool {
         .find(|(s, n)| s.starts_with(&prefix) && n == name)
         .cloned();
     found.is_some_and(|key| set.remove(&key))
+}
+
+/// True if a management request with this body must panic (`AX_TEST_PANIC_REQUEST`).
+pub fn request_panics(body: &[u8]) -> bool {
+    static MARKER: OnceLock<Option<String>> = OnceLock::new();
+    MARKER
+        .get_or_init(|| {
+            std::env::var("AX_TEST_PANIC_REQUEST")
+                .ok()
+                .filter(|m| !m.is_empty())
+        })
+        .as_deref()
+        .is_some_and(|m| body.windows(m.len()).any(|w| w == m.as_bytes()))
 }

@@ -148,6 +148,10 @@ impl Apis {
         if ax_sdk::api::operation(api, op).is_none() {
             return Err(ax_sdk::api::unknown_operation(api, op));
         }
+        #[cfg(feature = "test-hooks")]
+        if ax_sdk::hooks::request_panics(body) {
+            panic!("test hook: request {}.{op} made to panic", api.name());
+        }
         match (api, &self.triggers) {
             (Api::Task, _) => self.tasks.handle(op, body).await,
             (Api::Flow, _) => self.flows.handle(op, body).await,
