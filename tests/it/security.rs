@@ -681,3 +681,76 @@ async fn a_delayed_index_that_cannot_start_waits_and_the_server_stays_up() {
     stop.cancel();
     server.await.unwrap().unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trigger_engine_denied_its_definitions_fires_once_a_reload_grants_them() {
+    // The ax-server user may not follow the trigger definitions (no consumer on
+    // KV_AX_TRIGGERS), so the trigger engine's leader fails as it starts to lead, again
+    // and again, and fires nothing; once a config reload grants the bucket, cron fires.
+    // (An engine whose start failed used to stay stopped, silent, until the process
+    // exited.)
+    const ALLOWED: &str = r#""$KV.AX_FLOWS.>", "$KV.AX_FLOW_RUNS.>", "$KV.AX_LIMITS.>"
+          ] }"#;
+    const DENIED: &str =
+        r#""$JS.API.CONSUMER.CREATE.KV_AX_TRIGGERS", "$JS.API.CONSUMER.CREATE.KV_AX_TRIGGERS.>""#;
+    let (nats, dir) = auth_server_with(|text| {
+        assert!(
+            text.contains(ALLOWED),
+            "deploy/nats-auth.conf: the server's grants end so"
+        );
+        text.replace(
+            ALLOWED,
+            &format!("{}, deny: [{DENIED}] }}", &ALLOWED[..ALLOWED.len() - 2]),
+        )
+    });
+    let url = nats.url();
+    let (admin, stop, server) = admin_applies_and_server_runs(&url, &["default"]).await;
+    let ax = Client::new(admin.clone());
+    let def: ax_sdk::trigger::TriggerDef = serde_json::from_value(serde_json::json!({
+        "name": "beat", "kind": "interval", "every_ms": 1000, "overlap": "allow",
+        "tasks": [{"name": "beat-task", "queue": "default"}],
+    }))
+    .unwrap();
+    eventually(Duration::from_secs(10), "the trigger stored", || async {
+        ax.put_trigger(&def).await.ok()
+    })
+    .await;
+    // The fires made so far. (A read here once failed with no responders for the admin's
+    // bucket lookup, 1 run in 6: read again.)
+    let fires = || async {
+        eventually(Duration::from_secs(10), "the task records", || async {
+            let recs = ax.list(&Default::default()).await.ok()?;
+            Some(
+                recs.iter()
+                    .filter(|r| r.trigger.as_deref() == Some("beat"))
+                    .count(),
+            )
+        })
+        .await
+    };
+    // Each start's consumer request is refused (it times out in 2 s).
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(fires().await, 0, "the engine fired without its definitions");
+    assert!(
+        !server.is_finished(),
+        "the server stopped: {:?}",
+        server.await
+    );
+
+    let conf = dir.path().join("auth.conf");
+    std::fs::write(&conf, auth_server_text(|t| t)).unwrap();
+    let pid = nats.pid().unwrap().to_string();
+    assert!(std::process::Command::new("kill")
+        .args(["-HUP", &pid])
+        .status()
+        .unwrap()
+        .success());
+    eventually(
+        Duration::from_secs(30),
+        "two fires once the bucket is granted",
+        || async { (fires().await >= 2).then_some(()) },
+    )
+    .await;
+    stop.cancel();
+    server.await.unwrap().unwrap();
+}
