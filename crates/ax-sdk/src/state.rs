@@ -6,6 +6,7 @@
 
 use crate::names::{Priority, TASKS_BUCKET};
 use crate::time::now_ms;
+use crate::typed_kv::{self, KvError};
 use async_nats::jetstream::{self, kv};
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
@@ -277,20 +278,25 @@ pub struct ListFilter {
     pub limit: usize,
 }
 
-/// A record read from the bucket (`None`: never written, deleted or purged).
-fn decode_entry(
-    id: &str,
-    entry: Option<kv::Entry>,
-) -> Result<Option<(TaskRecord, u64)>, StateError> {
-    match entry {
-        Some(e) if e.operation == kv::Operation::Put => {
-            let rec = serde_json::from_slice(&e.value).map_err(|source| StateError::Corrupt {
-                id: id.to_string(),
-                source,
-            })?;
-            Ok(Some((rec, e.revision)))
-        }
-        _ => Ok(None),
+/// A task-store error from the typed KV store's: a lost create is [`StateError::Exists`],
+/// a lost compare-and-set against `expected` is [`StateError::Stale`].
+fn from_kv(id: &str, expected: Option<u64>, e: KvError) -> StateError {
+    match (e, expected) {
+        (KvError::Stale(_), None) => StateError::Exists(id.to_string()),
+        (KvError::Stale(_), Some(expected)) => StateError::Stale {
+            id: id.to_string(),
+            expected,
+        },
+        (KvError::Corrupt { source, .. }, _) => StateError::Corrupt {
+            id: id.to_string(),
+            source,
+        },
+        (e @ KvError::TooLarge { .. }, _) => broker(id, "write", e),
+        (KvError::Broker { op, source, .. }, _) => StateError::Broker {
+            id: id.to_string(),
+            op,
+            source,
+        },
     }
 }
 
@@ -306,14 +312,9 @@ impl TaskStore {
 
     /// Stores the first record; fails with [`StateError::Exists`] if the id is taken.
     pub async fn create(&self, rec: &TaskRecord) -> Result<u64, StateError> {
-        let body = serde_json::to_vec(rec).expect("a record serializes");
-        self.kv
-            .create(&rec.id, body.into())
+        typed_kv::put(&self.kv, &rec.id, rec, None)
             .await
-            .map_err(|e| match create_lost(&e) {
-                true => StateError::Exists(rec.id.clone()),
-                false => broker(&rec.id, "create", e),
-            })
+            .map_err(|e| from_kv(&rec.id, None, e))
     }
 
     /// Removes a record and its history, if it is still at `revision` (an operator's
@@ -334,33 +335,25 @@ impl TaskStore {
 
     /// The current record and its revision.
     pub async fn get(&self, id: &str) -> Result<Option<(TaskRecord, u64)>, StateError> {
-        let entry = self.kv.entry(id).await.map_err(|e| broker(id, "get", e))?;
-        decode_entry(id, entry)
+        typed_kv::get_any(&self.kv, id)
+            .await
+            .map_err(|e| from_kv(id, None, e))
     }
 
     /// The current record and its revision as the bucket's leader has it: never older than
     /// an acknowledged write ([`crate::kv_read`]), where [`TaskStore::get`] may answer from
     /// a replica that is behind. For reads whose answer decides without a compare-and-set.
     pub async fn get_latest(&self, id: &str) -> Result<Option<(TaskRecord, u64)>, StateError> {
-        let entry = crate::kv_read::latest(&self.kv, id)
+        typed_kv::get(&self.kv, id)
             .await
-            .map_err(|e| broker(id, "get", e))?;
-        decode_entry(id, entry)
+            .map_err(|e| from_kv(id, None, e))
     }
 
     /// Writes `rec` if the key is still at `revision`; returns the new revision.
     pub async fn cas(&self, rec: &TaskRecord, revision: u64) -> Result<u64, StateError> {
-        let body = serde_json::to_vec(rec).expect("a record serializes");
-        self.kv
-            .update(&rec.id, body.into(), revision)
+        typed_kv::put(&self.kv, &rec.id, rec, Some(revision))
             .await
-            .map_err(|e| match e.kind() {
-                kv::UpdateErrorKind::WrongLastRevision => StateError::Stale {
-                    id: rec.id.clone(),
-                    expected: revision,
-                },
-                _ => broker(&rec.id, "update", e),
-            })
+            .map_err(|e| from_kv(&rec.id, Some(revision), e))
     }
 
     /// Cancels task `id` if no attempt of it has started (`scheduled`, `pending` or
@@ -426,15 +419,11 @@ impl TaskStore {
         let mut out = Vec::new();
         while let Some(entry) = entries.next().await {
             let entry = entry.map_err(|e| broker(id, "history", e))?;
-            if entry.operation != kv::Operation::Put {
-                continue;
+            if let Some(found) =
+                typed_kv::decode(id, Some(entry)).map_err(|e| from_kv(id, None, e))?
+            {
+                out.push(found);
             }
-            let rec =
-                serde_json::from_slice(&entry.value).map_err(|source| StateError::Corrupt {
-                    id: id.to_string(),
-                    source,
-                })?;
-            out.push((rec, entry.revision));
         }
         Ok(out)
     }

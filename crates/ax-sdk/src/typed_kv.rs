@@ -3,7 +3,8 @@
 //!
 //! - [`get`] reads a key's latest value and revision from the bucket's stream leader
 //!   ([`kv_read`](crate::kv_read)): a reader that decides from what it reads sees every
-//!   acknowledged write.
+//!   acknowledged write. [`get_any`] lets any replica answer, for a read that a
+//!   compare-and-set checks anyway.
 //! - [`put`] creates a key (`revision` `None`) or compare-and-sets it; a lost race is
 //!   [`KvError::Stale`], never a broker error.
 //! - [`scan`] reads every current value of the keys matching a filter.
@@ -77,6 +78,25 @@ pub async fn get<T: DeserializeOwned>(
     let entry = crate::kv_read::latest(kv, key)
         .await
         .map_err(|e| broker(key, "get", e))?;
+    decode(key, entry)
+}
+
+/// Like [`get`], answered by any replica (a direct get where the bucket allows it): may be
+/// older than an acknowledged write, so only for a read a compare-and-set will check.
+pub async fn get_any<T: DeserializeOwned>(
+    kv: &kv::Store,
+    key: &str,
+) -> Result<Option<(T, u64)>, KvError> {
+    let entry = kv.entry(key).await.map_err(|e| broker(key, "get", e))?;
+    decode(key, entry)
+}
+
+/// The value of a KV entry and its revision; `None` for no entry or a delete or purge
+/// marker.
+pub fn decode<T: DeserializeOwned>(
+    key: &str,
+    entry: Option<kv::Entry>,
+) -> Result<Option<(T, u64)>, KvError> {
     match entry {
         Some(e) if e.operation == kv::Operation::Put => {
             let value = serde_json::from_slice(&e.value).map_err(|source| KvError::Corrupt {
