@@ -145,6 +145,48 @@ pub fn unknown_operation(api: Api, op: &str) -> WireError {
     )
 }
 
+/// A typed request of one API: an enum whose variant is the operation and whose content
+/// is the request's JSON body, in serde's adjacently tagged form (`{"op": …, "body": …}`,
+/// `rename_all = "snake_case"`). The server decodes every request through it and the
+/// [`Client`](crate::Client) encodes its typed calls with it, so both sides share one type
+/// per request body.
+///
+/// Each enum ends with a hidden unit variant marked `#[serde(other)]`: the tag alone
+/// decodes to it for an operation the enum lacks, which tells an unknown operation from a
+/// body that does not decode by type, not by an error's text.
+pub trait Request: serde::Serialize + serde::de::DeserializeOwned {
+    /// The API whose subjects carry it.
+    const API: Api;
+
+    /// True for the catch-all variant (an operation this enum does not have).
+    fn is_unknown(&self) -> bool;
+
+    /// Decodes a request to `ax.<api>.<op>` with `body` (an empty body reads as `{}`):
+    /// [`unknown_operation`] for an operation the registry or this enum lacks,
+    /// `bad_request` for a body that does not decode.
+    fn decode(op: &str, body: &[u8]) -> Result<Self, WireError> {
+        let unknown = || unknown_operation(Self::API, op);
+        operation(Self::API, op).ok_or_else(unknown)?;
+        let tag: Result<Self, _> = serde_json::from_value(serde_json::json!({ "op": op }));
+        if tag.is_ok_and(|r| r.is_unknown()) {
+            return Err(unknown());
+        }
+        let bad = |e: serde_json::Error| WireError::new(ErrorCode::BadRequest, e.to_string());
+        let body: serde_json::Value = match body.iter().all(u8::is_ascii_whitespace) {
+            true => serde_json::json!({}),
+            false => serde_json::from_slice(body).map_err(bad)?,
+        };
+        serde_json::from_value(serde_json::json!({ "op": op, "body": body })).map_err(bad)
+    }
+
+    /// The operation and the JSON body this request is sent with.
+    fn encode(&self) -> (String, serde_json::Value) {
+        let mut v = serde_json::to_value(self).expect("a request serializes");
+        let op = v["op"].as_str().unwrap_or_default().to_string();
+        (op, v["body"].take())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -167,5 +209,51 @@ mod tests {
             assert_eq!(Api::from_name(api.name()), Some(api));
             assert!(operations(api).count() > 0);
         }
+    }
+
+    /// True if `R` has no variant for operation `op` (its tag alone decodes to the
+    /// catch-all).
+    fn lacks<R: Request>(op: &str) -> bool {
+        serde_json::from_value::<R>(serde_json::json!({ "op": op })).is_ok_and(|r| r.is_unknown())
+    }
+
+    #[test]
+    fn each_registered_operation_has_a_typed_request_and_no_other_decodes() {
+        use crate::flow::FlowRequest;
+        use crate::limits::LimitRequest;
+        use crate::ops::TaskRequest;
+        use crate::trigger::TriggerRequest;
+        for o in OPERATIONS {
+            let lacking = match o.api {
+                Api::Task => lacks::<TaskRequest>(o.name),
+                Api::Flow => lacks::<FlowRequest>(o.name),
+                Api::Limit => lacks::<LimitRequest>(o.name),
+                Api::Trigger => lacks::<TriggerRequest>(o.name),
+            };
+            assert!(!lacking, "{o:?} has no request variant");
+        }
+        assert!(lacks::<TaskRequest>("frobnicate"));
+        // Unknown operations are refused as such; a bad body is a bad request of a known
+        // operation, with the decoder's words.
+        let unknown = TaskRequest::decode("frobnicate", b"{}").unwrap_err();
+        assert_eq!(unknown, unknown_operation(Api::Task, "frobnicate"));
+        let bad = LimitRequest::decode("get", br#"{"queue": "q"}"#).unwrap_err();
+        assert_eq!(bad.code, ErrorCode::BadRequest);
+        assert_ne!(bad, unknown_operation(Api::Limit, "get"));
+        let bad = FlowRequest::decode("run", b"not json").unwrap_err();
+        assert_eq!(bad.code, ErrorCode::BadRequest);
+        // An empty body reads as `{}`; a request encodes back to its operation and body.
+        assert_eq!(
+            TriggerRequest::decode("leader", b"").unwrap(),
+            TriggerRequest::Leader {}
+        );
+        let get = LimitRequest::decode("get", br#"{"queue": "q", "name": "n"}"#).unwrap();
+        assert_eq!(
+            get.encode(),
+            (
+                "get".to_string(),
+                serde_json::json!({"queue": "q", "name": "n"})
+            )
+        );
     }
 }

@@ -361,6 +361,16 @@ impl Client {
     }
 
     /// A request to a management API (`<prefix><op>`), its `ok` value or its refusal.
+    /// Sends a typed request of one of the request APIs (`ax.<api>.<op>`) and returns its
+    /// `ok` value; an `error` answer is [`ClientError::Refused`].
+    pub async fn call<R: crate::api::Request>(
+        &self,
+        request: &R,
+    ) -> Result<serde_json::Value, ClientError> {
+        let (op, body) = request.encode();
+        self.management(R::API.prefix(), &op, &body).await
+    }
+
     pub(crate) async fn management(
         &self,
         prefix: &str,

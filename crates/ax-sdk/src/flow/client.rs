@@ -2,13 +2,14 @@
 
 use super::def::FlowDef;
 use super::model::{FlowRun, RunState, StepRun};
+use super::request::{FlowRequest, FlowRerun, FlowStart, RunRef};
 use super::rerun::RerunMode;
 use super::store::FlowStore;
 use crate::client::{Client, ClientError};
 use crate::names::FLOW_API_PREFIX;
 use async_nats::jetstream::kv;
 use futures::StreamExt;
-use serde_json::{json, Value};
+use serde_json::Value;
 use std::time::Duration;
 
 impl Client {
@@ -21,25 +22,27 @@ impl Client {
     /// Stores a flow definition (checked by the server first; refused with
     /// `invalid_field` naming the field, or the steps of a cycle).
     pub async fn put_flow(&self, def: &FlowDef) -> Result<(), ClientError> {
-        self.flow("put", &serde_json::to_value(def).expect("serializes"))
-            .await
-            .map(|_| ())
+        let body = serde_json::to_value(def).expect("serializes");
+        self.call(&FlowRequest::Put(body)).await.map(|_| ())
     }
 
     /// Starts a run of flow `name` with `input`; returns the run id.
     pub async fn run_flow(&self, name: &str, input: Value) -> Result<String, ClientError> {
-        let ok = self
-            .flow("run", &json!({"flow": name, "input": input}))
-            .await?;
+        let start = FlowStart {
+            flow: name.to_string(),
+            input,
+        };
+        let ok = self.call(&FlowRequest::Run(start)).await?;
         Ok(ok["run"].as_str().unwrap_or_default().to_string())
     }
 
     /// Cancels a run: steps not started never start, queued tasks are cancelled, running
     /// ones finish; the run ends `cancelled`.
     pub async fn cancel_flow(&self, run: &str) -> Result<(), ClientError> {
-        self.flow("cancel", &json!({ "run": run }))
-            .await
-            .map(|_| ())
+        let run = RunRef {
+            run: run.to_string(),
+        };
+        self.call(&FlowRequest::Cancel(run)).await.map(|_| ())
     }
 
     /// Re-runs an ended run: its failed steps (keeping succeeded steps' outputs), those and
@@ -51,16 +54,12 @@ impl Client {
         mode: RerunMode,
         input: Option<Value>,
     ) -> Result<String, ClientError> {
-        let mode = match mode {
-            RerunMode::Failed => "failed",
-            RerunMode::FailedAndDownstream => "failed_and_downstream",
-            RerunMode::Whole => "whole",
+        let rerun = FlowRerun {
+            run: run.to_string(),
+            mode,
+            input,
         };
-        let mut body = json!({"run": run, "mode": mode});
-        if let Some(input) = input {
-            body["input"] = input;
-        }
-        let ok = self.flow("rerun", &body).await?;
+        let ok = self.call(&FlowRequest::Rerun(rerun)).await?;
         Ok(ok["run"].as_str().unwrap_or_default().to_string())
     }
 

@@ -6,9 +6,11 @@ mod build;
 mod client;
 pub mod def;
 pub mod model;
+mod request;
 mod rerun;
 pub mod store;
 
 pub use def::{FailurePolicy, FlowDef, Plan, StepDef, TriggerRule};
 pub use model::{FlowRun, RunState, StepRun, StepState};
+pub use request::{FlowName, FlowRequest, FlowRerun, FlowStart, RunFilter, RunRef};
 pub use rerun::RerunMode;

@@ -3,7 +3,7 @@
 use serde::Deserialize;
 
 /// What a re-run starts again.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RerunMode {
     /// The steps that did not succeed; succeeded steps keep their outputs.

@@ -1,11 +1,11 @@
 //! The limits calls of [`Client`]: typed requests to `ax.limit.<op>` (PROTOCOL.md §7).
 
 use super::model::LimitDef;
+use super::request::{LimitFilter, LimitName, LimitRequest};
 use crate::client::{Client, ClientError};
 use crate::error::ErrorCode;
 use crate::names::LIMIT_API_PREFIX;
 use serde::{Deserialize, Serialize};
-use serde_json::json;
 
 /// A limit and what it holds now (`ax.limit.status`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -46,8 +46,7 @@ impl Client {
     /// Stores a limit (checked by the server first: refused `invalid_field` naming the
     /// field, or `unknown_queue`); answers it as stored.
     pub async fn put_limit(&self, def: &LimitDef) -> Result<LimitDef, ClientError> {
-        let body = serde_json::to_value(def).expect("a definition serializes");
-        decode(self.limits("put", &body).await?)
+        decode(self.call(&LimitRequest::Put(def.clone())).await?)
     }
 
     /// The limit `name` of `queue`, or `None` if there is none.
@@ -56,10 +55,7 @@ impl Client {
         queue: &str,
         name: &str,
     ) -> Result<Option<LimitDef>, ClientError> {
-        match self
-            .limits("get", &json!({"queue": queue, "name": name}))
-            .await
-        {
+        match self.call(&LimitRequest::Get(named(queue, name))).await {
             Ok(v) => decode(v).map(Some),
             Err(ClientError::Refused(e)) if e.code == ErrorCode::NotFound => Ok(None),
             Err(e) => Err(e),
@@ -68,21 +64,32 @@ impl Client {
 
     /// The limits of `queue` (of every queue with `None`), by queue and name.
     pub async fn list_limits(&self, queue: Option<&str>) -> Result<Vec<LimitDef>, ClientError> {
-        decode(self.limits("list", &json!({"queue": queue})).await?)
+        decode(self.call(&LimitRequest::List(filter(queue))).await?)
     }
 
     /// Deletes the limit `name` of `queue`: `true` if there was one.
     pub async fn delete_limit(&self, queue: &str, name: &str) -> Result<bool, ClientError> {
-        let v = self
-            .limits("delete", &json!({"queue": queue, "name": name}))
-            .await?;
+        let v = self.call(&LimitRequest::Delete(named(queue, name))).await?;
         Ok(v["deleted"].as_bool().unwrap_or(false))
     }
 
     /// Each limit of `queue` (every queue with `None`) with its tokens, adaptive rate and
     /// slots held now.
     pub async fn limit_status(&self, queue: Option<&str>) -> Result<Vec<LimitStatus>, ClientError> {
-        decode(self.limits("status", &json!({"queue": queue})).await?)
+        decode(self.call(&LimitRequest::Status(filter(queue))).await?)
+    }
+}
+
+fn named(queue: &str, name: &str) -> LimitName {
+    LimitName {
+        queue: queue.to_string(),
+        name: name.to_string(),
+    }
+}
+
+fn filter(queue: Option<&str>) -> LimitFilter {
+    LimitFilter {
+        queue: queue.map(str::to_string),
     }
 }
 

@@ -164,7 +164,8 @@ fn micros() -> u64 {
 
 impl Gate {
     /// A gate for `queue` that follows the limit definitions from now on (waiting for the
-    /// buckets, with one log line, if they do not exist yet).
+    /// buckets, with one log line, if they do not exist yet), for worker `holder`, showing
+    /// what it knows in `flags` (the worker's status).
     ///
     /// `max_held`: how many deliveries may wait in the gate at once (for a reserved token
     /// or a freed slot); `slot_ttl` is the queue's ack wait, which also bounds how long one
@@ -172,10 +173,9 @@ impl Gate {
     pub(crate) fn start(
         js: jetstream::Context,
         queue: &str,
-        holder: String,
+        (holder, flags): (String, crate::worker::status::Flags),
         (renew_every, slot_ttl): (Duration, Duration),
         max_held: usize,
-        flags: crate::worker::status::Flags,
         shutdown: CancellationToken,
         services: &mut Supervisor,
     ) -> Arc<Gate> {

@@ -14,9 +14,11 @@ mod expiry;
 pub(crate) mod gate;
 pub mod gcra;
 pub mod model;
+mod request;
 
 pub use client::{LimitStatus, SlotHeld};
 pub use model::LimitDef;
+pub use request::{LimitFilter, LimitName, LimitRequest};
 
 /// The `AX_LIMITS` key that pauses a queue while it exists: `<queue>.=paused` (`=` is
 /// never part of a limit name, so it cannot clash with one). Workers follow it with the

@@ -2,11 +2,14 @@
 //! and resume queues (docs/PROTOCOL.md §8).
 
 use super::query::{ListReply, ListRequest, TaskQuery};
+use super::request::{
+    QueuePause, SeriesFilter, TaskBulk, TaskPurge, TaskRef, TaskRequest, TaskRetry,
+};
 use crate::client::{Client, ClientError};
 use crate::names::TASK_API_PREFIX;
 use crate::state::TaskState;
 use serde::{Deserialize, Serialize};
-use serde_json::{json, Value};
+use serde_json::Value;
 
 /// What an operation on one task left it as.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -49,9 +52,9 @@ const INDEX_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
 impl Client {
     /// An operation only servers with a task index answer: without one, a clear refusal
     /// instead of a wait.
-    async fn index_op(&self, op: &str, body: &Value) -> Result<Value, ClientError> {
+    async fn index_call(&self, request: &TaskRequest) -> Result<Value, ClientError> {
         let client = self.clone().wait_for_server(INDEX_WAIT);
-        match client.task_op(op, body).await {
+        match client.call(request).await {
             Err(ClientError::Request(e))
                 if e.kind() == async_nats::RequestErrorKind::NoResponders =>
             {
@@ -74,16 +77,14 @@ impl Client {
 
     /// Finds tasks through the servers' index (most recently changed first).
     pub async fn find_tasks(&self, req: &ListRequest) -> Result<ListReply, ClientError> {
-        let ok = self
-            .index_op("list", &serde_json::to_value(req).expect("serializes"))
-            .await?;
+        let ok = self.index_call(&TaskRequest::List(req.clone())).await?;
         Ok(serde_json::from_value(ok)?)
     }
 
     /// Cancels a task: not started, it never runs; running, its handler is stopped and the
     /// attempt ends `cancelled`. Refused `conflict` for a finished task.
     pub async fn cancel_task(&self, id: &str) -> Result<OpOutcome, ClientError> {
-        let ok = self.task_op("cancel", &json!({ "id": id })).await?;
+        let ok = self.call(&TaskRequest::Cancel(TaskRef::new(id))).await?;
         Ok(serde_json::from_value(ok)?)
     }
 
@@ -94,12 +95,12 @@ impl Client {
         id: &str,
         reset_attempts: bool,
     ) -> Result<OpOutcome, ClientError> {
-        let ok = self
-            .task_op(
-                "retry",
-                &json!({ "id": id, "reset_attempts": reset_attempts }),
-            )
-            .await?;
+        let retry = TaskRetry {
+            id: id.to_string(),
+            reset_attempts,
+            by: "api".into(),
+        };
+        let ok = self.call(&TaskRequest::Retry(retry)).await?;
         Ok(serde_json::from_value(ok)?)
     }
 
@@ -112,13 +113,13 @@ impl Client {
         reset_attempts: bool,
         dry_run: bool,
     ) -> Result<ReplayOutcome, ClientError> {
-        let mut body = serde_json::to_value(query).expect("serializes");
-        body["reset_attempts"] = reset_attempts.into();
-        body["dry_run"] = dry_run.into();
-        if let Some(limit) = limit {
-            body["limit"] = limit.into();
-        }
-        let ok = self.index_op("replay", &body).await?;
+        let bulk = TaskBulk {
+            limit,
+            reset_attempts,
+            dry_run,
+            ..TaskBulk::new(query.clone())
+        };
+        let ok = self.index_call(&TaskRequest::Replay(bulk)).await?;
         Ok(serde_json::from_value(ok)?)
     }
 
@@ -131,12 +132,12 @@ impl Client {
         limit: Option<usize>,
         dry_run: bool,
     ) -> Result<Value, ClientError> {
-        let mut body = serde_json::to_value(query).expect("serializes");
-        body["dry_run"] = dry_run.into();
-        if let Some(limit) = limit {
-            body["limit"] = limit.into();
-        }
-        self.index_op("cancel_many", &body).await
+        let bulk = TaskBulk {
+            limit,
+            dry_run,
+            ..TaskBulk::new(query.clone())
+        };
+        self.index_call(&TaskRequest::CancelMany(bulk)).await
     }
 
     /// Deletes finished tasks (`succeeded`, `dead`, `cancelled`) matching `query` and last
@@ -153,13 +154,14 @@ impl Client {
         limit: Option<usize>,
         dry_run: bool,
     ) -> Result<Value, ClientError> {
-        let mut body = serde_json::to_value(query).expect("serializes");
-        body["older_than_ms"] = (older_than.as_millis() as u64).into();
-        body["dry_run"] = dry_run.into();
-        if let Some(limit) = limit {
-            body["limit"] = limit.into();
-        }
-        self.index_op("purge", &body).await
+        let purge = TaskPurge {
+            query: query.clone(),
+            older_than_ms: older_than.as_millis().min(u128::from(u64::MAX)) as u64,
+            limit,
+            dry_run,
+            by: "api".into(),
+        };
+        self.index_call(&TaskRequest::Purge(purge)).await
     }
 
     /// Per queue, what happened in each of the last 60 minutes (oldest first):
@@ -167,32 +169,37 @@ impl Client {
     /// "dead", "wait_p50_ms", "wait_p95_ms", "run_p50_ms", "run_p95_ms"}]}}`; only `queue`
     /// if given.
     pub async fn task_series(&self, queue: Option<&str>) -> Result<Value, ClientError> {
-        let body = match queue {
-            Some(q) => json!({ "queue": q }),
-            None => json!({}),
+        let filter = SeriesFilter {
+            queue: queue.map(str::to_string),
         };
-        self.index_op("series", &body).await
+        self.index_call(&TaskRequest::Series(filter)).await
     }
 
     /// Starts a scheduled or retrying task now.
     pub async fn run_now(&self, id: &str) -> Result<OpOutcome, ClientError> {
-        let ok = self.task_op("run_now", &json!({ "id": id })).await?;
+        let ok = self.call(&TaskRequest::RunNow(TaskRef::new(id))).await?;
         Ok(serde_json::from_value(ok)?)
     }
 
     /// Pauses a queue: workers take none of its tasks until it is resumed (running ones
     /// finish; submits are still accepted).
     pub async fn pause_queue(&self, queue: &str, reason: Option<&str>) -> Result<(), ClientError> {
-        self.task_op("pause", &json!({ "queue": queue, "reason": reason }))
-            .await
-            .map(|_| ())
+        let pause = QueuePause {
+            queue: queue.to_string(),
+            reason: reason.map(str::to_string),
+            by: "api".into(),
+        };
+        self.call(&TaskRequest::Pause(pause)).await.map(|_| ())
     }
 
     /// Resumes a paused queue.
     pub async fn resume_queue(&self, queue: &str) -> Result<(), ClientError> {
-        self.task_op("resume", &json!({ "queue": queue }))
-            .await
-            .map(|_| ())
+        let resume = QueuePause {
+            queue: queue.to_string(),
+            reason: None,
+            by: "api".into(),
+        };
+        self.call(&TaskRequest::Resume(resume)).await.map(|_| ())
     }
 
     /// Every change of a task, oldest first: `{event, at_ms, state, attempt, actor,
@@ -200,13 +207,13 @@ impl Client {
     /// every change of the last 30 days (`complete` true); without it, the record's last
     /// 16 changes.
     pub async fn task_events(&self, id: &str) -> Result<(Vec<Value>, bool), ClientError> {
-        let mut ok = self.task_op("events", &json!({ "id": id })).await?;
+        let mut ok = self.call(&TaskRequest::Events(TaskRef::new(id))).await?;
         let complete = ok["complete"].as_bool().unwrap_or(false);
         Ok((serde_json::from_value(ok["events"].take())?, complete))
     }
 
     /// Every queue with tasks: paused or not, ready depth per priority, tasks by state.
     pub async fn queues(&self) -> Result<Value, ClientError> {
-        self.index_op("queues", &json!({})).await
+        self.index_call(&TaskRequest::Queues {}).await
     }
 }

@@ -4,6 +4,8 @@
 
 mod client;
 mod query;
+mod request;
 
 pub use client::{OpOutcome, ReplayOutcome};
 pub use query::{ListReply, ListRequest, PageCursor, TaskQuery, TaskRow};
+pub use request::{QueuePause, SeriesFilter, TaskBulk, TaskPurge, TaskRef, TaskRequest, TaskRetry};

@@ -82,7 +82,7 @@ pub struct PageCursor {
 }
 
 /// A `list` request: a query, a page size and where to continue.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ListRequest {
     /// The filters.

@@ -1,11 +1,12 @@
 //! The trigger calls of [`Client`]: typed requests to `ax.trigger.<op>` (PROTOCOL.md §5).
 
 use super::model::{Kind, TriggerDef};
+use super::request::{TriggerRef, TriggerRequest};
 use crate::client::{Client, ClientError};
 use crate::error::ErrorCode;
 use crate::names::TRIGGER_API_PREFIX;
 use serde::{Deserialize, Serialize};
-use serde_json::{json, Value};
+use serde_json::Value;
 
 /// What a `put` did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -72,13 +73,13 @@ impl Client {
     /// field).
     pub async fn put_trigger(&self, def: &TriggerDef) -> Result<PutOutcome, ClientError> {
         let body = serde_json::to_value(def).expect("a definition serializes");
-        let ok = self.trigger("put", &body).await?;
+        let ok = self.call(&TriggerRequest::Put(body)).await?;
         Ok(serde_json::from_value(ok["outcome"].clone())?)
     }
 
     /// The trigger `name` with its state and next fires, or `None` if there is none.
     pub async fn get_trigger(&self, name: &str) -> Result<Option<TriggerInfo>, ClientError> {
-        match self.trigger("get", &json!({ "name": name })).await {
+        match self.call(&TriggerRequest::Get(TriggerRef::new(name))).await {
             Ok(v) => Ok(Some(serde_json::from_value(v)?)),
             Err(ClientError::Refused(e)) if e.code == ErrorCode::NotFound => Ok(None),
             Err(e) => Err(e),
@@ -88,30 +89,34 @@ impl Client {
     /// Every trigger, with its next fire and counts.
     pub async fn list_triggers(&self) -> Result<Vec<TriggerSummary>, ClientError> {
         Ok(serde_json::from_value(
-            self.trigger("list", &json!({})).await?,
+            self.call(&TriggerRequest::List {}).await?,
         )?)
     }
 
     /// Pauses (`enabled` false) or resumes the trigger `name`; a resumed trigger skips
     /// the times it was paused for.
     pub async fn set_trigger_enabled(&self, name: &str, enabled: bool) -> Result<(), ClientError> {
-        let op = if enabled { "resume" } else { "pause" };
-        self.trigger(op, &json!({ "name": name })).await.map(drop)
+        let named = TriggerRef::new(name);
+        let request = match enabled {
+            true => TriggerRequest::Resume(named),
+            false => TriggerRequest::Pause(named),
+        };
+        self.call(&request).await.map(drop)
     }
 
     /// Deletes the trigger `name` (tasks it made are kept); `not_found` if there is none.
     pub async fn delete_trigger(&self, name: &str) -> Result<(), ClientError> {
-        self.trigger("delete", &json!({ "name": name }))
-            .await
-            .map(drop)
+        let request = TriggerRequest::Delete(TriggerRef::new(name));
+        self.call(&request).await.map(drop)
     }
 
     /// Fires the trigger `name` now; refused `running` while its previous fire's tasks are
     /// unfinished, unless `force`.
     pub async fn run_trigger(&self, name: &str, force: bool) -> Result<ManualRun, ClientError> {
-        let ok = self
-            .trigger("run", &json!({ "name": name, "force": force }))
-            .await?;
-        Ok(serde_json::from_value(ok)?)
+        let request = TriggerRequest::Run(TriggerRef {
+            name: name.to_string(),
+            force,
+        });
+        Ok(serde_json::from_value(self.call(&request).await?)?)
     }
 }

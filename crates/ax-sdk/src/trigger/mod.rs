@@ -4,6 +4,8 @@
 
 mod client;
 pub mod model;
+mod request;
 
 pub use client::{ManualRun, PutOutcome, TriggerInfo, TriggerSummary};
 pub use model::{Kind, MisfirePolicy, OverlapPolicy, TriggerDef};
+pub use request::{TriggerApply, TriggerRef, TriggerRequest};

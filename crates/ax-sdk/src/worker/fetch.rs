@@ -90,10 +90,9 @@ pub(super) async fn run(
     let gate = crate::limits::gate::Gate::start(
         js.clone(),
         &worker.queue,
-        worker.id.clone(),
+        (worker.id.clone(), std::mem::take(&mut worker.flags)),
         (heartbeat, ack_wait),
         (worker.concurrency / 2).max(1),
-        std::mem::take(&mut worker.flags),
         shutdown.clone(),
         &mut services,
     );

@@ -7,10 +7,11 @@ use super::model::{valid_run_id, FlowRun, RunState, StepRun, StepState};
 use super::store::{FlowStore, FlowStoreError};
 use super::RerunMode;
 use crate::submit::Admission;
+use ax_sdk::api::{unknown_operation, Api, Request};
+use ax_sdk::flow::{FlowName, FlowRequest, FlowRerun, FlowStart, RunRef};
 use ax_sdk::metrics as m;
 use ax_sdk::protocol::{ErrorCode, WireError};
 use ax_sdk::time::now_ms;
-use serde::Deserialize;
 use serde_json::{json, Value};
 use std::sync::Arc;
 
@@ -20,51 +21,6 @@ const MAX_ATTEMPTS: usize = 20;
 pub(crate) struct FlowApi {
     pub(crate) admission: Arc<Admission>,
     pub(crate) store: FlowStore,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Named {
-    name: String,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RunRequest {
-    flow: String,
-    #[serde(default)]
-    input: Value,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RunId {
-    run: String,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ListRequest {
-    #[serde(default)]
-    flow: Option<String>,
-    #[serde(default)]
-    state: Option<RunState>,
-    #[serde(default)]
-    limit: Option<usize>,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RerunRequest {
-    run: String,
-    mode: RerunMode,
-    /// A new input (mode `whole` only; default: the original run's).
-    #[serde(default)]
-    input: Option<Value>,
-}
-
-fn bad(e: serde_json::Error) -> WireError {
-    WireError::new(ErrorCode::BadRequest, e.to_string())
 }
 
 fn unavailable(e: FlowStoreError) -> WireError {
@@ -86,10 +42,6 @@ fn not_found(what: String) -> WireError {
     WireError::new(ErrorCode::NotFound, what)
 }
 
-fn decode<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, WireError> {
-    serde_json::from_slice(body).map_err(bad)
-}
-
 /// A flow name is checked before it is used as a KV key (an invalid key would be an
 /// `unavailable` broker error, not the caller's `invalid_field`).
 fn flow_name(name: &str, field: &str) -> Result<(), WireError> {
@@ -102,9 +54,8 @@ fn flow_name(name: &str, field: &str) -> Result<(), WireError> {
 
 impl FlowApi {
     pub(crate) async fn handle(&self, op: &str, body: &[u8]) -> Result<Value, WireError> {
-        match op {
-            "put" => {
-                let value: Value = decode(body)?;
+        match FlowRequest::decode(op, body)? {
+            FlowRequest::Put(value) => {
                 let def = FlowDef::decode(value)?;
                 def.validate(&self.admission.limits)?;
                 // A step on a queue no server declared would fail its run later: refuse it
@@ -123,29 +74,26 @@ impl FlowApi {
                 self.store.put_def(&def).await.map_err(unavailable)?;
                 Ok(json!({"name": def.name, "steps": def.steps.len()}))
             }
-            "def" => {
-                let Named { name } = decode(body)?;
+            FlowRequest::Def(FlowName { name }) => {
                 flow_name(&name, "name")?;
                 match self.store.def(&name).await.map_err(unavailable)? {
                     Some(def) => Ok(serde_json::to_value(def).expect("serializes")),
                     None => Err(not_found(format!("no flow {name:?}"))),
                 }
             }
-            "defs" => {
+            FlowRequest::Defs {} => {
                 let defs = self.store.defs().await.map_err(unavailable)?;
                 Ok(json!(defs
                     .iter()
                     .map(|d| json!({"name": d.name, "steps": d.steps.len(), "failure": d.failure}))
                     .collect::<Vec<_>>()))
             }
-            "delete" => {
-                let Named { name } = decode(body)?;
+            FlowRequest::Delete(FlowName { name }) => {
                 flow_name(&name, "name")?;
                 self.store.delete_def(&name).await.map_err(unavailable)?;
                 Ok(json!({"name": name}))
             }
-            "run" => {
-                let RunRequest { flow, input } = decode(body)?;
+            FlowRequest::Run(FlowStart { flow, input }) => {
                 flow_name(&flow, "flow")?;
                 let def = self
                     .store
@@ -155,13 +103,11 @@ impl FlowApi {
                     .ok_or_else(|| not_found(format!("no flow {flow:?}")))?;
                 self.start(def, input, None).await
             }
-            "get" => {
-                let RunId { run } = decode(body)?;
+            FlowRequest::Get(RunRef { run }) => {
                 let (run, steps) = self.load(&run).await?;
                 Ok(view(&run, &steps))
             }
-            "list" => {
-                let req: ListRequest = decode(body)?;
+            FlowRequest::List(req) => {
                 if let Some(flow) = &req.flow {
                     flow_name(flow, "flow")?;
                 }
@@ -175,18 +121,12 @@ impl FlowApi {
                 Ok(json!(runs.iter().map(summary).collect::<Vec<_>>()))
             }
             // The flow engine's lease: which server drives the running runs now.
-            "leader" => {
+            FlowRequest::Leader {} => {
                 crate::lease::leader(&self.admission.js, crate::flow::engine::FLOWS_KEY).await
             }
-            "cancel" => {
-                let RunId { run } = decode(body)?;
-                self.cancel(&run).await
-            }
-            "rerun" => {
-                let req: RerunRequest = decode(body)?;
-                self.rerun(req).await
-            }
-            _ => Err(ax_sdk::api::unknown_operation(ax_sdk::api::Api::Flow, op)),
+            FlowRequest::Cancel(RunRef { run }) => self.cancel(&run).await,
+            FlowRequest::Rerun(req) => self.rerun(req).await,
+            FlowRequest::Unknown => Err(unknown_operation(Api::Flow, op)),
         }
     }
 
@@ -256,7 +196,7 @@ impl FlowApi {
         ))
     }
 
-    async fn rerun(&self, req: RerunRequest) -> Result<Value, WireError> {
+    async fn rerun(&self, req: FlowRerun) -> Result<Value, WireError> {
         if req.mode == RerunMode::Whole {
             let (run, _) = self.load(&req.run).await?;
             let input = req.input.unwrap_or(run.input);

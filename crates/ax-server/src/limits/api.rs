@@ -8,10 +8,11 @@
 use super::model::LimitDef;
 use crate::submit::Admission;
 use async_nats::jetstream::kv;
+use ax_sdk::api::{unknown_operation, Api, Request};
+use ax_sdk::limits::{LimitFilter, LimitName, LimitRequest};
 use ax_sdk::names::LIMITS_BUCKET;
 use ax_sdk::protocol::{ErrorCode, WireError};
 use futures::StreamExt;
-use serde::Deserialize;
 use serde_json::{json, Value};
 use std::sync::Arc;
 
@@ -20,22 +21,13 @@ pub(crate) struct LimitApi {
     pub(crate) defs: kv::Store,
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Named {
-    queue: String,
-    name: String,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ListRequest {
-    #[serde(default)]
-    queue: Option<String>,
-}
-
-fn bad(e: serde_json::Error) -> WireError {
-    WireError::new(ErrorCode::BadRequest, e.to_string())
+/// The key of limit `name` of `queue`, both checked first (an invalid key would be an
+/// `unavailable` broker error, not the caller's `invalid_field`).
+fn limit_key(queue: &str, name: &str) -> Result<String, WireError> {
+    if !ax_sdk::names::valid_queue(queue) || !ax_sdk::names::valid_token(name, 64) {
+        return Err(WireError::field("name", "not a limit name"));
+    }
+    Ok(format!("{queue}.{name}"))
 }
 
 fn unavailable(e: impl std::fmt::Display) -> WireError {
@@ -49,9 +41,8 @@ impl LimitApi {
     }
 
     pub(crate) async fn handle(&self, op: &str, body: &[u8]) -> Result<Value, WireError> {
-        match op {
-            "put" => {
-                let def: LimitDef = serde_json::from_slice(body).map_err(bad)?;
+        match LimitRequest::decode(op, body)? {
+            LimitRequest::Put(def) => {
                 def.validate()?;
                 self.admission
                     .queues
@@ -64,12 +55,8 @@ impl LimitApi {
                     .map_err(unavailable)?;
                 Ok(serde_json::to_value(&def).expect("serializes"))
             }
-            "get" => {
-                let Named { queue, name } = serde_json::from_slice(body).map_err(bad)?;
-                let key = format!("{queue}.{name}");
-                if !ax_sdk::names::valid_queue(&queue) || !ax_sdk::names::valid_token(&name, 64) {
-                    return Err(WireError::field("name", "not a limit name"));
-                }
+            LimitRequest::Get(LimitName { queue, name }) => {
+                let key = limit_key(&queue, &name)?;
                 match self.defs.get(&key).await.map_err(unavailable)? {
                     Some(v) => serde_json::from_slice(&v).map_err(unavailable),
                     None => Err(WireError::new(
@@ -78,30 +65,27 @@ impl LimitApi {
                     )),
                 }
             }
-            "delete" => {
-                let Named { queue, name } = serde_json::from_slice(body).map_err(bad)?;
-                if !ax_sdk::names::valid_queue(&queue) || !ax_sdk::names::valid_token(&name, 64) {
-                    return Err(WireError::field("name", "not a limit name"));
-                }
-                let deleted = self.delete(&format!("{queue}.{name}")).await?;
+            LimitRequest::Delete(LimitName { queue, name }) => {
+                let deleted = self.delete(&limit_key(&queue, &name)?).await?;
                 Ok(json!({"queue": queue, "name": name, "deleted": deleted}))
             }
-            "status" | "list" => {
-                let req: ListRequest = serde_json::from_slice(body).map_err(bad)?;
-                let filter = match &req.queue {
-                    Some(q) if ax_sdk::names::valid_queue(q) => format!("{q}.>"),
-                    Some(_) => return Err(WireError::field("queue", "not a queue name")),
-                    None => ">".to_string(),
-                };
-                let defs = self.list(&filter).await?;
-                if op == "status" {
-                    self.status(defs).await
-                } else {
-                    Ok(json!(defs))
-                }
+            LimitRequest::List(LimitFilter { queue }) => Ok(json!(self.list_of(queue).await?)),
+            LimitRequest::Status(LimitFilter { queue }) => {
+                let defs = self.list_of(queue).await?;
+                self.status(defs).await
             }
-            _ => Err(ax_sdk::api::unknown_operation(ax_sdk::api::Api::Limit, op)),
+            LimitRequest::Unknown => Err(unknown_operation(Api::Limit, op)),
         }
+    }
+
+    /// The limits of `queue`, or of every queue.
+    async fn list_of(&self, queue: Option<String>) -> Result<Vec<LimitDef>, WireError> {
+        let filter = match &queue {
+            Some(q) if ax_sdk::names::valid_queue(q) => format!("{q}.>"),
+            Some(_) => return Err(WireError::field("queue", "not a queue name")),
+            None => ">".to_string(),
+        };
+        self.list(&filter).await
     }
 
     /// Each limit with what it holds now: tokens left in a queue- or name-wide rate bucket

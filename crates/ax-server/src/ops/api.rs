@@ -2,10 +2,11 @@
 //! `{"ok": …}` or `{"error": …}` (docs/PROTOCOL.md §8).
 
 use super::actions::Ops;
+use ax_sdk::api::{unknown_operation, Api, Request};
 use ax_sdk::ops::{ListReply, ListRequest, PageCursor, TaskQuery};
+use ax_sdk::ops::{QueuePause, SeriesFilter, TaskBulk, TaskRef, TaskRequest};
 use ax_sdk::protocol::{ErrorCode, WireError};
 use ax_sdk::state::TaskState;
-use serde::Deserialize;
 use serde_json::{json, Value};
 use std::time::Duration;
 
@@ -14,57 +15,6 @@ pub(crate) const MAX_LIST: usize = 1000;
 pub(crate) const MAX_REPLAY: usize = 10_000;
 /// A `list` counts matches up to this many; beyond, `total` is null.
 const COUNT_CAP: usize = 100_000;
-
-fn bad(e: serde_json::Error) -> WireError {
-    WireError::new(ErrorCode::BadRequest, e.to_string())
-}
-
-pub(super) fn by_default() -> String {
-    "api".into()
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct One {
-    id: String,
-    #[serde(default = "by_default")]
-    by: String,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Retry {
-    id: String,
-    #[serde(default)]
-    reset_attempts: bool,
-    #[serde(default = "by_default")]
-    by: String,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Replay {
-    #[serde(flatten)]
-    query: TaskQuery,
-    #[serde(default)]
-    limit: Option<usize>,
-    #[serde(default)]
-    reset_attempts: bool,
-    #[serde(default)]
-    dry_run: bool,
-    #[serde(default = "by_default")]
-    by: String,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Pause {
-    queue: String,
-    #[serde(default)]
-    reason: Option<String>,
-    #[serde(default = "by_default")]
-    by: String,
-}
 
 fn check_by(by: &str) -> Result<(), WireError> {
     if by.is_empty() || by.len() > 128 || by.chars().any(char::is_control) {
@@ -78,9 +28,8 @@ fn check_by(by: &str) -> Result<(), WireError> {
 
 impl Ops {
     pub(crate) async fn handle(&self, op: &str, body: &[u8]) -> Result<Value, WireError> {
-        match op {
-            "get" => {
-                let One { id, .. } = serde_json::from_slice(body).map_err(bad)?;
+        match TaskRequest::decode(op, body)? {
+            TaskRequest::Get(TaskRef { id, .. }) => {
                 let (record, revision) = self.get(&id).await?;
                 let history = self
                     .tasks
@@ -93,73 +42,57 @@ impl Ops {
                     .collect();
                 Ok(json!({"record": record, "revision": revision, "history": history}))
             }
-            "list" => {
-                let req: ListRequest = serde_json::from_slice(body).map_err(bad)?;
+            TaskRequest::List(req) => {
                 Ok(serde_json::to_value(self.list(&req).await?).expect("serializes"))
             }
-            "cancel" => {
-                let One { id, by } = serde_json::from_slice(body).map_err(bad)?;
+            TaskRequest::Cancel(TaskRef { id, by }) => {
                 check_by(&by)?;
                 self.cancel(&id, &by).await
             }
-            "retry" => {
-                let r: Retry = serde_json::from_slice(body).map_err(bad)?;
+            TaskRequest::Retry(r) => {
                 check_by(&r.by)?;
                 self.retry(&r.id, r.reset_attempts, &r.by).await
             }
-            "run_now" => {
-                let One { id, by } = serde_json::from_slice(body).map_err(bad)?;
+            TaskRequest::RunNow(TaskRef { id, by }) => {
                 check_by(&by)?;
                 self.run_now(&id, &by).await
             }
-            "replay" => {
-                let r: Replay = serde_json::from_slice(body).map_err(bad)?;
+            TaskRequest::Replay(r) => {
                 check_by(&r.by)?;
                 self.replay(r).await
             }
-            "cancel_many" => {
-                let r: Replay = serde_json::from_slice(body).map_err(bad)?;
+            TaskRequest::CancelMany(r) => {
                 if r.reset_attempts {
                     return Err(WireError::field("reset_attempts", "not a cancel option"));
                 }
                 check_by(&r.by)?;
                 self.cancel_many(r).await
             }
-            "pause" | "resume" => {
-                let p: Pause = serde_json::from_slice(body).map_err(bad)?;
-                check_by(&p.by)?;
-                self.pause(&p.queue, op == "pause", p.reason.as_deref(), &p.by)
-                    .await
-            }
-            "queues" => self.queues().await,
-            "series" => {
-                #[derive(Deserialize)]
-                #[serde(deny_unknown_fields)]
-                struct SeriesRequest {
-                    #[serde(default)]
-                    queue: Option<String>,
-                }
-                let r: SeriesRequest = serde_json::from_slice(body).map_err(bad)?;
+            TaskRequest::Pause(p) => self.pause_request(p, true).await,
+            TaskRequest::Resume(p) => self.pause_request(p, false).await,
+            TaskRequest::Queues {} => self.queues().await,
+            TaskRequest::Series(SeriesFilter { queue }) => {
                 let index = self.index()?;
                 let ix = index.index.read().expect("not poisoned");
-                Ok(ix.series.answer(r.queue.as_deref(), ax_sdk::time::now_ms()))
+                Ok(ix.series.answer(queue.as_deref(), ax_sdk::time::now_ms()))
             }
-            "purge" => {
-                let r: super::purge::Purge = serde_json::from_slice(body).map_err(bad)?;
+            TaskRequest::Purge(r) => {
                 check_by(&r.by)?;
                 self.purge(r, ax_sdk::time::now_ms()).await
             }
-            "payload" => {
-                let One { id, .. } = serde_json::from_slice(body).map_err(bad)?;
-                self.payload(&id).await
-            }
-            "events" => {
-                let One { id, .. } = serde_json::from_slice(body).map_err(bad)?;
+            TaskRequest::Payload(TaskRef { id, .. }) => self.payload(&id).await,
+            TaskRequest::Events(TaskRef { id, .. }) => {
                 let (events, complete) = self.events(&id).await?;
                 Ok(json!({"id": id, "events": events, "complete": complete}))
             }
-            _ => Err(ax_sdk::api::unknown_operation(ax_sdk::api::Api::Task, op)),
+            TaskRequest::Unknown => Err(unknown_operation(Api::Task, op)),
         }
+    }
+
+    async fn pause_request(&self, p: QueuePause, pause: bool) -> Result<Value, WireError> {
+        check_by(&p.by)?;
+        self.pause(&p.queue, pause, p.reason.as_deref(), &p.by)
+            .await
     }
 
     async fn get(&self, id: &str) -> Result<(ax_sdk::TaskRecord, u64), WireError> {
@@ -215,7 +148,7 @@ impl Ops {
         })
     }
 
-    async fn replay(&self, r: Replay) -> Result<Value, WireError> {
+    async fn replay(&self, r: TaskBulk) -> Result<Value, WireError> {
         let mut query = r.query;
         if query.state.is_some_and(|s| s != TaskState::Dead) {
             return Err(WireError::field("state", "replay retries dead tasks only"));
@@ -245,7 +178,7 @@ impl Ops {
 
     /// Cancels every task matching the filters that is not finished (at most `limit`),
     /// 32 at a time; a dry run only says which.
-    async fn cancel_many(&self, r: Replay) -> Result<Value, WireError> {
+    async fn cancel_many(&self, r: TaskBulk) -> Result<Value, WireError> {
         if r.query.state.is_some_and(TaskState::is_terminal) {
             return Err(WireError::field(
                 "state",
@@ -361,9 +294,5 @@ mod tests {
         assert_eq!(req.query.error_class.as_deref(), Some("timeout"));
         assert_eq!(req.limit, Some(5));
         assert!(serde_json::from_str::<ListRequest>(r#"{"stat":"dead"}"#).is_err());
-        let r: Result<Replay, _> = serde_json::from_str(r#"{"queue":"q","dry_run":true}"#);
-        assert!(r.is_ok());
-        let r: Result<Replay, _> = serde_json::from_str(r#"{"queue":"q","dryrun":true}"#);
-        assert!(r.is_err());
     }
 }

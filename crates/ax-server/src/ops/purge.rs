@@ -8,32 +8,16 @@
 //! find the key and no task, and run the task again under its id.
 
 use super::actions::Ops;
-use ax_sdk::ops::TaskQuery;
+use ax_sdk::ops::{TaskPurge, TaskQuery};
 use ax_sdk::protocol::{ErrorCode, WireError};
 use ax_sdk::state::TaskState;
-use serde::Deserialize;
 use serde_json::{json, Value};
 
 /// Most tasks one purge removes.
 const MAX_PURGE: usize = 10_000;
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct Purge {
-    #[serde(flatten)]
-    query: TaskQuery,
-    /// Only tasks last changed more than this long ago (required).
-    older_than_ms: u64,
-    #[serde(default)]
-    limit: Option<usize>,
-    #[serde(default)]
-    dry_run: bool,
-    #[serde(default = "super::api::by_default")]
-    pub(crate) by: String,
-}
-
 impl Ops {
-    pub(crate) async fn purge(&self, r: Purge, now_ms: u64) -> Result<Value, WireError> {
+    pub(crate) async fn purge(&self, r: TaskPurge, now_ms: u64) -> Result<Value, WireError> {
         let states = match r.query.state {
             Some(s) if !s.is_terminal() => {
                 return Err(WireError::field(

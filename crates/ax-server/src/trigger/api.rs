@@ -9,8 +9,9 @@ use super::recur::Recurrence;
 use super::store::{TriggerStore, TriggerStoreError};
 use crate::submit::Admission;
 use crate::trigger::Validate;
+use ax_sdk::api::{unknown_operation, Api, Request};
 use ax_sdk::protocol::{ErrorCode, WireError};
-use serde::Deserialize;
+use ax_sdk::trigger::{TriggerApply, TriggerRequest};
 use serde_json::{json, Value};
 use std::sync::Arc;
 
@@ -21,30 +22,6 @@ pub(crate) struct TriggerApi {
     pub(crate) admission: Arc<Admission>,
     pub(crate) store: TriggerStore,
     pub(crate) clock: Arc<dyn Clock>,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Named {
-    name: String,
-    #[serde(default)]
-    force: bool,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ApplyRequest {
-    triggers: Vec<Value>,
-    #[serde(default = "yes")]
-    prune: bool,
-}
-
-fn yes() -> bool {
-    true
-}
-
-fn bad(e: serde_json::Error) -> WireError {
-    WireError::new(ErrorCode::BadRequest, e.to_string())
 }
 
 fn unavailable(e: TriggerStoreError) -> WireError {
@@ -90,19 +67,33 @@ fn upcoming(
 
 impl TriggerApi {
     pub(crate) async fn handle(&self, op: &str, body: &[u8]) -> Result<Value, WireError> {
-        match op {
-            "put" => {
-                let def = TriggerDef::decode(serde_json::from_slice(body).map_err(bad)?)?;
-                let outcome = self.put(def).await?;
+        let request = TriggerRequest::decode(op, body)?;
+        match &request {
+            TriggerRequest::Get(r)
+            | TriggerRequest::Pause(r)
+            | TriggerRequest::Resume(r)
+            | TriggerRequest::Delete(r)
+            | TriggerRequest::Run(r)
+                if !ax_sdk::names::valid_token(&r.name, 64) =>
+            {
+                return Err(WireError::field(
+                    "name",
+                    "must be 1..=64 of A-Z a-z 0-9 _ -",
+                ))
+            }
+            _ => {}
+        }
+        match request {
+            TriggerRequest::Put(value) => {
+                let outcome = self.put(TriggerDef::decode(value)?).await?;
                 Ok(json!({ "outcome": outcome }))
             }
-            "apply" => {
-                let req: ApplyRequest = serde_json::from_slice(body).map_err(bad)?;
-                self.apply(req).await
-            }
+            TriggerRequest::Apply(req) => self.apply(req).await,
             // The trigger engine's lease: who fires the scheduled triggers now.
-            "leader" => crate::lease::leader(&self.admission.js, crate::lease::TRIGGERS_KEY).await,
-            "list" => {
+            TriggerRequest::Leader {} => {
+                crate::lease::leader(&self.admission.js, crate::lease::TRIGGERS_KEY).await
+            }
+            TriggerRequest::List {} => {
                 let now = self.clock.now_ms();
                 let mut out = Vec::new();
                 for def in self.store.all().await.map_err(unavailable)? {
@@ -120,38 +111,28 @@ impl TriggerApi {
                 }
                 Ok(Value::Array(out))
             }
-            _ => {
-                let req: Named = serde_json::from_slice(body).map_err(bad)?;
-                if !ax_sdk::names::valid_token(&req.name, 64) {
-                    return Err(WireError::field(
-                        "name",
-                        "must be 1..=64 of A-Z a-z 0-9 _ -",
-                    ));
-                }
-                match op {
-                    "get" => self.describe(&req.name).await,
-                    "pause" | "resume" => {
-                        let (mut def, _) = self.def_of(&req.name).await?;
-                        if op == "resume" && !def.enabled {
-                            self.skip_paused_times(&req.name).await?;
-                        }
-                        def.enabled = op == "resume";
-                        self.put(def).await?;
-                        Ok(json!({ "name": req.name, "enabled": op == "resume" }))
-                    }
-                    "delete" => {
-                        self.def_of(&req.name).await?;
-                        self.store.delete(&req.name).await.map_err(unavailable)?;
-                        Ok(json!({ "name": req.name, "deleted": true }))
-                    }
-                    "run" => self.run(&req.name, req.force).await,
-                    other => Err(ax_sdk::api::unknown_operation(
-                        ax_sdk::api::Api::Trigger,
-                        other,
-                    )),
-                }
+            TriggerRequest::Get(r) => self.describe(&r.name).await,
+            TriggerRequest::Pause(r) => self.set_enabled(&r.name, false).await,
+            TriggerRequest::Resume(r) => self.set_enabled(&r.name, true).await,
+            TriggerRequest::Delete(r) => {
+                self.def_of(&r.name).await?;
+                self.store.delete(&r.name).await.map_err(unavailable)?;
+                Ok(json!({ "name": r.name, "deleted": true }))
             }
+            TriggerRequest::Run(r) => self.run(&r.name, r.force).await,
+            TriggerRequest::Unknown => Err(unknown_operation(Api::Trigger, op)),
         }
+    }
+
+    /// Pauses or resumes a trigger; a resumed one skips the times it was paused for.
+    async fn set_enabled(&self, name: &str, enabled: bool) -> Result<Value, WireError> {
+        let (mut def, _) = self.def_of(name).await?;
+        if enabled && !def.enabled {
+            self.skip_paused_times(name).await?;
+        }
+        def.enabled = enabled;
+        self.put(def).await?;
+        Ok(json!({ "name": name, "enabled": enabled }))
     }
 
     async fn def_of(&self, name: &str) -> Result<(TriggerDef, u64), WireError> {
@@ -254,7 +235,7 @@ impl TriggerApi {
         Ok(outcome)
     }
 
-    async fn apply(&self, req: ApplyRequest) -> Result<Value, WireError> {
+    async fn apply(&self, req: TriggerApply) -> Result<Value, WireError> {
         // Decode and validate everything first: an invalid file changes nothing.
         let mut defs = Vec::with_capacity(req.triggers.len());
         for (i, value) in req.triggers.into_iter().enumerate() {
