@@ -27,6 +27,7 @@
 //! unrecorded, and its state undercounted them: seed 4781888180537039789). A leader that
 //! stops leading aborts the fires it still has in flight, as a crash would.
 
+mod book;
 mod recover;
 
 use super::clock::Clock;
@@ -41,10 +42,10 @@ use crate::trigger::Validate;
 use async_nats::jetstream::kv;
 use ax_sdk::names::LEASES_BUCKET;
 use ax_sdk::state::TaskRecord;
+use book::{Book, Seen};
 use futures::{FutureExt, StreamExt};
 use recover::merge_fire;
-use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap, HashSet};
+use std::collections::HashSet;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Duration;
@@ -250,27 +251,21 @@ impl Engine {
             .watch_all()
             .await
             .map_err(|e| broker("watch trigger state")(e.into()))?;
-        let mut held: HashMap<String, Held> = HashMap::new();
-        let mut wakes: BinaryHeap<Reverse<(u64, String)>> = BinaryHeap::new();
+        let mut book = Book::default();
         let mut renew = tokio::time::interval(self.lease_ttl / 3);
         // Fires run as tasks so the timer loop never waits on the broker; a trigger is not
-        // planned again while its fire is in flight (`recheck` remembers it was due).
+        // planned again while its fire is in flight (the book remembers it was due).
         let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel::<(String, Outcome)>();
         let fire_slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_FIRES));
         // Dropped when leading stops: fires still in flight are aborted, as a crash would,
         // instead of landing under whoever leads next.
         let mut firing = tokio::task::JoinSet::new();
-        let mut in_flight: HashSet<String> = HashSet::new();
-        let mut recheck: HashSet<String> = HashSet::new();
-        // Triggers due while every fire slot was busy, planned again as slots free up.
-        let mut starved: std::collections::VecDeque<String> = Default::default();
         loop {
             let now = self.clock.now_ms();
-            let sleep = wakes
-                .peek()
-                .map_or(Duration::from_secs(3600), |Reverse((at, _))| {
-                    Duration::from_millis(at.saturating_sub(now))
-                });
+            let next_wake = book.next_wake();
+            let sleep = next_wake.map_or(Duration::from_secs(3600), |at| {
+                Duration::from_millis(at.saturating_sub(now))
+            });
             let mut due: Vec<String> = Vec::new();
             tokio::select! {
                 _ = shutdown.cancelled() => return Ok(Stop::Shutdown),
@@ -284,7 +279,7 @@ impl Engine {
                     let entry = entry.map_err(|e| broker("watch definitions")(e.into()))?;
                     let name = entry.key.clone();
                     if entry.operation != kv::Operation::Put {
-                        held.remove(&name);
+                        book.held.remove(&name);
                         continue;
                     }
                     let Ok(def) = serde_json::from_slice::<TriggerDef>(&entry.value) else {
@@ -299,7 +294,7 @@ impl Engine {
                     if h.state.leader > token {
                         return Ok(Stop::StepDown("a newer leader wrote trigger state"));
                     }
-                    held.insert(name.clone(), h);
+                    book.held.insert(name.clone(), h);
                     due.push(name);
                 }
                 entry = state_watch.next() => {
@@ -307,10 +302,10 @@ impl Engine {
                     let entry = entry.map_err(|e| broker("watch trigger state")(e.into()))?;
                     let name = entry.key.clone();
                     // Our own writes are in flight until their outcome is applied.
-                    if entry.operation != kv::Operation::Put || in_flight.contains(&name) {
+                    if entry.operation != kv::Operation::Put || book.in_flight(&name) {
                         continue;
                     }
-                    let Some(h) = held.get_mut(&name) else { continue };
+                    let Some(h) = book.held.get_mut(&name) else { continue };
                     if entry.revision <= h.revision {
                         continue;
                     }
@@ -330,75 +325,37 @@ impl Engine {
                     let Some(entry) = entry else { return Ok(Stop::StepDown("task record watch ended")) };
                     let entry = entry.map_err(|e| broker("follow trigger task records")(e.into()))?;
                     let Some(name) = trigger_of_task(&entry.key) else { continue };
-                    let Some(h) = held.get_mut(name) else { continue };
                     if entry.operation != kv::Operation::Put {
                         continue;
                     }
                     let Ok(rec) = serde_json::from_slice::<TaskRecord>(&entry.value) else { continue };
-                    let id = entry.key.clone();
-                    if !rec.state.is_terminal() {
-                        if rec.attempt == 0 && !in_flight.contains(name) {
-                            self.adopt(h, &id, &rec);
-                        }
-                        continue;
-                    }
-                    if h.active.remove(&id) {
-                        h.state.last_result.push(rec.state.to_string());
-                        if h.active.is_empty() {
-                            h.state.last_completed_ms = Some(self.clock.now_ms());
-                            due.push(name.to_string());
-                        }
-                    } else if in_flight.contains(name) {
-                        // Finished before its fire's outcome registered it.
-                        h.early_done.insert(id);
+                    match book.task_record(name, &entry.key, &rec, self.clock.now_ms()) {
+                        Seen::Nothing => {}
+                        Seen::Due(name) => due.push(name),
+                        Seen::Adopted(name, scheduled) => warn!(trigger = %name, scheduled,
+                            "a previous leader's fire landed after this leader had handled its time; recorded it as fired"),
                     }
                 }
                 Some((name, outcome)) = done_rx.recv() => {
-                    in_flight.remove(&name);
-                    if let Some(h) = held.get_mut(&name) {
-                        match self.apply(h, outcome, token) {
-                            Applied::Wake(Some(wake)) => wakes.push(Reverse((wake, name.clone()))),
-                            Applied::Wake(None) => {}
-                            Applied::StepDown(why) => return Ok(Stop::StepDown(why)),
-                        }
-                    }
-                    if recheck.remove(&name) {
-                        due.push(name);
-                    }
-                    // A slot is free again (one more than that, as others may free meanwhile).
-                    for _ in 0..=fire_slots.available_permits() {
-                        match starved.pop_front() {
-                            Some(waiting) => due.push(waiting),
-                            None => break,
-                        }
+                    let now = self.clock.now_ms();
+                    match book.fire_done(name, outcome, token, now, fire_slots.available_permits()) {
+                        Ok(mut again) => due.append(&mut again),
+                        Err(why) => return Ok(Stop::StepDown(why)),
                     }
                 }
                 // Reap finished fire tasks (their outcomes come through `done_rx`).
                 Some(_) = firing.join_next(), if !firing.is_empty() => {}
-                _ = tokio::time::sleep(sleep), if !wakes.is_empty() => {
-                    let now = self.clock.now_ms();
-                    while let Some(Reverse((at, _))) = wakes.peek() {
-                        if *at > now {
-                            break;
-                        }
-                        let Reverse((_, name)) = wakes.pop().expect("peeked");
-                        due.push(name);
-                    }
+                _ = tokio::time::sleep(sleep), if next_wake.is_some() => {
+                    book.take_woken(self.clock.now_ms(), &mut due);
                 }
             }
             if !lease.valid() {
                 return Ok(Stop::StepDown("lease not renewed within its TTL"));
             }
-            due.sort();
-            due.dedup();
             // Plan each due trigger, then fire and store them concurrently.
             let mut jobs = Vec::new();
-            for name in due {
-                if in_flight.contains(&name) {
-                    recheck.insert(name);
-                    continue;
-                }
-                let Some(h) = held.get_mut(&name) else {
+            for name in book.plannable(due) {
+                let Some(h) = book.held.get_mut(&name) else {
                     continue;
                 };
                 if h.unsure || h.unstored {
@@ -406,8 +363,7 @@ impl Engine {
                         Recorded::Yes => {}
                         Recorded::Later => {
                             // The broker did not let it finish: fire nothing yet, look again.
-                            let again = self.clock.now_ms() + RETRY_MS;
-                            wakes.push(Reverse((again, name)));
+                            book.wake(self.clock.now_ms() + RETRY_MS, name);
                             continue;
                         }
                         Recorded::StepDown => {
@@ -431,7 +387,7 @@ impl Engine {
                         wake = Some(wake.map_or(again, |w| w.min(again)));
                     }
                     if let Some(wake) = wake {
-                        wakes.push(Reverse((wake, name)));
+                        book.wake(wake, name);
                     }
                     continue;
                 }
@@ -449,16 +405,12 @@ impl Engine {
                 });
             }
             for job in jobs {
-                in_flight.insert(job.name.clone());
-                let permit = match fire_slots.clone().try_acquire_owned() {
-                    Ok(p) => p,
-                    Err(_) => {
-                        // All fire slots busy: plan it again when one frees up.
-                        in_flight.remove(&job.name);
-                        starved.push_back(job.name);
-                        continue;
-                    }
+                let Ok(permit) = fire_slots.clone().try_acquire_owned() else {
+                    // All fire slots busy: plan it again when one frees up.
+                    book.fire_starved(job.name);
+                    continue;
                 };
+                book.fire_started(&job.name);
                 let (admission, store, done) =
                     (self.admission.clone(), store.clone(), done_tx.clone());
                 firing.spawn(async move {
@@ -476,68 +428,6 @@ impl Engine {
                     let _ = done.send((name, outcome));
                 });
             }
-        }
-    }
-
-    /// Applies a fire's outcome to the held trigger.
-    fn apply(&self, h: &mut Held, outcome: Outcome, token: u64) -> Applied {
-        let now = self.clock.now_ms();
-        match outcome {
-            Outcome::Stored {
-                state,
-                revision,
-                ids,
-                next_wake_ms,
-            } => {
-                h.state = state;
-                h.revision = revision;
-                h.fresh = true;
-                if !ids.is_empty() && !tracks_every_fire(&h.def) {
-                    // Nothing waits on older fires: follow the latest one only.
-                    h.active.clear();
-                }
-                for id in ids {
-                    if !h.early_done.remove(&id) {
-                        h.active.insert(id);
-                    }
-                }
-                h.early_done.clear();
-                if h.active.is_empty() && h.state.last_completed_ms.is_none() {
-                    // Every task of the fire finished before it was recorded.
-                    h.state.last_completed_ms = Some(now);
-                }
-                let mut wake = next_wake_ms;
-                if h.waits_on_tasks() {
-                    let again = now + RECHECK.as_millis() as u64;
-                    wake = Some(wake.map_or(again, |w| w.min(again)));
-                }
-                if h.active.is_empty() && (h.rec.is_fixed_delay() || h.state.buffered_ms.is_some())
-                {
-                    wake = Some(now);
-                }
-                Applied::Wake(wake)
-            }
-            Outcome::Unrecorded => {
-                // A fire may have been made but not recorded (and the state write's outcome
-                // is unknown): read the state again and record what is missing before
-                // planning anything.
-                h.unsure = true;
-                h.fresh = false;
-                Applied::Wake(Some(now + RETRY_MS))
-            }
-            Outcome::Reload(state, revision) => {
-                if state.leader > token {
-                    return Applied::StepDown("a newer leader wrote trigger state");
-                }
-                h.state = state;
-                h.revision = revision;
-                h.fresh = true;
-                h.checked_at = None;
-                h.active.extend(h.state.active.iter().cloned());
-                self.settle(h);
-                Applied::Wake(Some(now))
-            }
-            Outcome::StepDown => Applied::StepDown("a newer leader wrote trigger state"),
         }
     }
 }
@@ -586,11 +476,6 @@ enum Outcome {
     Reload(TriggerState, u64),
     /// A newer leader wrote the state.
     StepDown,
-}
-
-enum Applied {
-    Wake(Option<u64>),
-    StepDown(&'static str),
 }
 
 /// What recording a trigger's unrecorded fires came to.

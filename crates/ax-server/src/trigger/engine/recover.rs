@@ -11,14 +11,6 @@ use tokio::time::Instant;
 use tracing::warn;
 
 impl Engine {
-    /// A trigger task was just created that this leader did not fire: see [`Held::adopt`].
-    pub(super) fn adopt(&self, h: &mut Held, id: &str, rec: &TaskRecord) {
-        if let Some(scheduled) = h.adopt(id, rec, self.clock.now_ms()) {
-            warn!(trigger = %h.def.name, scheduled,
-                "a previous leader's fire landed after this leader had handled its time; recorded it as fired");
-        }
-    }
-
     /// Records in `h` the fires that exist as tasks but not in its state: a leader that
     /// fired a scheduled time and died (or failed to write its state) before recording it.
     /// Without this the next plan could count that time as skipped or buffered while its
@@ -172,14 +164,22 @@ impl Engine {
     /// they finished by now. Without this a fixed-delay trigger, whose next time counts
     /// from that completion, never fired again after a leader change.
     pub(super) fn settle(&self, h: &mut Held) {
-        if h.active.is_empty() && h.state.last_fire.is_some() && h.state.last_completed_ms.is_none()
-        {
-            h.state.last_completed_ms = Some(self.clock.now_ms());
-        }
+        h.settle(self.clock.now_ms());
     }
 }
 
 impl Held {
+    /// A trigger with fires and no unfinished task has completed: at `now` if its state
+    /// does not say when.
+    pub(super) fn settle(&mut self, now: u64) {
+        if self.active.is_empty()
+            && self.state.last_fire.is_some()
+            && self.state.last_completed_ms.is_none()
+        {
+            self.state.last_completed_ms = Some(now);
+        }
+    }
+
     /// A trigger task was just created that this leader did not fire: a previous leader's
     /// fire landed late (it planned the time before losing the lease and submitted after).
     /// If this leader already handled that scheduled time (counted it skipped, or holds it
@@ -264,7 +264,7 @@ pub(super) fn merge_fire(
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::trigger::model::TriggerDef;
     use crate::trigger::plan::FireRecord;
@@ -272,7 +272,7 @@ mod tests {
     use serde_json::json;
     use std::collections::HashSet;
 
-    fn held() -> Held {
+    pub(in crate::trigger::engine) fn held() -> Held {
         let def = TriggerDef::decode(json!({"name": "t", "kind": "interval", "every_ms": 1000,
             "overlap": "skip", "tasks": [{"name": "t", "queue": "q"}]}))
         .expect("valid");
@@ -292,7 +292,7 @@ mod tests {
         }
     }
 
-    fn created(id: &str, scheduled: u64) -> TaskRecord {
+    pub(in crate::trigger::engine) fn created(id: &str, scheduled: u64) -> TaskRecord {
         serde_json::from_value(json!({"id": id, "queue": "q", "name": "t",
             "priority": "normal", "state": "pending", "attempt": 0, "max_attempts": 3,
             "created_at_ms": scheduled, "updated_at_ms": scheduled, "trigger": "t",

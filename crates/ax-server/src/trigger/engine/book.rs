@@ -1,0 +1,338 @@
+//! What the leader holds between events, with its transitions: no I/O, no clock (each
+//! takes `now`), unit-tested without NATS. `lead` is the pump around it: it reads the
+//! watches, the timer and the fire outcomes, calls these, and does the broker work they
+//! ask for (load, record, fire).
+
+use super::{tracks_every_fire, Held, Outcome, RECHECK, RETRY_MS};
+use ax_sdk::state::TaskRecord;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, HashSet, VecDeque};
+
+/// The leader's triggers, timers and fires in flight.
+#[derive(Default)]
+pub(super) struct Book {
+    /// Each trigger it holds, by name.
+    pub(super) held: HashMap<String, Held>,
+    /// When to look at a trigger again, earliest first.
+    wakes: BinaryHeap<Reverse<(u64, String)>>,
+    /// Triggers with a fire job running: not planned again until its outcome lands.
+    in_flight: HashSet<String>,
+    /// Triggers that came due while their fire was in flight: planned when it lands.
+    recheck: HashSet<String>,
+    /// Triggers due while every fire slot was busy, planned again as slots free up.
+    starved: VecDeque<String>,
+}
+
+/// What a write to a trigger task's record changed.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Seen {
+    /// Nothing to do.
+    Nothing,
+    /// The last unfinished task of the trigger finished: plan it again.
+    Due(String),
+    /// A previous leader's late fire of this scheduled time was adopted.
+    Adopted(String, u64),
+}
+
+/// What applying a fire's outcome asks of the pump.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Applied {
+    /// Look at the trigger again then (if ever).
+    Wake(Option<u64>),
+    /// Stop leading: a newer leader wrote the state.
+    StepDown(&'static str),
+}
+
+impl Book {
+    /// The earliest time a trigger asked to be looked at.
+    pub(super) fn next_wake(&self) -> Option<u64> {
+        self.wakes.peek().map(|Reverse((at, _))| *at)
+    }
+
+    /// Look at trigger `name` again at `at`.
+    pub(super) fn wake(&mut self, at: u64, name: String) {
+        self.wakes.push(Reverse((at, name)));
+    }
+
+    /// Moves every trigger whose wake time is `now` or earlier to `due`.
+    pub(super) fn take_woken(&mut self, now: u64, due: &mut Vec<String>) {
+        while let Some(Reverse((at, _))) = self.wakes.peek() {
+            if *at > now {
+                break;
+            }
+            let Reverse((_, name)) = self.wakes.pop().expect("peeked");
+            due.push(name);
+        }
+    }
+
+    /// Trigger `name` has a fire job running.
+    pub(super) fn in_flight(&self, name: &str) -> bool {
+        self.in_flight.contains(name)
+    }
+
+    /// A write to the record of task `id` (of trigger `name`) at `now`.
+    pub(super) fn task_record(&mut self, name: &str, id: &str, rec: &TaskRecord, now: u64) -> Seen {
+        let in_flight = self.in_flight.contains(name);
+        let Some(h) = self.held.get_mut(name) else {
+            return Seen::Nothing;
+        };
+        if !rec.state.is_terminal() {
+            // A task created by a fire this leader did not make (attempt 0, no fire of its
+            // own in flight): a previous leader's, landed late.
+            if rec.attempt == 0 && !in_flight {
+                if let Some(t) = h.adopt(id, rec, now) {
+                    return Seen::Adopted(name.to_string(), t);
+                }
+            }
+            return Seen::Nothing;
+        }
+        if h.active.remove(id) {
+            h.state.last_result.push(rec.state.to_string());
+            if h.active.is_empty() {
+                h.state.last_completed_ms = Some(now);
+                return Seen::Due(name.to_string());
+            }
+        } else if in_flight {
+            // Finished before its fire's outcome registered it.
+            h.early_done.insert(id.to_string());
+        }
+        Seen::Nothing
+    }
+
+    /// Of `due`, the triggers that may be planned now (sorted, each once): one whose fire
+    /// is in flight is planned again when that fire's outcome lands.
+    pub(super) fn plannable(&mut self, mut due: Vec<String>) -> Vec<String> {
+        due.sort();
+        due.dedup();
+        due.retain(|name| {
+            let busy = self.in_flight.contains(name);
+            if busy {
+                self.recheck.insert(name.clone());
+            }
+            !busy
+        });
+        due
+    }
+
+    /// A fire job of `name` starts.
+    pub(super) fn fire_started(&mut self, name: &str) {
+        self.in_flight.insert(name.to_string());
+    }
+
+    /// `name` was due but every fire slot was busy: planned again when one frees up.
+    pub(super) fn fire_starved(&mut self, name: String) {
+        self.in_flight.remove(&name);
+        self.starved.push_back(name);
+    }
+
+    /// The fire job of `name` ended with `outcome` at `now`, with `free_slots` fire slots
+    /// free: applies it and answers the triggers now due (this one if it came due
+    /// meanwhile, starved ones for the freed slots), or why to step down.
+    pub(super) fn fire_done(
+        &mut self,
+        name: String,
+        outcome: Outcome,
+        token: u64,
+        now: u64,
+        free_slots: usize,
+    ) -> Result<Vec<String>, &'static str> {
+        self.in_flight.remove(&name);
+        if let Some(h) = self.held.get_mut(&name) {
+            match apply(h, outcome, token, now) {
+                Applied::Wake(Some(at)) => self.wake(at, name.clone()),
+                Applied::Wake(None) => {}
+                Applied::StepDown(why) => return Err(why),
+            }
+        }
+        let mut due = Vec::new();
+        if self.recheck.remove(&name) {
+            due.push(name);
+        }
+        // A slot is free again (one more than that, as others may free meanwhile).
+        for _ in 0..=free_slots {
+            match self.starved.pop_front() {
+                Some(waiting) => due.push(waiting),
+                None => break,
+            }
+        }
+        Ok(due)
+    }
+}
+
+/// Applies a fire's outcome to the held trigger, at `now`.
+pub(super) fn apply(h: &mut Held, outcome: Outcome, token: u64, now: u64) -> Applied {
+    match outcome {
+        Outcome::Stored {
+            state,
+            revision,
+            ids,
+            next_wake_ms,
+        } => {
+            h.state = state;
+            h.revision = revision;
+            h.fresh = true;
+            if !ids.is_empty() && !tracks_every_fire(&h.def) {
+                // Nothing waits on older fires: follow the latest one only.
+                h.active.clear();
+            }
+            for id in ids {
+                if !h.early_done.remove(&id) {
+                    h.active.insert(id);
+                }
+            }
+            h.early_done.clear();
+            if h.active.is_empty() && h.state.last_completed_ms.is_none() {
+                // Every task of the fire finished before it was recorded.
+                h.state.last_completed_ms = Some(now);
+            }
+            let mut wake = next_wake_ms;
+            if h.waits_on_tasks() {
+                let again = now + RECHECK.as_millis() as u64;
+                wake = Some(wake.map_or(again, |w| w.min(again)));
+            }
+            if h.active.is_empty() && (h.rec.is_fixed_delay() || h.state.buffered_ms.is_some()) {
+                wake = Some(now);
+            }
+            Applied::Wake(wake)
+        }
+        Outcome::Unrecorded => {
+            // A fire may have been made but not recorded (and the state write's outcome is
+            // unknown): read the state again and record what is missing before planning
+            // anything.
+            h.unsure = true;
+            h.fresh = false;
+            Applied::Wake(Some(now + RETRY_MS))
+        }
+        Outcome::Reload(state, revision) => {
+            if state.leader > token {
+                return Applied::StepDown("a newer leader wrote trigger state");
+            }
+            h.state = state;
+            h.revision = revision;
+            h.fresh = true;
+            h.checked_at = None;
+            h.active.extend(h.state.active.iter().cloned());
+            h.settle(now);
+            Applied::Wake(Some(now))
+        }
+        Outcome::StepDown => Applied::StepDown("a newer leader wrote trigger state"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::recover::tests::{created, held};
+    use super::*;
+    use ax_sdk::state::TaskState;
+
+    fn book() -> Book {
+        let mut book = Book::default();
+        book.held.insert("t".into(), held());
+        book
+    }
+
+    fn finished(id: &str) -> TaskRecord {
+        let mut rec = created(id, 1000);
+        rec.state = TaskState::Succeeded;
+        rec.attempt = 1;
+        rec
+    }
+
+    fn stored(book: &Book, ids: &[&str]) -> Outcome {
+        Outcome::Stored {
+            state: book.held["t"].state.clone(),
+            revision: 2,
+            ids: ids.iter().map(|s| s.to_string()).collect(),
+            next_wake_ms: Some(5000),
+        }
+    }
+
+    #[test]
+    fn a_trigger_due_while_its_fire_is_in_flight_is_planned_when_the_fire_lands() {
+        let mut book = book();
+        book.fire_started("t");
+        assert!(book.plannable(vec!["t".into(), "t".into()]).is_empty());
+        let outcome = stored(&book, &["q.tr.t.1000.0"]);
+        let due = book.fire_done("t".into(), outcome, 1, 1500, 10).unwrap();
+        assert_eq!(due, vec!["t".to_string()]);
+        assert!(!book.in_flight("t"));
+        assert_eq!(book.plannable(due), vec!["t".to_string()]);
+    }
+
+    #[test]
+    fn a_task_finished_before_its_fire_registered_is_not_followed() {
+        let mut book = book();
+        book.fire_started("t");
+        let id = "q.tr.t.1000.0";
+        assert_eq!(
+            book.task_record("t", id, &finished(id), 1200),
+            Seen::Nothing
+        );
+        let outcome = stored(&book, &[id]);
+        book.fire_done("t".into(), outcome, 1, 1500, 10).unwrap();
+        let h = &book.held["t"];
+        assert!(h.active.is_empty() && h.early_done.is_empty());
+        assert_eq!(h.state.last_completed_ms, Some(1500));
+    }
+
+    #[test]
+    fn the_last_unfinished_task_makes_its_trigger_due() {
+        let mut book = book();
+        let h = book.held.get_mut("t").unwrap();
+        h.active = ["a".to_string(), "b".to_string()].into();
+        assert_eq!(
+            book.task_record("t", "a", &finished("a"), 2000),
+            Seen::Nothing
+        );
+        assert_eq!(
+            book.task_record("t", "a", &finished("a"), 2001),
+            Seen::Nothing
+        );
+        assert_eq!(
+            book.task_record("t", "b", &finished("b"), 2100),
+            Seen::Due("t".into())
+        );
+        let h = &book.held["t"];
+        assert_eq!(h.state.last_completed_ms, Some(2100));
+        assert_eq!(h.state.last_result, vec!["succeeded", "succeeded"]);
+        // A task of a trigger this leader does not hold changes nothing.
+        assert_eq!(
+            book.task_record("u", "x", &finished("x"), 2200),
+            Seen::Nothing
+        );
+    }
+
+    #[test]
+    fn an_unrecorded_fire_is_looked_at_again_and_starved_triggers_get_the_freed_slot() {
+        let mut book = book();
+        book.fire_starved("u".into());
+        book.fire_started("t");
+        let due = book
+            .fire_done("t".into(), Outcome::Unrecorded, 1, 1500, 0)
+            .unwrap();
+        assert_eq!(due, vec!["u".to_string()]);
+        let h = &book.held["t"];
+        assert!(h.unsure && !h.fresh);
+        let mut woken = Vec::new();
+        book.take_woken(1500 + RETRY_MS - 1, &mut woken);
+        assert!(woken.is_empty());
+        assert_eq!(book.next_wake(), Some(1500 + RETRY_MS));
+        book.take_woken(1500 + RETRY_MS, &mut woken);
+        assert_eq!(woken, vec!["t".to_string()]);
+    }
+
+    #[test]
+    fn a_state_from_a_newer_leader_steps_down() {
+        let mut book = book();
+        let mut state = book.held["t"].state.clone();
+        state.leader = 9;
+        book.fire_started("t");
+        let outcome = Outcome::Reload(state.clone(), 3);
+        assert!(book.fire_done("t".into(), outcome, 5, 1500, 1).is_err());
+        state.leader = 5;
+        book.fire_started("t");
+        let due = book.fire_done("t".into(), Outcome::Reload(state, 4), 5, 1600, 1);
+        assert_eq!(due, Ok(Vec::new()));
+        assert_eq!((book.held["t"].revision, book.next_wake()), (4, Some(1600)));
+    }
+}
