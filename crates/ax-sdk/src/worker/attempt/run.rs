@@ -1,0 +1,255 @@
+//! The handler's run under the attempt's fencing token: heartbeats, timeout, cancel, the
+//! writes of its outcome.
+
+use super::*;
+
+/// The concurrency slots an attempt holds: lost if any is found lost.
+#[derive(Clone, Copy)]
+pub(super) struct Lost<'a>(pub(super) &'a [crate::limits::gate::Slot]);
+
+impl Lost<'_> {
+    /// Waits until a slot is found lost (forever if none is held).
+    pub(super) async fn wait(self) {
+        if self.0.is_empty() {
+            return std::future::pending().await;
+        }
+        futures::future::select_all(self.0.iter().map(|s| Box::pin(s.lost().cancelled()))).await;
+    }
+
+    pub(super) fn is_lost(self) -> bool {
+        self.0.iter().any(|s| s.lost().is_cancelled())
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(super) async fn run(
+    sh: &Shared,
+    meta: &TaskMeta,
+    handler: &Handler,
+    msg: &jetstream::Message,
+    rec: TaskRecord,
+    token: u64,
+    deferred: bool,
+    slot: &Slot,
+    lost: Lost<'_>,
+) {
+    let held = &slot.held;
+    let queue = sh.queue.clone();
+    let task_label = sh.labels.task(&meta.name);
+    if rec.attempt == 1 {
+        let ready_at = meta.run_at_ms.unwrap_or(meta.created_at_ms);
+        metrics::histogram!(m::QUEUE_WAIT, "queue" => queue.clone())
+            .record(now_ms().saturating_sub(ready_at) as f64 / 1000.0);
+    }
+    let fence = Arc::new(Fence::new(sh.tasks.clone(), rec.clone(), token, !deferred));
+    let task = Task {
+        id: meta.id.clone(),
+        name: meta.name.clone(),
+        queue: meta.queue.clone(),
+        priority: meta.priority,
+        payload: msg.payload.clone(),
+        is_json: is_json(meta.content_type),
+        attempt: rec.attempt,
+        max_attempts: meta.max_attempts,
+        fence: fence.clone(),
+        idempotency_key: meta.idempotency_key.clone(),
+        created_at_ms: meta.created_at_ms,
+        run_at_ms: meta.run_at_ms,
+        traceparent: meta.traceparent.clone(),
+        cancel: slot.cancel.clone(),
+    };
+    // Every attempt runs in a span with the task's identity: the handler's own log
+    // lines carry it.
+    let span = tracing::info_span!(
+        "task",
+        task_id = %meta.id,
+        name = %meta.name,
+        queue = %meta.queue,
+        attempt = rec.attempt,
+        idempotency_key = tracing::field::Empty,
+        trigger = tracing::field::Empty,
+        trace_id = tracing::field::Empty,
+    );
+    if let Some(key) = &meta.idempotency_key {
+        span.record("idempotency_key", tracing::field::display(key));
+    }
+    if let Some(l) = &meta.lineage {
+        span.record("trigger", tracing::field::display(&l.trigger));
+    }
+    if let Some(t) = &meta.traceparent {
+        span.record("trace_id", tracing::field::display(trace_id(t)));
+    }
+    let input_bytes = msg.payload.len();
+    let started = Instant::now();
+    let outcome = {
+        let _busy = Busy::start(sh);
+        let handler =
+            AssertUnwindSafe(tracing::Instrument::instrument(handler(task), span.clone()))
+                .catch_unwind();
+        let mut attempt = std::pin::pin!(async {
+            // Biased: a task cancelled (or a slot lost) before its start, while it waited
+            // for its token or a resume, never has its handler polled.
+            tokio::select! {
+                biased;
+                _ = sh.hard_stop.cancelled() => None,
+                _ = slot.cancel.cancelled() => None,
+                _ = lost.wait() => None,
+                r = tokio::time::timeout(meta.timeout, handler) => Some(r),
+            }
+        });
+        if deferred {
+            let first_write = FIRST_WRITE_AFTER.min(sh.heartbeat);
+            tokio::select! {
+                outcome = &mut attempt => outcome,
+                _ = tokio::time::sleep(first_write) => {
+                    tokio::join!(&mut attempt, fence.write_running()).0
+                }
+            }
+        } else {
+            attempt.await
+        }
+    };
+    log_attempt(
+        &span,
+        &outcome,
+        (slot, lost),
+        started.elapsed(),
+        input_bytes,
+    );
+    // The revision the outcome is written against (the `running` write's, if made).
+    let token = fence.revision().await;
+    metrics::histogram!(m::RUN_DURATION, "queue" => queue.clone(), "task" => task_label.clone())
+        .record(started.elapsed().as_secs_f64());
+    match outcome {
+        Some(Ok(Ok(Ok(Output(Some(out)))))) if out.bytes.len() > MAX_OUTPUT_BYTES => {
+            let e = TaskError::permanent(
+                "output_too_large",
+                format!(
+                    "the output is {} bytes; at most {MAX_OUTPUT_BYTES} are stored",
+                    out.bytes.len()
+                ),
+            );
+            fail(sh, meta, msg, rec, token, e, false, held).await
+        }
+        Some(Ok(Ok(Ok(output)))) => {
+            metrics::gauge!(m::TASK_TIMEOUT_RATE, "queue" => queue.clone())
+                .set(sh.rate.record(false));
+            let mut stored = None;
+            if let Output(Some(out)) = output {
+                // Under a key of this attempt: a stale attempt never overwrites the
+                // output the record names; stored before the record names it.
+                let named = StoredOutput::of(&out, &format!("{}.{}", rec.id, rec.attempt));
+                if let Some(key) = &named.key {
+                    if !put_output(sh, &rec.id, key, out.bytes, held).await {
+                        return;
+                    }
+                }
+                stored = Some(named);
+            }
+            let (done, after) = settle(meta, rec, End::Succeeded(stored), now_ms(), Duration::ZERO);
+            if write(sh, &done, token, held).await {
+                streak(sh, &task_label, false);
+                metrics::counter!(m::SUCCEEDED, "queue" => queue, "task" => task_label)
+                    .increment(1);
+                reply(msg, ack_kind(after)).await;
+            }
+        }
+        Some(Ok(Ok(Err(e)))) => fail(sh, meta, msg, rec, token, e, false, held).await,
+        Some(Ok(Err(panic))) => {
+            let what = crate::error::panic_text(panic.as_ref());
+            warn!(task_id = %meta.id, cause = %what, "handler panicked; the attempt failed");
+            let e = TaskError::new("panic", what);
+            fail(sh, meta, msg, rec, token, e, false, held).await;
+        }
+        Some(Err(_elapsed)) => {
+            metrics::counter!(m::TIMEOUTS, "queue" => queue, "kind" => "hard").increment(1);
+            let e = TaskError::new(
+                "timeout",
+                format!(
+                    "attempt exceeded its {} ms timeout",
+                    meta.timeout.as_millis()
+                ),
+            );
+            fail(sh, meta, msg, rec, token, e, true, held).await;
+        }
+        // An operator cancelled the task while it ran (`ax.cancel.<queue>`); or a
+        // concurrency slot expired under the attempt (the worker stalled past the ack wait)
+        // and may be held by another attempt: the handler was stopped so the cap holds, and
+        // the task goes back unless another attempt took it over (then this write is stale
+        // and refused); or the shutdown grace is over: handed back for another worker.
+        None => {
+            let attempt = rec.attempt;
+            let end = if slot.cancel.is_cancelled() {
+                End::Cancelled
+            } else if lost.is_lost() {
+                End::SlotLost
+            } else {
+                End::Shutdown
+            };
+            let (record, after) = settle(meta, rec, end.clone(), now_ms(), Duration::ZERO);
+            if write(sh, &record, token, held).await {
+                match end {
+                    End::Cancelled => info!(task_id = %meta.id, attempt, "attempt cancelled"),
+                    End::SlotLost => {
+                        warn!(task_id = %meta.id, "attempt stopped: its concurrency slot was lost")
+                    }
+                    _ => {}
+                }
+                reply(msg, ack_kind(after)).await;
+            }
+        }
+    }
+}
+
+/// Runs `op` (a write for task `id`), retrying errors that `retry` accepts with backoff
+/// (100 ms doubling to 1 s) for as long as the delivery is still ours: until an ack wait
+/// (less one heartbeat) has passed since the broker last confirmed it, so a broker outage
+/// shorter than that does not run a finished task again. Returns the last error otherwise.
+pub(super) async fn while_held<T, E, Fut>(
+    sh: &Shared,
+    held: &Held,
+    id: &str,
+    what: &str,
+    mut op: impl FnMut() -> Fut,
+    retry: impl Fn(&E) -> bool,
+) -> Result<T, E>
+where
+    E: std::fmt::Display,
+    Fut: std::future::Future<Output = Result<T, E>>,
+{
+    let keep_trying = sh.ack_wait.saturating_sub(sh.heartbeat);
+    let mut pause = Duration::from_millis(100);
+    loop {
+        match op().await {
+            Err(e) if retry(&e) && held.since() < keep_trying => {
+                warn!(task_id = %id, cause = %e, "{what} failed; retrying");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(BROKER_RETRY);
+            }
+            Err(e) if retry(&e) => {
+                warn!(task_id = %id, cause = %e,
+                    "{what} failed for longer than the ack wait allows; the task will be redelivered");
+                return Err(e);
+            }
+            done => return done,
+        }
+    }
+}
+
+/// Writes `rec` under `token`, retrying broker failures while the delivery is ours (see
+/// [`while_held`]). False if the token is stale (another attempt took over: the result is
+/// refused) or the delivery was lost meanwhile (it will be redelivered).
+pub(super) async fn write(sh: &Shared, rec: &TaskRecord, token: u64, held: &Held) -> bool {
+    let stale = |e: &StateError| matches!(e, StateError::Stale { .. });
+    let cas = || sh.tasks.cas(rec, token);
+    match while_held(sh, held, &rec.id, "state write", cas, |e| !stale(e)).await {
+        Ok(_) => true,
+        Err(e) if stale(&e) => {
+            metrics::counter!(m::STALE_RESULTS, "queue" => sh.queue.clone()).increment(1);
+            warn!(task_id = %rec.id, attempt = rec.attempt, state = %rec.state,
+                "result refused: another attempt took over (stale fencing token)");
+            false
+        }
+        Err(_) => false,
+    }
+}
