@@ -35,12 +35,10 @@ mod flows;
 mod journal;
 mod limits;
 mod ops;
-#[allow(dead_code)]
+#[allow(dead_code, unused_imports)]
 #[path = "../it/procs.rs"]
 mod procs;
-#[allow(dead_code)]
-#[path = "../it/support.rs"]
-mod support;
+use ax_testkit::env as support;
 mod verdict;
 
 use ax_sdk::time::now_ms;

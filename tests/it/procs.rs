@@ -1,8 +1,9 @@
 //! Helpers for tests that run `ax` as real child processes.
 
-use crate::support::eventually;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
+
+pub use ax_testkit::net::{free_port, scrape, wait_ready};
 
 /// An `ax` child process, killed on drop.
 pub struct AxProc(pub Child);
@@ -66,48 +67,4 @@ impl Drop for AxProc {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
-}
-
-pub async fn wait_ready(client: &async_nats::Client) {
-    eventually(
-        Duration::from_secs(20),
-        "ax server process to answer",
-        || async {
-            client
-                .request("ax.submit.__probe", "{\"name\":\"x\"}".into())
-                .await
-                .ok()
-        },
-    )
-    .await;
-}
-
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// GET /metrics over a plain TCP connection. A process just started may not listen yet
-/// (a busy CI machine): the connect is retried for up to 10 s.
-pub async fn scrape(port: u16) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    let mut conn = loop {
-        match tokio::net::TcpStream::connect(("127.0.0.1", port)).await {
-            Ok(conn) => break conn,
-            Err(_) if std::time::Instant::now() < deadline => {
-                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-            }
-            Err(e) => panic!("metrics endpoint 127.0.0.1:{port} not listening after 10 s: {e}"),
-        }
-    };
-    conn.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
-        .await
-        .unwrap();
-    let mut body = String::new();
-    conn.read_to_string(&mut body).await.unwrap();
-    body
 }

@@ -10,8 +10,17 @@
 //!
 //! [`LocalCluster`] starts three (or more) such servers routed into one JetStream cluster.
 //!
+//! With the feature `env` (tests only): `env::Env`, a nats-server with an ax server in
+//! the test's process and helpers to wait on what the system exposes, and `net`'s helpers
+//! for tests that run `ax` processes.
+//!
 //! The binary is found in this order: `$AX_NATS_SERVER`, `.tools/nats/bin/nats-server` under
 //! the workspace root (where `./dev` installs the pinned version), then `nats-server` on `PATH`.
+
+#[cfg(feature = "env")]
+pub mod env;
+#[cfg(feature = "env")]
+pub mod net;
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
