@@ -13,7 +13,7 @@
 //! read back from the task records when that step starts; so is the run's input.
 
 use super::advance::{advance, Tracked};
-use super::engine::{Reserved, Shape, Shared};
+use super::engine::{Budget, Reserved, Shape, Shared};
 use super::input::Built;
 use super::model::{step_task_id, FlowRun, RunState, StepRun, StepState};
 use super::store::FlowStoreError;
@@ -188,8 +188,9 @@ impl Run {
             || self.steps.iter().any(Tracked::all_ended)
     }
 
-    /// Applies an event (in the leader's loop, between turns).
-    pub(crate) fn apply(&mut self, event: Event, sh: &Shared) {
+    /// Applies an event (in the leader's loop, between turns); outputs a child will need
+    /// are held within `held`. No I/O: unit-tested without NATS.
+    pub(crate) fn apply(&mut self, event: Event, held: &Budget) {
         match event {
             Event::Run(revision) => {
                 self.seen = self.seen.max(revision);
@@ -216,7 +217,7 @@ impl Run {
                     self.observe_start(i, &rec);
                 }
                 if let Some(done) = Done::of(&rec) {
-                    self.finish_item(sh, i, item, done, rec.output.as_ref());
+                    self.finish_item(held, i, item, done, rec.output.as_ref());
                 }
             }
         }
@@ -266,7 +267,7 @@ impl Run {
     /// yet will need it and the budget has room.
     fn finish_item(
         &mut self,
-        sh: &Shared,
+        budget: &Budget,
         i: usize,
         item: u32,
         done: Done,
@@ -293,12 +294,12 @@ impl Run {
         let bytes = HELD_ENTRY + out.as_ref().map_or(0, |o| o.bytes.len());
         match self.held.iter_mut().find(|h| h.step == i) {
             Some(held) => {
-                if held.reserved.grow(&sh.held, bytes) {
+                if held.reserved.grow(budget, bytes) {
                     held.outputs.push((item, out));
                 }
             }
             None => {
-                if let Some(reserved) = sh.held.take(bytes) {
+                if let Some(reserved) = budget.take(bytes) {
                     self.held.push(Held {
                         step: i,
                         reserved,
@@ -447,7 +448,7 @@ impl Run {
             match read.map_err(|e| Fault::Other(e.to_string()))? {
                 Some((rec, _)) => {
                     if let Some(done) = Done::of(&rec) {
-                        self.finish_item(sh, i, k, done, rec.output.as_ref());
+                        self.finish_item(&sh.held, i, k, done, rec.output.as_ref());
                     }
                 }
                 None => missing.push(k),
@@ -537,7 +538,7 @@ impl Run {
             }
             let Submitted { refused, later } = answers;
             for (i, item, done) in refused {
-                self.finish_item(sh, i, item, done, None);
+                self.finish_item(&sh.held, i, item, done, None);
             }
             if !submits.is_empty() {
                 self.note_refusals(later);
@@ -666,7 +667,7 @@ impl Run {
                     attempt: 0,
                     finished_at_ms: now_ms(),
                 };
-                self.finish_item(sh, i, k, done, None);
+                self.finish_item(&sh.held, i, k, done, None);
             }
         }
         Ok(())
@@ -749,5 +750,84 @@ fn refused(e: WireError) -> Done {
         }),
         attempt: 0,
         finished_at_ms: now_ms(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::engine::{Budget, Shapes};
+    use super::*;
+    use crate::flow::def::{FlowDef, StepDef};
+    use ax_sdk::client::TaskSpec;
+
+    /// A diamond flow's run whose step `a` runs two tasks (b and c wait on a, d on both).
+    fn running_diamond() -> (Box<Run>, Budget) {
+        let step = |name: &str| StepDef::new(name, "q", TaskSpec::new("step"));
+        let def = FlowDef::new("diamond")
+            .step(step("a"))
+            .step(step("b").needs(["a"]))
+            .step(step("c").needs(["a"]))
+            .step(step("d").needs(["b", "c"]));
+        let limits = ax_sdk::task::Limits::default();
+        let shape = Shapes::default()
+            .get("diamond", def, &limits)
+            .expect("valid");
+        let budget = Budget::new(1 << 20);
+        let mut run = Run::new("r1".into());
+        run.install(&budget, shape, false, b"{}".to_vec(), vec![None; 4]);
+        run.running_for_test(0, 2, false);
+        (run, budget)
+    }
+
+    fn task(step: &str, epoch: u32, item: u32, state: &str) -> Event {
+        let rec = serde_json::from_value(serde_json::json!({"id": format!("q.fl.{item}"),
+            "queue": "q", "name": "step", "priority": "normal", "state": state, "attempt": 1,
+            "max_attempts": 3, "created_at_ms": 1, "updated_at_ms": 2, "started_at_ms": 1}))
+        .expect("a record");
+        Event::Task {
+            step: step.into(),
+            epoch,
+            item,
+            rec: Box::new(rec),
+        }
+    }
+
+    #[test]
+    fn a_step_wants_its_turn_once_each_task_ended_and_each_end_counts_once() {
+        let (mut run, budget) = running_diamond();
+        let epoch = run.steps[0].epoch;
+        assert!(!run.wants_turn(), "nothing ended yet");
+        run.apply(task("a", epoch, 0, "running"), &budget);
+        run.apply(task("a", epoch, 0, "succeeded"), &budget);
+        run.apply(task("a", epoch, 0, "succeeded"), &budget);
+        assert!(!run.wants_turn(), "one of two ended, seen twice");
+        run.apply(task("a", epoch, 1, "dead"), &budget);
+        assert!(run.wants_turn());
+        // b and c wait on a: the succeeded task's output is held for them, the dead one's
+        // is not.
+        assert_eq!(run.held.len(), 1);
+        assert_eq!(run.held[0].outputs.len(), 1);
+    }
+
+    #[test]
+    fn events_of_another_epoch_or_step_or_while_reloading_are_left_to_the_load() {
+        let (mut run, budget) = running_diamond();
+        let epoch = run.steps[0].epoch;
+        run.apply(task("a", epoch + 1, 0, "succeeded"), &budget);
+        run.apply(task("a", epoch + 1, 1, "succeeded"), &budget);
+        run.apply(task("b", epoch, 0, "succeeded"), &budget);
+        run.apply(task("nope", epoch, 0, "succeeded"), &budget);
+        assert!(!run.wants_turn(), "nothing of this epoch's step a ended");
+        // A newer write of the run key: read everything again; task events wait for it.
+        run.apply(Event::Run(run.rev), &budget);
+        assert!(!run.reloading(), "the revision it holds is not newer");
+        run.apply(Event::Run(run.rev + 1), &budget);
+        assert!(run.reloading() && run.wants_turn());
+        run.apply(task("a", epoch, 0, "succeeded"), &budget);
+        run.apply(task("a", epoch, 1, "succeeded"), &budget);
+        assert!(
+            !run.steps[0].all_ended(),
+            "counted by the load, not by events"
+        );
     }
 }

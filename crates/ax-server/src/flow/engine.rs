@@ -346,7 +346,7 @@ impl Runs {
         }
         let id: Arc<str> = id.into();
         let mut run = Run::new(id.clone());
-        run.apply(Event::Run(revision), &self.shared);
+        run.apply(Event::Run(revision), &self.shared.held);
         self.slots.insert(id.clone(), Slot::Idle(run));
         self.schedule(&id);
     }
@@ -359,7 +359,7 @@ impl Runs {
         };
         match slot {
             Slot::Idle(run) => {
-                run.apply(event, &self.shared);
+                run.apply(event, &self.shared.held);
                 if run.wants_turn() && run.sched.failures == 0 && !run.sched.queued {
                     run.sched.queued = true;
                     let key = self.slots.get_key_value(id).expect("slot").0.clone();
@@ -425,7 +425,7 @@ impl Runs {
         };
         if let Slot::InTurn(pending) = slot {
             for event in pending.drain(..) {
-                run.apply(event, &self.shared);
+                run.apply(event, &self.shared.held);
             }
         }
         let reloading = run.reloading();
