@@ -12,6 +12,7 @@ mod faults;
 mod fields;
 mod first_attempt;
 mod flows;
+mod follow;
 mod kv_read;
 mod limits;
 mod limits_pace;

@@ -85,3 +85,35 @@ pub use names::Priority;
 pub use output::{Output, TaskOutput};
 pub use state::{TaskRecord, TaskState};
 pub use worker::{Task, TaskError, Worker, WorkerBuilder};
+
+#[cfg(test)]
+mod readme {
+    /// The code of the first ```` ```rust ```` / ```` ```no_run ```` block of `text`, with
+    /// `//! ` prefixes, hidden (`#`) lines, comments and whitespace dropped.
+    fn code(text: &str, fence: &str) -> String {
+        let mut lines = text
+            .lines()
+            .map(|l| l.trim_start().trim_start_matches("//!").trim_start())
+            .skip_while(|l| *l != fence)
+            .skip(1);
+        let mut out = String::new();
+        for line in lines.by_ref().take_while(|l| !l.starts_with("```")) {
+            if line.starts_with('#') {
+                continue;
+            }
+            let code = line.split("//").next().unwrap_or_default();
+            out.extend(code.chars().filter(|c| !c.is_whitespace()));
+        }
+        out
+    }
+
+    /// The README's Rust example is this crate's doc example (which the doc tests
+    /// compile), laid out shorter: the same code once comments and whitespace are dropped.
+    #[test]
+    fn the_readme_example_is_the_crate_example() {
+        let readme = code(include_str!("../../../README.md"), "```rust");
+        let crate_doc = code(include_str!("lib.rs"), "```no_run");
+        assert!(readme.contains("Worker::builder"), "{readme}");
+        assert_eq!(readme, crate_doc);
+    }
+}
