@@ -21,6 +21,7 @@
 #![warn(missing_docs, unreachable_pub, rustdoc::broken_intra_doc_links)]
 
 pub mod console;
+mod context;
 pub mod flow;
 mod lease;
 pub mod limits;

@@ -375,7 +375,7 @@ impl Run {
             cancel_requested,
             ..
         } = run;
-        let shape = match sh.shapes.get(&flow, def, &sh.admission.limits) {
+        let shape = match sh.shapes.get(&flow, def, &sh.ctx.limits) {
             Ok(shape) => shape,
             Err(e) => {
                 let reason = format!("the definition is no longer valid: {e}");
@@ -431,7 +431,7 @@ impl Run {
     /// Reads the records of step `i`'s tasks not counted yet; returns the items without one.
     async fn read_items(&mut self, sh: &Shared, i: usize) -> Result<Vec<u32>, Fault> {
         let n = self.steps[i].items.unwrap_or(0);
-        let tasks = &sh.admission.tasks;
+        let tasks = &sh.ctx.tasks;
         let ids: Vec<(u32, String)> = (0..n)
             .filter(|&k| !self.steps[i].has_ended(k))
             .map(|k| (k, self.task_id(i, k)))
@@ -611,7 +611,7 @@ impl Run {
     /// for later (counted, summed up in one line now and then); a refusal for good makes
     /// it a failed item.
     async fn submit_all(&self, sh: &Shared, submits: &[(usize, Vec<Built>)]) -> Submitted {
-        let admission = &sh.admission;
+        let ctx = &sh.ctx;
         let all = submits
             .iter()
             .flat_map(|(i, tasks)| tasks.iter().map(move |t| (*i, t)));
@@ -621,7 +621,7 @@ impl Run {
                     i,
                     *k,
                     meta,
-                    admission.submit_prepared(meta.clone(), body.clone()).await,
+                    ctx.submit_prepared(meta.clone(), body.clone()).await,
                 )
             })
             .collect();
@@ -647,7 +647,7 @@ impl Run {
     /// Cancels step `i`'s tasks that have not started; running ones finish.
     async fn cancel_queued(&mut self, sh: &Shared, i: usize, reason: &str) -> Result<(), Fault> {
         self.steps[i].queued_cancelled = true;
-        let tasks = &sh.admission.tasks;
+        let tasks = &sh.ctx.tasks;
         let ids: Vec<(u32, String)> = (0..self.steps[i].items.unwrap_or(0))
             .filter(|&k| !self.steps[i].has_ended(k))
             .map(|k| (k, self.task_id(i, k)))

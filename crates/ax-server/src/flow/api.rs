@@ -6,7 +6,7 @@ use super::def::{FlowDef, Plan};
 use super::model::{valid_run_id, FlowRun, RunState, StepRun, StepState};
 use super::store::{FlowStore, FlowStoreError};
 use super::RerunMode;
-use crate::submit::Admission;
+use crate::context::Context;
 use ax_sdk::api::{unknown_operation, Api, Request};
 use ax_sdk::flow::{FlowName, FlowRequest, FlowRerun, FlowStart, RunRef};
 use ax_sdk::metrics as m;
@@ -19,7 +19,7 @@ use std::sync::Arc;
 const MAX_ATTEMPTS: usize = 20;
 
 pub(crate) struct FlowApi {
-    pub(crate) admission: Arc<Admission>,
+    pub(crate) ctx: Arc<Context>,
     pub(crate) store: FlowStore,
 }
 
@@ -57,12 +57,12 @@ impl FlowApi {
         match FlowRequest::decode(op, body)? {
             FlowRequest::Put(value) => {
                 let def = FlowDef::decode(value)?;
-                def.validate(&self.admission.limits)?;
+                def.validate(&self.ctx.limits)?;
                 // A step on a queue no server declared would fail its run later: refuse it
                 // now, by field.
                 for (i, step) in def.steps.iter().enumerate() {
                     let queue = step.task.queue.as_deref().unwrap_or_default();
-                    if let Err(e) = self.admission.queues.check(&self.admission.js, queue).await {
+                    if let Err(e) = self.ctx.queues.check(&self.ctx.js, queue).await {
                         return Err(match e.code {
                             ErrorCode::UnknownQueue => {
                                 WireError::field(&format!("steps[{i}].task.queue"), e.message)
@@ -122,7 +122,7 @@ impl FlowApi {
             }
             // The flow engine's lease: which server drives the running runs now.
             FlowRequest::Leader {} => {
-                crate::lease::leader(&self.admission.js, crate::flow::engine::FLOWS_KEY).await
+                crate::lease::leader(&self.ctx.js, crate::flow::engine::FLOWS_KEY).await
             }
             FlowRequest::Cancel(RunRef { run }) => self.cancel(&run).await,
             FlowRequest::Rerun(req) => self.rerun(req).await,
@@ -140,7 +140,7 @@ impl FlowApi {
             rerun_of,
             ..Start::default()
         };
-        let (id, flow) = start_run(&self.store, &self.admission.limits, def, input, start).await?;
+        let (id, flow) = start_run(&self.store, &self.ctx.limits, def, input, start).await?;
         Ok(json!({"run": id, "flow": flow}))
     }
 
@@ -223,7 +223,7 @@ impl FlowApi {
                 "the run is still running: re-run it once it has ended, or cancel it first",
             ));
         }
-        let plan = run.def.validate(&self.admission.limits)?;
+        let plan = run.def.validate(&self.ctx.limits)?;
         let stored = self.store.steps(&run).await.map_err(unavailable)?;
         let states: Vec<StepState> = stored
             .iter()

@@ -18,8 +18,8 @@ use super::actor::{Event, Outcome, Run};
 use super::def::{FlowDef, Plan};
 use super::model::{parse_step_task, RunState};
 use super::store::{FlowStore, FlowStoreError};
+use crate::context::Context;
 use crate::lease::{run_as_leader, Leader, Lease, Stop};
-use crate::submit::Admission;
 use async_nats::jetstream::kv;
 use ax_sdk::metrics as m;
 use ax_sdk::names::LEASES_BUCKET;
@@ -70,7 +70,7 @@ fn broker(op: &'static str) -> impl FnOnce(async_nats::Error) -> FlowEngineError
 }
 
 pub(crate) struct FlowEngine {
-    pub(crate) admission: Arc<Admission>,
+    pub(crate) ctx: Arc<Context>,
     pub(crate) lease_ttl: Duration,
     pub(crate) id: String,
     pub(crate) alerts: Option<crate::ops::alerts::Alerts>,
@@ -78,7 +78,7 @@ pub(crate) struct FlowEngine {
 
 /// What every run's turn uses.
 pub(crate) struct Shared {
-    pub(crate) admission: Arc<Admission>,
+    pub(crate) ctx: Arc<Context>,
     pub(crate) store: FlowStore,
     pub(crate) results: ResultStore,
     pub(crate) alerts: Option<crate::ops::alerts::Alerts>,
@@ -518,7 +518,7 @@ impl Leader for Leading<'_> {
 
 impl FlowEngine {
     pub(crate) async fn run(self, shutdown: CancellationToken) -> Result<(), FlowEngineError> {
-        let js = self.admission.js.clone();
+        let js = self.ctx.js.clone();
         let opened = ax_sdk::retry::until_ok(
             "the flow buckets (AX_FLOWS, AX_FLOW_RUNS; `ax streams apply`)",
             &shutdown,
@@ -559,14 +559,14 @@ impl FlowEngine {
         // Task records first: a completion after this point reaches a run either by the
         // feed or by the records the run reads when it loads.
         let mut tasks = self
-            .admission
+            .ctx
             .tasks
             .watch_flow_tasks()
             .await
             .map_err(|e| broker("follow step task records")(e.into()))?;
         let mut feed = store.watch_runs().await?;
         let shared = Arc::new(Shared {
-            admission: self.admission.clone(),
+            ctx: self.ctx.clone(),
             store: store.clone(),
             results: results.clone(),
             alerts: self.alerts.clone(),

@@ -139,7 +139,7 @@ impl Run {
                 }
             }
         }
-        let tasks = &sh.admission.tasks;
+        let tasks = &sh.ctx.tasks;
         let reads = (0..n as u32)
             .filter(|&k| outputs[k as usize].is_none())
             .map(|k| (k, self.task_id(p, k)))
@@ -253,7 +253,7 @@ impl Run {
         only: Option<&[u32]>,
     ) -> Result<Vec<Built>, ErrorInfo> {
         let payloads = self.payloads(sh, i).await?;
-        let limits = &sh.admission.limits;
+        let limits = &sh.ctx.limits;
         let template = &self.shape().def.steps[i].task;
         let queue = template.queue.clone().unwrap_or_default();
         let mut built = Vec::with_capacity(only.map_or(payloads.len(), <[u32]>::len));

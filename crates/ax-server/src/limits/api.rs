@@ -6,7 +6,7 @@
 //! an hour). A delete of a limit that does not exist answers `deleted: false`.
 
 use super::model::LimitDef;
-use crate::submit::Admission;
+use crate::context::Context;
 use async_nats::jetstream::kv;
 use ax_sdk::api::{unknown_operation, Api, Request};
 use ax_sdk::limits::{LimitFilter, LimitName, LimitRequest};
@@ -17,7 +17,7 @@ use serde_json::{json, Value};
 use std::sync::Arc;
 
 pub(crate) struct LimitApi {
-    pub(crate) admission: Arc<Admission>,
+    pub(crate) ctx: Arc<Context>,
     pub(crate) defs: kv::Store,
 }
 
@@ -35,19 +35,16 @@ fn unavailable(e: impl std::fmt::Display) -> WireError {
 }
 
 impl LimitApi {
-    pub(crate) async fn open(admission: Arc<Admission>) -> Result<LimitApi, async_nats::Error> {
-        let defs = admission.js.get_key_value(LIMITS_BUCKET).await?;
-        Ok(LimitApi { admission, defs })
+    pub(crate) async fn open(ctx: Arc<Context>) -> Result<LimitApi, async_nats::Error> {
+        let defs = ctx.js.get_key_value(LIMITS_BUCKET).await?;
+        Ok(LimitApi { ctx, defs })
     }
 
     pub(crate) async fn handle(&self, op: &str, body: &[u8]) -> Result<Value, WireError> {
         match LimitRequest::decode(op, body)? {
             LimitRequest::Put(def) => {
                 def.validate()?;
-                self.admission
-                    .queues
-                    .check(&self.admission.js, &def.queue)
-                    .await?;
+                self.ctx.queues.check(&self.ctx.js, &def.queue).await?;
                 let value = serde_json::to_vec(&def).expect("serializes");
                 self.defs
                     .put(def.key(), value.into())
@@ -93,7 +90,7 @@ impl LimitApi {
     /// (`rate_now`), and the concurrency slots held, by whom.
     async fn status(&self, defs: Vec<LimitDef>) -> Result<Value, WireError> {
         use ax_sdk::names::{LIMIT_SLOTS_BUCKET, LIMIT_STATE_BUCKET};
-        let js = &self.admission.js;
+        let js = &self.ctx.js;
         let state = js
             .get_key_value(LIMIT_STATE_BUCKET)
             .await

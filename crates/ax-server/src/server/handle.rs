@@ -2,7 +2,7 @@
 //! (a bug) is caught here, answered `unavailable` and counted in
 //! `ax_request_panics_total{api}`.
 
-use crate::submit::Admission;
+use crate::context::Context;
 use async_nats::service::Request;
 use ax_sdk::api::Api;
 use ax_sdk::metrics as m;
@@ -40,7 +40,7 @@ async fn answer(req: &Request, body: Vec<u8>) {
     }
 }
 
-pub(crate) async fn submit(admission: &Admission, req: Request) {
+pub(crate) async fn submit(ctx: &Context, req: Request) {
     let msg = &req.message;
     let queue = msg
         .subject
@@ -49,8 +49,8 @@ pub(crate) async fn submit(admission: &Admission, req: Request) {
         .to_string();
     // Labels name declared queues only: a request to a made-up queue creates no series.
     let body = if crate::submit::is_batch(&msg.payload) {
-        let result = guarded("submit", admission.submit_batch(&queue, &msg.payload)).await;
-        let label = admission.queues.label(&queue);
+        let result = guarded("submit", ctx.submit_batch(&queue, &msg.payload)).await;
+        let label = ctx.queues.label(&queue);
         match result {
             Ok(answers) => {
                 let replies: Vec<SubmitReply> = answers
@@ -62,8 +62,8 @@ pub(crate) async fn submit(admission: &Admission, req: Request) {
             Err(error) => serde_json::to_vec(&submit_reply(&queue, &label, Err(error))),
         }
     } else {
-        let result = guarded("submit", admission.submit(&queue, &msg.payload)).await;
-        let label = admission.queues.label(&queue);
+        let result = guarded("submit", ctx.submit(&queue, &msg.payload)).await;
+        let label = ctx.queues.label(&queue);
         serde_json::to_vec(&submit_reply(&queue, &label, result))
     };
     answer(&req, body.expect("a reply serializes")).await;

@@ -5,6 +5,7 @@
 //! (`schedule::partitions`), and a dispatch is idempotent (message ids, delete by
 //! sequence), so a partition moving between servers never runs a task twice.
 
+use crate::context::Context;
 use crate::flow::api::FlowApi;
 use crate::flow::engine::FlowEngine;
 use crate::flow::store::FlowStore;
@@ -12,7 +13,6 @@ use crate::limits::api::LimitApi;
 use crate::schedule::partitions::Partitions;
 use crate::schedule::{Scheduler, Totals};
 use crate::streams::{self, Outcome, StreamsError};
-use crate::submit::Admission;
 use crate::trigger::api::TriggerApi;
 use crate::trigger::engine::Engine;
 use crate::trigger::events::EventRouter;
@@ -112,12 +112,11 @@ impl Server {
         if !self.prepare_topology(&js, &shutdown).await? {
             return Ok(()); // shut down while waiting
         }
-        let admission =
-            Arc::new(Admission::open(js.clone(), self.limits.clone(), &self.queues).await?);
+        let ctx = Arc::new(Context::open(js.clone(), self.limits.clone(), &self.queues).await?);
         let (service, mut requests, mut management) = self.endpoints(&client).await?;
         let trigger_api = if self.triggers {
             Some(Arc::new(TriggerApi {
-                admission: admission.clone(),
+                ctx: ctx.clone(),
                 store: TriggerStore::open(&js).await?,
                 clock: self.clock.clone(),
             }))
@@ -125,17 +124,16 @@ impl Server {
             None
         };
         let flow_api = FlowApi {
-            admission: admission.clone(),
+            ctx: ctx.clone(),
             store: FlowStore::open(&js).await?,
         };
-        let limit_api =
-            LimitApi::open(admission.clone())
-                .await
-                .map_err(|e| StateError::Broker {
-                    id: "*".into(),
-                    op: "open the limits bucket",
-                    source: e,
-                })?;
+        let limit_api = LimitApi::open(ctx.clone())
+            .await
+            .map_err(|e| StateError::Broker {
+                id: "*".into(),
+                op: "open the limits bucket",
+                source: e,
+            })?;
         let alerts = crate::ops::alerts::Alerts::open(&js, self.alerts.clone())
             .await
             .map_err(|e| StateError::Broker {
@@ -161,8 +159,7 @@ impl Server {
             limits: limit_api.defs.clone(),
             index: task_index.clone(),
         };
-        self.spawn_services(&mut services, &admission, &alerts)
-            .await?;
+        self.spawn_services(&mut services, &ctx, &alerts).await?;
         info!(queues = ?self.queues, "ax server ready");
 
         let permits = Arc::new(Semaphore::new(self.max_inflight_submits));
@@ -206,9 +203,9 @@ impl Server {
                 }
                 req = requests.next() => {
                     let Some(req) = req else { break };
-                    let admission = admission.clone();
+                    let ctx = ctx.clone();
                     tracker.spawn(async move {
-                        handle::submit(&admission, req).await;
+                        handle::submit(&ctx, req).await;
                         drop(permit);
                     });
                 }
@@ -230,20 +227,20 @@ impl Server {
     async fn spawn_services(
         &self,
         services: &mut Supervisor,
-        admission: &Arc<Admission>,
+        ctx: &Arc<Context>,
         alerts: &crate::ops::alerts::Alerts,
     ) -> Result<(), ServerError> {
-        let js = &admission.js;
+        let js = &ctx.js;
         if self.triggers && self.trigger_engine {
-            let (admission, clock, lease_ttl, id) = (
-                admission.clone(),
+            let (ctx, clock, lease_ttl, id) = (
+                ctx.clone(),
                 self.clock.clone(),
                 self.lease_ttl,
                 self.id.clone(),
             );
             services.spawn("trigger-engine", move |token| {
                 Engine {
-                    admission: admission.clone(),
+                    ctx: ctx.clone(),
                     clock: clock.clone(),
                     lease_ttl,
                     id: id.clone(),
@@ -252,15 +249,11 @@ impl Server {
             });
         }
         if self.flow_engine {
-            let (admission, lease_ttl, id, alerts) = (
-                admission.clone(),
-                self.lease_ttl,
-                self.id.clone(),
-                alerts.clone(),
-            );
+            let (ctx, lease_ttl, id, alerts) =
+                (ctx.clone(), self.lease_ttl, self.id.clone(), alerts.clone());
             services.spawn("flow-engine", move |token| {
                 FlowEngine {
-                    admission: admission.clone(),
+                    ctx: ctx.clone(),
                     lease_ttl,
                     id: id.clone(),
                     alerts: Some(alerts.clone()),
@@ -269,10 +262,10 @@ impl Server {
             });
         }
         if self.triggers {
-            let (admission, store) = (admission.clone(), TriggerStore::open(js).await?);
+            let (ctx, store) = (ctx.clone(), TriggerStore::open(js).await?);
             services.spawn("event-router", move |token| {
                 EventRouter {
-                    admission: admission.clone(),
+                    ctx: ctx.clone(),
                     store: store.clone(),
                 }
                 .run(token)

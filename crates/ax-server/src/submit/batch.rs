@@ -8,7 +8,7 @@
 //! key within one batch are admitted in order, after the others, so the second one is a
 //! duplicate of the first rather than a race with it.
 
-use super::Admission;
+use crate::context::Context;
 use ax_sdk::protocol::{ErrorCode, SubmitAccepted, WireError};
 use ax_sdk::task::decode_submit;
 use bytes::Bytes;
@@ -25,7 +25,7 @@ pub(crate) fn is_batch(body: &[u8]) -> bool {
     body.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'[')
 }
 
-impl Admission {
+impl Context {
     /// Handles one batch request for `queue`. A request-level problem (not a JSON array,
     /// more than [`MAX_BATCH`] tasks, an undeclared queue, JetStream unreachable for the
     /// queue lookup) refuses the whole batch; everything else is answered per task.

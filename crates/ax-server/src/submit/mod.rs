@@ -6,11 +6,12 @@
 //! nothing stored (`busy`). If ax dies between the two writes, the worker (or the dispatcher)
 //! creates the missing record from the message headers, so nothing accepted is lost.
 
-use async_nats::jetstream::{self, context::PublishError, kv};
-use ax_sdk::names::{self, IDEMPOTENCY_BUCKET};
+use crate::context::Context;
+use async_nats::jetstream::{self, context::PublishError};
+use ax_sdk::names;
 use ax_sdk::protocol::{ErrorCode, SubmitAccepted, WireError};
-use ax_sdk::state::{StateError, TaskState, TaskStore};
-use ax_sdk::task::{decode_submit, Limits, TaskMeta};
+use ax_sdk::state::{StateError, TaskState};
+use ax_sdk::task::{decode_submit, TaskMeta};
 use bytes::Bytes;
 use std::collections::HashSet;
 use std::sync::RwLock;
@@ -154,54 +155,11 @@ impl Queues {
     }
 }
 
-/// The admission handler shared by all request tasks of a server.
-#[derive(Debug)]
-pub(crate) struct Admission {
-    pub(crate) js: jetstream::Context,
-    pub(crate) tasks: TaskStore,
-    pub(crate) idempotency: kv::Store,
-    pub(crate) limits: Limits,
-    pub(crate) queues: Queues,
-    /// Flow buckets: trigger fires start flow runs.
-    pub(crate) flows: crate::flow::store::FlowStore,
-}
-
 fn state_unavailable(e: StateError) -> WireError {
     WireError::new(ErrorCode::Unavailable, e.to_string())
 }
 
-impl Admission {
-    pub(crate) async fn open(
-        js: jetstream::Context,
-        limits: Limits,
-        queues: &[String],
-    ) -> Result<Admission, StateError> {
-        let tasks = TaskStore::open(&js).await?;
-        let idempotency =
-            js.get_key_value(IDEMPOTENCY_BUCKET)
-                .await
-                .map_err(|e| StateError::Broker {
-                    id: "*".into(),
-                    op: "open idempotency bucket",
-                    source: e.into(),
-                })?;
-        let flows = crate::flow::store::FlowStore::open(&js)
-            .await
-            .map_err(|e| StateError::Broker {
-                id: "*".into(),
-                op: "open flow buckets",
-                source: e.into(),
-            })?;
-        Ok(Admission {
-            js,
-            tasks,
-            idempotency,
-            limits,
-            queues: Queues::new(queues),
-            flows,
-        })
-    }
-
+impl Context {
     /// Handles one submit request for `queue`.
     pub(crate) async fn submit(
         &self,

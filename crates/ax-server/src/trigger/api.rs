@@ -7,7 +7,7 @@ use super::model::TriggerDef;
 use super::plan::{Source, TriggerState};
 use super::recur::Recurrence;
 use super::store::{TriggerStore, TriggerStoreError};
-use crate::submit::Admission;
+use crate::context::Context;
 use crate::trigger::Validate;
 use ax_sdk::api::{unknown_operation, Api, Request};
 use ax_sdk::protocol::{ErrorCode, WireError};
@@ -19,7 +19,7 @@ use std::sync::Arc;
 const MAX_RECORD_ATTEMPTS: usize = 50;
 
 pub(crate) struct TriggerApi {
-    pub(crate) admission: Arc<Admission>,
+    pub(crate) ctx: Arc<Context>,
     pub(crate) store: TriggerStore,
     pub(crate) clock: Arc<dyn Clock>,
 }
@@ -91,7 +91,7 @@ impl TriggerApi {
             TriggerRequest::Apply(req) => self.apply(req).await,
             // The trigger engine's lease: who fires the scheduled triggers now.
             TriggerRequest::Leader {} => {
-                crate::lease::leader(&self.admission.js, crate::lease::TRIGGERS_KEY).await
+                crate::lease::leader(&self.ctx.js, crate::lease::TRIGGERS_KEY).await
             }
             TriggerRequest::List {} => {
                 let now = self.clock.now_ms();
@@ -183,7 +183,7 @@ impl TriggerApi {
     async fn check_flows(&self, def: &TriggerDef) -> Result<(), WireError> {
         for (i, start) in def.flows.iter().enumerate() {
             let found = self
-                .admission
+                .ctx
                 .flows
                 .def(&start.flow)
                 .await
@@ -201,13 +201,10 @@ impl TriggerApi {
     /// Validates and stores a definition; `created`, `updated` or `unchanged`.
     async fn put(&self, def: TriggerDef) -> Result<&'static str, WireError> {
         def.validate()?;
-        def.check_templates(&self.admission.limits)?;
+        def.check_templates(&self.ctx.limits)?;
         self.check_flows(&def).await?;
         for queue in def.queues() {
-            self.admission
-                .queues
-                .check(&self.admission.js, queue)
-                .await?;
+            self.ctx.queues.check(&self.ctx.js, queue).await?;
         }
         let existing = self.store.def(&def.name).await.map_err(unavailable)?;
         let outcome = match &existing {
@@ -245,16 +242,13 @@ impl TriggerApi {
             };
             let def = TriggerDef::decode(value).map_err(at)?;
             def.validate().map_err(at)?;
-            def.check_templates(&self.admission.limits).map_err(at)?;
+            def.check_templates(&self.ctx.limits).map_err(at)?;
             self.check_flows(&def).await.map_err(at)?;
             defs.push(def);
         }
         for def in &defs {
             for queue in def.queues() {
-                self.admission
-                    .queues
-                    .check(&self.admission.js, queue)
-                    .await?;
+                self.ctx.queues.check(&self.ctx.js, queue).await?;
             }
         }
         let mut report = Vec::new();
@@ -279,7 +273,7 @@ impl TriggerApi {
         let (def, _) = self.def_of(name).await?;
         let (state, _) = self.state_of(name).await?;
         let rec = def.validate()?;
-        let mut running: Vec<String> = unfinished(&self.admission, tracked(&state))
+        let mut running: Vec<String> = unfinished(&self.ctx, tracked(&state))
             .await
             .into_iter()
             .collect();
@@ -299,7 +293,7 @@ impl TriggerApi {
         let (def, _) = self.def_of(name).await?;
         let (state, rev) = self.state_of(name).await?;
         let known: Vec<String> = tracked(&state).cloned().collect();
-        let running = unfinished(&self.admission, known.iter()).await;
+        let running = unfinished(&self.ctx, known.iter()).await;
         if !running.is_empty() && !force {
             let mut running: Vec<String> = running.into_iter().collect();
             running.sort();
@@ -313,15 +307,7 @@ impl TriggerApi {
         }
         let finished: Vec<&String> = known.iter().filter(|id| !running.contains(*id)).collect();
         let now = self.clock.now_ms();
-        let task_ids = fire(
-            &self.admission,
-            &def,
-            now,
-            Source::Manual,
-            &manual_tag(),
-            None,
-        )
-        .await?;
+        let task_ids = fire(&self.ctx, &def, now, Source::Manual, &manual_tag(), None).await?;
         let forced = force && !running.is_empty();
         let (mut state, mut rev) = (state, rev);
         for attempt in 0..MAX_RECORD_ATTEMPTS {

@@ -11,7 +11,7 @@ use super::fire::fire;
 use super::model::{Kind, TriggerDef};
 use super::plan::Source;
 use super::store::TriggerStore;
-use crate::submit::Admission;
+use crate::context::Context;
 use crate::trigger::Validate;
 use async_nats::jetstream::kv;
 use ax_sdk::time::now_ms;
@@ -26,7 +26,7 @@ use tracing::{debug, warn};
 const EVENTS_QUEUE_GROUP: &str = "ax-events";
 
 pub(crate) struct EventRouter {
-    pub(crate) admission: Arc<Admission>,
+    pub(crate) ctx: Arc<Context>,
     pub(crate) store: TriggerStore,
 }
 
@@ -72,7 +72,7 @@ impl EventRouter {
                         task.abort();
                     }
                     if let Some(def) = def {
-                        let task = tokio::spawn(serve(self.admission.clone(), def.clone()));
+                        let task = tokio::spawn(serve(self.ctx.clone(), def.clone()));
                         served.insert(entry.key.clone(), (def, task));
                     }
                 }
@@ -85,11 +85,11 @@ impl EventRouter {
     }
 }
 
-async fn serve(admission: Arc<Admission>, def: TriggerDef) {
+async fn serve(ctx: Arc<Context>, def: TriggerDef) {
     let Kind::Event { subject } = &def.kind else {
         return;
     };
-    let client = admission.js.client();
+    let client = ctx.js.client();
     let mut sub = match client
         .queue_subscribe(subject.clone(), EVENTS_QUEUE_GROUP.to_string())
         .await
@@ -102,7 +102,7 @@ async fn serve(admission: Arc<Admission>, def: TriggerDef) {
     };
     while let Some(msg) = sub.next().await {
         let fired = match super::fire::event_tag(&msg) {
-            Ok(tag) => fire(&admission, &def, now_ms(), Source::Event, &tag, Some(&msg)).await,
+            Ok(tag) => fire(&ctx, &def, now_ms(), Source::Event, &tag, Some(&msg)).await,
             Err(e) => Err(e),
         };
         let answer = match fired {

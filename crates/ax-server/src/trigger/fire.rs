@@ -4,9 +4,9 @@
 
 use super::model::TriggerDef;
 use super::plan::{Source, TriggerState};
+use crate::context::Context;
 use crate::flow::api::{start_run, Start};
 use crate::flow::model::trigger_run_id;
-use crate::submit::Admission;
 use ax_sdk::protocol::{ErrorCode, WireError};
 use ax_sdk::task::{Lineage, TaskMeta};
 use std::collections::HashSet;
@@ -56,7 +56,7 @@ pub(crate) fn event_tag(msg: &async_nats::Message) -> Result<String, WireError> 
 /// An event's body becomes the payload of templates without one (JSON if it parses, bytes
 /// otherwise).
 pub(crate) async fn fire(
-    admission: &Admission,
+    ctx: &Context,
     def: &TriggerDef,
     scheduled_ms: u64,
     source: Source,
@@ -79,14 +79,14 @@ pub(crate) async fn fire(
             }
         }
         let queue = req.queue.clone().unwrap_or_default();
-        let (mut meta, payload) = TaskMeta::from_request(&queue, req, &admission.limits)?;
+        let (mut meta, payload) = TaskMeta::from_request(&queue, req, &ctx.limits)?;
         meta.id = trigger_task_id(&queue, &def.name, tag, i);
         meta.lineage = Some(Lineage {
             trigger: def.name.clone(),
             source: source.as_str().to_string(),
             scheduled_at_ms: scheduled_ms,
         });
-        ids.push(admission.submit_prepared(meta, payload).await?.id);
+        ids.push(ctx.submit_prepared(meta, payload).await?.id);
     }
     for (j, start) in def.flows.iter().enumerate() {
         let input = match (&start.input, event) {
@@ -97,7 +97,7 @@ pub(crate) async fn fire(
             }),
             (None, None) => serde_json::Value::Null,
         };
-        let flow = admission
+        let flow = ctx
             .flows
             .def(&start.flow)
             .await
@@ -113,7 +113,7 @@ pub(crate) async fn fire(
             rerun_of: None,
             trigger: Some((def.name.clone(), source.as_str().to_string(), scheduled_ms)),
         };
-        let (run, _) = start_run(&admission.flows, &admission.limits, flow, input, origin).await?;
+        let (run, _) = start_run(&ctx.flows, &ctx.limits, flow, input, origin).await?;
         ids.push(format!("{FLOW_RUN_PREFIX}{run}"));
     }
     Ok(ids)
@@ -127,14 +127,14 @@ pub(crate) const FLOW_RUN_PREFIX: &str = "flow:";
 /// ended), read concurrently. This is how completion tracking recovers: whatever the
 /// completion feed missed, the records tell (flow runs are only seen this way).
 pub(crate) async fn unfinished<'a>(
-    admission: &Admission,
+    ctx: &Context,
     ids: impl IntoIterator<Item = &'a String>,
 ) -> HashSet<String> {
     let ids: HashSet<&String> = ids.into_iter().collect();
-    let tasks = &admission.tasks;
+    let tasks = &ctx.tasks;
     let reads = ids.into_iter().map(|id| async move {
         if let Some(run) = id.strip_prefix(FLOW_RUN_PREFIX) {
-            return match admission.flows.run(run).await {
+            return match ctx.flows.run(run).await {
                 Ok(Some((r, _))) if r.state != crate::flow::RunState::Running => None,
                 _ => Some(id.clone()),
             };

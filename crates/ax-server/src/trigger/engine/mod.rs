@@ -36,8 +36,8 @@ use super::model::TriggerDef;
 use super::plan::{plan, Plan, Source, TriggerState};
 use super::recur::Recurrence;
 use super::store::{TriggerStore, TriggerStoreError};
+use crate::context::Context;
 use crate::lease::{run_as_leader, Leader, Lease, Stop, TRIGGERS_KEY};
-use crate::submit::Admission;
 use crate::trigger::Validate;
 use async_nats::jetstream::kv;
 use ax_sdk::names::LEASES_BUCKET;
@@ -141,7 +141,7 @@ impl Held {
 }
 
 pub(crate) struct Engine {
-    pub(crate) admission: Arc<Admission>,
+    pub(crate) ctx: Arc<Context>,
     pub(crate) clock: Arc<dyn Clock>,
     pub(crate) lease_ttl: Duration,
     pub(crate) id: String,
@@ -168,7 +168,7 @@ impl Leader for Leading<'_> {
 
 impl Engine {
     pub(crate) async fn run(self, shutdown: CancellationToken) -> Result<(), EngineError> {
-        let js = self.admission.js.clone();
+        let js = self.ctx.js.clone();
         let store = TriggerStore::open(&js).await?;
         let kv = js
             .get_key_value(LEASES_BUCKET)
@@ -208,7 +208,7 @@ impl Engine {
                 }
             }
         };
-        let active = unfinished(&self.admission, tracked_ids(&state)).await;
+        let active = unfinished(&self.ctx, tracked_ids(&state)).await;
         let mut h = Held {
             def,
             rec,
@@ -240,7 +240,7 @@ impl Engine {
             .map_err(|e| broker("watch definitions")(e.into()))?;
         // Every write to a trigger task's record, delivered by an ordered consumer.
         let mut completions = self
-            .admission
+            .ctx
             .tasks
             .watch_trigger_tasks()
             .await
@@ -313,7 +313,7 @@ impl Engine {
                     if state.leader > token {
                         return Ok(Stop::StepDown("a newer leader wrote trigger state"));
                     }
-                    h.active = unfinished(&self.admission, tracked_ids(&state)).await;
+                    h.active = unfinished(&self.ctx, tracked_ids(&state)).await;
                     h.checked_at = Some(Instant::now());
                     h.state = state;
                     h.revision = entry.revision;
@@ -373,7 +373,7 @@ impl Engine {
                 }
                 if h.waits_on_tasks() && h.checked_at.is_none_or(|at| at.elapsed() >= RECHECK) {
                     // Recover completions no feed delivered (belt and braces).
-                    h.active = unfinished(&self.admission, h.active.iter()).await;
+                    h.active = unfinished(&self.ctx, h.active.iter()).await;
                     h.checked_at = Some(Instant::now());
                     self.settle(h);
                 }
@@ -411,13 +411,12 @@ impl Engine {
                     continue;
                 };
                 book.fire_started(&job.name);
-                let (admission, store, done) =
-                    (self.admission.clone(), store.clone(), done_tx.clone());
+                let (ctx, store, done) = (self.ctx.clone(), store.clone(), done_tx.clone());
                 firing.spawn(async move {
                     let name = job.name.clone();
                     // A panic (a bug) still reports: the fire may have been made, so the
                     // trigger's fires are recovered before it is planned again.
-                    let outcome = AssertUnwindSafe(execute(&admission, &store, job))
+                    let outcome = AssertUnwindSafe(execute(&ctx, &store, job))
                         .catch_unwind()
                         .await
                         .unwrap_or_else(|_| {
@@ -489,7 +488,7 @@ pub(super) enum Recorded {
 }
 
 /// Fires a planned trigger and stores its new state.
-async fn execute(admission: &Admission, store: &TriggerStore, job: Job) -> Outcome {
+async fn execute(ctx: &Context, store: &TriggerStore, job: Job) -> Outcome {
     let Job {
         name,
         def,
@@ -506,7 +505,7 @@ async fn execute(admission: &Admission, store: &TriggerStore, job: Job) -> Outco
     let mut ids = Vec::new();
     for &scheduled in &plan.fires {
         let tag = scheduled_tag(scheduled);
-        match fire(admission, &def, scheduled, Source::Schedule, &tag, None).await {
+        match fire(ctx, &def, scheduled, Source::Schedule, &tag, None).await {
             Ok(mut fired) => ids.append(&mut fired),
             Err(e) => {
                 // Busy or unavailable: keep the state as it was and try again shortly.

@@ -36,7 +36,7 @@ impl Engine {
                 })
                 .collect()
         };
-        let tasks = &self.admission.tasks;
+        let tasks = &self.ctx.tasks;
         let checks = candidates.iter().map(|&t| {
             let first = ids_of(t).into_iter().next();
             async move {
@@ -116,7 +116,7 @@ impl Engine {
                 if state.leader > token {
                     return Recorded::StepDown;
                 }
-                h.active = unfinished(&self.admission, tracked_ids(&state)).await;
+                h.active = unfinished(&self.ctx, tracked_ids(&state)).await;
                 h.checked_at = Some(Instant::now());
                 h.state = state;
                 h.revision = revision;

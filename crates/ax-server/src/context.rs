@@ -1,0 +1,56 @@
+//! The server's context: what `ax server` opens once at start (the JetStream context, the
+//! task store, the idempotency and flow buckets, the declared queues and the limits of a
+//! task) and hands to every request handler and service. The submit path, the trigger
+//! fires, the flow engine, the APIs and the console all work over one `Context`.
+
+use crate::submit::Queues;
+use async_nats::jetstream::{self, kv};
+use ax_sdk::names::IDEMPOTENCY_BUCKET;
+use ax_sdk::state::{StateError, TaskStore};
+use ax_sdk::task::Limits;
+
+/// Every store and handle a server opens once at start, shared by its request handlers
+/// and its services. Admission (`submit`) is a set of functions over it, in `submit`.
+#[derive(Debug)]
+pub(crate) struct Context {
+    pub(crate) js: jetstream::Context,
+    pub(crate) tasks: TaskStore,
+    pub(crate) idempotency: kv::Store,
+    pub(crate) limits: Limits,
+    pub(crate) queues: Queues,
+    /// Flow buckets: trigger fires start flow runs.
+    pub(crate) flows: crate::flow::store::FlowStore,
+}
+
+impl Context {
+    pub(crate) async fn open(
+        js: jetstream::Context,
+        limits: Limits,
+        queues: &[String],
+    ) -> Result<Context, StateError> {
+        let tasks = TaskStore::open(&js).await?;
+        let idempotency =
+            js.get_key_value(IDEMPOTENCY_BUCKET)
+                .await
+                .map_err(|e| StateError::Broker {
+                    id: "*".into(),
+                    op: "open idempotency bucket",
+                    source: e.into(),
+                })?;
+        let flows = crate::flow::store::FlowStore::open(&js)
+            .await
+            .map_err(|e| StateError::Broker {
+                id: "*".into(),
+                op: "open flow buckets",
+                source: e.into(),
+            })?;
+        Ok(Context {
+            js,
+            tasks,
+            idempotency,
+            limits,
+            queues: Queues::new(queues),
+            flows,
+        })
+    }
+}
