@@ -1,7 +1,7 @@
 //! The server's long-running parts are supervised: made to fail at start or to panic
 //! mid-run (test hooks), each comes back and does its work — cron keeps firing, a flow run
 //! that was mid-way finishes, the task index lists new tasks — and a fire job that panics
-//! does not stop its trigger.
+//! does not stop its trigger, and a flow run whose turn panics still finishes.
 
 use crate::flows::{finish, flow_worker, slow_chain, Calls};
 use crate::support::{eventually, Env};
@@ -109,6 +109,27 @@ async fn a_flow_engine_that_panics_comes_back_and_its_run_finishes() {
     ax_sdk::hooks::panic_service("sup-flow", "flow-engine");
     let ended = finish(&env.ax, &run).await;
     assert_eq!(ended.state, RunState::Succeeded, "{:?}", ended.reason);
+    let once = calls.lock().unwrap().values().all(|&n| n == 1);
+    assert!(once, "each step ran once: {:?}", calls.lock().unwrap());
+}
+
+/// A flow run's turn that panics (a bug in the actor) is caught by the engine, which reads
+/// the run again: the run still finishes, each step once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flow_run_whose_turn_panics_still_finishes() {
+    let env = Env::start(Env::server()).await;
+    let calls = Calls::default();
+    let (_stop, _w) = env.spawn_worker(flow_worker(calls.clone()));
+    env.ax.put_flow(&slow_chain("turn")).await.unwrap();
+    let run = env.ax.run_flow("turn", json!({"x": 1})).await.unwrap();
+    // Its next turn (when step a ends, to start b) panics.
+    ax_sdk::hooks::panic_next_turn(&run);
+    let ended = finish(&env.ax, &run).await;
+    assert_eq!(ended.state, RunState::Succeeded, "{:?}", ended.reason);
+    assert!(
+        !ax_sdk::hooks::take_turn_panic(&run),
+        "no turn panicked: the test proved nothing"
+    );
     let once = calls.lock().unwrap().values().all(|&n| n == 1);
     assert!(once, "each step ran once: {:?}", calls.lock().unwrap());
 }

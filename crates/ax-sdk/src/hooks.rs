@@ -159,6 +159,23 @@ pub fn take_fire_panic(trigger: &str) -> bool {
         .remove(&("fire-job".to_string(), trigger.to_string()))
 }
 
+/// Makes the next turn of flow run `run` (any server in this process) panic before it
+/// reads or decides anything.
+pub fn panic_next_turn(run: &str) {
+    SERVICE_PANICS
+        .lock()
+        .expect("not poisoned")
+        .insert(("flow-turn".to_string(), run.to_string()));
+}
+
+/// True (once) if a test asked the next turn of flow run `run` to panic.
+pub fn take_turn_panic(run: &str) -> bool {
+    SERVICE_PANICS
+        .lock()
+        .expect("not poisoned")
+        .remove(&("flow-turn".to_string(), run.to_string()))
+}
+
 /// Makes the next `n` starts of service `name` of `scope` fail at once (as a bucket that
 /// cannot be opened would).
 pub fn fail_service_starts(scope: &str, name: &str, n: u32) {
