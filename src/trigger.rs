@@ -21,6 +21,8 @@ pub(crate) enum TriggerCommand {
     },
     /// All triggers with their next fire time.
     List,
+    /// The server whose trigger engine fires now (its `--id`), or null.
+    Leader,
     /// Stop firing (state is kept).
     Pause {
         /// Trigger name.
@@ -61,6 +63,7 @@ pub(crate) async fn run(command: TriggerCommand, conn: &Conn) -> Result<()> {
         TriggerCommand::Put { file } => ("put", read_definitions(&file)?),
         TriggerCommand::Get { name } => ("get", named(name)),
         TriggerCommand::List => ("list", serde_json::json!({})),
+        TriggerCommand::Leader => ("leader", serde_json::json!({})),
         TriggerCommand::Pause { name } => ("pause", named(name)),
         TriggerCommand::Resume { name } => ("resume", named(name)),
         TriggerCommand::Delete { name } => ("delete", named(name)),

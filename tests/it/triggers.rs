@@ -477,7 +477,7 @@ async fn wall_clock_steps_neither_refire_nor_flood() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cli_applies_a_yaml_file() {
-    let env = Env::start(Env::server().queues(["q", "default"])).await;
+    let env = Env::start(Env::server().queues(["q", "default"]).id("cli-apply")).await;
     let file = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/triggers.yaml");
     let run = |args: &[&str]| {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_ax"))
@@ -514,6 +514,12 @@ async fn cli_applies_a_yaml_file() {
         }),
         "{next:?}"
     );
+    // Which server fires: this one, once its engine holds the lease.
+    crate::support::eventually(Duration::from_secs(10), "the trigger leader", || async {
+        let lead: Value = serde_json::from_str(&run(&["trigger", "leader"])).unwrap();
+        (lead["leader"] == "cli-apply").then_some(())
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

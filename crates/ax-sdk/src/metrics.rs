@@ -1,6 +1,7 @@
-//! Prometheus metrics. Names are constants so docs/METRICS in README and the Grafana
-//! dashboard have one place to match; [`describe`] registers their help texts. The process
-//! installs the exporter (the `ax` command serves `/metrics`).
+//! Prometheus metrics. Names are constants so docs/METRICS.md (generated from this file's
+//! doc comments, and tested against them) and the Grafana dashboard have one place to
+//! match; [`describe`] registers their help texts. The process installs the exporter (the
+//! `ax` command serves `/metrics`).
 
 /// Gauge, server: tasks admitted or due but not yet in a ready subject (admission pressure).
 pub const PENDING_DISPATCH: &str = "ax_pending_dispatch";
@@ -16,7 +17,7 @@ pub const SUBMIT_REJECTED: &str = "ax_submit_rejected_total";
 /// Counter, server `{queue}`: submits answered with an existing task (idempotency key).
 pub const SUBMIT_DUPLICATES: &str = "ax_submit_duplicates_total";
 /// Counter, server `{api}`: requests whose handler panicked (a bug), answered
-/// `unavailable`; `api` is `submit`, `trigger` or `event`.
+/// `unavailable`; `api` is `submit`, `task`, `flow`, `limit`, `trigger` or `event`.
 pub const REQUEST_PANICS: &str = "ax_request_panics_total";
 /// Counter, server `{queue}`: accepted tasks whose record could not be written at
 /// admission (the worker writes it when it claims the task).
@@ -54,15 +55,17 @@ pub const FLOW_RUNS_STARTED: &str = "ax_flow_runs_started_total";
 /// Counter, server (the flow engine's leader) `{flow, state}`: flow runs that ended
 /// `succeeded`, `failed` or `cancelled`.
 pub const FLOW_RUNS_ENDED: &str = "ax_flow_runs_ended_total";
-/// Alerts published (`queue`, `kind`: `task_dead` / `flow_failed`).
+/// Counter, server `{queue, kind}`: alerts published; `kind` is `task_dead` or
+/// `flow_failed`.
 pub const ALERTS: &str = "ax_alerts_total";
-/// Terminal failures folded into an alert window instead of alerting (`queue`).
+/// Counter, server `{queue}`: terminal failures folded into an alert window instead of
+/// alerting.
 pub const ALERTS_SUPPRESSED: &str = "ax_alerts_suppressed_total";
 /// Counter, server (with a task index): task records the index could not read (not JSON
 /// of a task record's shape); each is logged with its key and left out of the index.
 pub const INDEX_UNREADABLE: &str = "ax_index_unreadable_records_total";
-/// Failed attempts in a row per task name in one worker process, reset by a success
-/// (`queue`, `task`).
+/// Gauge, worker `{queue, task}`: failed attempts in a row per task name in one worker
+/// process, reset by a success.
 pub const CONSECUTIVE_FAILURES: &str = "ax_task_consecutive_failures";
 /// Gauge, server (the flow engine's leader): runs it is driving now.
 pub const FLOW_RUNS_ACTIVE: &str = "ax_flow_runs_active";
@@ -97,11 +100,11 @@ pub const CONSOLE_CONNECTIONS_REFUSED: &str = "ax_console_connections_refused_to
 /// (a full ready queue, the broker away) and retried with backoff; one summary line every
 /// 10 s at most, not one per task.
 pub const FLOW_STEP_SUBMIT_RETRIES: &str = "ax_flow_step_submit_retries_total";
-/// Gauge, by `service`: 1 while a supervised part of the process runs, 0 while it waits to
-/// be started again after it stopped.
+/// Gauge, server and worker `{service}`: 1 while a supervised part of the process runs, 0
+/// while it waits to be started again after it stopped.
 pub const SERVICE_UP: &str = "ax_service_up";
-/// Counter, by `service` and `reason` (`ended`, `error`, `panic`): supervised parts that
-/// stopped while the process ran (each is started again).
+/// Counter, server and worker `{service, reason}`: supervised parts that stopped while the
+/// process ran (each is started again); `reason` is `ended`, `error` or `panic`.
 pub const SERVICE_RESTARTS: &str = "ax_service_restarts_total";
 
 /// Registers help texts for every metric.
@@ -209,4 +212,107 @@ pub fn describe() {
         SERVICE_RESTARTS,
         "Supervised parts that stopped (ended, error, panic) and were started again"
     );
+}
+
+#[cfg(test)]
+mod reference {
+    /// docs/METRICS.md's table, made from this file: one row per constant, from its doc
+    /// comment (`Kind, process {labels}: meaning`).
+    fn table() -> String {
+        let mut rows = vec![
+            "| metric | type | from | labels | meaning |".to_string(),
+            "|---|---|---|---|---|".to_string(),
+        ];
+        let mut doc: Vec<&str> = Vec::new();
+        for line in include_str!("metrics.rs").lines() {
+            let line = line.trim();
+            if let Some(text) = line.strip_prefix("///") {
+                doc.push(text.trim());
+                continue;
+            }
+            if let Some(name) = line
+                .strip_prefix("pub const ")
+                .and_then(|rest| rest.split('"').nth(1))
+            {
+                let text = doc.join(" ");
+                let (head, meaning) = text.split_once(": ").unwrap_or(("", &text));
+                let (kind, from) = head.split_once(", ").unwrap_or((head, ""));
+                assert!(
+                    ["Gauge", "Counter", "Histogram"].contains(&kind) && !from.is_empty(),
+                    "{name}: its doc must start `Gauge|Counter|Histogram, <process> {{labels}}: `"
+                );
+                let (from, labels) = match from.split_once(" `") {
+                    Some((from, labels)) => (from, format!("`{labels}")),
+                    None => (from, String::new()),
+                };
+                rows.push(format!(
+                    "| `{name}` | {kind} | {from} | {labels} | {meaning} |"
+                ));
+            }
+            doc.clear();
+        }
+        rows.join("\n")
+    }
+
+    /// Each constant's kind as its doc says it, and as `describe` registers it.
+    #[test]
+    fn each_metric_is_described_as_the_kind_its_doc_says() {
+        let text = include_str!("metrics.rs");
+        let (consts, rest) = text.split_once("pub fn describe").expect("describe");
+        let described = rest.split("#[cfg(test)]").next().unwrap_or_default();
+        let mut said = std::collections::BTreeMap::new();
+        let mut kind = "";
+        for line in consts.lines().map(str::trim) {
+            if let Some(doc) = line.strip_prefix("/// ") {
+                if let Some(k) = ["Gauge", "Counter", "Histogram"]
+                    .into_iter()
+                    .find(|k| doc.starts_with(&format!("{k},")))
+                {
+                    kind = k;
+                }
+            } else if let Some(rest) = line.strip_prefix("pub const ") {
+                let ident = rest.split(':').next().unwrap_or_default().to_string();
+                said.insert(ident, kind.to_lowercase());
+                kind = "";
+            }
+        }
+        let mut registered = std::collections::BTreeMap::new();
+        let words: Vec<&str> = described
+            .split(|c: char| !(c.is_alphanumeric() || c == '_'))
+            .filter(|w| !w.is_empty())
+            .collect();
+        for pair in words.windows(2) {
+            let constant = pair[1].chars().all(|c| c.is_ascii_uppercase() || c == '_');
+            if let Some(k) = pair[0].strip_prefix("describe_").filter(|_| constant) {
+                registered.insert(pair[1].to_string(), k.to_string());
+            }
+        }
+        assert_eq!(said, registered, "doc kinds vs describe_* calls");
+    }
+
+    /// The metrics reference is generated from the constants and their docs, and checked
+    /// here: a metric added, renamed or redescribed without the doc fails.
+    /// `AX_WRITE_DOCS=1 cargo test -p ax-sdk metrics` writes it again.
+    #[test]
+    fn docs_metrics_md_lists_every_metric_as_this_file_describes_it() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/METRICS.md");
+        let doc = std::fs::read_to_string(path).unwrap_or_default();
+        let start = "<!-- generated from crates/ax-sdk/src/metrics.rs -->";
+        let end = "<!-- end of generated table -->";
+        let want = format!("{start}\n{}\n{end}", table());
+        if std::env::var_os("AX_WRITE_DOCS").is_some() {
+            let (head, tail) = match (doc.find(start), doc.find(end)) {
+                (Some(a), Some(b)) => (&doc[..a], &doc[b + end.len()..]),
+                _ => (doc.as_str(), "\n"),
+            };
+            std::fs::write(path, format!("{head}{want}{tail}")).expect("write docs/METRICS.md");
+            return;
+        }
+        assert!(
+            doc.contains(&want),
+            "docs/METRICS.md does not hold the table metrics.rs makes \
+             (AX_WRITE_DOCS=1 cargo test -p ax-sdk metrics writes it):\n{want}"
+        );
+        assert_eq!(super::super::metrics::SERVICE_UP, "ax_service_up");
+    }
 }
