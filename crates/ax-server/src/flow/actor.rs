@@ -13,9 +13,9 @@
 //! read back from the task records when that step starts; so is the run's input.
 
 use super::advance::{advance, Tracked};
-use super::engine::{Budget, Reserved, Shape, Shared};
 use super::input::Built;
 use super::model::{step_task_id, FlowRun, RunState, StepRun, StepState};
+use super::shared::{Budget, Reserved, Shape, Shared};
 use super::store::FlowStoreError;
 use ax_sdk::metrics as m;
 use ax_sdk::output::{StoredOutput, TaskOutput};
@@ -412,7 +412,7 @@ impl Run {
     /// budget has room) and the step records.
     pub(crate) fn install(
         &mut self,
-        held: &super::engine::Budget,
+        held: &super::shared::Budget,
         shape: Arc<Shape>,
         cancel: bool,
         input: Vec<u8>,
@@ -759,7 +759,7 @@ fn refused(e: WireError) -> Done {
 
 #[cfg(test)]
 mod tests {
-    use super::super::engine::{Budget, Shapes};
+    use super::super::shared::{Budget, Shapes};
     use super::*;
     use crate::flow::def::{FlowDef, StepDef};
     use ax_sdk::client::TaskSpec;

@@ -15,8 +15,8 @@
 
 use super::actor::{Run, CONCURRENCY};
 use super::def::MAX_FAN_OUT;
-use super::engine::Shared;
 use super::model::StepState;
+use super::shared::Shared;
 use ax_sdk::output::TaskOutput;
 use ax_sdk::protocol::ErrorCode;
 use ax_sdk::state::ErrorInfo;

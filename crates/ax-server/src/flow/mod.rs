@@ -5,7 +5,7 @@
 //! - [`model`]: what a run stores (`AX_FLOW_RUNS`: the run, one record per step) and the
 //!   deterministic ids of step tasks.
 //! - [`advance`]: the state machine, a pure function of the steps and their tasks' ends.
-//! - `engine` / `actor`: the leader inside `ax server` that drives running runs.
+//! - `engine` / `actor` / `shared`: the leader inside `ax server` that drives running runs.
 //! - `api`: `ax.flow.<op>` requests (put, run, get, list, cancel, rerun, …).
 //! - [`store`]: the two KV buckets.
 
@@ -14,5 +14,6 @@ pub mod advance;
 pub(crate) mod api;
 pub(crate) mod engine;
 mod input;
+mod shared;
 
 pub use ax_sdk::flow::*;
