@@ -13,6 +13,8 @@ use std::time::Duration;
 pub(crate) struct Workers {
     _procs: Vec<AxProc>,
     pub(crate) journals: Vec<PathBuf>,
+    /// Each worker's `/metrics` port.
+    metrics: Vec<u16>,
     _dir: tempfile::TempDir,
 }
 
@@ -32,19 +34,28 @@ pub(crate) fn workers_env(
     let journals: Vec<PathBuf> = (0..n)
         .map(|i| dir.path().join(format!("w{i}.jsonl")))
         .collect();
+    let metrics: Vec<u16> = journals.iter().map(|_| crate::procs::free_port()).collect();
     let procs = journals
         .iter()
-        .map(|j| spawn_worker(url, j, concurrency, env))
+        .zip(&metrics)
+        .map(|(j, &port)| spawn_worker(url, j, concurrency, port, env))
         .collect();
     Workers {
         _procs: procs,
         journals,
+        metrics,
         _dir: dir,
     }
 }
 
-fn spawn_worker(url: &str, journal: &Path, concurrency: usize, env: &[(&str, &str)]) -> AxProc {
-    AxProc::spawn_env(
+fn spawn_worker(
+    url: &str,
+    journal: &Path,
+    concurrency: usize,
+    metrics: u16,
+    env: &[(&str, &str)],
+) -> AxProc {
+    AxProc::spawn_full(
         url,
         &[
             "worker",
@@ -58,6 +69,7 @@ fn spawn_worker(url: &str, journal: &Path, concurrency: usize, env: &[(&str, &st
             "--journal",
             journal.to_str().unwrap(),
         ],
+        &format!("127.0.0.1:{metrics}"),
         env,
     )
 }
@@ -162,11 +174,31 @@ pub(crate) async fn set(env: &Env, def: Value) {
     assert_eq!(env.ax.put_limit(&def).await.unwrap(), def);
 }
 
-/// Changes a limit while workers run. They follow the definitions by a KV watch, which
-/// tells nobody when it has delivered: this waits 300 ms, the one fixed wait left here.
-pub(crate) async fn change(env: &Env, def: Value) {
+/// Changes a limit while workers run, and waits until each worker has applied it: their
+/// `ax_limits_applied_revision{queue}` reaches the definition's revision in `AX_LIMITS`.
+pub(crate) async fn change(env: &Env, workers: &Workers, def: Value) {
+    let key = format!(
+        "{}.{}",
+        def["queue"].as_str().unwrap(),
+        def["name"].as_str().unwrap()
+    );
     set(env, def).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let bucket = env.js.get_key_value("AX_LIMITS").await.unwrap();
+    let revision = bucket.entry(&key).await.unwrap().expect("stored").revision;
+    for &port in &workers.metrics {
+        crate::support::eventually(Duration::from_secs(10), "the change applied", || async {
+            let text = crate::procs::scrape(port).await;
+            let applied = text
+                .lines()
+                .find(|l| l.starts_with("ax_limits_applied_revision{queue=\"q\"}"))?
+                .rsplit(' ')
+                .next()?
+                .parse::<f64>()
+                .ok()?;
+            (applied >= revision as f64).then_some(())
+        })
+        .await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -311,7 +343,7 @@ async fn a_killed_holder_s_singleton_restarts_within(env: &Env, limit: Duration)
     .await;
     let dir = tempfile::tempdir().unwrap();
     let (ja, jb) = (dir.path().join("a.jsonl"), dir.path().join("b.jsonl"));
-    let mut a = spawn_worker(&env.nats.url(), &ja, 4, &[]);
+    let mut a = spawn_worker(&env.nats.url(), &ja, 4, crate::procs::free_port(), &[]);
     let long = submit_keyed(env, 1, "single", "k", 60_000).await.remove(0);
     crate::support::eventually(Duration::from_secs(10), "the long task on a", || async {
         runs_started(std::slice::from_ref(&ja))
@@ -322,7 +354,7 @@ async fn a_killed_holder_s_singleton_restarts_within(env: &Env, limit: Duration)
     let next = submit_keyed(env, 1, "single", "k", 10).await.remove(0);
     a.kill9();
     let killed = std::time::Instant::now();
-    let _b = spawn_worker(&env.nats.url(), &jb, 4, &[]);
+    let _b = spawn_worker(&env.nats.url(), &jb, 4, crate::procs::free_port(), &[]);
     crate::support::eventually(
         Duration::from_secs(30),
         "b to start the singleton",
@@ -370,6 +402,7 @@ async fn rate_and_cap_together_never_deadlock_and_a_changed_limit_applies_to_que
     // A slow limit, then raised while its tasks are queued: they speed up.
     change(
         &env,
+        &w,
         json!({"name": "slow", "queue": "q", "key": "k", "rate": 1.0, "burst": 1}),
     )
     .await;
@@ -382,6 +415,7 @@ async fn rate_and_cap_together_never_deadlock_and_a_changed_limit_applies_to_que
     assert!(early <= 4, "{early} started at 1/s in 2 s");
     change(
         &env,
+        &w,
         json!({"name": "slow", "queue": "q", "key": "k", "rate": 1000.0}),
     )
     .await;
@@ -435,7 +469,7 @@ async fn a_stalled_holder_stops_its_attempt_when_its_slot_is_lost() {
     .await;
     let dir = tempfile::tempdir().unwrap();
     let (ja, jb) = (dir.path().join("a.jsonl"), dir.path().join("b.jsonl"));
-    let a = spawn_worker(&env.nats.url(), &ja, 4, &[]);
+    let a = spawn_worker(&env.nats.url(), &ja, 4, crate::procs::free_port(), &[]);
     let ids = submit_keyed(&env, 2, "slow", "k", 6_000).await;
     crate::support::eventually(
         Duration::from_secs(10),
@@ -447,7 +481,7 @@ async fn a_stalled_holder_stops_its_attempt_when_its_slot_is_lost() {
     // expire and worker b takes the tasks over.
     a.signal("-STOP");
     let stopped_at = ax_sdk::time::now_ms();
-    let _b = spawn_worker(&env.nats.url(), &jb, 4, &[]);
+    let _b = spawn_worker(&env.nats.url(), &jb, 4, crate::procs::free_port(), &[]);
     crate::support::eventually(Duration::from_secs(15), "b to run both tasks", || async {
         (journaled(&jb).len() >= 2).then_some(())
     })

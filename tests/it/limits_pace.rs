@@ -172,6 +172,7 @@ async fn a_raised_rate_reaches_tasks_already_handed_back() {
     assert!(early <= 2, "{early} started at 0.2/s in 2 s");
     change(
         &env,
+        &w,
         json!({"name": "slow", "queue": "q", "key": "k", "rate": 1000.0}),
     )
     .await;

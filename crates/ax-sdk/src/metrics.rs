@@ -103,6 +103,9 @@ pub const FLOW_STEP_SUBMIT_RETRIES: &str = "ax_flow_step_submit_retries_total";
 /// Gauge, server and worker `{service}`: 1 while a supervised part of the process runs, 0
 /// while it waits to be started again after it stopped.
 pub const SERVICE_UP: &str = "ax_service_up";
+/// Gauge, worker `{queue}`: the `AX_LIMITS` revision of the latest limit definition of the
+/// queue this worker has applied (a change has reached it once this is at its revision).
+pub const LIMITS_APPLIED: &str = "ax_limits_applied_revision";
 /// Counter, server and worker `{service, reason}`: supervised parts that stopped while the
 /// process ran (each is started again); `reason` is `ended`, `error` or `panic`.
 pub const SERVICE_RESTARTS: &str = "ax_service_restarts_total";
@@ -203,6 +206,10 @@ pub fn describe() {
     describe_counter!(
         FLOW_STEP_SUBMIT_RETRIES,
         "Flow step task submits refused for now (queue full, broker away) and retried"
+    );
+    describe_gauge!(
+        LIMITS_APPLIED,
+        "The AX_LIMITS revision of the latest limit definition of the queue applied"
     );
     describe_gauge!(
         SERVICE_UP,

@@ -371,6 +371,8 @@ impl Gate {
                     }
                 }
                 drop(defs);
+                metrics::gauge!(m::LIMITS_APPLIED, "queue" => self.queue.clone())
+                    .set(entry.revision as f64);
                 if caught_up {
                     self.ready.send_replace(true);
                 }
