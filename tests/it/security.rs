@@ -37,6 +37,25 @@ fn auth_server_with(edit: impl FnOnce(String) -> String) -> (LocalNats, tempfile
     (nats, dir)
 }
 
+/// Writes deploy/nats-auth.conf back as shipped (every right granted) over the edited
+/// copy in `dir`, and has `nats` reload it (SIGHUP).
+fn reload_unedited(nats: &LocalNats, dir: &tempfile::TempDir) {
+    let conf = dir.path().join("auth.conf");
+    let granted = auth_server_text(|t| t);
+    assert_ne!(
+        std::fs::read_to_string(&conf).unwrap(),
+        granted,
+        "nothing to grant"
+    );
+    std::fs::write(&conf, granted).unwrap();
+    let pid = nats.pid().unwrap().to_string();
+    let hup = std::process::Command::new("kill")
+        .args(["-HUP", &pid])
+        .status()
+        .unwrap();
+    assert!(hup.success());
+}
+
 /// Connects as `user`, with that user's own inbox prefix (`_INBOX.<user>`).
 async fn connect(
     url: &str,
@@ -650,17 +669,7 @@ async fn a_delayed_index_that_cannot_start_waits_and_the_server_stays_up() {
         server.await
     );
     // Grant the right again and reload the config.
-    let conf = dir.path().join("auth.conf");
-    let text = std::fs::read_to_string(&conf).unwrap();
-    let granted = auth_server_text(|t| t);
-    assert_ne!(text, granted);
-    std::fs::write(&conf, granted).unwrap();
-    let pid = nats.pid().unwrap().to_string();
-    assert!(std::process::Command::new("kill")
-        .args(["-HUP", &pid])
-        .status()
-        .unwrap()
-        .success());
+    reload_unedited(&nats, &dir);
     let worker = Worker::builder("default")
         .handler(|_t: Task| async { Ok(()) })
         .build()
@@ -737,14 +746,7 @@ async fn a_trigger_engine_denied_its_definitions_fires_once_a_reload_grants_them
         server.await
     );
 
-    let conf = dir.path().join("auth.conf");
-    std::fs::write(&conf, auth_server_text(|t| t)).unwrap();
-    let pid = nats.pid().unwrap().to_string();
-    assert!(std::process::Command::new("kill")
-        .args(["-HUP", &pid])
-        .status()
-        .unwrap()
-        .success());
+    reload_unedited(&nats, &dir);
     eventually(
         Duration::from_secs(30),
         "two fires once the bucket is granted",

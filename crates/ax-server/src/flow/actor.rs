@@ -758,23 +758,27 @@ fn refused(e: WireError) -> Done {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::super::shared::{Budget, Shapes};
     use super::*;
     use crate::flow::def::{FlowDef, StepDef};
     use ax_sdk::client::TaskSpec;
 
-    /// A diamond flow's run whose step `a` runs two tasks (b and c wait on a, d on both).
-    fn running_diamond() -> (Box<Run>, Budget) {
-        let step = |name: &str| StepDef::new(name, "q", TaskSpec::new("step"));
-        let def = FlowDef::new("diamond")
+    /// Flow `diamond` on queue `queue`: a; b and c after a; d after b and c.
+    pub(in crate::flow) fn diamond(queue: &str) -> FlowDef {
+        let step = |name: &str| StepDef::new(name, queue, TaskSpec::new("step"));
+        FlowDef::new("diamond")
             .step(step("a"))
             .step(step("b").needs(["a"]))
             .step(step("c").needs(["a"]))
-            .step(step("d").needs(["b", "c"]));
+            .step(step("d").needs(["b", "c"]))
+    }
+
+    /// A diamond flow's run whose step `a` runs two tasks (b and c wait on a, d on both).
+    fn running_diamond() -> (Box<Run>, Budget) {
         let limits = ax_sdk::task::Limits::default();
         let shape = Shapes::default()
-            .get("diamond", def, &limits)
+            .get("diamond", diamond("q"), &limits)
             .expect("valid");
         let budget = Budget::new(1 << 20);
         let mut run = Run::new("r1".into());

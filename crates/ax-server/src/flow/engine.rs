@@ -402,7 +402,6 @@ impl FlowEngine {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::flow::def::FlowDef;
 
     /// Bytes this thread has allocated and not freed (the lib's tests count allocations
     /// per thread; see `counting`).
@@ -412,15 +411,8 @@ mod tests {
 
     #[test]
     fn a_waiting_diamond_run_holds_less_than_a_kibibyte() {
-        use crate::flow::def::StepDef;
-        use ax_sdk::client::TaskSpec;
         let limits = ax_sdk::task::Limits::default();
-        let step = |name: &str| StepDef::new(name, "diamond", TaskSpec::new("step"));
-        let def = FlowDef::new("diamond")
-            .step(step("a"))
-            .step(step("b").needs(["a"]))
-            .step(step("c").needs(["a"]))
-            .step(step("d").needs(["b", "c"]));
+        let def = crate::flow::actor::tests::diamond("diamond");
         let shapes = Shapes::default();
         let budget = Budget::new(HELD_BYTES);
         let _first = shapes.get("diamond", def.clone(), &limits).expect("valid");
