@@ -2,7 +2,7 @@
 //! and `POST /api/<api>/<op>` on the console (PROTOCOL.md §5–§8).
 //!
 //! The server routes by this table (an operation not in it is answered
-//! [`unknown_operation`] before any handler runs), subscribes the index's operations only
+//! [`unknown_operation`] when [`Request::decode`] reads it, before the handler acts), subscribes the index's operations only
 //! where it keeps an index, and lets the console's read-only role call exactly the
 //! operations marked [`Operation::read_only`]. A test reads PROTOCOL.md's tables and checks
 //! them against this one, and calls every entry over NATS and through the console.

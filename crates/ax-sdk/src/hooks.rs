@@ -14,7 +14,8 @@
 //! every claim of a worker process take N ms longer (a slow broker), past the lead its
 //! rate tokens are taken with; [`panic_service`] makes a supervised service panic
 //! mid-run and [`fail_service_starts`] makes its next starts fail (the supervisor must
-//! start it again); `AX_TEST_PANIC_REQUEST=<marker>` makes every management request
+//! start it again); [`panic_next_fire`] and [`panic_next_turn`] make a trigger's next fire
+//! job or a flow run's next turn panic; `AX_TEST_PANIC_REQUEST=<marker>` makes every management request
 //! whose body holds `<marker>` panic in its handler (the request path must answer
 //! `unavailable` and count it).
 

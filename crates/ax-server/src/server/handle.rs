@@ -142,12 +142,11 @@ impl Apis {
         Some(guarded(api.name(), self.run(api, op, &body)).await)
     }
 
-    /// Runs operation `op` of `api`: refused as unknown unless the registry lists it. The
-    /// callers guard it (a panic becomes an `unavailable` answer).
+    /// Runs operation `op` of `api`. Each handler decodes the request through its API's
+    /// typed request (`ax_sdk::api::Request::decode`), which refuses an operation the
+    /// registry does not list before anything else. The callers guard it (a panic becomes
+    /// an `unavailable` answer).
     async fn run(&self, api: Api, op: &str, body: &[u8]) -> Result<serde_json::Value, WireError> {
-        if ax_sdk::api::operation(api, op).is_none() {
-            return Err(ax_sdk::api::unknown_operation(api, op));
-        }
         #[cfg(feature = "test-hooks")]
         if ax_sdk::hooks::request_panics(body) {
             panic!("test hook: request {}.{op} made to panic", api.name());
