@@ -172,25 +172,13 @@ fn value_for(field: &'static str) -> BoxedStrategy<Doc> {
     prop_oneof![4 => typed, 1 => nasty_value()].boxed()
 }
 
-const TRIGGER_FIELDS: [&str; 17] = [
-    "name",
-    "kind",
-    "expr",
-    "tz",
-    "every_ms",
-    "mode",
-    "start_at",
-    "at",
-    "subject",
-    "enabled",
-    "misfire",
-    "grace_ms",
-    "max_catch_up",
-    "overlap",
-    "tasks",
-    "force",
-    "prune",
-];
+/// A definition's fields as the decoder knows them, and those of the `run` and `apply`
+/// bodies that carry a definition's name.
+static TRIGGER_FIELDS: std::sync::LazyLock<Vec<&'static str>> = std::sync::LazyLock::new(|| {
+    ax_sdk::trigger::TriggerDef::fields()
+        .chain(["force", "prune"])
+        .collect()
+});
 
 fn object_of(fields: &'static [&'static str], base: Vec<(String, Doc)>) -> BoxedStrategy<Doc> {
     let field = prop::sample::select(fields.to_vec());
@@ -227,8 +215,8 @@ fn trigger_body() -> BoxedStrategy<String> {
         ("tasks".into(), template),
     ];
     prop_oneof![
-        6 => object_of(&TRIGGER_FIELDS, base).prop_map(|d| d.text()),
-        1 => object_of(&TRIGGER_FIELDS, Vec::new())
+        6 => object_of(TRIGGER_FIELDS.as_slice(), base).prop_map(|d| d.text()),
+        1 => object_of(TRIGGER_FIELDS.as_slice(), Vec::new())
             .prop_map(|d| Doc::Obj(vec![("triggers".into(), Doc::Arr(vec![d]))]).text()),
         1 => nasty_value().prop_map(|d| d.text()),
     ]

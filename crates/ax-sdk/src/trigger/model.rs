@@ -161,7 +161,22 @@ const COMMON_FIELDS: [&str; 9] = [
     "flows",
 ];
 
+/// The fields each kind adds to [`COMMON_FIELDS`].
+const KIND_FIELDS: [(&str, &[&str]); 4] = [
+    ("cron", &["expr", "tz"]),
+    ("interval", &["every_ms", "mode", "start_at"]),
+    ("once", &["at"]),
+    ("event", &["subject"]),
+];
+
 impl TriggerDef {
+    /// Every field a definition may have, of any kind (the decoder refuses the others).
+    pub fn fields() -> impl Iterator<Item = &'static str> {
+        COMMON_FIELDS
+            .into_iter()
+            .chain(KIND_FIELDS.into_iter().flat_map(|(_, f)| f.iter().copied()))
+    }
+
     /// Decodes a definition from JSON, refusing unknown fields by name.
     pub fn decode(value: serde_json::Value) -> Result<TriggerDef, WireError> {
         let bad = |m: String| WireError::new(ErrorCode::BadRequest, m);
@@ -169,15 +184,14 @@ impl TriggerDef {
             return Err(bad("a trigger definition is a JSON object".into()));
         };
         let kind_fields: &[&str] = match object.get("kind").and_then(|k| k.as_str()) {
-            Some("cron") => &["expr", "tz"],
-            Some("interval") => &["every_ms", "mode", "start_at"],
-            Some("once") => &["at"],
-            Some("event") => &["subject"],
-            Some(other) => {
-                return Err(bad(format!(
-                    "unknown kind {other:?} (expected cron, interval, once or event)"
-                )))
-            }
+            Some(kind) => match KIND_FIELDS.iter().find(|(k, _)| *k == kind) {
+                Some((_, fields)) => fields,
+                None => {
+                    return Err(bad(format!(
+                        "unknown kind {kind:?} (expected cron, interval, once or event)"
+                    )))
+                }
+            },
             None => return Err(bad("missing field `kind`".into())),
         };
         if let Some(unknown) = object
@@ -262,5 +276,46 @@ impl TriggerDef {
     /// The task templates' queues.
     pub fn queues(&self) -> impl Iterator<Item = &str> {
         self.tasks.iter().filter_map(|t| t.queue.as_deref())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn each_kind_takes_its_own_fields_and_refuses_the_others_by_name() {
+        let task = json!([{"name": "t", "queue": "q"}]);
+        let ok = [
+            json!({"name": "a", "kind": "cron", "expr": "0 * * * * *", "tz": "UTC", "tasks": task}),
+            json!({"name": "a", "kind": "interval", "every_ms": 1000, "tasks": task}),
+            json!({"name": "a", "kind": "once", "at": "2030-01-01T00:00:00Z", "tasks": task}),
+            json!({"name": "a", "kind": "event", "subject": "orders.created", "tasks": task}),
+        ];
+        for def in ok {
+            TriggerDef::decode(def.clone()).unwrap_or_else(|e| panic!("{def}: {e:?}"));
+        }
+        let cross = json!({"name": "a", "kind": "once", "at": "2030-01-01T00:00:00Z",
+            "every_ms": 1000, "tasks": task});
+        let e = TriggerDef::decode(cross).unwrap_err();
+        assert_eq!(e.code, ErrorCode::BadRequest);
+        assert!(e.message.contains("every_ms"), "{e:?}");
+        for def in [
+            json!({"name": "a", "kind": "weekly"}),
+            json!({"name": "a"}),
+            json!([1]),
+        ] {
+            assert_eq!(
+                TriggerDef::decode(def).unwrap_err().code,
+                ErrorCode::BadRequest
+            );
+        }
+        let fields: Vec<&str> = TriggerDef::fields().collect();
+        let unique: std::collections::BTreeSet<&str> = fields.iter().copied().collect();
+        assert_eq!(fields.len(), unique.len(), "{fields:?}");
+        assert!(["flows", "expr", "subject", "at"]
+            .iter()
+            .all(|f| unique.contains(f)));
     }
 }
