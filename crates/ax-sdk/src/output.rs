@@ -55,6 +55,18 @@ impl Output {
             is_json: true,
         })))
     }
+    /// A JSON output already serialized (by another language's binding): checked to be
+    /// JSON text, stored as is; text that is not JSON is a non-retryable `bad_output`.
+    pub fn json_text(text: impl Into<Bytes>) -> Result<Output, crate::worker::TaskError> {
+        let bytes = text.into();
+        serde_json::from_slice::<serde::de::IgnoredAny>(&bytes).map_err(|e| {
+            crate::worker::TaskError::permanent("bad_output", format!("not JSON: {e}"))
+        })?;
+        Ok(Output(Some(TaskOutput {
+            bytes,
+            is_json: true,
+        })))
+    }
     /// A binary output.
     pub fn bytes(bytes: impl Into<Bytes>) -> Output {
         Output(Some(TaskOutput {

@@ -12,7 +12,7 @@
 //! assert!(def.validate(&Default::default()).is_ok());
 //! ```
 
-use super::def::{FailurePolicy, FlowDef, StepDef, TriggerRule};
+use super::def::{FailurePolicy, FlowDef, OnFailure, StepDef, TriggerRule};
 use crate::client::TaskSpec;
 
 impl FlowDef {
@@ -49,6 +49,7 @@ impl StepDef {
             needs: Vec::new(),
             for_each: None,
             trigger: TriggerRule::default(),
+            on_failure: OnFailure::default(),
             task,
         }
     }
@@ -68,6 +69,12 @@ impl StepDef {
     /// When the step runs.
     pub fn trigger(mut self, rule: TriggerRule) -> StepDef {
         self.trigger = rule;
+        self
+    }
+
+    /// What the step's failure does to the run (default [`OnFailure::Fail`]).
+    pub fn on_failure(mut self, policy: OnFailure) -> StepDef {
+        self.on_failure = policy;
         self
     }
 }

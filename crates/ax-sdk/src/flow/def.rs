@@ -59,6 +59,27 @@ pub enum TriggerRule {
     OneFailed,
 }
 
+/// What a step's failure does to the run.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnFailure {
+    /// The failure counts: its dependants follow their trigger rules, the failure policy
+    /// applies, and the run ends `failed`.
+    #[default]
+    Fail,
+    /// The failure only alerts (the task's dead letter raises its `task_dead` alert): the
+    /// step ends `failed`, but for its dependants and for the run it counts as done —
+    /// `all_success` children run (the step's output absent from `parents`, its error in
+    /// `errors`), no fail-fast, and the run can still succeed.
+    NotifyOnly,
+}
+
+impl OnFailure {
+    fn is_fail(&self) -> bool {
+        *self == OnFailure::Fail
+    }
+}
+
 /// One step.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -74,6 +95,9 @@ pub struct StepDef {
     /// When the step runs.
     #[serde(default)]
     pub trigger: TriggerRule,
+    /// What its failure does (default `fail`).
+    #[serde(default, skip_serializing_if = "OnFailure::is_fail")]
+    pub on_failure: OnFailure,
     /// The task it submits: a submit request with a `queue`, and without `delay_ms`,
     /// `run_at` or `idempotency_key` (the flow keys each step's tasks itself). Its
     /// `payload`, if any, reaches the task as `args` (see `flow::input`).

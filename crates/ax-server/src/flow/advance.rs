@@ -6,7 +6,7 @@
 //! `Tracked` is what the engine holds of a step between completions: its record and a
 //! tally of its tasks' ends, compactly (one bit per task, not the tasks' records).
 
-use super::def::{FailurePolicy, FlowDef, TriggerRule};
+use super::def::{FailurePolicy, FlowDef, OnFailure, TriggerRule};
 use super::model::{RunState, StepRun, StepState};
 use ax_sdk::state::{ErrorInfo, TaskState};
 
@@ -102,7 +102,13 @@ pub fn advance(
         }
     }
     let fail_fast = def.failure == FailurePolicy::FailFast;
-    let first_failed = steps.iter().position(|s| s.state == StepState::Failed);
+    // A failed `notify_only` step only alerts: for its children and the run it is done.
+    let tolerated = |steps: &[StepRun], p: usize| {
+        steps[p].state == StepState::Failed && def.steps[p].on_failure == OnFailure::NotifyOnly
+    };
+    let counts_failed =
+        |steps: &[StepRun], p: usize| steps[p].state == StepState::Failed && !tolerated(steps, p);
+    let first_failed = (0..steps.len()).find(|&p| counts_failed(steps, p));
     for &i in order {
         if steps[i].state != StepState::Waiting {
             continue;
@@ -110,8 +116,11 @@ pub fn advance(
         let mine = &parents[i];
         let state = |p: &usize| steps[*p].state;
         let all_done = mine.iter().all(|p| state(p).is_terminal());
-        let failed_parent = mine.iter().find(|p| state(p).is_failure());
-        let all_ok = mine.iter().all(|p| state(p) == StepState::Succeeded);
+        let ok = |p: &usize| state(p) == StepState::Succeeded || tolerated(steps, *p);
+        let failed_parent = mine
+            .iter()
+            .find(|p| state(p).is_failure() && !tolerated(steps, **p));
+        let all_ok = mine.iter().all(ok);
         let parent_name = |p: usize| def.steps[p].name.clone();
         let (next, error) = match def.steps[i].trigger {
             TriggerRule::AllSuccess => {
@@ -134,10 +143,7 @@ pub fn advance(
                 } else if all_ok {
                     (Some(StepState::Running), None)
                 } else if all_done {
-                    let p = *mine
-                        .iter()
-                        .find(|p| state(p) != StepState::Succeeded)
-                        .expect("not all succeeded");
+                    let p = *mine.iter().find(|p| !ok(p)).expect("not all succeeded");
                     let next = if state(&p) == StepState::Cancelled {
                         StepState::Cancelled
                     } else {
@@ -189,7 +195,7 @@ pub fn advance(
     if steps.iter().all(|s| s.state.is_terminal()) {
         out.end = Some(if cancel {
             (RunState::Cancelled, "cancelled on request".to_string())
-        } else if let Some(f) = steps.iter().position(|s| s.state == StepState::Failed) {
+        } else if let Some(f) = (0..steps.len()).find(|&p| counts_failed(steps, p)) {
             let error = steps[f]
                 .error
                 .as_ref()
@@ -518,6 +524,46 @@ mod tests {
         r.finish(3, true);
         let out = r.step();
         assert_eq!(out.end.unwrap().0, RunState::Succeeded);
+    }
+
+    #[test]
+    fn a_notify_only_failure_lets_its_children_run_and_the_run_succeed() {
+        // a → b (notify_only) → c ; a → c.
+        let mut r = Run::new(
+            "fail_fast",
+            &[("a", &[], ALL), ("b", &["a"], ALL), ("c", &["a", "b"], ALL)],
+        );
+        r.def.steps[1].on_failure = OnFailure::NotifyOnly;
+        r.step();
+        r.finish(0, true);
+        assert_eq!(r.step().start, vec![1]);
+        r.finish(1, false);
+        let out = r.step();
+        assert_eq!(out.start, vec![2], "the failure does not block its child");
+        assert!(out.cancel_queued.is_empty(), "nor fail fast");
+        r.finish(2, true);
+        let (state, reason) = r.step().end.expect("ended");
+        assert_eq!(
+            (state, r.states()),
+            (
+                RunState::Succeeded,
+                vec!["succeeded", "failed", "succeeded"]
+            )
+        );
+        assert!(
+            reason.contains("1 skipped or cancelled") || reason.contains("no step failed"),
+            "{reason}"
+        );
+        // The same failure without the policy fails the run.
+        let mut r = Run::new(
+            "fail_fast",
+            &[("a", &[], ALL), ("b", &["a"], ALL), ("c", &["a", "b"], ALL)],
+        );
+        r.step();
+        r.finish(0, true);
+        r.step();
+        r.finish(1, false);
+        assert_eq!(r.step().end.expect("ended").0, RunState::Failed);
     }
 
     #[test]

@@ -1,0 +1,55 @@
+"""ax_scheduler: ax, the task scheduler native to NATS JetStream, for Python.
+
+::
+
+    import ax_scheduler as ax
+
+    @ax.task(retries=3, timeout=60)
+    def create_invoice(payment: dict) -> dict: ...
+
+    with ax.Runtime():                     # embedded nats-server + ax server if none runs
+        print(create_invoice.submit({"payment_id": "pay_001"}).result(timeout=30))
+
+The worker loop, claim, fencing, heartbeats, limits and retries are ax's Rust SDK (the
+native module ``ax_scheduler._core``); Python runs your functions. Guide:
+docs/guides/python.md.
+"""
+
+from . import errors
+from ._client import Client
+from ._context import TaskContext, context
+from ._core import __version__
+from ._flow import FlowDef, flow
+from ._runtime import Runtime
+from ._task import Handle, TaskDef, task
+from .errors import (
+    AxError,
+    Conflict,
+    FlowDefinitionError,
+    FlowFailed,
+    InvalidInput,
+    NonRetryable,
+    NotFound,
+    PermissionDenied,
+    TaskFailed,
+    TimedOut,
+    Unavailable,
+)
+
+
+def register(*items: "TaskDef | FlowDef", client: "Client | None" = None) -> None:
+    """Stores the definitions of these flows now (the runtime stores the flows of its
+    tasks when it starts)."""
+    c = client or Client.default()
+    for item in items:
+        if isinstance(item, FlowDef):
+            c.put_flow(item)
+        elif not isinstance(item, TaskDef):
+            raise InvalidInput(f"register() takes @ax.task and @ax.flow objects, not {item!r}")
+
+
+__all__ = [
+    "AxError", "Client", "Conflict", "FlowDef", "FlowDefinitionError", "FlowFailed", "Handle", "InvalidInput",
+    "NonRetryable", "NotFound", "PermissionDenied", "Runtime", "TaskContext", "TaskDef", "TaskFailed",
+    "TimedOut", "Unavailable", "__version__", "context", "errors", "flow", "register", "task",
+]

@@ -1,0 +1,86 @@
+"""``python -m ax_scheduler``: the Python runtime's pieces from the command line.
+
+    python -m ax_scheduler worker  MODULE... [--url URL] [--concurrency N] [--executor E]
+    python -m ax_scheduler server  [--url URL] [--queue Q]... [--console HOST:PORT]
+    python -m ax_scheduler local   [MODULE...]   # embedded: nats-server + ax server (+ workers)
+
+MODULE is an importable module (``myapp.tasks``) or a file (``tasks.py``) whose
+``@ax.task`` / ``@ax.flow`` functions are served. SIGTERM or ctrl-c stops gracefully.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from . import _core
+from ._runtime import Runtime
+
+
+def _load(spec: str) -> None:
+    if spec.endswith(".py") or os.sep in spec:
+        path = Path(spec).resolve()
+        sys.path.insert(0, str(path.parent))
+        importlib.import_module(path.stem)
+    else:
+        sys.path.insert(0, os.getcwd())
+        importlib.import_module(spec)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ax_scheduler", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    w = sub.add_parser("worker", help="run workers for the tasks of MODULE(s)")
+    w.add_argument("modules", nargs="+")
+    s = sub.add_parser("server", help="run an ax server")
+    s.add_argument("--queue", action="append", default=[], dest="queues")
+    s.add_argument("--console", help="serve the console on HOST:PORT")
+    s.add_argument("--console-token", default=os.environ.get("AX_CONSOLE_TOKEN"))
+    s.add_argument("--ack-wait", type=float, help="seconds (default 30)")
+    loc = sub.add_parser("local", help="the embedded runtime: nats-server, ax server and workers")
+    loc.add_argument("modules", nargs="*")
+    loc.add_argument("--data-dir", default=".ax")
+    loc.add_argument("--console", help="serve the console on HOST:PORT")
+    for sp in (w, s):
+        sp.add_argument("--url", default=os.environ.get("AX_URL", "nats://127.0.0.1:4222"))
+        sp.add_argument("--creds", default=os.environ.get("AX_CREDS"))
+    for sp in (w, loc):
+        sp.add_argument("--concurrency", type=int, default=10)
+        sp.add_argument("--executor", default="threadpool", choices=["threadpool", "process", "asyncio"])
+        sp.add_argument("--shutdown-grace", type=float, default=30.0)
+        sp.add_argument("--id", help="worker id stored in task records")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if a.cmd == "server":
+        _core.init_logging(os.environ.get("AX_LOG", "info"))
+        conn = _core.Connection.connect(a.url, "ax-python-server", 5.0, a.creds, None, 30.0)
+        server = _core.serve(conn, a.queues or ["default"], a.console, a.console_token, a.ack_wait)
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        while not stop.wait(0.2) and not server.finished():
+            pass
+        server.stop()
+        return 0
+    for m in a.modules:
+        _load(m)
+    if a.cmd == "worker":
+        rt = Runtime(a.url, max_concurrency=a.concurrency, executor=a.executor, creds=a.creds,
+                     shutdown_grace=a.shutdown_grace, worker_id=a.id)
+    else:
+        rt = Runtime(None, max_concurrency=a.concurrency, executor=a.executor, data_dir=a.data_dir,
+                     console=a.console, shutdown_grace=a.shutdown_grace, worker_id=a.id)
+    rt.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""``ax.context()``: the attempt a task function runs in."""
+
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import AxError
+
+_current: contextvars.ContextVar["TaskContext | None"] = contextvars.ContextVar("ax_task", default=None)
+
+
+@dataclass(frozen=True)
+class TaskContext:
+    """What a running task knows of itself. ``flow``, ``run`` and ``step`` are set for a
+    flow step's task; ``trigger`` lineage is in the task id (PROTOCOL.md §5)."""
+
+    id: str
+    name: str
+    queue: str
+    priority: str
+    attempt: int
+    max_attempts: int
+    idempotency_key: str | None
+    created_at_ms: int
+    run_at_ms: int | None
+    traceparent: str | None
+    flow: str | None
+    run: str | None
+    step: str | None
+    item_index: int | None
+    _core: Any
+
+    @property
+    def cancelled(self) -> bool:
+        """True once an operator cancelled the task or the worker gave up on this attempt
+        (hard timeout, shutdown): stop and return; the result will be refused anyway."""
+        return self._core is not None and bool(self._core.cancelled())
+
+    def fencing_token(self) -> int:
+        """This attempt's fencing token: larger than any earlier attempt's. Pass it to
+        the systems you write to and have them refuse smaller ones."""
+        if self._core is None:
+            raise AxError("fencing_token() is not available in a process-executor child")
+        return int(self._core.fencing_token())
+
+    @property
+    def last_attempt(self) -> bool:
+        return self.attempt >= self.max_attempts
+
+
+def context() -> TaskContext:
+    """The running task's context; ``AxError`` outside a task."""
+    ctx = _current.get()
+    if ctx is None:
+        raise AxError("ax.context() is only available inside a running task")
+    return ctx

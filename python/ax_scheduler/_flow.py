@@ -1,0 +1,229 @@
+"""``@ax.flow``: a flow definition built by running its body once with placeholders.
+
+Each call of an ``@ax.task`` in the body becomes a step; an argument that is the run's
+input or another call's result becomes a ``need`` and is passed by name; ``task.map(xs)``
+fans out over a list output, and a call on its result fans in. The definition is ax's
+own (PROTOCOL.md §6): the step's task payload ``args`` says where each argument comes
+from, ``{"ax_args": {param: source}}``, and the Python runtime rebuilds the call.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import inspect
+from typing import Any, Callable
+
+from . import _json
+from .errors import FlowDefinitionError, InvalidInput
+
+FLOWS: dict[str, "FlowDef"] = {}
+_tracer: contextvars.ContextVar["_Builder | None"] = contextvars.ContextVar("ax_flow", default=None)
+
+
+def tracing() -> "_Builder | None":
+    return _tracer.get()
+
+
+def _refuse(what: str) -> Callable[..., Any]:
+    def refuse(self: "Value", *args: Any, **kwargs: Any) -> Any:
+        raise FlowDefinitionError(
+            f"flow {self._flow}: {what} on {self!r}, a value known only when the run runs. In a "
+            "flow body, only pass it to @ax.task functions (or index it: value['key']); do the "
+            "work inside a task.")
+    return refuse
+
+
+class Value:
+    """A value a flow run will have: its input, a step's output, or a path into one."""
+
+    __slots__ = ("_flow", "_source", "_path")
+
+    def __init__(self, flow: str, source: tuple[str, str | None], path: tuple = ()):
+        self._flow = flow
+        self._source = source
+        self._path = path
+
+    def __getitem__(self, key: Any) -> "Value":
+        if isinstance(key, bool) or not isinstance(key, (str, int)):
+            raise FlowDefinitionError(f"flow {self._flow}: index {key!r} is not a string or an integer")
+        return Value(self._flow, self._source, self._path + (key,))
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _refuse(f"attribute .{name}")(self)
+
+    def __repr__(self) -> str:
+        kind, step = self._source
+        base = "the run's input" if kind == "input" else f"the output of step {step!r}" if kind == "step" else "the item"
+        return base + "".join(f"[{p!r}]" for p in self._path)
+
+    __bool__ = _refuse("a truth test (if / and / or)")
+    __iter__ = _refuse("iteration")
+    __len__ = _refuse("len()")
+    __str__ = _refuse("str()")
+    __format__ = _refuse("formatting")
+    __call__ = _refuse("a call")
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _refuse("arithmetic")
+    __truediv__ = __floordiv__ = __mod__ = _refuse("arithmetic")
+    __lt__ = __le__ = __gt__ = __ge__ = _refuse("a comparison")
+    __contains__ = _refuse("`in`")
+    __int__ = __float__ = __index__ = _refuse("a conversion")
+
+    def _spec(self) -> dict[str, Any]:
+        kind, step = self._source
+        spec: dict[str, Any] = {"from": kind}
+        if step is not None:
+            spec["step"] = step
+        if self._path:
+            spec["path"] = list(self._path)
+        return spec
+
+
+def _has_value(obj: Any) -> bool:
+    if isinstance(obj, Value):
+        return True
+    if isinstance(obj, dict):
+        return any(_has_value(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_has_value(v) for v in obj)
+    return False
+
+
+class _Builder:
+    def __init__(self, flow: str):
+        self.flow = flow
+        self.steps: list[dict[str, Any]] = []
+        self.names: set[str] = set()
+
+    def call(self, td: Any, args: tuple, kwargs: dict, fan_out: bool) -> Value:
+        try:
+            bound = td.signature.bind(*args, **kwargs)
+        except TypeError as e:
+            raise FlowDefinitionError(f"flow {self.flow}: task {td.name}: {e}") from None
+        step = td.name
+        n = 2
+        while step in self.names:
+            step, n = f"{td.name}_{n}", n + 1
+        needs: list[str] = []
+        sources: dict[str, Any] = {}
+        for_each = None
+        for i, (param, value) in enumerate(bound.arguments.items()):
+            if fan_out and i == 0:
+                if not isinstance(value, Value) or value._source[0] != "step" or value._path:
+                    raise FlowDefinitionError(
+                        f"flow {self.flow}: {td.name}.map() fans out over a task's list output "
+                        f"(the whole result of a call), not {value!r}")
+                for_each = value._source[1]
+                needs.append(for_each)
+                sources[param] = {"from": "item"}
+            elif isinstance(value, Value):
+                if value._source[0] == "step" and value._source[1] not in needs:
+                    needs.append(value._source[1])
+                sources[param] = value._spec()
+            elif _has_value(value):
+                raise FlowDefinitionError(
+                    f"flow {self.flow}: task {td.name}: argument {param!r} holds a run value inside a "
+                    "list or dict; pass run values as whole arguments")
+            else:
+                _json.dumps(value, f"flow {self.flow}: task {td.name}: argument {param!r}")
+                sources[param] = {"value": value}
+        o = td.options
+        task: dict[str, Any] = {"name": td.name, "queue": o.queue, "payload": {"ax_args": sources}}
+        if o.priority != "normal":
+            task["priority"] = o.priority
+        step_def: dict[str, Any] = {"name": step, "task": task}
+        if needs:
+            step_def["needs"] = needs
+        if for_each:
+            step_def["for_each"] = for_each
+        if o.on_failure == "notify_only":
+            step_def["on_failure"] = "notify_only"
+        self.steps.append(step_def)
+        self.names.add(step)
+        return Value(self.flow, ("step", step))
+
+
+class FlowDef:
+    """A function registered with ``@ax.flow``: ``definition()`` is the ax flow it
+    describes; ``trigger(payload)`` starts a run."""
+
+    def __init__(self, fn: Callable[..., Any], name: str, failure: str):
+        self.fn = fn
+        self.name = name
+        self.failure = failure
+        self._definition: dict[str, Any] | None = None
+        self.__name__ = getattr(fn, "__name__", name)
+        self.__doc__ = fn.__doc__
+
+    def __repr__(self) -> str:
+        return f"<ax flow {self.name!r}>"
+
+    def definition(self) -> dict[str, Any]:
+        """The flow definition (PROTOCOL.md §6), built once by running the body with
+        placeholders; ``FlowDefinitionError`` when the body does what a flow cannot."""
+        if self._definition is None:
+            params = [p for p in inspect.signature(self.fn).parameters.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            if len(params) > 1:
+                raise FlowDefinitionError(f"flow {self.name}: the body takes the run's input as its one argument")
+            builder = _Builder(self.name)
+            token = _tracer.set(builder)
+            try:
+                self.fn(*([Value(self.name, ("input", None))] if params else []))
+            finally:
+                _tracer.reset(token)
+            if not builder.steps:
+                raise FlowDefinitionError(f"flow {self.name}: the body calls no @ax.task")
+            self._definition = {"name": self.name, "failure": self.failure, "steps": builder.steps}
+        return self._definition
+
+    def trigger(self, payload: Any = None, client: Any = None) -> str:
+        """Starts a run with ``payload`` as its input; returns the run id."""
+        from ._client import Client
+
+        return (client or Client.default()).trigger_flow(self, payload)
+
+
+def flow(fn: Callable[..., Any] | None = None, *, name: str | None = None, failure: str = "fail_fast") -> Any:
+    """Registers a flow: its body, run once with placeholders, calls ``@ax.task``
+    functions. ``failure`` is ``fail_fast`` (default) or ``continue``."""
+
+    def register(f: Callable[..., Any]) -> FlowDef:
+        if failure not in ("fail_fast", "continue"):
+            raise InvalidInput(f"failure must be fail_fast or continue, not {failure!r}", field="failure")
+        fd = FlowDef(f, name or f.__name__, failure)
+        FLOWS[fd.name] = fd
+        return fd
+
+    return register(fn) if fn is not None else register
+
+
+def resolve(payload: dict[str, Any], sources: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of a step's task from its payload (PROTOCOL.md §6): the
+    run's input, the parents' outputs (None for a parent that did not succeed), the
+    item, constants."""
+    out: dict[str, Any] = {}
+    for param, spec in sources.items():
+        if "value" in spec:
+            out[param] = spec["value"]
+            continue
+        kind = spec.get("from")
+        if kind == "input":
+            value = payload.get("input")
+        elif kind == "step":
+            value = (payload.get("parents") or {}).get(spec.get("step"))
+        elif kind == "item":
+            value = payload.get("item")
+        else:
+            raise InvalidInput(f"argument {param!r}: unknown source {spec!r}", code="bad_payload")
+        for key in spec.get("path", ()):
+            if value is None:
+                break
+            try:
+                value = value[key]
+            except (KeyError, IndexError, TypeError):
+                raise InvalidInput(f"argument {param!r}: no {key!r} in {type(value).__name__}",
+                                   code="bad_payload") from None
+        out[param] = value
+    return out

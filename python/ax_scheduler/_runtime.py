@@ -1,0 +1,348 @@
+"""``ax.Runtime``: workers for every registered task, and the embedded local runtime."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import multiprocessing
+import os
+import pickle
+import signal
+import threading
+import traceback
+from typing import Any, Iterable
+
+from . import _core, _json
+from ._client import DEFAULT_URL, Client
+from ._context import TaskContext, _current
+from ._embedded import LocalNats, listening
+from ._flow import FLOWS, resolve
+from ._task import REGISTRY, TaskDef
+from .errors import AxError, InvalidInput
+
+log = logging.getLogger("ax_scheduler")
+_EXECUTORS = ("threadpool", "process", "asyncio")
+_running: "Runtime | None" = None
+
+
+def current() -> "Runtime | None":
+    """The runtime started in this process, if any."""
+    return _running
+
+
+class Runtime:
+    """Runs workers for the registered tasks (all of them, or ``tasks``), on
+    ``max_concurrency`` attempts at once.
+
+    ``executor``: where sync functions run — ``threadpool`` (a dedicated pool of
+    ``max_concurrency`` threads), ``process`` (a child process per attempt, killed on
+    timeout or cancel) or ``asyncio`` (sync functions on the same pool; for runtimes of
+    mostly ``async def`` tasks). ``async def`` tasks always run on the runtime's one
+    event loop.
+
+    ``url``: NATS. None: ``$AX_URL``; else, if something listens on 127.0.0.1:4222,
+    that; else the **embedded local runtime** — a nats-server with JetStream on
+    ``data_dir`` and an ax server in this process. ``server``: run an ax server in this
+    process (default: only in the embedded case).
+    """
+
+    def __init__(self, url: str | None = None, *, max_concurrency: int = 10, executor: str = "threadpool",
+                 tasks: Iterable[TaskDef] | None = None, data_dir: str | os.PathLike = ".ax",
+                 server: bool | None = None, queues: Iterable[str] = (), console: str | None = None,
+                 console_token: str | None = None, shutdown_grace: float = 30.0, creds: str | None = None,
+                 token: str | None = None, log_level: str | None = None, worker_id: str | None = None,
+                 ack_wait: float | None = None):
+        if executor not in _EXECUTORS:
+            raise InvalidInput(f"executor must be one of {_EXECUTORS}, not {executor!r}", field="executor")
+        if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or not 1 <= max_concurrency <= 10_000:
+            raise InvalidInput(f"max_concurrency must be an integer 1..10000, not {max_concurrency!r}",
+                               field="max_concurrency")
+        self.url = url or os.environ.get("AX_URL")
+        self.max_concurrency = max_concurrency
+        self.executor = executor
+        self.data_dir = data_dir
+        self.server = server
+        self.extra_queues = list(queues)
+        self.console = console
+        self.console_token = console_token
+        self.shutdown_grace = shutdown_grace
+        self.creds, self.token = creds, token
+        self.log_level = log_level or os.environ.get("AX_LOG", "warn")
+        self.worker_id = worker_id
+        self.ack_wait = ack_wait
+        self._only = list(tasks) if tasks is not None else None
+        self.connection: Any = None
+        self._nats: LocalNats | None = None
+        self._server: Any = None
+        self._workers: list[Any] = []
+        self._tasks: dict[str, TaskDef] = {}
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # -- start and stop -----------------------------------------------------------------
+
+    def start(self) -> "Runtime":
+        """Connects (or starts the embedded broker and server), stores the flows and
+        schedules of its tasks, and starts the workers. On failure, stops what it started."""
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> "Runtime":
+        global _running
+        _core.init_logging(self.log_level)
+        tasks = self._only if self._only is not None else list(REGISTRY.values())
+        self._tasks = {t.name: t for t in tasks}
+        queues = sorted({t.options.queue for t in tasks} | set(self.extra_queues) | {"default"})
+        url, embedded = self.url, False
+        if url is None:
+            if listening("127.0.0.1", 4222):
+                url = DEFAULT_URL
+            else:
+                self._nats = LocalNats(self.data_dir, port=4222).start()
+                url, embedded = self._nats.url, True
+        self.connection = _core.Connection.connect(url, "ax-python-runtime", 5.0, self.creds, self.token, 30.0)
+        if self.server or (self.server is None and embedded):
+            self._server = _core.serve(self.connection, queues, self.console, self.console_token, self.ack_wait)
+        if embedded:
+            log.warning("ax: embedded local runtime: nats-server with JetStream on %s (data in %s) and an ax "
+                        "server in this process", url, os.path.abspath(self.data_dir))
+        self._pool = concurrent.futures.ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="ax-task")
+        self._loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(target=self._loop.run_forever, name="ax-asyncio", daemon=True)
+        self._loop_thread.start()
+        _running = self
+        client = Client(_conn=self.connection)
+        self._register(client, tasks)
+        by_queue: dict[str, list[TaskDef]] = {}
+        for t in tasks:
+            by_queue.setdefault(t.options.queue, []).append(t)
+        for queue, defs in sorted(by_queue.items()):
+            declared = [(t.name, _json.dumps(t.options.worker_options())) for t in defs]
+            self._workers.append(_core.start_worker(
+                self.connection, queue, declared, self._dispatch, self.max_concurrency, self.shutdown_grace,
+                self.worker_id))
+        return self
+
+    def _register(self, client: Client, tasks: list[TaskDef]) -> None:
+        """Stores the flows whose tasks this runtime serves, and the schedules its tasks
+        declare (``cron`` / ``every``) as triggers."""
+        names = {t.name for t in tasks}
+        for fd in FLOWS.values():
+            steps = fd.definition()["steps"]
+            if any(s["task"]["name"] in names for s in steps):
+                client.put_flow(fd)
+        for t in tasks:
+            o = t.options
+            if o.cron is None and o.every is None:
+                continue
+            trigger: dict[str, Any] = {"name": t.name, "tasks": [
+                {"name": t.name, "queue": o.queue, "payload": o.schedule_payload}]}
+            if o.cron is not None:
+                trigger.update(kind="cron", expr=o.cron)
+                if o.tz:
+                    trigger["tz"] = o.tz
+            else:
+                trigger.update(kind="interval", every_ms=round(o.every * 1000))
+            client.call("trigger", "put", trigger)
+
+    def ready(self) -> bool:
+        """True once every worker found its queue."""
+        return bool(self._workers) and all(w.ready() for w in self._workers)
+
+    def stop(self) -> None:
+        """Stops pulling; running attempts get ``shutdown_grace`` seconds to finish, then
+        are handed back; then the embedded server and broker stop."""
+        global _running
+        errors: list[AxError] = []
+        for w in self._workers:
+            try:
+                w.stop()
+            except AxError as e:
+                errors.append(e)
+        self._workers.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+        if self.connection is not None:
+            self.connection.close()
+            self.connection = None
+        if self._nats is not None:
+            self._nats.stop()
+            self._nats = None
+        if _running is self:
+            _running = None
+        if Client._default is not None and Client._default._conn is self.connection:
+            Client._default = None
+        if errors:
+            raise errors[0]
+
+    def run(self) -> None:
+        """Starts (if not started) and serves until SIGTERM or ctrl-c, then stops
+        gracefully."""
+        if self.connection is None:
+            self.start()
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: self._stop.set())
+        log.warning("ax: serving %s", ", ".join(sorted(self._tasks)) or "no tasks")
+        try:
+            while not self._stop.wait(0.2):
+                pass
+        finally:
+            log.warning("ax: stopping: running tasks finish (grace %s s)", self.shutdown_grace)
+            self.stop()
+
+    def __enter__(self) -> "Runtime":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    # -- attempts -----------------------------------------------------------------------
+
+    def _dispatch(self, core: Any) -> None:
+        """Called by the Rust worker on one of its blocking threads: returns at once."""
+        td = self._tasks.get(core.name)
+        if td is None:
+            core.fail("unserved", f"no task {core.name!r} in this runtime", False, None)
+        elif td.is_async:
+            asyncio.run_coroutine_threadsafe(self._run_async(td, core), self._loop)  # type: ignore[arg-type]
+        elif self.executor == "process":
+            self._pool.submit(self._run_process, td, core)  # type: ignore[union-attr]
+        else:
+            self._pool.submit(self._run_sync, td, core)  # type: ignore[union-attr]
+
+    def _prepare(self, td: TaskDef, core: Any) -> tuple[list, dict, TaskContext]:
+        payload = _json.loads(core.payload) if core.is_json else bytes(core.payload)
+        flow = run = step = index = None
+        args_spec = payload.get("args") if isinstance(payload, dict) else None
+        if isinstance(args_spec, dict) and "ax_args" in args_spec and "run" in payload:
+            flow, run, step, index = payload.get("flow"), payload.get("run"), payload.get("step"), payload.get("index")
+            resolved = resolve(payload, args_spec["ax_args"])
+            args, kwargs = [], {k: _json.typed(v, td.hints.get(k)) for k, v in resolved.items()}
+        else:
+            args, kwargs = td.arguments(payload)
+        ctx = TaskContext(core.id, core.name, core.queue, core.priority, core.attempt, core.max_attempts,
+                          core.idempotency_key, core.created_at_ms, core.run_at_ms, core.traceparent,
+                          flow, run, step, index, core)
+        return args, kwargs, ctx
+
+    def _ok(self, td: TaskDef, core: Any, result: Any) -> None:
+        try:
+            data, is_json = _encode(td, result)
+        except InvalidInput as e:
+            core.fail("bad_output", str(e), True, None)
+            return
+        if not core.ok(data, is_json):
+            log.info("ax: task %s: late result refused (the attempt had timed out or was cancelled)", core.id)
+
+    def _fail(self, td: TaskDef, core: Any, error: BaseException) -> None:
+        cls, permanent = td.classify(error)
+        if isinstance(error, InvalidInput) and error.code == "bad_payload":
+            cls, permanent = "bad_payload", True
+        detail = "".join(traceback.format_exception(error))[-8000:]
+        if not core.fail(cls, str(error) or cls, permanent, detail):
+            log.info("ax: task %s: late failure refused", core.id)
+
+    def _run_sync(self, td: TaskDef, core: Any) -> None:
+        try:
+            args, kwargs, ctx = self._prepare(td, core)
+            token = _current.set(ctx)
+            try:
+                result = td.fn(*args, **kwargs)
+            finally:
+                _current.reset(token)
+        except Exception as e:
+            self._fail(td, core, e)
+            return
+        self._ok(td, core, result)
+
+    async def _run_async(self, td: TaskDef, core: Any) -> None:
+        try:
+            args, kwargs, ctx = self._prepare(td, core)
+            _current.set(ctx)
+            job = asyncio.ensure_future(td.fn(*args, **kwargs))
+            while not job.done():
+                await asyncio.wait({job}, timeout=0.1)
+                if not job.done() and core.cancelled():
+                    job.cancel()
+                    return
+            result = job.result()
+        except asyncio.CancelledError:
+            return
+        except Exception as e:
+            self._fail(td, core, e)
+            return
+        self._ok(td, core, result)
+
+    def _run_process(self, td: TaskDef, core: Any) -> None:
+        """A child process per attempt (forked: it shares the parent's code), killed when
+        the worker gives up on the attempt (hard timeout, cancel, shutdown)."""
+        try:
+            args, kwargs, ctx = self._prepare(td, core)
+        except Exception as e:
+            self._fail(td, core, e)
+            return
+        mp = multiprocessing.get_context("fork")
+        receive, send = mp.Pipe(duplex=False)
+        child = mp.Process(target=_child, args=(td, args, kwargs, dataclasses.replace(ctx, _core=None), send),
+                           daemon=True)
+        child.start()
+        send.close()
+        try:
+            while not receive.poll(0.1):
+                if core.cancelled():
+                    child.kill()
+                    return
+                if not child.is_alive() and not receive.poll(0):
+                    core.fail("process_died", f"the task's process exited with {child.exitcode}", False, None)
+                    return
+            ok, value = pickle.loads(receive.recv_bytes())
+        finally:
+            receive.close()
+            child.join(1)
+        if ok:
+            data, is_json = value
+            if not core.ok(data, is_json):
+                log.info("ax: task %s: late result refused", core.id)
+        else:
+            cls, permanent, message, detail = value
+            core.fail(cls, message, permanent, detail)
+
+
+def _encode(td: TaskDef, result: Any) -> tuple[bytes | None, bool]:
+    """A task's result as stored: bytes as bytes, None as no output, else JSON."""
+    if isinstance(result, (bytes, bytearray)):
+        return bytes(result), False
+    if result is None:
+        return None, True
+    return _json.dumps(result, f"the result of task {td.name}"), True
+
+
+def _child(td: TaskDef, args: list, kwargs: dict, ctx: TaskContext, send: Any) -> None:
+    token = _current.set(ctx)
+    try:
+        result = td.fn(*args, **kwargs)
+        try:
+            out: tuple[bool, Any] = (True, _encode(td, result))
+        except InvalidInput as e:
+            out = (False, ("bad_output", True, str(e), None))
+    except Exception as e:
+        cls, permanent = td.classify(e)
+        out = (False, (cls, permanent, str(e) or cls, "".join(traceback.format_exception(e))[-8000:]))
+    finally:
+        _current.reset(token)
+    send.send_bytes(pickle.dumps(out))
+    send.close()
+    os._exit(0)

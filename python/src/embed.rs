@@ -1,0 +1,86 @@
+//! An ax server inside the Python process: ax-server's own [`Server`] on the core runtime,
+//! for the embedded local runtime (`ax.Runtime()` with nothing listening) and
+//! `python -m ax_scheduler server`.
+
+use crate::conn::Connection;
+use crate::{errors, wait};
+use ax_sdk::ErrorKind;
+use ax_server::Server;
+use pyo3::prelude::*;
+use std::sync::Mutex;
+use tokio_util::sync::CancellationToken;
+
+/// A running ax server.
+#[pyclass(frozen, module = "ax_scheduler._core")]
+pub struct ServerHandle {
+    shutdown: CancellationToken,
+    join: Mutex<Option<tokio::task::JoinHandle<Result<(), ax_server::ServerError>>>>,
+}
+
+#[pymethods]
+impl ServerHandle {
+    /// True once the server has ended (stopped, or failed).
+    fn finished(&self) -> bool {
+        self.join
+            .lock()
+            .expect("not poisoned")
+            .as_ref()
+            .is_none_or(|j| j.is_finished())
+    }
+
+    /// Stops taking requests, finishes the ones in flight and returns; raises the server's
+    /// error if it failed.
+    fn stop(&self, py: Python<'_>) -> PyResult<()> {
+        self.shutdown.cancel();
+        let Some(join) = self.join.lock().expect("not poisoned").take() else {
+            return Ok(());
+        };
+        match wait(py, join)? {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(errors::raise(e.kind(), e.to_string(), None, None)),
+            Err(e) => Err(errors::raise(
+                ErrorKind::Other,
+                format!("server ended: {e}"),
+                None,
+                None,
+            )),
+        }
+    }
+}
+
+/// Starts an ax server on `conn` declaring `queues` (the defaults of `ax server`
+/// otherwise), with the console on `console` (`host:port`) if given, guarded by
+/// `console_token` for its writes; `ack_wait` (seconds) is the ready consumers' ack wait when
+/// this server creates them (default 30 s). `task_index` (default on, unlike `ax server`)
+/// keeps the index that lists and finds tasks (`list`, `queues`, `series`; PROTOCOL §8).
+#[pyfunction]
+#[pyo3(signature = (conn, queues, console = None, console_token = None, ack_wait = None, task_index = true))]
+pub fn serve(
+    conn: &Connection,
+    queues: Vec<String>,
+    console: Option<String>,
+    console_token: Option<String>,
+    ack_wait: Option<f64>,
+    task_index: bool,
+) -> PyResult<ServerHandle> {
+    let mut builder = Server::builder().queues(queues).task_index(task_index);
+    if let Some(secs) = ack_wait {
+        builder = builder.ack_wait(crate::conn::seconds(secs, "ack_wait")?);
+    }
+    if let Some(addr) = console {
+        let addr = addr
+            .parse()
+            .map_err(|e| errors::invalid(format!("console address {addr:?}: {e}")))?;
+        let mut config = ax_server::console::ConsoleConfig::new(addr);
+        config.token = console_token;
+        config.check().map_err(|e| errors::invalid(e.to_string()))?;
+        builder = builder.console(config).task_index(true);
+    }
+    let shutdown = CancellationToken::new();
+    let server = builder.build();
+    let join = crate::runtime().spawn(server.run(conn.nats.clone(), shutdown.clone()));
+    Ok(ServerHandle {
+        shutdown,
+        join: Mutex::new(Some(join)),
+    })
+}

@@ -1,0 +1,65 @@
+//! Rust errors raised as the typed exceptions of `ax_scheduler.errors`, chosen by the
+//! error's kind ([`ax_sdk::ErrorKind`]), never by its text.
+
+use ax_sdk::ErrorKind;
+use pyo3::prelude::*;
+
+/// The `ax_scheduler.errors` class of a kind.
+fn class(kind: ErrorKind) -> &'static str {
+    match kind {
+        ErrorKind::Invalid => "InvalidInput",
+        ErrorKind::NotFound => "NotFound",
+        ErrorKind::Conflict => "Conflict",
+        ErrorKind::Unavailable => "Unavailable",
+        ErrorKind::TimedOut => "TimedOut",
+        ErrorKind::Permission => "PermissionDenied",
+        _ => "AxError",
+    }
+}
+
+/// A Python exception of `kind`'s class with the wire `code` and `field` when known.
+pub(crate) fn raise(
+    kind: ErrorKind,
+    message: String,
+    code: Option<&str>,
+    field: Option<&str>,
+) -> PyErr {
+    Python::attach(|py| {
+        let made = py
+            .import("ax_scheduler.errors")
+            .and_then(|m| m.getattr(class(kind)))
+            .and_then(|c| c.call1((message.clone(), code, field)));
+        match made {
+            Ok(value) => PyErr::from_value(value),
+            Err(e) => e,
+        }
+    })
+}
+
+/// A client error as its typed exception.
+pub(crate) fn client(e: ax_sdk::ClientError) -> PyErr {
+    match &e {
+        ax_sdk::ClientError::Refused(w) => wire(w),
+        _ => raise(e.kind(), e.to_string(), None, None),
+    }
+}
+
+/// A refusal on the wire as its typed exception, with its code and field.
+pub(crate) fn wire(w: &ax_sdk::error::WireError) -> PyErr {
+    raise(
+        w.kind(),
+        w.message.clone(),
+        Some(w.code.as_str()),
+        w.field.as_deref(),
+    )
+}
+
+/// Input the caller gave that does not decode.
+pub(crate) fn invalid(message: impl ToString) -> PyErr {
+    raise(
+        ErrorKind::Invalid,
+        message.to_string(),
+        Some("bad_request"),
+        None,
+    )
+}

@@ -1,0 +1,97 @@
+//! `ax_scheduler._core`: the native core of the Python package `ax-scheduler`.
+//!
+//! The protocol lives here once, in Rust: the producer client, the worker (pull, claim,
+//! fencing, heartbeats, limits gate, outputs, retries) and the server are ax-sdk's and
+//! ax-server's own code, run on one Tokio runtime whose threads never take the GIL. Python
+//! gets a task to run through a dispatch callable and reports its end through
+//! `worker::TaskContext`; every other call is a blocking call that releases the GIL and
+//! wakes every 100 ms to let Python deliver a signal (ctrl-c).
+//!
+//! | module | concept |
+//! |---|---|
+//! | `conn` | a connection: submit, read and wait for tasks, the request APIs, subscriptions |
+//! | `worker` | a worker of one queue whose handlers are Python |
+//! | `embed` | an ax server inside the Python process |
+//! | `errors` | Rust errors raised as the typed exceptions of `ax_scheduler.errors` |
+
+mod conn;
+mod embed;
+mod errors;
+mod worker;
+
+use pyo3::prelude::*;
+use std::future::Future;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+/// The runtime every Rust part of the package runs on (two worker threads, named
+/// `ax-core`).
+pub(crate) fn runtime() -> &'static tokio::runtime::Runtime {
+    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    RT.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("ax-core")
+            .enable_all()
+            .build()
+            .expect("a Tokio runtime starts")
+    })
+}
+
+/// Runs `fut` on the core runtime and waits for it with the GIL released, waking every
+/// 100 ms to deliver Python's signals: a ctrl-c raises `KeyboardInterrupt` here and drops
+/// the future.
+pub(crate) fn wait<F>(py: Python<'_>, fut: F) -> PyResult<F::Output>
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    let mut handle = runtime().spawn(fut);
+    loop {
+        let step = py.detach(|| {
+            runtime().block_on(async {
+                tokio::time::timeout(Duration::from_millis(100), &mut handle).await
+            })
+        });
+        match step {
+            Ok(Ok(out)) => return Ok(out),
+            Ok(Err(join)) => {
+                return Err(pyo3::exceptions::PyRuntimeError::new_err(format!(
+                    "ax core task ended: {join}"
+                )))
+            }
+            Err(_) => {
+                if let Err(e) = py.check_signals() {
+                    handle.abort();
+                    return Err(e);
+                }
+            }
+        }
+    }
+}
+
+/// Sends the core's `tracing` logs to stderr, filtered by `filter` (the `RUST_LOG`
+/// syntax, e.g. `info` or `ax_sdk=debug`). Only the first call takes effect.
+#[pyfunction]
+fn init_logging(filter: &str) -> bool {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .try_init()
+        .is_ok()
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_function(wrap_pyfunction!(init_logging, m)?)?;
+    m.add_class::<conn::Connection>()?;
+    m.add_class::<conn::Subscription>()?;
+    m.add_class::<worker::WorkerHandle>()?;
+    m.add_class::<worker::TaskContext>()?;
+    m.add_class::<embed::ServerHandle>()?;
+    m.add_function(wrap_pyfunction!(worker::start_worker, m)?)?;
+    m.add_function(wrap_pyfunction!(embed::serve, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,323 @@
+//! A worker of one queue whose handlers are Python: ax-sdk's [`Worker`] pulls, claims,
+//! heartbeats, gates and settles on the core runtime; for each attempt it hands a
+//! [`TaskContext`] to the Python dispatch callable (on a blocking thread, never a runtime
+//! thread, so a task that holds the GIL cannot stall heartbeats) and waits for Python to
+//! call [`TaskContext::ok`] or [`TaskContext::fail`].
+
+use crate::conn::{seconds, Connection};
+use crate::{errors, wait};
+use ax_sdk::worker::{Task, TaskError, TaskOptions, Worker, WorkerError, WorkerStatus};
+use ax_sdk::{ErrorKind, Output};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+use serde::Deserialize;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::oneshot;
+use tokio_util::sync::CancellationToken;
+
+/// The options of one task name, as the Python decorator sends them (JSON).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Declared {
+    max_attempts: Option<u32>,
+    timeout_ms: Option<u64>,
+    backoff: Option<DeclaredBackoff>,
+    retry_on: Option<Vec<String>>,
+    no_retry_on: Option<Vec<String>>,
+    concurrency: Option<usize>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DeclaredBackoff {
+    base_ms: u64,
+    max_ms: u64,
+    jitter: f64,
+}
+
+impl Declared {
+    fn options(self) -> TaskOptions {
+        let mut o = TaskOptions::new();
+        if let Some(n) = self.max_attempts {
+            o = o.max_attempts(n);
+        }
+        if let Some(ms) = self.timeout_ms {
+            o = o.timeout(Duration::from_millis(ms));
+        }
+        if let Some(b) = self.backoff {
+            o = o.backoff(
+                Duration::from_millis(b.base_ms),
+                Duration::from_millis(b.max_ms),
+                b.jitter,
+            );
+        }
+        if let Some(c) = self.retry_on {
+            o = o.retry_on(c);
+        }
+        if let Some(c) = self.no_retry_on {
+            o = o.no_retry_on(c);
+        }
+        if let Some(n) = self.concurrency {
+            o = o.concurrency(n);
+        }
+        o
+    }
+}
+
+type Outcome = Result<Output, TaskError>;
+
+/// One attempt as Python sees it: the task's fields, its cancellation, and the two calls
+/// that end it. An attempt the worker gave up on (hard timeout, cancel, shutdown) refuses
+/// its late result: `ok` and `fail` then answer False.
+#[pyclass(frozen, module = "ax_scheduler._core")]
+pub struct TaskContext {
+    task: Task,
+    /// Cancelled when the worker stops waiting for this attempt.
+    abandoned: CancellationToken,
+    done: Mutex<Option<oneshot::Sender<Outcome>>>,
+}
+
+impl TaskContext {
+    fn finish(&self, outcome: Outcome) -> bool {
+        let sender = self.done.lock().expect("not poisoned").take();
+        sender.is_some_and(|s| s.send(outcome).is_ok())
+    }
+}
+
+#[pymethods]
+impl TaskContext {
+    #[getter]
+    fn id(&self) -> &str {
+        &self.task.id
+    }
+    #[getter]
+    fn name(&self) -> &str {
+        &self.task.name
+    }
+    #[getter]
+    fn queue(&self) -> &str {
+        &self.task.queue
+    }
+    #[getter]
+    fn priority(&self) -> &str {
+        self.task.priority.as_str()
+    }
+    #[getter]
+    fn attempt(&self) -> u32 {
+        self.task.attempt
+    }
+    #[getter]
+    fn max_attempts(&self) -> u32 {
+        self.task.max_attempts
+    }
+    #[getter]
+    fn payload<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.task.payload)
+    }
+    #[getter]
+    fn is_json(&self) -> bool {
+        self.task.is_json
+    }
+    #[getter]
+    fn idempotency_key(&self) -> Option<&str> {
+        self.task.idempotency_key.as_deref()
+    }
+    #[getter]
+    fn created_at_ms(&self) -> u64 {
+        self.task.created_at_ms
+    }
+    #[getter]
+    fn run_at_ms(&self) -> Option<u64> {
+        self.task.run_at_ms
+    }
+    #[getter]
+    fn traceparent(&self) -> Option<&str> {
+        self.task.traceparent.as_deref()
+    }
+
+    /// True once an operator cancelled the task or the worker gave up on this attempt
+    /// (its hard timeout passed, or the worker shut down past its grace).
+    fn cancelled(&self) -> bool {
+        self.abandoned.is_cancelled() || self.task.cancellation().is_cancelled()
+    }
+
+    /// The attempt's fencing token (PROTOCOL §3 "Fencing tokens downstream").
+    fn fencing_token(&self, py: Python<'_>) -> PyResult<u64> {
+        let task = self.task.clone();
+        wait(py, async move { task.fencing_token().await })?.map_err(|e| {
+            let kind = match e.class.as_str() {
+                "overtaken" => ErrorKind::Conflict,
+                _ => ErrorKind::Unavailable,
+            };
+            errors::raise(kind, e.to_string(), Some(&e.class), None)
+        })
+    }
+
+    /// Ends the attempt with an output: JSON text when `is_json`, else bytes, or None.
+    /// False when the worker no longer waits for this attempt.
+    #[pyo3(signature = (output = None, is_json = true))]
+    fn ok(&self, output: Option<Vec<u8>>, is_json: bool) -> bool {
+        let out = match output {
+            None => Ok(Output::none()),
+            Some(bytes) if is_json => Output::json_text(bytes),
+            Some(bytes) => Ok(Output::bytes(bytes)),
+        };
+        self.finish(out)
+    }
+
+    /// Ends the attempt with a failure of `class`; `permanent` is never retried.
+    /// False when the worker no longer waits for this attempt.
+    #[pyo3(signature = (class_, message, permanent = false, detail = None))]
+    fn fail(
+        &self,
+        class_: String,
+        message: String,
+        permanent: bool,
+        detail: Option<String>,
+    ) -> bool {
+        let mut err = if permanent {
+            TaskError::permanent(class_, message)
+        } else {
+            TaskError::new(class_, message)
+        };
+        err.detail = detail;
+        self.finish(Err(err))
+    }
+}
+
+/// A running worker: stop it, or ask whether it is ready.
+#[pyclass(frozen, module = "ax_scheduler._core")]
+pub struct WorkerHandle {
+    shutdown: CancellationToken,
+    join: Mutex<Option<tokio::task::JoinHandle<Result<(), WorkerError>>>>,
+    status: WorkerStatus,
+    queue: String,
+}
+
+#[pymethods]
+impl WorkerHandle {
+    /// True once the worker found its queue's consumers and read its limits.
+    fn ready(&self) -> bool {
+        self.status.ready()
+    }
+    /// True while the worker sees its queue paused.
+    fn paused(&self) -> bool {
+        self.status.paused()
+    }
+    /// True once the worker has ended.
+    fn finished(&self) -> bool {
+        self.join
+            .lock()
+            .expect("not poisoned")
+            .as_ref()
+            .is_none_or(|j| j.is_finished())
+    }
+    /// The queue it serves.
+    #[getter]
+    fn queue(&self) -> &str {
+        &self.queue
+    }
+    /// Stops pulling and waits until running attempts end (the grace given at start, then
+    /// they are handed back). Raises the worker's error if it failed.
+    fn stop(&self, py: Python<'_>) -> PyResult<()> {
+        self.shutdown.cancel();
+        let Some(join) = self.join.lock().expect("not poisoned").take() else {
+            return Ok(());
+        };
+        match wait(py, join)? {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(errors::raise(e.kind(), e.to_string(), None, None)),
+            Err(e) => Err(errors::raise(
+                ErrorKind::Other,
+                format!("worker ended: {e}"),
+                None,
+                None,
+            )),
+        }
+    }
+}
+
+/// Starts a worker of `queue` for `tasks` (`(name, options JSON)`), running at most
+/// `concurrency` attempts at once; each attempt is handed to `dispatch(context)`, which
+/// must return at once and end the attempt later through the context.
+#[pyfunction]
+#[pyo3(signature = (conn, queue, tasks, dispatch, concurrency = 16, shutdown_grace = 30.0, id = None))]
+pub fn start_worker(
+    conn: &Connection,
+    queue: String,
+    tasks: Vec<(String, Vec<u8>)>,
+    dispatch: Py<PyAny>,
+    concurrency: usize,
+    shutdown_grace: f64,
+    id: Option<String>,
+) -> PyResult<WorkerHandle> {
+    let dispatch = Arc::new(dispatch);
+    let mut builder = Worker::builder(queue.clone())
+        .concurrency(concurrency.max(1))
+        .shutdown_grace(seconds(shutdown_grace, "shutdown_grace")?);
+    if let Some(id) = id {
+        builder = builder.id(id);
+    }
+    for (name, options) in tasks {
+        let declared: Declared = serde_json::from_slice(&options)
+            .map_err(|e| errors::invalid(format!("task {name:?} options: {e}")))?;
+        let dispatch = dispatch.clone();
+        builder = builder.task_with(name, declared.options(), move |task: Task| {
+            run(dispatch.clone(), task)
+        });
+    }
+    let worker = builder
+        .build()
+        .map_err(|e| errors::raise(e.kind(), e.to_string(), None, None))?;
+    let status = worker.status();
+    let shutdown = CancellationToken::new();
+    let join = crate::runtime().spawn(worker.run(conn.nats.clone(), shutdown.clone()));
+    Ok(WorkerHandle {
+        shutdown,
+        join: Mutex::new(Some(join)),
+        status,
+        queue,
+    })
+}
+
+/// One attempt: hand it to Python and wait for its end. Dropped (timeout, cancel), it
+/// marks the context abandoned, so Python can stop the work and a late result is refused.
+async fn run(dispatch: Arc<Py<PyAny>>, task: Task) -> Outcome {
+    let abandoned = CancellationToken::new();
+    let _mark = abandoned.clone().drop_guard();
+    let (tx, rx) = oneshot::channel();
+    let ctx = TaskContext {
+        task,
+        abandoned,
+        done: Mutex::new(Some(tx)),
+    };
+    let handed = tokio::task::spawn_blocking(move || {
+        Python::attach(|py| {
+            let ctx = Py::new(py, ctx)?;
+            dispatch.call1(py, (ctx,)).map(drop)
+        })
+    })
+    .await;
+    match handed {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => {
+            return Err(TaskError::new(
+                "dispatch",
+                format!("the Python runtime refused the task: {e}"),
+            ))
+        }
+        Err(e) => {
+            return Err(TaskError::new(
+                "dispatch",
+                format!("handing the task to Python: {e}"),
+            ))
+        }
+    }
+    rx.await.unwrap_or_else(|_| {
+        Err(TaskError::new(
+            "lost",
+            "the Python runtime dropped the task without an outcome",
+        ))
+    })
+}
