@@ -59,7 +59,7 @@ class Runtime:
         if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or not 1 <= max_concurrency <= 10_000:
             raise InvalidInput(f"max_concurrency must be an integer 1..10000, not {max_concurrency!r}",
                                field="max_concurrency")
-        self.url = url or os.environ.get("AX_URL")
+        self.url = url or os.environ.get("AX_URL") or None
         self.max_concurrency = max_concurrency
         self.executor = executor
         self.data_dir = data_dir
