@@ -19,8 +19,10 @@ from . import errors
 from ._client import Client
 from ._context import TaskContext, context
 from ._core import __version__
+from ._events import events, on_event
 from ._flow import FlowDef, flow
 from ._runtime import Runtime
+from ._schedule import schedule
 from ._task import Handle, TaskDef, task
 from .errors import (
     AxError,
@@ -38,18 +40,23 @@ from .errors import (
 
 
 def register(*items: "TaskDef | FlowDef", client: "Client | None" = None) -> None:
-    """Stores the definitions of these flows now (the runtime stores the flows of its
-    tasks when it starts)."""
+    """Stores the definitions of these flows, and every ``ax.schedule`` made so far, now
+    (the runtime stores those of its tasks when it starts)."""
+    from ._schedule import SCHEDULES
+
     c = client or Client.default()
     for item in items:
         if isinstance(item, FlowDef):
             c.put_flow(item)
         elif not isinstance(item, TaskDef):
             raise InvalidInput(f"register() takes @ax.task and @ax.flow objects, not {item!r}")
+    for definition in SCHEDULES.values():
+        c.call("trigger", "put", definition)
 
 
 __all__ = [
     "AxError", "Client", "Conflict", "FlowDef", "FlowDefinitionError", "FlowFailed", "Handle", "InvalidInput",
     "NonRetryable", "NotFound", "PermissionDenied", "Runtime", "TaskContext", "TaskDef", "TaskFailed",
-    "TimedOut", "Unavailable", "__version__", "context", "errors", "flow", "register", "task",
+    "TimedOut", "Unavailable", "__version__", "context", "errors", "events", "flow", "on_event", "register",
+    "schedule", "task",
 ]

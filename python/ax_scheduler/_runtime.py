@@ -14,7 +14,7 @@ import threading
 import traceback
 from typing import Any, Iterable
 
-from . import _core, _json
+from . import _core, _events, _json, _schedule
 from ._client import DEFAULT_URL, Client
 from ._context import TaskContext, _current
 from ._embedded import LocalNats, listening
@@ -82,6 +82,7 @@ class Runtime:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._events: _events.Dispatcher | None = None
 
     # -- start and stop -----------------------------------------------------------------
 
@@ -123,6 +124,8 @@ class Runtime:
         by_queue: dict[str, list[TaskDef]] = {}
         for t in tasks:
             by_queue.setdefault(t.options.queue, []).append(t)
+        if _events.HANDLERS:
+            self._events = _events.Dispatcher(self.connection, _events.HANDLERS)
         for queue, defs in sorted(by_queue.items()):
             declared = [(t.name, _json.dumps(t.options.worker_options())) for t in defs]
             self._workers.append(_core.start_worker(
@@ -131,8 +134,9 @@ class Runtime:
         return self
 
     def _register(self, client: Client, tasks: list[TaskDef]) -> None:
-        """Stores the flows whose tasks this runtime serves, and the schedules its tasks
-        declare (``cron`` / ``every``) as triggers."""
+        """Stores the flows whose tasks this runtime serves, the schedules its tasks declare
+        (``cron`` / ``every``) and ``ax.schedule`` made, as triggers, and ``rate_limit``s as
+        limits (named ``task-<name>``)."""
         names = {t.name for t in tasks}
         for fd in FLOWS.values():
             steps = fd.definition()["steps"]
@@ -140,17 +144,18 @@ class Runtime:
                 client.put_flow(fd)
         for t in tasks:
             o = t.options
-            if o.cron is None and o.every is None:
-                continue
-            trigger: dict[str, Any] = {"name": t.name, "tasks": [
-                {"name": t.name, "queue": o.queue, "payload": o.schedule_payload}]}
-            if o.cron is not None:
-                trigger.update(kind="cron", expr=o.cron)
-                if o.tz:
-                    trigger["tz"] = o.tz
-            else:
-                trigger.update(kind="interval", every_ms=round(o.every * 1000))
-            client.call("trigger", "put", trigger)
+            if o.cron is not None or o.every is not None:
+                client.call("trigger", "put", _schedule.trigger(
+                    t.name, cron=o.cron, tz=o.tz, every=o.every,
+                    tasks=[{"name": t.name, "queue": o.queue, "payload": o.schedule_payload}]))
+            if o.rate_limit is not None:
+                client.call("limit", "put", {"name": f"task-{t.name}", "queue": o.queue, "task": t.name,
+                                             "rate": o.rate_limit})
+        for definition in _schedule.SCHEDULES.values():
+            for started in definition["flows"]:
+                if started["flow"] in FLOWS:
+                    client.put_flow(FLOWS[started["flow"]])
+            client.call("trigger", "put", definition)
 
     def ready(self) -> bool:
         """True once every worker found its queue."""
@@ -167,6 +172,9 @@ class Runtime:
             except AxError as e:
                 errors.append(e)
         self._workers.clear()
+        if self._events is not None:
+            self._events.stop()
+            self._events = None
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
         if self._loop is not None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Callable
 
-from . import _json
+from . import _json, _schedule
 from .errors import InvalidInput, NonRetryable
 
 REGISTRY: dict[str, "TaskDef"] = {}
@@ -66,6 +66,7 @@ class TaskOptions:
     tz: str | None = None
     every: float | None = None
     schedule_payload: Any = None
+    rate_limit: float | None = None
 
     def check(self, name: str) -> None:
         if not _NAME.match(name):
@@ -280,7 +281,7 @@ def task(fn: Callable[..., Any] | None = None, *, name: str | None = None, queue
          retry_on_exception: Any = None, no_retry_on_exception: Any = None, on_failure: str = "fail",
          concurrency: int | None = None, idempotency_key: Callable[..., str] | None = None,
          cron: str | None = None, tz: str | None = None, every: Any = None,
-         schedule_payload: Any = None) -> Any:
+         schedule_payload: Any = None, rate_limit: Any = None) -> Any:
     """Registers a function (sync or ``async def``) as an ax task. See the Python guide
     for each option; times are seconds (or timedeltas). An unknown option is a
     ``TypeError``; a bad value an ``InvalidInput`` naming it."""
@@ -297,7 +298,8 @@ def task(fn: Callable[..., Any] | None = None, *, name: str | None = None, queue
             retry_on_exception=_classes(retry_on_exception, "retry_on_exception"),
             no_retry_on_exception=_classes(no_retry_on_exception, "no_retry_on_exception"),
             on_failure=on_failure, concurrency=concurrency, idempotency_key=idempotency_key,
-            cron=cron, tz=tz, every=_seconds(every, "every"), schedule_payload=schedule_payload)
+            cron=cron, tz=tz, every=_seconds(every, "every"), schedule_payload=schedule_payload,
+            rate_limit=None if rate_limit is None else _schedule.rate(rate_limit))
         task_name = name or f.__name__
         opts.check(task_name)
         if asyncio.iscoroutinefunction(f) is False and inspect.isasyncgenfunction(f):
