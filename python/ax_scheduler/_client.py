@@ -190,15 +190,9 @@ class Client:
     def events(self, subject: str = "ax.events.alert.>", poll: float = 1.0) -> Iterator[dict[str, Any]]:
         """Follows ax's events (by default the alerts: tasks dead, flow runs failed, one
         per burst); yields each as a dict."""
-        sub = self._conn.subscribe(subject)
-        while True:
-            msg = sub.next(poll)
-            if msg is None:
-                continue
-            try:
-                yield json.loads(msg[1])
-            except ValueError:
-                continue
+        from ._events import follow
+
+        return follow(self._conn.subscribe(subject), poll)
 
     def close(self) -> None:
         self._conn.close()

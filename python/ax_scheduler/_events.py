@@ -8,7 +8,7 @@ import asyncio
 import json
 import logging
 import threading
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Iterator
 
 log = logging.getLogger("ax_scheduler")
 HANDLERS: list[Callable[[dict], Any]] = []
@@ -39,6 +39,18 @@ async def events(subject: str = ALERTS, client: Any = None) -> AsyncIterator[dic
             continue
 
 
+def follow(sub: Any, poll: float, stop: Callable[[], bool] = lambda: False) -> Iterator[dict]:
+    """The JSON messages of a subscription (others skipped), until ``stop()``."""
+    while not stop():
+        msg = sub.next(poll)
+        if msg is None:
+            continue
+        try:
+            yield json.loads(msg[1])
+        except ValueError:
+            continue
+
+
 class Dispatcher:
     """Follows the alerts on a thread and calls every registered handler."""
 
@@ -50,23 +62,15 @@ class Dispatcher:
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                msg = self._sub.next(0.2)
-            except Exception as e:  # the connection closed
-                log.info("ax: events: %s", e)
-                return
-            if msg is None:
-                continue
-            try:
-                event = json.loads(msg[1])
-            except ValueError:
-                continue
-            for handler in self._handlers:
-                try:
-                    handler(event)
-                except Exception:
-                    log.exception("ax: event handler %s failed", getattr(handler, "__name__", handler))
+        try:
+            for event in follow(self._sub, 0.2, self._stop.is_set):
+                for handler in self._handlers:
+                    try:
+                        handler(event)
+                    except Exception:
+                        log.exception("ax: event handler %s failed", getattr(handler, "__name__", handler))
+        except Exception as e:  # the connection closed
+            log.info("ax: events: %s", e)
 
     def stop(self) -> None:
         self._stop.set()

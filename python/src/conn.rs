@@ -10,6 +10,7 @@ use ax_sdk::{Client, ErrorKind, TaskSpec};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use serde_json::json;
+use std::future::Future;
 use std::time::Duration;
 
 /// A connection to NATS, with the ax producer client over it. Cheap to share between
@@ -121,25 +122,9 @@ impl Connection {
         id: String,
         timeout: Option<f64>,
     ) -> PyResult<(Bound<'py, PyBytes>, Option<Bound<'py, PyBytes>>, bool)> {
-        let limit = timeout.map(|t| seconds(t, "timeout")).transpose()?;
         let client = self.client.clone();
-        let what = id.clone();
-        let done = wait(py, async move {
-            match limit {
-                Some(limit) => tokio::time::timeout(limit, client.wait(&id)).await.ok(),
-                None => Some(client.wait(&id).await),
-            }
-        })?;
-        let finished = done
-            .ok_or_else(|| {
-                errors::raise(
-                    ErrorKind::TimedOut,
-                    format!("task {what} not finished in time"),
-                    None,
-                    None,
-                )
-            })?
-            .map_err(errors::client)?;
+        let what = format!("task {id}");
+        let finished = within(py, timeout, what, async move { client.wait(&id).await })?;
         let (output, is_json) = match finished.output {
             Some(out) => (Some(PyBytes::new(py, &out.bytes)), out.is_json),
             None => (None, false),
@@ -205,27 +190,14 @@ impl Connection {
         run: String,
         timeout: Option<f64>,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        let limit = timeout.map(|t| seconds(t, "timeout")).transpose()?;
         let client = self.client.clone();
-        let what = run.clone();
-        let done = wait(py, async move {
-            match limit {
-                Some(limit) => tokio::time::timeout(limit, client.wait_flow(&run))
-                    .await
-                    .ok(),
-                None => Some(client.wait_flow(&run).await),
-            }
-        })?;
-        let ended = done
-            .ok_or_else(|| {
-                errors::raise(
-                    ErrorKind::TimedOut,
-                    format!("flow run {what} not ended in time"),
-                    None,
-                    None,
-                )
-            })?
-            .map_err(errors::client)?;
+        let what = format!("flow run {run}");
+        let ended = within(
+            py,
+            timeout,
+            what,
+            async move { client.wait_flow(&run).await },
+        )?;
         Ok(json_bytes(py, &ended))
     }
 
@@ -273,6 +245,31 @@ impl Subscription {
         })?;
         Ok(msg.map(|m| (m.subject.to_string(), PyBytes::new(py, &m.payload))))
     }
+}
+
+/// Waits for `fut` at most `timeout` seconds (None: no limit): `TimedOut` naming `what`
+/// when the time runs out, a client error raised by its kind.
+fn within<T: Send + 'static>(
+    py: Python<'_>,
+    timeout: Option<f64>,
+    what: String,
+    fut: impl Future<Output = Result<T, ax_sdk::ClientError>> + Send + 'static,
+) -> PyResult<T> {
+    let limit = timeout.map(|t| seconds(t, "timeout")).transpose()?;
+    let done = wait(py, async move {
+        match limit {
+            Some(limit) => tokio::time::timeout(limit, fut).await.ok(),
+            None => Some(fut.await),
+        }
+    })?;
+    let late = || {
+        let message = format!(
+            "{what} not finished within {} s",
+            timeout.unwrap_or_default()
+        );
+        errors::raise(ErrorKind::TimedOut, message, None, None)
+    };
+    done.ok_or_else(late)?.map_err(errors::client)
 }
 
 /// A submit request decoded by the protocol's own type (unknown fields refused).

@@ -3,48 +3,26 @@
 //! `python -m ax_scheduler server`.
 
 use crate::conn::Connection;
-use crate::{errors, wait};
-use ax_sdk::ErrorKind;
+use crate::errors;
+use crate::running::Running;
 use ax_server::Server;
 use pyo3::prelude::*;
-use std::sync::Mutex;
-use tokio_util::sync::CancellationToken;
 
 /// A running ax server.
 #[pyclass(frozen, module = "ax_scheduler._core")]
-pub struct ServerHandle {
-    shutdown: CancellationToken,
-    join: Mutex<Option<tokio::task::JoinHandle<Result<(), ax_server::ServerError>>>>,
-}
+pub struct ServerHandle(Running<ax_server::ServerError>);
 
 #[pymethods]
 impl ServerHandle {
     /// True once the server has ended (stopped, or failed).
     fn finished(&self) -> bool {
-        self.join
-            .lock()
-            .expect("not poisoned")
-            .as_ref()
-            .is_none_or(|j| j.is_finished())
+        self.0.finished()
     }
 
     /// Stops taking requests, finishes the ones in flight and returns; raises the server's
     /// error if it failed.
     fn stop(&self, py: Python<'_>) -> PyResult<()> {
-        self.shutdown.cancel();
-        let Some(join) = self.join.lock().expect("not poisoned").take() else {
-            return Ok(());
-        };
-        match wait(py, join)? {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => Err(errors::raise(e.kind(), e.to_string(), None, None)),
-            Err(e) => Err(errors::raise(
-                ErrorKind::Other,
-                format!("server ended: {e}"),
-                None,
-                None,
-            )),
-        }
+        self.0.stop(py, "server", |e| e.kind())
     }
 }
 
@@ -76,11 +54,9 @@ pub fn serve(
         config.check().map_err(|e| errors::invalid(e.to_string()))?;
         builder = builder.console(config).task_index(true);
     }
-    let shutdown = CancellationToken::new();
     let server = builder.build();
-    let join = crate::runtime().spawn(server.run(conn.nats.clone(), shutdown.clone()));
-    Ok(ServerHandle {
-        shutdown,
-        join: Mutex::new(Some(join)),
-    })
+    let nats = conn.nats.clone();
+    Ok(ServerHandle(Running::spawn(|shutdown| {
+        server.run(nats, shutdown)
+    })))
 }

@@ -17,6 +17,7 @@
 mod conn;
 mod embed;
 mod errors;
+mod running;
 mod worker;
 
 use pyo3::prelude::*;

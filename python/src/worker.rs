@@ -5,6 +5,7 @@
 //! call [`TaskContext::ok`] or [`TaskContext::fail`].
 
 use crate::conn::{seconds, Connection};
+use crate::running::Running;
 use crate::{errors, wait};
 use ax_sdk::worker::{Task, TaskError, TaskOptions, Worker, WorkerError, WorkerStatus};
 use ax_sdk::{ErrorKind, Output};
@@ -189,8 +190,7 @@ impl TaskContext {
 /// A running worker: stop it, or ask whether it is ready.
 #[pyclass(frozen, module = "ax_scheduler._core")]
 pub struct WorkerHandle {
-    shutdown: CancellationToken,
-    join: Mutex<Option<tokio::task::JoinHandle<Result<(), WorkerError>>>>,
+    running: Running<WorkerError>,
     status: WorkerStatus,
     queue: String,
 }
@@ -207,11 +207,7 @@ impl WorkerHandle {
     }
     /// True once the worker has ended.
     fn finished(&self) -> bool {
-        self.join
-            .lock()
-            .expect("not poisoned")
-            .as_ref()
-            .is_none_or(|j| j.is_finished())
+        self.running.finished()
     }
     /// The queue it serves.
     #[getter]
@@ -221,20 +217,7 @@ impl WorkerHandle {
     /// Stops pulling and waits until running attempts end (the grace given at start, then
     /// they are handed back). Raises the worker's error if it failed.
     fn stop(&self, py: Python<'_>) -> PyResult<()> {
-        self.shutdown.cancel();
-        let Some(join) = self.join.lock().expect("not poisoned").take() else {
-            return Ok(());
-        };
-        match wait(py, join)? {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => Err(errors::raise(e.kind(), e.to_string(), None, None)),
-            Err(e) => Err(errors::raise(
-                ErrorKind::Other,
-                format!("worker ended: {e}"),
-                None,
-                None,
-            )),
-        }
+        self.running.stop(py, "worker", |e| e.kind())
     }
 }
 
@@ -271,11 +254,10 @@ pub fn start_worker(
         .build()
         .map_err(|e| errors::raise(e.kind(), e.to_string(), None, None))?;
     let status = worker.status();
-    let shutdown = CancellationToken::new();
-    let join = crate::runtime().spawn(worker.run(conn.nats.clone(), shutdown.clone()));
+    let nats = conn.nats.clone();
+    let running = Running::spawn(|shutdown| worker.run(nats, shutdown));
     Ok(WorkerHandle {
-        shutdown,
-        join: Mutex::new(Some(join)),
+        running,
         status,
         queue,
     })

@@ -1,0 +1,74 @@
+"""Where functions run: a child process per attempt (killed at the hard timeout), and
+async functions on the runtime's event loop (cancelled at the hard timeout)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+
+import ax_scheduler as ax
+from conftest import eventually
+
+Q = "py_tasks"
+CHILDREN: list[int] = []  # filled in the parent from the child's result or its pid file
+
+
+@ax.task(queue=Q, retries=0)
+def in_a_child(x: int) -> dict:
+    return {"pid": os.getpid(), "x": x}
+
+
+@ax.task(queue=Q, timeout=1, retries=0)
+def stuck_child(pid_file: str) -> str:
+    with open(pid_file, "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(30)
+    return "never"
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[1].split()[0] != "Z"
+
+
+def test_the_process_executor_runs_each_attempt_in_a_child_and_kills_it_at_the_timeout(runtime, client, tmp_path):
+    runtime(in_a_child, stuck_child, executor="process")
+    out = in_a_child.submit(7, client=client).result(timeout=20)
+    assert out["x"] == 7 and out["pid"] != os.getpid()
+    pid_file = tmp_path / "child.pid"
+    handle = stuck_child.submit(str(pid_file), client=client)
+    with pytest.raises(ax.TaskFailed) as failed:
+        handle.result(timeout=20)
+    assert failed.value.error_class == "timeout"
+    pid = int(pid_file.read_text())
+    eventually(lambda: not alive(pid), 5, "the child was killed")
+
+
+CANCELLED: list[str] = []
+
+
+@ax.task(queue=Q, timeout=1, retries=0)
+async def slow_async(x: int) -> str:
+    try:
+        await asyncio.sleep(30)
+    except asyncio.CancelledError:
+        CANCELLED.append(ax.context().id)
+        raise
+    return "never"
+
+
+def test_an_async_task_past_its_timeout_is_cancelled(runtime, client):
+    runtime(slow_async)
+    CANCELLED.clear()
+    handle = slow_async.submit(1, client=client)
+    with pytest.raises(ax.TaskFailed) as failed:
+        handle.result(timeout=20)
+    assert failed.value.error_class == "timeout"
+    eventually(lambda: CANCELLED == [handle.id], 5, "the coroutine was cancelled")
