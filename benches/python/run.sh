@@ -30,7 +30,7 @@ cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 
 trap cleanup EXIT
 redis-server --port "$REDIS_PORT" --save "" --appendonly no --dir "$WORK" >"$WORK/redis.log" 2>&1 & pids+=($!)
 "$NATS_BIN" -js -sd "$WORK/js" -a 127.0.0.1 -p "$NATS_PORT" >"$WORK/nats.log" 2>&1 & pids+=($!)
-"$ROOT/target/release/ax" --url "nats://127.0.0.1:$NATS_PORT" server --queue bench --task-index \
+"$ROOT/target/release/ax" --url "nats://127.0.0.1:$NATS_PORT" server --queue bench --capacity 100000,100000,100000 \
   --metrics-addr off >"$WORK/ax-server.log" 2>&1 & pids+=($!)
 sleep 2
 echo "redis $(redis-server --version | cut -d' ' -f3), $("$NATS_BIN" --version), $("$VENV/bin/python" -c 'import celery, dramatiq; print("celery", celery.__version__, "dramatiq", dramatiq.__version__)'), $(nproc) cores, $(date -u +%FT%TZ)"
