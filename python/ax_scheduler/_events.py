@@ -30,25 +30,27 @@ async def events(subject: str = ALERTS, client: Any = None) -> AsyncIterator[dic
 
     sub = (client or Client.default())._conn.subscribe(subject)
     while True:
-        msg = await asyncio.to_thread(sub.next, 0.5)
-        if msg is None:
-            continue
-        try:
-            yield json.loads(msg[1])
-        except ValueError:
-            continue
+        event = _decode(await asyncio.to_thread(sub.next, 0.5))
+        if event is not None:
+            yield event
 
 
 def follow(sub: Any, poll: float, stop: Callable[[], bool] = lambda: False) -> Iterator[dict]:
     """The JSON messages of a subscription (others skipped), until ``stop()``."""
     while not stop():
-        msg = sub.next(poll)
-        if msg is None:
-            continue
-        try:
-            yield json.loads(msg[1])
-        except ValueError:
-            continue
+        event = _decode(sub.next(poll))
+        if event is not None:
+            yield event
+
+
+def _decode(msg: tuple[str, bytes] | None) -> dict | None:
+    """A message's JSON object; None for no message or one that is not JSON."""
+    if msg is None:
+        return None
+    try:
+        return json.loads(msg[1])
+    except ValueError:
+        return None
 
 
 class Dispatcher:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import logging
 import multiprocessing
@@ -78,7 +77,9 @@ class Runtime:
         self._server: Any = None
         self._workers: list[Any] = []
         self._tasks: dict[str, TaskDef] = {}
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._inbox: Any = None
+        self._threads: list[threading.Thread] = []
+        self._closing = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -114,7 +115,12 @@ class Runtime:
         if embedded:
             log.warning("ax: embedded local runtime: nats-server with JetStream on %s (data in %s) and an ax "
                         "server in this process", url, os.path.abspath(self.data_dir))
-        self._pool = concurrent.futures.ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="ax-task")
+        self._inbox = _core.Inbox()
+        self._closing.clear()
+        for i in range(self.max_concurrency):
+            thread = threading.Thread(target=self._serve, name=f"ax-task-{i}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self._loop.run_forever, name="ax-asyncio", daemon=True)
         self._loop_thread.start()
@@ -129,7 +135,7 @@ class Runtime:
         for queue, defs in sorted(by_queue.items()):
             declared = [(t.name, _json.dumps(t.options.worker_options())) for t in defs]
             self._workers.append(_core.start_worker(
-                self.connection, queue, declared, self._dispatch, self.max_concurrency, self.shutdown_grace,
+                self.connection, queue, declared, self._inbox, self.max_concurrency, self.shutdown_grace,
                 self.worker_id))
         return self
 
@@ -175,8 +181,12 @@ class Runtime:
         if self._events is not None:
             self._events.stop()
             self._events = None
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._inbox is not None:
+            self._inbox.close()  # waiting threads return at once and see _closing
+        self._closing.set()
+        for thread in self._threads:
+            thread.join(5)
+        self._threads.clear()
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
         if self._server is not None:
@@ -219,17 +229,26 @@ class Runtime:
 
     # -- attempts -----------------------------------------------------------------------
 
-    def _dispatch(self, core: Any) -> None:
-        """Called by the Rust worker on one of its blocking threads: returns at once."""
+    def _serve(self) -> None:
+        """One of the runtime's ``max_concurrency`` threads: takes attempts from the inbox
+        (waiting with the GIL released) and runs them."""
+        while not self._closing.is_set():
+            core = self._inbox.next(0.5)
+            if core is not None:
+                self._handle(core)
+
+    def _handle(self, core: Any) -> None:
         td = self._tasks.get(core.name)
         if td is None:
             core.fail("unserved", f"no task {core.name!r} in this runtime", False, None)
+        elif core.cancelled():
+            return  # the worker gave up on it while it waited: its end is already written
         elif td.is_async:
             asyncio.run_coroutine_threadsafe(self._run_async(td, core), self._loop)  # type: ignore[arg-type]
         elif self.executor == "process":
-            self._pool.submit(self._run_process, td, core)  # type: ignore[union-attr]
+            self._run_process(td, core)
         else:
-            self._pool.submit(self._run_sync, td, core)  # type: ignore[union-attr]
+            self._run_sync(td, core)
 
     def _prepare(self, td: TaskDef, core: Any) -> tuple[list, dict, TaskContext]:
         payload = _json.loads(core.payload) if core.is_json else bytes(core.payload)

@@ -3,7 +3,7 @@
 //! The protocol lives here once, in Rust: the producer client, the worker (pull, claim,
 //! fencing, heartbeats, limits gate, outputs, retries) and the server are ax-sdk's and
 //! ax-server's own code, run on one Tokio runtime whose threads never take the GIL. Python
-//! gets a task to run through a dispatch callable and reports its end through
+//! threads take attempts out of an inbox and report each end through
 //! `worker::TaskContext`; every other call is a blocking call that releases the GIL and
 //! wakes every 100 ms to let Python deliver a signal (ctrl-c).
 //!
@@ -91,6 +91,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<conn::Subscription>()?;
     m.add_class::<worker::WorkerHandle>()?;
     m.add_class::<worker::TaskContext>()?;
+    m.add_class::<worker::Inbox>()?;
     m.add_class::<embed::ServerHandle>()?;
     m.add_function(wrap_pyfunction!(worker::start_worker, m)?)?;
     m.add_function(wrap_pyfunction!(embed::serve, m)?)?;

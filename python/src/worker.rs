@@ -1,8 +1,10 @@
 //! A worker of one queue whose handlers are Python: ax-sdk's [`Worker`] pulls, claims,
-//! heartbeats, gates and settles on the core runtime; for each attempt it hands a
-//! [`TaskContext`] to the Python dispatch callable (on a blocking thread, never a runtime
-//! thread, so a task that holds the GIL cannot stall heartbeats) and waits for Python to
-//! call [`TaskContext::ok`] or [`TaskContext::fail`].
+//! heartbeats, gates and settles on the core runtime; each attempt is put in an [`Inbox`]
+//! as a [`TaskContext`] and waits for Python to call [`TaskContext::ok`] or
+//! [`TaskContext::fail`]. The runtime's Python threads take attempts out of the inbox
+//! (waiting with the GIL released), so no Rust thread ever waits for the GIL: a task that
+//! holds it cannot stall heartbeats, and an attempt costs no thread hand-off to reach
+//! Python.
 
 use crate::conn::{seconds, Connection};
 use crate::running::Running;
@@ -12,7 +14,7 @@ use ax_sdk::{ErrorKind, Output};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use serde::Deserialize;
-use std::sync::{Arc, Mutex};
+use std::sync::{mpsc, Mutex};
 use std::time::Duration;
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
@@ -221,21 +223,66 @@ impl WorkerHandle {
     }
 }
 
+/// Attempts waiting for a Python thread: the workers put them in, the runtime's threads
+/// take them out with [`Inbox::next`]. Once closed (after the workers stopped), `next`
+/// answers None at once.
+#[pyclass(frozen, module = "ax_scheduler._core")]
+pub struct Inbox {
+    tx: Mutex<Option<mpsc::Sender<TaskContext>>>,
+    rx: Mutex<mpsc::Receiver<TaskContext>>,
+}
+
+#[pymethods]
+impl Inbox {
+    #[new]
+    fn new() -> Inbox {
+        let (tx, rx) = mpsc::channel();
+        Inbox {
+            tx: Mutex::new(Some(tx)),
+            rx: Mutex::new(rx),
+        }
+    }
+
+    /// The next attempt, or None after `timeout` seconds (at once when closed). Waits
+    /// with the GIL released; any number of threads may wait at once.
+    fn next(&self, py: Python<'_>, timeout: f64) -> PyResult<Option<Py<TaskContext>>> {
+        let limit = seconds(timeout, "timeout")?;
+        let got = py.detach(|| {
+            let rx = self.rx.lock().expect("not poisoned");
+            rx.recv_timeout(limit).ok()
+        });
+        got.map(|ctx| Py::new(py, ctx)).transpose()
+    }
+
+    /// Takes no more attempts: workers started later fail theirs (`dispatch`).
+    fn close(&self) {
+        self.tx.lock().expect("not poisoned").take();
+    }
+}
+
+impl Inbox {
+    fn sender(&self) -> Option<mpsc::Sender<TaskContext>> {
+        self.tx.lock().expect("not poisoned").clone()
+    }
+}
+
 /// Starts a worker of `queue` for `tasks` (`(name, options JSON)`), running at most
-/// `concurrency` attempts at once; each attempt is handed to `dispatch(context)`, which
-/// must return at once and end the attempt later through the context.
+/// `concurrency` attempts at once; each attempt goes into `inbox`, and the thread that
+/// takes it out ends it through the context.
 #[pyfunction]
-#[pyo3(signature = (conn, queue, tasks, dispatch, concurrency = 16, shutdown_grace = 30.0, id = None))]
+#[pyo3(signature = (conn, queue, tasks, inbox, concurrency = 16, shutdown_grace = 30.0, id = None))]
 pub fn start_worker(
     conn: &Connection,
     queue: String,
     tasks: Vec<(String, Vec<u8>)>,
-    dispatch: Py<PyAny>,
+    inbox: &Inbox,
     concurrency: usize,
     shutdown_grace: f64,
     id: Option<String>,
 ) -> PyResult<WorkerHandle> {
-    let dispatch = Arc::new(dispatch);
+    let sender = inbox
+        .sender()
+        .ok_or_else(|| errors::invalid("the inbox is closed"))?;
     let mut builder = Worker::builder(queue.clone())
         .concurrency(concurrency.max(1))
         .shutdown_grace(seconds(shutdown_grace, "shutdown_grace")?);
@@ -245,9 +292,9 @@ pub fn start_worker(
     for (name, options) in tasks {
         let declared: Declared = serde_json::from_slice(&options)
             .map_err(|e| errors::invalid(format!("task {name:?} options: {e}")))?;
-        let dispatch = dispatch.clone();
+        let sender = sender.clone();
         builder = builder.task_with(name, declared.options(), move |task: Task| {
-            run(dispatch.clone(), task)
+            run(sender.clone(), task)
         });
     }
     let worker = builder
@@ -263,9 +310,10 @@ pub fn start_worker(
     })
 }
 
-/// One attempt: hand it to Python and wait for its end. Dropped (timeout, cancel), it
-/// marks the context abandoned, so Python can stop the work and a late result is refused.
-async fn run(dispatch: Arc<Py<PyAny>>, task: Task) -> Outcome {
+/// One attempt: put it in the inbox and wait for its end. Dropped (timeout, cancel), it
+/// marks the context abandoned, so Python skips it if not started, or can stop the work,
+/// and a late result is refused.
+async fn run(inbox: mpsc::Sender<TaskContext>, task: Task) -> Outcome {
     let abandoned = CancellationToken::new();
     let _mark = abandoned.clone().drop_guard();
     let (tx, rx) = oneshot::channel();
@@ -274,27 +322,11 @@ async fn run(dispatch: Arc<Py<PyAny>>, task: Task) -> Outcome {
         abandoned,
         done: Mutex::new(Some(tx)),
     };
-    let handed = tokio::task::spawn_blocking(move || {
-        Python::attach(|py| {
-            let ctx = Py::new(py, ctx)?;
-            dispatch.call1(py, (ctx,)).map(drop)
-        })
-    })
-    .await;
-    match handed {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => {
-            return Err(TaskError::new(
-                "dispatch",
-                format!("the Python runtime refused the task: {e}"),
-            ))
-        }
-        Err(e) => {
-            return Err(TaskError::new(
-                "dispatch",
-                format!("handing the task to Python: {e}"),
-            ))
-        }
+    if inbox.send(ctx).is_err() {
+        return Err(TaskError::new(
+            "dispatch",
+            "the Python runtime has stopped taking tasks",
+        ));
     }
     rx.await.unwrap_or_else(|_| {
         Err(TaskError::new(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 
 import pytest
@@ -79,9 +81,17 @@ def test_event_handlers_get_the_alerts_and_their_own_failures_touch_nothing(runt
     def keep(event):
         seen.append(event)
 
+    async def first_alert():
+        async for event in ax.events(client=client):
+            return event
+
+    streamed: list[dict] = []
+    listener = threading.Thread(target=lambda: streamed.append(asyncio.run(first_alert())), daemon=True)
     _events.HANDLERS[:] = [broken, keep]
     try:
         runtime(always_fails)
+        listener.start()
+        time.sleep(0.5)  # the async iterator subscribes on its first step
         handle = always_fails.submit(7, client=client)
         with pytest.raises(ax.TaskFailed):
             handle.result(timeout=20)
@@ -90,6 +100,8 @@ def test_event_handlers_get_the_alerts_and_their_own_failures_touch_nothing(runt
             time.sleep(0.05)
         assert seen and seen[0]["kind"] == "task_dead" and seen[0]["task"] == handle.id, seen
         assert seen[0]["error_class"] == "LookupError"
+        listener.join(10)
+        assert streamed and streamed[0]["task"] == handle.id, "ax.events() yields the same alert"
         assert always_fails.submit(8, client=client).wait(timeout=20)["state"] == "dead", "tasks go on"
     finally:
         _events.HANDLERS.clear()
