@@ -189,6 +189,11 @@ class Runtime:
         self._threads.clear()
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
+            if self._loop_thread is not None:
+                self._loop_thread.join(5)
+            if not self._loop.is_running():
+                self._loop.close()
+            self._loop = None
         if self._server is not None:
             self._server.stop()
             self._server = None

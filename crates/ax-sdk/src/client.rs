@@ -186,6 +186,10 @@ impl ClientError {
 pub struct Client {
     pub(crate) nats: async_nats::Client,
     wait_for_server: Duration,
+    /// The buckets it reads, opened on first use (an open is a round trip to JetStream)
+    /// and shared by the clones; a failed open is tried again at the next call.
+    tasks: std::sync::Arc<tokio::sync::OnceCell<TaskStore>>,
+    pub(crate) flows: std::sync::Arc<tokio::sync::OnceCell<crate::flow::store::FlowStore>>,
 }
 
 /// Default of [`Client::wait_for_server`].
@@ -197,6 +201,8 @@ impl Client {
         Client {
             nats,
             wait_for_server: DEFAULT_WAIT_FOR_SERVER,
+            tasks: Default::default(),
+            flows: Default::default(),
         }
     }
 
@@ -347,7 +353,9 @@ impl Client {
     }
 
     async fn store(&self) -> Result<TaskStore, ClientError> {
-        Ok(TaskStore::open(&async_nats::jetstream::new(self.nats.clone())).await?)
+        let open =
+            || async { TaskStore::open(&async_nats::jetstream::new(self.nats.clone())).await };
+        Ok(self.tasks.get_or_try_init(open).await?.clone())
     }
 
     /// The current record of a task and its revision.

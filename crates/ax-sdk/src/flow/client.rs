@@ -64,7 +64,9 @@ impl Client {
     }
 
     async fn flows(&self) -> Result<FlowStore, ClientError> {
-        Ok(FlowStore::open(&async_nats::jetstream::new(self.nats.clone())).await?)
+        let open =
+            || async { FlowStore::open(&async_nats::jetstream::new(self.nats.clone())).await };
+        Ok(self.flows.get_or_try_init(open).await?.clone())
     }
 
     /// A run and its steps (in definition order), read from `AX_FLOW_RUNS`.
