@@ -437,12 +437,16 @@ impl TaskStore {
             .await
             .map_err(|e| broker("*", "list", e))?;
         let mut out = Vec::new();
+        // Fresh: `kv::Store::status` answers the stream info read when the store was
+        // opened, and a store may be long-lived (the `Client` opens its buckets once).
         let total = self
             .kv
-            .status()
+            .stream
+            .get_info()
             .await
             .map_err(|e| broker("*", "list", e))?
-            .values();
+            .state
+            .messages;
         if total == 0 {
             return Ok(out);
         }
