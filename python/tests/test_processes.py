@@ -89,3 +89,31 @@ def test_the_embedded_runtime_runs_the_order_flow_from_an_empty_directory(tmp_pa
     assert (tmp_path / ".ax" / "jetstream").is_dir()
     assert not listening("127.0.0.1", 4222), "the embedded nats-server was stopped"
     print(f"embedded order flow from an empty directory: {time.monotonic() - started:.1f} s")
+
+
+def test_the_local_command_serves_the_console_and_ax_flow_get_finds_the_run(tmp_path, procs):
+    """`python -m ax_scheduler local`: the embedded runtime as a process, with the console;
+    a run it drives is found by the `ax` command and the console's health check answers."""
+    import urllib.request
+
+    from ax_scheduler._embedded import free_port
+
+    assert not listening("127.0.0.1", 4222), "port 4222 is taken: the embedded runtime would use it"
+    console = f"127.0.0.1:{free_port()}"
+    local = procs([sys.executable, "-m", "ax_scheduler", "local", str(REPO / "examples" / "python" / "order_flow.py"),
+                   "--data-dir", str(tmp_path / "data"), "--console", console],
+                  {"AX_LOG": "info"}, tmp_path / "local.log")
+    eventually(lambda: "worker started" in local.output() or local.p.poll() is not None, 60, "the local runtime")
+    assert local.p.poll() is None, local.output()
+    client = ax.Client("nats://127.0.0.1:4222")
+    run = client.call("flow", "run", {"flow": "order_payment_flow", "input": {"payment_id": "p9", "amount": 1}})["run"]
+    assert client.wait_flow(run, timeout=30)["state"] == "succeeded"
+    shown = subprocess.run([ax_binary(), "--url", "nats://127.0.0.1:4222", "flow", "get", run],
+                           capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0 and "succeeded" in shown.stdout and "send_notification" in shown.stdout, shown
+    with urllib.request.urlopen(f"http://{console}/healthz", timeout=10) as answer:
+        assert answer.status == 200
+    client.close()
+    local.p.send_signal(signal.SIGTERM)
+    assert local.p.wait(30) == 0, local.output()
+    assert not listening("127.0.0.1", 4222), "the local runtime stopped its nats-server"
