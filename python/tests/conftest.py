@@ -110,10 +110,14 @@ def procs():
         return proc
 
     yield spawn
-    for proc in started:
+    for proc in started:  # SIGTERM first: a runtime then stops the nats-server it started
         if proc.p.poll() is None:
-            proc.p.kill()
-            proc.p.wait()
+            proc.p.terminate()
+            try:
+                proc.p.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.p.kill()
+                proc.p.wait()
 
 
 def python_worker(url: str, *extra: str) -> list[str]:
