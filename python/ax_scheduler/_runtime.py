@@ -80,6 +80,7 @@ class Runtime:
         self._inbox: Any = None
         self._threads: list[threading.Thread] = []
         self._closing = threading.Event()
+        self.thread_failures = 0  # attempts a task thread failed outside the task (a runtime bug)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -239,8 +240,15 @@ class Runtime:
         (waiting with the GIL released) and runs them."""
         while not self._closing.is_set():
             core = self._inbox.next(0.5)
-            if core is not None:
+            if core is None:
+                continue
+            try:
                 self._handle(core)
+            except Exception as e:  # a bug of the runtime: the thread goes on serving
+                self.thread_failures += 1
+                log.exception("ax: task thread: %s (task %s; failure %d, the thread goes on)",
+                              e, core.id, self.thread_failures)
+                core.fail("runtime_error", f"the Python runtime failed: {e}", False, None)
 
     def _handle(self, core: Any) -> None:
         td = self._tasks.get(core.name)

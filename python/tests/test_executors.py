@@ -72,3 +72,28 @@ def test_an_async_task_past_its_timeout_is_cancelled(runtime, client):
         handle.result(timeout=20)
     assert failed.value.error_class == "timeout"
     eventually(lambda: CANCELLED == [handle.id], 5, "the coroutine was cancelled")
+
+
+@ax.task(queue=Q, retries=1, retry_backoff=0.1)
+def after_a_runtime_bug(x: int) -> int:
+    return x
+
+
+def test_a_task_thread_survives_a_runtime_failure_and_the_attempt_is_retried(runtime, client, monkeypatch):
+    rt = runtime(after_a_runtime_bug, max_concurrency=1)  # one thread: if it died, nothing would run
+    real = rt._handle
+    calls: list[str] = []
+
+    def broken_once(core):
+        calls.append(core.id)
+        if len(calls) == 1:
+            raise RuntimeError("a runtime bug")
+        real(core)
+
+    monkeypatch.setattr(rt, "_handle", broken_once)
+    handle = after_a_runtime_bug.submit(5, client=client)
+    assert handle.result(timeout=20) == 5
+    record = client.get(handle.id)
+    assert record["attempt"] == 2, "the failed attempt was recorded and retried"
+    assert rt.thread_failures == 1
+    assert after_a_runtime_bug.submit(6, client=client).result(timeout=20) == 6
