@@ -5,6 +5,7 @@ mod demo;
 mod exporter;
 mod flow;
 mod limits;
+mod options;
 mod out;
 mod queue;
 mod server;
@@ -88,18 +89,40 @@ enum Command {
         #[command(subcommand)]
         command: trigger::TriggerCommand,
     },
-    /// Make the stored triggers match a YAML or JSON file (`triggers: [...]`), reporting
-    /// what changed; triggers not in the file are deleted unless --no-prune.
+    /// Apply a YAML or JSON file: its `triggers: [...]` become the stored triggers (others
+    /// are deleted unless --no-prune), its `tasks: {name: settings}` the stored task
+    /// settings of the queues it names (others there deleted unless --no-prune); reports
+    /// what changed.
     Apply {
         /// The file.
         #[arg(short = 'f', long)]
         file: PathBuf,
-        /// Keep stored triggers that the file does not name.
+        /// Keep stored triggers and task settings that the file does not name.
         #[arg(long)]
         no_prune: bool,
     },
     /// Run the demo: local nats-server, ax server, example worker and producer.
     Demo(demo::DemoArgs),
+}
+
+/// `ax apply -f FILE [--no-prune]`: the file's triggers, then its task settings.
+async fn apply(file: &std::path::Path, no_prune: bool, conn: &conn::Conn) -> Result<()> {
+    let doc = trigger::read_definitions(file)?;
+    let has_triggers = doc.get("triggers").is_some();
+    let client = ax_sdk::Client::new(conn.connect().await?);
+    // Checked before anything is applied: a bad task entry changes nothing.
+    ax_sdk::settings::file::read_tasks(&doc)?;
+    if has_triggers {
+        trigger::apply(&doc, no_prune, &client).await?;
+    }
+    let had_tasks = options::apply(&doc, !no_prune, &client).await?;
+    if !has_triggers && !had_tasks {
+        anyhow::bail!(
+            "{}: nothing to apply (the file has neither `triggers:` nor `tasks:`)",
+            file.display()
+        );
+    }
+    Ok(())
 }
 
 /// Installs the Prometheus exporter unless `addr` is "off".
@@ -172,7 +195,7 @@ async fn run() -> Result<()> {
         Command::Trigger { command } => trigger::run(command, conn).await,
         Command::Flow { command } => flow::run(command, conn, cli.output).await,
         Command::Limits { command } => limits::run(command, conn, cli.output).await,
-        Command::Apply { file, no_prune } => trigger::apply(&file, no_prune, conn).await,
+        Command::Apply { file, no_prune } => apply(&file, no_prune, conn).await,
         Command::Demo(args) => demo::run(args, conn).await,
     }
 }

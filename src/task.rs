@@ -147,6 +147,13 @@ pub(crate) enum TasksCommand {
         #[arg(long)]
         dry_run: bool,
     },
+    /// Settings of a task name stored apart from code (retries, timeouts, backoff,
+    /// retry lists, concurrency, alert group), applied by every worker to its next
+    /// attempts: get, set, list, unset.
+    Options {
+        #[command(subcommand)]
+        command: crate::options::OptionsCommand,
+    },
 }
 
 fn record_json(rec: &ax_sdk::TaskRecord, revision: u64) -> String {
@@ -360,6 +367,7 @@ fn print_output(id: &str, output: Option<ax_sdk::TaskOutput>) -> Result<()> {
 pub(crate) async fn list(command: TasksCommand, conn: &Conn, output: Output) -> Result<()> {
     let client = Client::new(conn.connect().await?);
     match command {
+        TasksCommand::Options { command } => crate::options::run(command, &client, output).await?,
         TasksCommand::List {
             filters,
             limit,

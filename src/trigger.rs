@@ -76,10 +76,9 @@ pub(crate) async fn run(command: TriggerCommand, conn: &Conn) -> Result<()> {
     Ok(())
 }
 
-/// `ax apply -f FILE [--no-prune]`.
-pub(crate) async fn apply(file: &Path, no_prune: bool, conn: &Conn) -> Result<()> {
-    let client = Client::new(conn.connect().await?);
-    let mut body = read_definitions(file)?;
+/// The `triggers:` part of `ax apply -f FILE [--no-prune]`.
+pub(crate) async fn apply(doc: &serde_json::Value, no_prune: bool, client: &Client) -> Result<()> {
+    let mut body = serde_json::json!({ "triggers": doc["triggers"].clone() });
     body["prune"] = (!no_prune).into();
     let report = client.trigger("apply", &body).await?;
     for line in report.as_array().into_iter().flatten() {

@@ -25,6 +25,7 @@ mod procs;
 mod registry;
 mod retry;
 mod security;
+mod settings;
 mod streams;
 mod submit;
 mod supervisor;

@@ -518,7 +518,18 @@ async fn alerts_fire_once_per_failure_burst_across_servers() {
             "a repeat within the window alerted: {quiet:?}"
         );
 
-        // After the window, the next failure alerts again and counts the 4 folded ones.
+        assert!(first.get("group").is_none(), "no alert group stored yet");
+
+        // After the window, the next failure alerts again and counts the 4 folded ones;
+        // the name's stored alert group is on it.
+        let group = ax_sdk::settings::TaskSettings {
+            alert_group: Some("billing".into()),
+            ..Default::default()
+        };
+        env.ax
+            .put_task_settings("q", "charge", &group)
+            .await
+            .unwrap();
         tokio::time::sleep(Duration::from_secs(2)).await;
         let late = submit(&env, fail()).await;
         let next = tokio::time::timeout(Duration::from_secs(10), events.next())
@@ -528,6 +539,7 @@ async fn alerts_fire_once_per_failure_burst_across_servers() {
         let next: Value = serde_json::from_slice(&next.payload).unwrap();
         assert_eq!(next["task"], late.as_str());
         assert_eq!(next["suppressed_since_last"], 4);
+        assert_eq!(next["group"], "billing");
         eventually(
             Duration::from_secs(10),
             "both alerts at the webhook",

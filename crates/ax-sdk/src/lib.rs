@@ -33,6 +33,7 @@
 //! | [`ops`] | the operations calls: find, cancel, retry, replay, run now, pause |
 //! | [`trigger`] | trigger definitions and the trigger calls |
 //! | [`limits`] | rate limits and concurrency caps, and the gate every worker applies |
+//! | [`settings`] | per-task options stored apart from code, applied live by every worker |
 //! | [`error`] | error codes on the wire, [`ErrorKind`] (a leaf) |
 //! | [`time`] | ms since the epoch, strict RFC 3339 (a leaf) |
 //! | [`protocol`] | submit request / reply JSON |
@@ -68,6 +69,7 @@ pub mod protocol;
 /// Retrying a broker call with backoff (shared with the server crate; not a stable API).
 #[doc(hidden)]
 pub mod retry;
+pub mod settings;
 pub mod state;
 /// Named long-running services restarted with backoff (shared with the server crate; not a
 /// stable API).

@@ -38,7 +38,9 @@ pub const FAILED: &str = "ax_tasks_failed_total";
 pub const RETRIED: &str = "ax_tasks_retried_total";
 /// Counter, worker `{queue, task}`: tasks moved to the dead-letter stream.
 pub const DEAD: &str = "ax_tasks_dead_total";
-/// Counter, worker `{queue, kind}`: attempts ended by `hard` timeout or lost `heartbeat`.
+/// Counter, worker `{queue, kind}`: attempts ended by their `hard` timeout, by their
+/// `soft` one (no `Task::heartbeat` call within the name's heartbeat timeout), or found
+/// ended by a lost `heartbeat` (the worker holding it stopped).
 pub const TIMEOUTS: &str = "ax_task_timeouts_total";
 /// Counter, worker `{queue}`: results refused because another attempt took over (stale
 /// fencing token, e.g. a late ack).
@@ -147,7 +149,10 @@ pub fn describe() {
     describe_counter!(FAILED, "Attempts that failed");
     describe_counter!(RETRIED, "Failed attempts scheduled for retry");
     describe_counter!(DEAD, "Tasks dead-lettered");
-    describe_counter!(TIMEOUTS, "Attempts ended by hard timeout or lost heartbeat");
+    describe_counter!(
+        TIMEOUTS,
+        "Attempts ended by hard timeout, soft (heartbeat) timeout or lost heartbeat"
+    );
     describe_counter!(STALE_RESULTS, "Results refused for a stale fencing token");
     describe_counter!(
         UNSERVED,

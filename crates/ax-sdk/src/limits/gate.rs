@@ -154,6 +154,8 @@ pub(crate) struct Gate {
     claim_us: AtomicU64,
     /// The revision of the pause key last applied.
     pause_rev: AtomicU64,
+    /// The stored task settings of the queue (`<queue>.=task.<name>`), for the worker.
+    live: Arc<crate::worker::options::Live>,
 }
 
 fn micros() -> u64 {
@@ -165,7 +167,8 @@ fn micros() -> u64 {
 impl Gate {
     /// A gate for `queue` that follows the limit definitions from now on (waiting for the
     /// buckets, with one log line, if they do not exist yet), for worker `holder`, showing
-    /// what it knows in `flags` (the worker's status).
+    /// what it knows in `flags` (the worker's status) and passing the stored task settings
+    /// of the queue to `live`.
     ///
     /// `max_held`: how many deliveries may wait in the gate at once (for a reserved token
     /// or a freed slot); `slot_ttl` is the queue's ack wait, which also bounds how long one
@@ -173,7 +176,11 @@ impl Gate {
     pub(crate) fn start(
         js: jetstream::Context,
         queue: &str,
-        (holder, flags): (String, crate::worker::status::Flags),
+        (holder, flags, live): (
+            String,
+            crate::worker::status::Flags,
+            Arc<crate::worker::options::Live>,
+        ),
         (renew_every, slot_ttl): (Duration, Duration),
         max_held: usize,
         shutdown: CancellationToken,
@@ -196,6 +203,7 @@ impl Gate {
             shutdown: shutdown.clone(),
             claim_us: AtomicU64::new(MIN_LEAD.as_micros() as u64 / 2),
             pause_rev: AtomicU64::new(0),
+            live,
         });
         // Supervised: each runs until its token is cancelled; one that stops is restarted.
         let g = gate.clone();
@@ -336,6 +344,13 @@ impl Gate {
                     break;
                 };
                 let caught_up = entry.delta == 0;
+                if let Some(name) = crate::settings::name_of_key(&self.queue, &entry.key) {
+                    self.task_settings(name, &entry);
+                    if caught_up {
+                        self.ready.send_replace(true);
+                    }
+                    continue;
+                }
                 if entry.key == super::pause_key(&self.queue) {
                     self.set_paused(entry.operation == kv::Operation::Put, entry.revision);
                     if caught_up {
@@ -378,6 +393,24 @@ impl Gate {
                 }
             }
         }
+    }
+
+    /// Applies a change of task `name`'s stored settings (a value that does not decode or
+    /// validate, written by hand, is not applied: logged, and the name's settings removed).
+    fn task_settings(&self, name: &str, entry: &kv::Entry) {
+        let settings = (entry.operation == kv::Operation::Put)
+            .then(|| {
+                serde_json::from_slice::<crate::settings::TaskSettings>(&entry.value)
+                    .map_err(|e| e.to_string())
+                    .and_then(|s| s.validate().map(|()| s).map_err(|e| e.to_string()))
+                    .inspect_err(|e| {
+                        warn!(queue = %self.queue, key = %entry.key, cause = %e,
+                            "stored task settings not valid: not applied; set them again")
+                    })
+                    .ok()
+            })
+            .flatten();
+        self.live.set(&self.queue, name, settings);
     }
 
     /// The limits that apply to a task, most specific first.

@@ -38,6 +38,14 @@ pub enum TaskRequest {
     CancelMany(TaskBulk),
     /// Delete finished tasks matching a query (the index).
     Purge(TaskPurge),
+    /// Store a task name's settings, replacing what was stored (PROTOCOL.md §8).
+    OptionsPut(crate::settings::StoredSettings),
+    /// A task name's stored settings.
+    OptionsGet(crate::settings::SettingsName),
+    /// The stored settings of one queue's names, or of every queue's.
+    OptionsList(crate::settings::SettingsFilter),
+    /// Delete a task name's stored settings.
+    OptionsDelete(crate::settings::SettingsName),
     /// An operation this enum does not have (never sent).
     #[doc(hidden)]
     #[serde(other)]

@@ -90,7 +90,11 @@ pub(super) async fn run(
     let gate = crate::limits::gate::Gate::start(
         js.clone(),
         &worker.queue,
-        (worker.id.clone(), std::mem::take(&mut worker.flags)),
+        (
+            worker.id.clone(),
+            std::mem::take(&mut worker.flags),
+            worker.routes.live.clone(),
+        ),
         (heartbeat, ack_wait),
         (worker.concurrency / 2).max(1),
         shutdown.clone(),

@@ -45,6 +45,11 @@
 //!   backoff + jitter; a non-retryable error, or the last attempt, writes `dead`, publishes a
 //!   dead letter to `ax.dead.<queue>` and terminates the message.
 //! - **Hard timeout**: the handler future is dropped when the task's timeout passes.
+//! - **Soft timeout**: with [`TaskOptions::heartbeat_timeout`], a handler that has not
+//!   called [`Task::heartbeat`] for that long is dropped too, the attempt failed with class
+//!   `heartbeat_timeout`.
+//! - **Stored settings**: a name's settings stored apart from code ([`crate::settings`])
+//!   go over its declared options from the next attempt, without a restart.
 //! - **Heartbeats**: while a task is held the SDK sends `+WPI` every ack-wait / 3;
 //!   a worker that stops (crash, SIGSTOP) has the task redelivered after the ack wait, and
 //!   its late result is refused by compare-and-set on the task record (nats-server #4786).
@@ -53,14 +58,16 @@
 //!   [`WorkerBuilder::shutdown_grace`] to finish, then are aborted and handed back (nak).
 
 mod attempt;
+mod beat;
 mod claim;
 mod fence;
 pub mod fetch;
 mod inflight;
 mod labels;
-mod options;
+pub(crate) mod options;
 mod rate;
 mod settle;
+mod slots;
 pub(crate) mod status;
 
 pub use options::TaskOptions;
@@ -107,6 +114,7 @@ pub struct Task {
     pub traceparent: Option<String>,
     pub(crate) fence: Arc<fence::Fence>,
     pub(crate) cancel: tokio_util::sync::CancellationToken,
+    pub(crate) beats: Arc<beat::Beats>,
 }
 
 impl Task {
@@ -128,6 +136,15 @@ impl Task {
     /// `cancelled`; work the handler spawned elsewhere can watch this token to stop too.
     pub fn cancellation(&self) -> tokio_util::sync::CancellationToken {
         self.cancel.clone()
+    }
+
+    /// Says the handler still makes progress. A name with a soft timeout
+    /// ([`TaskOptions::heartbeat_timeout`], or the stored setting `heartbeat_timeout_ms`)
+    /// must call this at least that often, or the attempt is stopped and failed with class
+    /// `heartbeat_timeout`; without one it costs an atomic add. The broker's ack-wait
+    /// heartbeat is separate and automatic.
+    pub fn heartbeat(&self) {
+        self.beats.beat();
     }
 
     /// Decodes the JSON payload; a decode error is a non-retryable `bad_payload`.

@@ -6,24 +6,26 @@
 //! serve (and no catch-all handler) is handed back, not failed: nak with a delay, counted in
 //! `ax_worker_unserved_total`.
 
+use super::slots::Slots;
 use super::Handler;
 use crate::backoff::Backoff;
+use crate::protocol::BackoffRequest;
+use crate::settings::{self, TaskSettings};
 use crate::task::TaskMeta;
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
-use tokio::sync::Semaphore;
+use tracing::info;
 
 /// Options of one task name, declared by the worker that serves it. Unset options keep what
-/// the task message says.
+/// the stored settings or the task message say.
 #[derive(Debug, Clone, Default)]
 pub struct TaskOptions {
-    max_attempts: Option<u32>,
-    timeout: Option<Duration>,
-    backoff: Option<Backoff>,
-    retry_on: Option<Vec<String>>,
-    no_retry_on: Option<Vec<String>>,
-    concurrency: Option<usize>,
+    settings: TaskSettings,
+}
+
+fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 impl TaskOptions {
@@ -31,113 +33,194 @@ impl TaskOptions {
     pub fn new() -> TaskOptions {
         TaskOptions::default()
     }
-    /// Attempts in all, unless the submit set `max_attempts`.
+    /// Options from their JSON form, checked ([`TaskSettings::validate`]): how the
+    /// Python decorator's options reach the Rust worker.
+    pub fn from_settings(settings: TaskSettings) -> Result<TaskOptions, crate::error::WireError> {
+        settings.validate()?;
+        Ok(TaskOptions { settings })
+    }
+    /// These options in their JSON form.
+    pub fn settings(&self) -> &TaskSettings {
+        &self.settings
+    }
+    /// Attempts in all (1..=1000), unless the submit set `max_attempts`.
     pub fn max_attempts(mut self, n: u32) -> Self {
-        self.max_attempts = Some(n.max(1));
+        self.settings.max_attempts = Some(n.clamp(1, settings::MAX_ATTEMPTS));
         self
     }
-    /// Hard timeout of one attempt, unless the submit set `timeout_ms`.
+    /// Hard timeout of one attempt (at most 24 h), unless the submit set `timeout_ms`.
     pub fn timeout(mut self, d: Duration) -> Self {
-        self.timeout = Some(d.max(Duration::from_millis(1)));
+        self.settings.timeout_ms = Some(ms(d).clamp(1, settings::MAX_TIMEOUT_MS));
+        self
+    }
+    /// Soft timeout (at most 24 h): an attempt whose handler has not called
+    /// [`Task::heartbeat`](super::Task::heartbeat) for this long (since it started or
+    /// since its last call) is stopped and failed with class `heartbeat_timeout`, retried
+    /// like any failure. For work of unknown length that can report progress; the hard
+    /// [`timeout`](Self::timeout) still applies.
+    pub fn heartbeat_timeout(mut self, d: Duration) -> Self {
+        self.settings.heartbeat_timeout_ms = Some(ms(d).clamp(1, settings::MAX_TIMEOUT_MS));
         self
     }
     /// Retry backoff (exponential from `base` to `max`, randomly shortened by up to
     /// `jitter`), unless the submit set `backoff`.
     pub fn backoff(mut self, base: Duration, max: Duration, jitter: f64) -> Self {
-        self.backoff = Some(Backoff {
-            base,
-            max: max.max(base),
-            jitter: jitter.clamp(0.0, 1.0),
+        let top = crate::backoff::MAX_BACKOFF_MS as u64;
+        let base_ms = ms(base).clamp(1, top);
+        let jitter = if jitter.is_finite() {
+            jitter.clamp(0.0, 1.0)
+        } else {
+            0.0
+        };
+        self.settings.backoff = Some(BackoffRequest {
+            base_ms: Some(base_ms as i64),
+            max_ms: Some(ms(max).clamp(base_ms, top) as i64),
+            jitter: Some(jitter),
         });
         self
     }
     /// Error classes to retry (others are not), unless the submit set `retry_on`.
     pub fn retry_on<I: IntoIterator<Item = S>, S: Into<String>>(mut self, classes: I) -> Self {
-        self.retry_on = Some(classes.into_iter().map(Into::into).collect());
+        self.settings.retry_on = Some(classes.into_iter().map(Into::into).collect());
         self
     }
     /// Error classes never retried, unless the submit set `no_retry_on`.
     pub fn no_retry_on<I: IntoIterator<Item = S>, S: Into<String>>(mut self, classes: I) -> Self {
-        self.no_retry_on = Some(classes.into_iter().map(Into::into).collect());
+        self.settings.no_retry_on = Some(classes.into_iter().map(Into::into).collect());
         self
     }
     /// Most attempts of this name running at once in this worker (within the worker's
     /// own concurrency). A task waiting for one of these keeps its worker slot, so give
     /// a name with a tight limit its own queue if other names must not wait behind it.
     pub fn concurrency(mut self, n: usize) -> Self {
-        self.concurrency = Some(n.max(1));
+        let n = u32::try_from(n).unwrap_or(u32::MAX);
+        self.settings.concurrency = Some(n.clamp(1, settings::MAX_CONCURRENCY));
         self
     }
+}
 
-    /// Replaces the options `meta` took from the server defaults with these.
-    pub(crate) fn apply(&self, meta: &mut TaskMeta) {
-        let d = meta.defaulted;
-        if let (true, Some(n)) = (d.max_attempts, self.max_attempts) {
-            meta.max_attempts = n;
+/// Replaces the options `meta` took from the server defaults with the settings'.
+pub(crate) fn apply(s: &TaskSettings, meta: &mut TaskMeta) {
+    let d = meta.defaulted;
+    if let (true, Some(n)) = (d.max_attempts, s.max_attempts) {
+        meta.max_attempts = n;
+    }
+    if let (true, Some(t)) = (d.timeout, s.timeout()) {
+        meta.timeout = t;
+    }
+    if let (true, Some(b)) = (d.backoff, &s.backoff) {
+        if let Ok(b) = Backoff::from_request(b.clone()) {
+            meta.backoff = b;
         }
-        if let (true, Some(t)) = (d.timeout, self.timeout) {
-            meta.timeout = t;
+    }
+    if let (true, Some(l)) = (d.retry_on, &s.retry_on) {
+        meta.retry_on = l.clone();
+    }
+    if let (true, Some(l)) = (d.no_retry_on, &s.no_retry_on) {
+        meta.no_retry_on = l.clone();
+    }
+}
+
+/// The stored settings of the worker's queue, by task name, kept current by the limits
+/// gate's watch of the queue's keys (`<queue>.=task.<name>` in `AX_LIMITS`).
+#[derive(Debug, Default)]
+pub(crate) struct Live {
+    stored: RwLock<HashMap<String, TaskSettings>>,
+}
+
+impl Live {
+    /// Stores (`Some`) or removes (`None`) the settings of `name`.
+    pub(crate) fn set(&self, queue: &str, name: &str, settings: Option<TaskSettings>) {
+        let mut stored = self.stored.write().expect("not poisoned");
+        match settings {
+            Some(s) => {
+                info!(queue, task = name, settings = %serde_json::to_string(&s).unwrap_or_default(),
+                    "task settings in force from the next attempt");
+                stored.insert(name.to_string(), s);
+            }
+            None => {
+                if stored.remove(name).is_some() {
+                    info!(queue, task = name, "stored task settings removed");
+                }
+            }
         }
-        if let (true, Some(b)) = (d.backoff, &self.backoff) {
-            meta.backoff = *b;
-        }
-        if let (true, Some(l)) = (d.retry_on, &self.retry_on) {
-            meta.retry_on = l.clone();
-        }
-        if let (true, Some(l)) = (d.no_retry_on, &self.no_retry_on) {
-            meta.no_retry_on = l.clone();
-        }
+    }
+
+    fn get(&self, name: &str) -> Option<TaskSettings> {
+        self.stored.read().expect("not poisoned").get(name).cloned()
     }
 }
 
 /// One served name.
 pub(crate) struct Served {
     pub(crate) handler: Handler,
-    pub(crate) options: TaskOptions,
-    /// The name's own concurrency limit, if it has one.
-    pub(crate) slots: Option<Arc<Semaphore>>,
+    pub(crate) declared: TaskSettings,
 }
 
-/// What serves one task name: its handler, options (none for the catch-all) and slots.
+/// What serves one task name: its handler, the settings in force, and the name's own
+/// slots if it has a concurrency limit.
 pub(crate) struct Found<'a> {
     pub(crate) handler: &'a Handler,
-    pub(crate) options: Option<&'a TaskOptions>,
-    pub(crate) slots: Option<&'a Arc<Semaphore>>,
+    pub(crate) settings: TaskSettings,
+    pub(crate) slots: Option<Arc<Slots>>,
 }
 
-/// Every name a worker serves, and its catch-all handler.
+/// Every name a worker serves, its catch-all handler, and the stored settings.
 #[derive(Default)]
 pub(crate) struct Routes {
     pub(crate) named: HashMap<String, Served>,
     pub(crate) fallback: Option<Handler>,
+    pub(crate) live: Arc<Live>,
+    slots: Mutex<HashMap<String, Arc<Slots>>>,
 }
 
 impl Routes {
     pub(crate) fn add(&mut self, name: String, options: TaskOptions, handler: Handler) {
-        let slots = options.concurrency.map(|n| Arc::new(Semaphore::new(n)));
-        self.named.insert(
-            name,
-            Served {
-                handler,
-                options,
-                slots,
-            },
-        );
+        let declared = options.settings;
+        self.named.insert(name, Served { handler, declared });
     }
 
-    /// The handler for `name`, its options and its slots; `None` if it is not served.
+    /// The handler for `name`, its settings in force (stored over declared) and its
+    /// slots; `None` if it is not served.
     pub(crate) fn route(&self, name: &str) -> Option<Found<'_>> {
-        match self.named.get(name) {
-            Some(s) => Some(Found {
-                handler: &s.handler,
-                options: Some(&s.options),
-                slots: s.slots.as_ref(),
-            }),
-            None => self.fallback.as_ref().map(|handler| Found {
-                handler,
-                options: None,
-                slots: None,
-            }),
+        let (handler, declared) = match self.named.get(name) {
+            Some(s) => (&s.handler, Some(&s.declared)),
+            None => (self.fallback.as_ref()?, None),
+        };
+        let settings = match (self.live.get(name), declared) {
+            (Some(stored), Some(declared)) => stored.over(declared),
+            (Some(stored), None) => stored,
+            (None, Some(declared)) => declared.clone(),
+            (None, None) => TaskSettings::default(),
+        };
+        let slots = self.slots_of(name, settings.concurrency);
+        Some(Found {
+            handler,
+            settings,
+            slots,
+        })
+    }
+
+    /// The slots of `name` sized `size`, resized if the setting changed; `None` without a
+    /// limit (an earlier limit's slots are opened wide, so its waiters go on).
+    fn slots_of(&self, name: &str, size: Option<u32>) -> Option<Arc<Slots>> {
+        let mut all = self.slots.lock().expect("not poisoned");
+        match size {
+            Some(n) => {
+                let slots = all
+                    .entry(name.to_string())
+                    .or_insert_with(|| Slots::new(n as usize));
+                if slots.size() != n as usize {
+                    slots.resize(n as usize);
+                }
+                Some(slots.clone())
+            }
+            None => {
+                if let Some(old) = all.get(name) {
+                    old.resize(usize::MAX);
+                }
+                None
+            }
         }
     }
 
@@ -172,7 +255,7 @@ mod tests {
         });
         // Through the headers, as a worker sees it.
         unset = TaskMeta::from_headers(&unset.to_headers()).unwrap();
-        options.apply(&mut unset);
+        apply(options.settings(), &mut unset);
         assert_eq!(unset.max_attempts, 9);
         assert_eq!(unset.timeout, Duration::from_secs(2));
         assert_eq!(
@@ -189,7 +272,7 @@ mod tests {
             ..Default::default()
         });
         set = TaskMeta::from_headers(&set.to_headers()).unwrap();
-        options.apply(&mut set);
+        apply(options.settings(), &mut set);
         assert_eq!(set.max_attempts, 2, "the producer's value wins");
         assert_eq!(set.timeout, Duration::from_millis(700));
         assert!(

@@ -39,6 +39,8 @@ pub(crate) struct Ops {
     pub(crate) limits: kv::Store,
     /// The task index, on a server that keeps one (`ServerBuilder::task_index`).
     pub(crate) index: Option<Arc<TaskIndex>>,
+    /// The declared queues, to refuse settings of an unknown one.
+    pub(crate) ctx: Arc<crate::context::Context>,
 }
 
 fn unavailable(e: impl std::fmt::Display) -> WireError {

@@ -96,6 +96,8 @@ fn hex(s: &str) -> String {
 #[derive(Clone)]
 pub(crate) struct Alerts {
     kv: kv::Store,
+    /// `AX_LIMITS`, where a task name's stored settings may name its `alert_group`.
+    settings: kv::Store,
     client: async_nats::Client,
     config: AlertConfig,
 }
@@ -107,6 +109,7 @@ impl Alerts {
     ) -> Result<Alerts, async_nats::Error> {
         Ok(Alerts {
             kv: js.get_key_value(ALERTS_BUCKET).await?,
+            settings: js.get_key_value(ax_sdk::names::LIMITS_BUCKET).await?,
             client: js.client(),
             config,
         })
@@ -176,6 +179,19 @@ impl Alerts {
         warn!(key, "alert window contended; alert skipped");
     }
 
+    /// The `alert_group` of a dead task's name, from its stored settings, if set (a read
+    /// that fails leaves the alert without a group rather than losing it).
+    async fn group_of(&self, f: &Failure) -> Option<String> {
+        if f.kind != "task_dead" {
+            return None;
+        }
+        let key = ax_sdk::settings::key(&f.queue, &f.name).ok()?;
+        let value = self.settings.get(&key).await.ok().flatten()?;
+        serde_json::from_slice::<ax_sdk::settings::TaskSettings>(&value)
+            .ok()?
+            .alert_group
+    }
+
     async fn publish(&self, f: &Failure, suppressed: u64, window_ms: u64) {
         let link = self
             .config
@@ -199,6 +215,9 @@ impl Alerts {
         });
         alert[id_field] = Value::String(f.subject_id.clone());
         alert[name_field] = Value::String(f.name.clone());
+        if let Some(group) = self.group_of(f).await {
+            alert["group"] = Value::String(group);
+        }
         let body = serde_json::to_vec(&alert).expect("serializes");
         let subject = format!("ax.events.alert.{}", f.queue);
         if let Err(e) = self.client.publish(subject, body.clone().into()).await {

@@ -85,6 +85,10 @@ impl Ops {
                 let (events, complete) = self.events(&id).await?;
                 Ok(json!({"id": id, "events": events, "complete": complete}))
             }
+            TaskRequest::OptionsPut(s) => self.put_settings(s).await,
+            TaskRequest::OptionsGet(n) => self.get_settings(n).await,
+            TaskRequest::OptionsList(f) => self.list_settings(f).await,
+            TaskRequest::OptionsDelete(n) => self.delete_settings(n).await,
             TaskRequest::Unknown => Err(unknown_operation(Api::Task, op)),
         }
     }

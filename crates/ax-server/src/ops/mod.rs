@@ -3,6 +3,7 @@
 //! - `index`: every task's searchable fields, kept from the task-state feed.
 //! - `feed`: follows `KV_AX_TASKS` and `AX_DEAD` into the index.
 //! - `actions`: cancel, retry, replay, run now, pause and resume.
+//! - `settings`: task settings stored apart from code (`options_put`, …).
 //! - `alerts`: one alert per burst of terminal failures, on NATS and a webhook.
 //! - `api`: `ax.task.<op>` requests served by `ax server` (docs/PROTOCOL.md §8).
 
@@ -14,6 +15,7 @@ pub(crate) mod index;
 mod inspect;
 mod purge;
 pub(crate) mod series;
+mod settings;
 mod webhook;
 
 pub use alerts::AlertConfig;

@@ -158,6 +158,7 @@ impl Server {
             tasks: ax_sdk::state::TaskStore::open(&js).await?,
             limits: limit_api.defs.clone(),
             index: task_index.clone(),
+            ctx: ctx.clone(),
         };
         self.spawn_services(&mut services, &ctx, &alerts).await?;
         info!(queues = ?self.queues, "ax server ready");

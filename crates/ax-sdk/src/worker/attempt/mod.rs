@@ -99,12 +99,11 @@ pub(crate) fn spawn(
             return unserved(&sh, &msg, &meta).await;
         };
         let mut meta = meta;
-        if let Some(options) = found.options {
-            options.apply(&mut meta);
-        }
+        super::options::apply(&found.settings, &mut meta);
         let route = Route {
             handler: found.handler,
-            name_slots: found.slots.cloned(),
+            name_slots: found.slots,
+            heartbeat_timeout: found.settings.heartbeat_timeout(),
         };
         // Every delivery of one task here shares its hold and takes turns (inflight.rs).
         let entry = sh.inflight.enter(&meta.id);
@@ -123,10 +122,12 @@ pub(crate) fn spawn(
     });
 }
 
-/// The handler a delivery runs, and its name's own slots if the name has a limit.
+/// The handler a delivery runs, its name's own slots if the name has a limit, and its
+/// soft timeout if it has one.
 struct Route<'a> {
     handler: &'a Handler,
-    name_slots: Option<Arc<Semaphore>>,
+    name_slots: Option<Arc<super::slots::Slots>>,
+    heartbeat_timeout: Option<Duration>,
 }
 
 /// How long a task of a name this worker does not serve waits before it is offered again:
@@ -228,7 +229,7 @@ async fn process(
     // A name with its own limit waits for one of its slots (keeping the worker slot).
     let _name_permit = match &route.name_slots {
         Some(slots) => tokio::select! {
-            p = slots.clone().acquire_owned() => Some(p.expect("never closed")),
+            p = slots.acquire() => Some(p),
             _ = sh.shutdown.cancelled() => return reply(msg, AckKind::Nak(None)).await,
         },
         None => None,
@@ -284,18 +285,7 @@ async fn process(
                     return reply(msg, AckKind::Nak(None)).await;
                 }
                 let lost = Lost(&limit_slots);
-                return run(
-                    sh,
-                    meta,
-                    route.handler,
-                    msg,
-                    *rec,
-                    token,
-                    deferred,
-                    slot,
-                    lost,
-                )
-                .await;
+                return run(sh, meta, route, msg, *rec, token, deferred, slot, lost).await;
             }
             Claim::Again => continue,
             Claim::Done => return,

@@ -21,11 +21,14 @@ impl Lost<'_> {
     }
 }
 
+/// The error class of an attempt stopped by its soft timeout.
+pub(crate) const STALLED: &str = "heartbeat_timeout";
+
 #[allow(clippy::too_many_arguments)]
 pub(super) async fn run(
     sh: &Shared,
     meta: &TaskMeta,
-    handler: &Handler,
+    route: &Route<'_>,
     msg: &jetstream::Message,
     rec: TaskRecord,
     token: u64,
@@ -57,7 +60,9 @@ pub(super) async fn run(
         run_at_ms: meta.run_at_ms,
         traceparent: meta.traceparent.clone(),
         cancel: slot.cancel.clone(),
+        beats: Default::default(),
     };
+    let beats = task.beats.clone();
     // Every attempt runs in a span with the task's identity: the handler's own log
     // lines carry it.
     let span = tracing::info_span!(
@@ -83,9 +88,24 @@ pub(super) async fn run(
     let started = Instant::now();
     let outcome = {
         let _busy = Busy::start(sh);
-        let handler =
-            AssertUnwindSafe(tracing::Instrument::instrument(handler(task), span.clone()))
-                .catch_unwind();
+        let handler = AssertUnwindSafe(tracing::Instrument::instrument(
+            (route.handler)(task),
+            span.clone(),
+        ))
+        .catch_unwind();
+        // The soft timeout: no heartbeat for that long stops the handler.
+        let soft = route.heartbeat_timeout;
+        let handler = async {
+            tokio::select! {
+                r = handler => r,
+                _ = beats.stalled(soft) => {
+                    let ms = soft.map_or(0, |d| d.as_millis());
+                    Ok(Err(TaskError::new(STALLED, format!(
+                        "no heartbeat for {ms} ms (its heartbeat_timeout); {} heartbeats before",
+                        beats.count()))))
+                }
+            }
+        };
         let mut attempt = std::pin::pin!(async {
             // Biased: a task cancelled (or a slot lost) before its start, while it waited
             // for its token or a resume, never has its handler polled.
@@ -153,6 +173,10 @@ pub(super) async fn run(
                     .increment(1);
                 reply(msg, ack_kind(after)).await;
             }
+        }
+        Some(Ok(Ok(Err(e)))) if e.class == STALLED && !e.permanent => {
+            metrics::counter!(m::TIMEOUTS, "queue" => queue, "kind" => "soft").increment(1);
+            fail(sh, meta, msg, rec, token, e, true, held).await
         }
         Some(Ok(Ok(Err(e)))) => fail(sh, meta, msg, rec, token, e, false, held).await,
         Some(Ok(Err(panic))) => {
