@@ -17,7 +17,7 @@ docs/guides/python.md.
 
 from . import errors
 from ._client import Client
-from ._context import TaskContext, context
+from ._context import TaskContext, context, heartbeat
 from ._core import __version__
 from ._events import events, on_event
 from ._flow import FlowDef, flow
@@ -57,6 +57,7 @@ def register(*items: "TaskDef | FlowDef", client: "Client | None" = None) -> Non
 __all__ = [
     "AxError", "Client", "Conflict", "FlowDef", "FlowDefinitionError", "FlowFailed", "Handle", "InvalidInput",
     "NonRetryable", "NotFound", "PermissionDenied", "Runtime", "TaskContext", "TaskDef", "TaskFailed",
-    "TimedOut", "Unavailable", "__version__", "context", "errors", "events", "flow", "on_event", "register",
+    "TimedOut", "Unavailable", "__version__", "context", "errors", "events", "flow", "heartbeat", "on_event",
+    "register",
     "schedule", "task",
 ]

@@ -1,6 +1,6 @@
 """``python -m ax_scheduler``: the Python runtime's pieces from the command line.
 
-    python -m ax_scheduler worker  MODULE... [--url URL] [--concurrency N] [--executor E]
+    python -m ax_scheduler worker  MODULE... [--url URL] [--concurrency N] [--executor E] [--config F]
     python -m ax_scheduler server  [--url URL] [--queue Q]... [--console HOST:PORT]
     python -m ax_scheduler local   [MODULE...]   # embedded: nats-server + ax server (+ workers)
 
@@ -57,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         sp.add_argument("--executor", default="threadpool", choices=["threadpool", "process", "asyncio"])
         sp.add_argument("--shutdown-grace", type=float, default=30.0)
         sp.add_argument("--id", help="worker id stored in task records")
+        sp.add_argument("--config", default=os.environ.get("AX_CONFIG"),
+                        help="a settings file (runtime.yaml) stored at start: retries, timeouts, ... per task")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if a.cmd == "server":
@@ -74,10 +76,10 @@ def main(argv: list[str] | None = None) -> int:
         _load(m)
     if a.cmd == "worker":
         rt = Runtime(a.url, max_concurrency=a.concurrency, executor=a.executor, creds=a.creds,
-                     shutdown_grace=a.shutdown_grace, worker_id=a.id)
+                     shutdown_grace=a.shutdown_grace, worker_id=a.id, config=a.config)
     else:
         rt = Runtime(None, max_concurrency=a.concurrency, executor=a.executor, data_dir=a.data_dir,
-                     console=a.console, shutdown_grace=a.shutdown_grace, worker_id=a.id)
+                     console=a.console, shutdown_grace=a.shutdown_grace, worker_id=a.id, config=a.config)
     rt.run()
     return 0
 

@@ -10,9 +10,38 @@ from typing import Any, Iterable, Iterator
 
 from . import _core, _json
 from ._task import REGISTRY, Handle, TaskDef
-from .errors import AxError, FlowFailed, TaskFailed, TimedOut
+from .errors import AxError, FlowFailed, InvalidInput, NotFound, TaskFailed, TimedOut
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
+
+
+def _file_words(value: Any) -> Any:
+    """Timedeltas as seconds, anywhere in the settings."""
+    import datetime
+
+    if isinstance(value, datetime.timedelta):
+        return value.total_seconds()
+    if isinstance(value, dict):
+        return {k: _file_words(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_file_words(v) for v in value]
+    return value
+
+
+def _load_settings(path: "str | os.PathLike") -> Any:
+    """A settings file's data: JSON for ``.json``, else YAML (the ``yaml`` extra)."""
+    text = open(path, encoding="utf-8").read()
+    if str(path).endswith(".json"):
+        return json.loads(text)
+    try:
+        import yaml  # type: ignore[import-untyped]
+    except ImportError:
+        raise InvalidInput(f"{path}: reading YAML needs PyYAML: pip install 'ax-scheduler[yaml]' "
+                           "(or give the settings as JSON)", field="config") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise InvalidInput(f"{path} is not valid YAML: {e}", field="config") from None
 
 
 class Client:
@@ -132,6 +161,54 @@ class Client:
 
     def resume(self, queue: str) -> Any:
         return self.call("task", "resume", {"queue": queue})
+
+    # -- task settings (kept apart from code, applied live) ------------------------------
+
+    def task_options(self, name: str, queue: str = "default") -> dict[str, Any] | None:
+        """The stored settings of task ``name`` (their JSON form: ``max_attempts``,
+        ``timeout_ms``, ...), or None."""
+        try:
+            return self.call("task", "options_get", {"queue": queue, "name": name})["settings"]
+        except NotFound:
+            return None
+
+    def set_task_options(self, name: str, queue: str = "default", *, replace: bool = False,
+                         **values: Any) -> dict[str, Any]:
+        """Stores settings of task ``name`` in the settings file's words (``retries``,
+        ``timeout``, ``heartbeat_timeout``, ``retry_backoff``, ``retry_backoff_max``,
+        ``retry_jitter``, ``retry_on``, ``no_retry_on``, ``concurrency``, ``alert_group``;
+        times in seconds, timedeltas or strings like ``"30s"``), merged into what is
+        stored unless ``replace``. Every worker of the queue (Python and Rust) applies them
+        to its next attempts of that name: stored settings > ``@ax.task`` options >
+        server defaults. Returns the settings stored."""
+        new = json.loads(_core.settings_of(_json.dumps(_file_words(values), "the settings"), name))
+        if not replace:
+            new = {**(self.task_options(name, queue) or {}), **new}
+        body = {"queue": queue, "name": name, "settings": new}
+        return self.call("task", "options_put", body)["settings"]
+
+    def delete_task_options(self, name: str, queue: str = "default") -> bool:
+        """Deletes the stored settings of task ``name``: its workers go back to the
+        ``@ax.task`` options. True if there were some."""
+        return bool(self.call("task", "options_delete", {"queue": queue, "name": name})["deleted"])
+
+    def list_task_options(self, queue: str | None = None) -> list[dict[str, Any]]:
+        """Every stored task setting (``{queue, name, settings}``), of one queue if given."""
+        return self.call("task", "options_list", {} if queue is None else {"queue": queue})
+
+    def apply_settings(self, source: "str | os.PathLike | dict[str, Any]") -> list[dict[str, Any]]:
+        """Stores the ``tasks:`` settings of a settings file (YAML with the ``yaml`` extra,
+        or JSON; or the file's data as a dict), as ``ax apply -f`` does but without
+        deleting what the file does not name. Checked whole before anything is stored: a
+        bad entry raises ``InvalidInput`` naming it (``tasks.<name>.<field>``). Returns
+        what was stored."""
+        data = _load_settings(source) if not isinstance(source, dict) else source
+        tasks = _core.read_settings_file(_json.dumps(_file_words(data), "the settings file"))
+        stored = []
+        for queue, name, settings in tasks:
+            body = {"queue": queue, "name": name, "settings": json.loads(settings)}
+            stored.append(self.call("task", "options_put", body))
+        return stored
 
     # -- flows --------------------------------------------------------------------------
 

@@ -42,12 +42,26 @@ class TaskContext:
         """This attempt's fencing token: larger than any earlier attempt's. Pass it to
         the systems you write to and have them refuse smaller ones."""
         if self._core is None:
-            raise AxError("fencing_token() is not available in a process-executor child")
+            raise AxError("fencing_token() is only available inside a running task")
         return int(self._core.fencing_token())
+
+    def heartbeat(self) -> None:
+        """Says the task still makes progress: a task with a ``heartbeat_timeout`` must
+        call this at least that often, or its attempt is stopped and failed with class
+        ``heartbeat_timeout``. Cheap; callable from any thread (and from a process-executor
+        child)."""
+        if self._core is not None:
+            self._core.heartbeat()
 
     @property
     def last_attempt(self) -> bool:
         return self.attempt >= self.max_attempts
+
+
+def heartbeat() -> None:
+    """``ax.heartbeat()``: the running task still makes progress (see
+    ``TaskContext.heartbeat``); ``AxError`` outside a task."""
+    context().heartbeat()
 
 
 def context() -> TaskContext:

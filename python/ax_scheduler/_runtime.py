@@ -45,6 +45,12 @@ class Runtime:
     that; else the **embedded local runtime** — a nats-server with JetStream on
     ``data_dir`` and an ax server in this process. ``server``: run an ax server in this
     process (default: only in the embedded case).
+
+    ``config``: a settings file (``runtime.yaml``: retries, timeouts, concurrency, alert
+    group per task, in the decorator's words) stored when the runtime starts, before its
+    workers take tasks; every worker of those queues, Python or Rust, applies it, and
+    ``ax tasks options set`` or ``ax apply -f`` change it live. Precedence: stored settings
+    > ``@ax.task`` options > server defaults (a submit's own values above all).
     """
 
     def __init__(self, url: str | None = None, *, max_concurrency: int = 10, executor: str = "threadpool",
@@ -52,7 +58,7 @@ class Runtime:
                  server: bool | None = None, queues: Iterable[str] = (), console: str | None = None,
                  console_token: str | None = None, shutdown_grace: float = 30.0, creds: str | None = None,
                  token: str | None = None, log_level: str | None = None, worker_id: str | None = None,
-                 ack_wait: float | None = None):
+                 ack_wait: float | None = None, config: "str | os.PathLike | dict[str, Any] | None" = None):
         if executor not in _EXECUTORS:
             raise InvalidInput(f"executor must be one of {_EXECUTORS}, not {executor!r}", field="executor")
         if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or not 1 <= max_concurrency <= 10_000:
@@ -71,6 +77,7 @@ class Runtime:
         self.log_level = log_level or os.environ.get("AX_LOG", "warn")
         self.worker_id = worker_id
         self.ack_wait = ack_wait
+        self.config = config
         self._only = list(tasks) if tasks is not None else None
         self.connection: Any = None
         self._nats: LocalNats | None = None
@@ -127,6 +134,10 @@ class Runtime:
         self._loop_thread.start()
         _running = self
         client = Client(_conn=self.connection)
+        if self.config is not None:
+            for stored in client.apply_settings(self.config):
+                log.info("ax: settings of task %s on %s stored from %s", stored["name"], stored["queue"],
+                         "the config" if isinstance(self.config, dict) else self.config)
         self._register(client, tasks)
         by_queue: dict[str, list[TaskDef]] = {}
         for t in tasks:
@@ -198,6 +209,10 @@ class Runtime:
         if self._server is not None:
             self._server.stop()
             self._server = None
+        with Client._lock:
+            # The shared client borrowed this connection: the next use makes its own.
+            if Client._default is not None and Client._default._conn is self.connection:
+                Client._default = None
         if self.connection is not None:
             self.connection.close()
             self.connection = None
@@ -206,8 +221,6 @@ class Runtime:
             self._nats = None
         if _running is self:
             _running = None
-        if Client._default is not None and Client._default._conn is self.connection:
-            Client._default = None
         if errors:
             raise errors[0]
 
@@ -336,23 +349,27 @@ class Runtime:
             return
         mp = multiprocessing.get_context("fork")
         receive, send = mp.Pipe(duplex=False)
-        child = mp.Process(target=_child, args=(td, args, kwargs, dataclasses.replace(ctx, _core=None), send),
-                           daemon=True)
+        child = mp.Process(target=_child, args=(td, args, kwargs, ctx, send), daemon=True)
         child.start()
         send.close()
         try:
-            while not receive.poll(0.1):
+            while True:
+                if receive.poll(0.1):
+                    kind, value = pickle.loads(receive.recv_bytes())
+                    if kind == "beat":
+                        core.heartbeat()
+                        continue
+                    break
                 if core.cancelled():
                     child.kill()
                     return
                 if not child.is_alive() and not receive.poll(0):
                     core.fail("process_died", f"the task's process exited with {child.exitcode}", False, None)
                     return
-            ok, value = pickle.loads(receive.recv_bytes())
         finally:
             receive.close()
             child.join(1)
-        if ok:
+        if kind == "ok":
             data, is_json = value
             if not core.ok(data, is_json):
                 log.info("ax: task %s: late result refused", core.id)
@@ -370,19 +387,42 @@ def _encode(td: TaskDef, result: Any) -> tuple[bytes | None, bool]:
     return _json.dumps(result, f"the result of task {td.name}"), True
 
 
+class _ChildCore:
+    """What a process-executor child's ``ax.context()`` reaches: heartbeats go to the
+    parent over the pipe (the parent passes them on to the Rust worker)."""
+
+    def __init__(self, send: Any):
+        self._send = send
+        self._lock = threading.Lock()
+
+    def put(self, kind: str, value: Any) -> None:
+        with self._lock:
+            self._send.send_bytes(pickle.dumps((kind, value)))
+
+    def heartbeat(self) -> None:
+        self.put("beat", None)
+
+    def cancelled(self) -> bool:
+        return False  # the parent kills the child instead
+
+    def fencing_token(self) -> int:
+        raise AxError("fencing_token() is not available in a process-executor child")
+
+
 def _child(td: TaskDef, args: list, kwargs: dict, ctx: TaskContext, send: Any) -> None:
-    token = _current.set(ctx)
+    core = _ChildCore(send)
+    token = _current.set(dataclasses.replace(ctx, _core=core))
     try:
         result = td.fn(*args, **kwargs)
         try:
-            out: tuple[bool, Any] = (True, _encode(td, result))
+            out: tuple[str, Any] = ("ok", _encode(td, result))
         except InvalidInput as e:
-            out = (False, ("bad_output", True, str(e), None))
+            out = ("fail", ("bad_output", True, str(e), None))
     except Exception as e:
         cls, permanent = td.classify(e)
-        out = (False, (cls, permanent, str(e) or cls, "".join(traceback.format_exception(e))[-8000:]))
+        out = ("fail", (cls, permanent, str(e) or cls, "".join(traceback.format_exception(e))[-8000:]))
     finally:
         _current.reset(token)
-    send.send_bytes(pickle.dumps(out))
+    core.put(*out)
     send.close()
     os._exit(0)

@@ -53,6 +53,7 @@ class TaskOptions:
     queue: str = "default"
     priority: str = "normal"
     timeout: float | None = None
+    heartbeat_timeout: float | None = None
     retries: int | None = None
     retry_backoff: float | None = None
     retry_backoff_max: float | None = None
@@ -77,16 +78,18 @@ class TaskOptions:
             raise InvalidInput(f"priority must be one of {_PRIORITIES}, not {self.priority!r}", field="priority")
         if self.on_failure not in _ON_FAILURE:
             raise InvalidInput(f"on_failure must be one of {_ON_FAILURE}, not {self.on_failure!r}", field="on_failure")
-        for what in ("retries", "concurrency"):
+        for what, top in (("retries", 999), ("concurrency", 100_000)):
             v = getattr(self, what)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0 or v > 10_000):
-                raise InvalidInput(f"{what} must be an integer 0..10000, not {v!r}", field=what)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0 or v > top):
+                raise InvalidInput(f"{what} must be an integer 0..{top}, not {v!r}", field=what)
         if self.concurrency == 0:
             raise InvalidInput("concurrency must be at least 1", field="concurrency")
         if self.retry_jitter is not None and not 0.0 <= self.retry_jitter <= 1.0:
             raise InvalidInput(f"retry_jitter must be within 0..1, not {self.retry_jitter!r}", field="retry_jitter")
-        if self.timeout == 0:
-            raise InvalidInput("timeout must be more than 0 seconds", field="timeout")
+        for what in ("timeout", "heartbeat_timeout"):
+            v = getattr(self, what)
+            if v is not None and not 0 < v <= 86_400:
+                raise InvalidInput(f"{what} must be more than 0 seconds and at most 24 h, not {v!r}", field=what)
         if self.cron is not None and self.every is not None:
             raise InvalidInput("give cron or every, not both", field="cron")
         if self.idempotency_key is not None and not callable(self.idempotency_key):
@@ -99,6 +102,8 @@ class TaskOptions:
             out["max_attempts"] = self.retries + 1
         if self.timeout is not None:
             out["timeout_ms"] = max(1, round(self.timeout * 1000))
+        if self.heartbeat_timeout is not None:
+            out["heartbeat_timeout_ms"] = max(1, round(self.heartbeat_timeout * 1000))
         if self.retry_backoff is not None or self.retry_backoff_max is not None or self.retry_jitter is not None:
             base = self.retry_backoff if self.retry_backoff is not None else 1.0
             top = self.retry_backoff_max if self.retry_backoff_max is not None else max(600.0, base)
@@ -276,7 +281,8 @@ class Handle:
 
 
 def task(fn: Callable[..., Any] | None = None, *, name: str | None = None, queue: str = "default",
-         priority: str = "normal", timeout: Any = None, retries: int | None = None,
+         priority: str = "normal", timeout: Any = None, heartbeat_timeout: Any = None,
+         retries: int | None = None,
          retry_backoff: Any = None, retry_backoff_max: Any = None, retry_jitter: float | None = None,
          retry_on_exception: Any = None, no_retry_on_exception: Any = None, on_failure: str = "fail",
          concurrency: int | None = None, idempotency_key: Callable[..., str] | None = None,
@@ -292,7 +298,8 @@ def task(fn: Callable[..., Any] | None = None, *, name: str | None = None, queue
         if not callable(f):
             raise InvalidInput(f"@ax.task needs a function, not {f!r}")
         opts = TaskOptions(
-            queue=queue, priority=priority, timeout=_seconds(timeout, "timeout"), retries=retries,
+            queue=queue, priority=priority, timeout=_seconds(timeout, "timeout"),
+            heartbeat_timeout=_seconds(heartbeat_timeout, "heartbeat_timeout"), retries=retries,
             retry_backoff=_seconds(retry_backoff, "retry_backoff"),
             retry_backoff_max=_seconds(retry_backoff_max, "retry_backoff_max"), retry_jitter=retry_jitter,
             retry_on_exception=_classes(retry_on_exception, "retry_on_exception"),

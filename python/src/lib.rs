@@ -18,6 +18,7 @@ mod conn;
 mod embed;
 mod errors;
 mod running;
+mod settings;
 mod worker;
 
 use pyo3::prelude::*;
@@ -95,5 +96,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<embed::ServerHandle>()?;
     m.add_function(wrap_pyfunction!(worker::start_worker, m)?)?;
     m.add_function(wrap_pyfunction!(embed::serve, m)?)?;
+    m.add_function(wrap_pyfunction!(settings::read_settings_file, m)?)?;
+    m.add_function(wrap_pyfunction!(settings::settings_of, m)?)?;
     Ok(())
 }

@@ -9,64 +9,14 @@
 use crate::conn::{seconds, Connection};
 use crate::running::Running;
 use crate::{errors, wait};
+use ax_sdk::settings::TaskSettings;
 use ax_sdk::worker::{Task, TaskError, TaskOptions, Worker, WorkerError, WorkerStatus};
 use ax_sdk::{ErrorKind, Output};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
-use serde::Deserialize;
 use std::sync::{mpsc, Mutex};
-use std::time::Duration;
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
-
-/// The options of one task name, as the Python decorator sends them (JSON).
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Declared {
-    max_attempts: Option<u32>,
-    timeout_ms: Option<u64>,
-    backoff: Option<DeclaredBackoff>,
-    retry_on: Option<Vec<String>>,
-    no_retry_on: Option<Vec<String>>,
-    concurrency: Option<usize>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct DeclaredBackoff {
-    base_ms: u64,
-    max_ms: u64,
-    jitter: f64,
-}
-
-impl Declared {
-    fn options(self) -> TaskOptions {
-        let mut o = TaskOptions::new();
-        if let Some(n) = self.max_attempts {
-            o = o.max_attempts(n);
-        }
-        if let Some(ms) = self.timeout_ms {
-            o = o.timeout(Duration::from_millis(ms));
-        }
-        if let Some(b) = self.backoff {
-            o = o.backoff(
-                Duration::from_millis(b.base_ms),
-                Duration::from_millis(b.max_ms),
-                b.jitter,
-            );
-        }
-        if let Some(c) = self.retry_on {
-            o = o.retry_on(c);
-        }
-        if let Some(c) = self.no_retry_on {
-            o = o.no_retry_on(c);
-        }
-        if let Some(n) = self.concurrency {
-            o = o.concurrency(n);
-        }
-        o
-    }
-}
 
 type Outcome = Result<Output, TaskError>;
 
@@ -143,6 +93,12 @@ impl TaskContext {
     /// (its hard timeout passed, or the worker shut down past its grace).
     fn cancelled(&self) -> bool {
         self.abandoned.is_cancelled() || self.task.cancellation().is_cancelled()
+    }
+
+    /// Says the task still makes progress (its soft timeout, `heartbeat_timeout`, starts
+    /// again); cheap, callable from any thread.
+    fn heartbeat(&self) {
+        self.task.heartbeat();
     }
 
     /// The attempt's fencing token (PROTOCOL §3 "Fencing tokens downstream").
@@ -290,12 +246,12 @@ pub fn start_worker(
         builder = builder.id(id);
     }
     for (name, options) in tasks {
-        let declared: Declared = serde_json::from_slice(&options)
+        // The decorator's options in their JSON form (ax_sdk::settings), checked there.
+        let declared: TaskSettings = serde_json::from_slice(&options)
             .map_err(|e| errors::invalid(format!("task {name:?} options: {e}")))?;
+        let declared = TaskOptions::from_settings(declared).map_err(|e| errors::wire(&e))?;
         let sender = sender.clone();
-        builder = builder.task_with(name, declared.options(), move |task: Task| {
-            run(sender.clone(), task)
-        });
+        builder = builder.task_with(name, declared, move |task: Task| run(sender.clone(), task));
     }
     let worker = builder
         .build()
