@@ -38,6 +38,34 @@ fn machine() -> String {
     format!("{cores} cores, {cpu}")
 }
 
+/// CPU seconds so far of this process (ax server, worker and producer, or the raw
+/// client) and of the nats-server.
+#[derive(Clone, Copy)]
+struct Cpu {
+    here: f64,
+    nats: f64,
+}
+
+impl Cpu {
+    fn now(nats_pid: Option<u32>) -> Cpu {
+        Cpu {
+            here: common::usage(std::process::id()).0,
+            nats: nats_pid.map_or(0.0, |p| common::usage(p).0),
+        }
+    }
+
+    /// CPU seconds per 10,000 of `n` items since `self`, as a table cell.
+    fn per_10k(self, nats_pid: Option<u32>, n: usize) -> String {
+        let now = Cpu::now(nats_pid);
+        let k = 10_000.0 / n as f64;
+        format!(
+            "CPU s per 10,000: this process {:.2}, nats-server {:.2}",
+            (now.here - self.here) * k,
+            (now.nats - self.nats) * k
+        )
+    }
+}
+
 async fn raw_jetstream(client: &async_nats::Client, n: usize, payload: &[u8]) -> f64 {
     use async_nats::jetstream::{consumer, stream};
     let js = async_nats::jetstream::new(client.clone());
@@ -273,11 +301,23 @@ fn main() {
         .build()
         .unwrap();
     rt.block_on(async {
-        let nats = LocalNats::start().expect("nats-server (run via ./dev bench)");
+        // AX_BENCH_SYNC=always: every write fsynced, as deploy/nats-server.conf runs it.
+        let sync = std::env::var("AX_BENCH_SYNC").unwrap_or_default();
+        let conf = tempfile::NamedTempFile::new().unwrap();
+        let nats = match sync.as_str() {
+            "" | "default" => LocalNats::start(),
+            "always" => {
+                std::fs::write(conf.path(), "jetstream { sync_interval: always }\n").unwrap();
+                LocalNats::start_with_args(vec!["-c".into(), conf.path().display().to_string()])
+            }
+            other => panic!("AX_BENCH_SYNC is `always` or unset, not {other:?}"),
+        }
+        .expect("nats-server (run via ./dev bench)");
         println!("machine: {}", machine());
         println!(
-            "nats-server: {} (file store, R1, default sync), one process for ax + clients",
-            nats.url()
+            "nats-server: {} (file store, R1, sync: {}), one process for ax + clients",
+            nats.url(),
+            if sync == "always" { "always (every write fsynced)" } else { "default (fsync every 2 min)" }
         );
         let client = async_nats::connect(nats.url()).await.unwrap();
         let stop = CancellationToken::new();
@@ -293,21 +333,28 @@ fn main() {
         while ax.submit("lag", TaskSpec::new("warmup")).await.is_err() {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+        let pid = nats.pid();
+        let cpu = Cpu::now(pid);
         let raw = raw_jetstream(&client, n, &payload).await;
         println!(
-            "(a) raw JetStream: {n} msgs of {} B, publish + fetch + ack: {raw:.0} msg/s",
-            payload.len()
+            "(a) raw JetStream: {n} msgs of {} B, publish + fetch + ack: {raw:.0} msg/s; {}",
+            payload.len(),
+            cpu.per_10k(pid, n)
         );
+        let cpu = Cpu::now(pid);
         let (axr, submit_rate) = ax_end_to_end(&client, n, &payload, false).await;
         println!(
-            "(b) ax end to end: {n} tasks of {} B, submit -> run -> state -> ack: {axr:.0} tasks/s (submit alone {submit_rate:.0}/s)",
-            payload.len()
+            "(b) ax end to end: {n} tasks of {} B, submit -> run -> state -> ack: {axr:.0} tasks/s (submit alone {submit_rate:.0}/s); {}",
+            payload.len(),
+            cpu.per_10k(pid, n)
         );
         println!("ratio ax/raw (single submits): {:.2}", axr / raw);
+        let cpu = Cpu::now(pid);
         let (axb, batch_rate) = ax_end_to_end(&client, n, &payload, true).await;
         println!(
-            "(b2) ax end to end, batch submits: {n} tasks of {} B: {axb:.0} tasks/s (submit alone {batch_rate:.0}/s)",
-            payload.len()
+            "(b2) ax end to end, batch submits: {n} tasks of {} B: {axb:.0} tasks/s (submit alone {batch_rate:.0}/s); {}",
+            payload.len(),
+            cpu.per_10k(pid, n)
         );
         println!("ratio ax/raw: {:.2}", axb / raw);
         let lead = Duration::from_secs_f64((2.0 * n_delayed as f64 / submit_rate).max(5.0));

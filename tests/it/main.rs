@@ -3,6 +3,7 @@
 
 mod batch;
 mod browser;
+mod budget;
 mod chaos;
 mod console;
 mod console_guard;

@@ -1,0 +1,123 @@
+//! The write budget: how many messages the broker stores per task, counted exactly from
+//! every stream's last sequence (KV buckets are streams; acking a work-queue message
+//! stores nothing), per stream, across many tasks. Not timed: a count, so it cannot be
+//! noisy, and any write added to the task path turns it red.
+//!
+//! The figures asserted are today's path (docs/PERFORMANCE.md, "Stored writes per
+//! task"); the speed issue's budget is two on the fast path, three with a key or a retry.
+
+use crate::support::Env;
+use ax_sdk::worker::{Task, TaskError, Worker};
+use ax_sdk::{TaskSpec, TaskState};
+use futures::StreamExt;
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+/// Written by the servers on their own schedule (leader leases), not by tasks.
+const BACKGROUND: &[&str] = &["KV_AX_LEASES"];
+
+/// Every stream's last sequence.
+async fn sequences(env: &Env) -> BTreeMap<String, u64> {
+    let mut out = BTreeMap::new();
+    let mut names = env.js.stream_names();
+    while let Some(name) = names.next().await {
+        let name = name.unwrap();
+        let mut stream = env.js.get_stream(&name).await.unwrap();
+        out.insert(name, stream.info().await.unwrap().state.last_sequence);
+    }
+    out
+}
+
+/// Messages stored per task by each stream while `specs` ran on `worker`, `n` per task
+/// exactly (a fraction fails the test). Every task is submitted before the worker starts:
+/// a worker that claims a task before the server has written its record creates the
+/// record itself (one write less), and that race would make the count vary.
+async fn writes_per_task(env: &Env, specs: Vec<TaskSpec>, worker: Worker) -> BTreeMap<String, u64> {
+    let tasks = specs.len() as u64;
+    let before = sequences(env).await;
+    let mut ids = Vec::new();
+    for spec in specs {
+        ids.push(env.ax.submit("q", spec).await.unwrap().id);
+    }
+    let (stop, handle) = env.spawn_worker(worker);
+    for id in ids {
+        env.wait_state(&id, TaskState::Succeeded, Duration::from_secs(20))
+            .await;
+    }
+    stop.cancel();
+    handle.await.unwrap();
+    let after = sequences(env).await;
+    let mut per_task = BTreeMap::new();
+    for (name, last) in after {
+        let grew = last - before.get(&name).copied().unwrap_or(0);
+        if grew == 0 || BACKGROUND.contains(&name.as_str()) {
+            continue;
+        }
+        assert_eq!(grew % tasks, 0, "{name}: {grew} messages for {tasks} tasks");
+        per_task.insert(name, grew / tasks);
+    }
+    per_task
+}
+
+fn worker(lean: bool) -> Worker {
+    Worker::builder("q")
+        .concurrency(32)
+        .lean_first_attempt(lean)
+        .handler(|task: Task| async move {
+            // `{"fail_first": true}` fails its first attempt (retried at once).
+            let fail_first = task.json::<serde_json::Value>()?["fail_first"] == true;
+            if fail_first && task.attempt == 1 {
+                return Err(TaskError::new("flaky", "first attempt"));
+            }
+            Ok(())
+        })
+        .build()
+        .unwrap()
+}
+
+fn expect(pairs: &[(&str, u64)]) -> BTreeMap<String, u64> {
+    pairs.iter().map(|(k, v)| (k.to_string(), *v)).collect()
+}
+
+const N: u64 = 60;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stored_writes_per_task_on_each_path() {
+    let env = Env::start(Env::server()).await;
+    let plain = || TaskSpec::new("t").json(&serde_json::json!({}));
+    let n = |f: &dyn Fn(u64) -> TaskSpec| (0..N).map(f).collect::<Vec<_>>();
+
+    // The fast path: an immediate task, no key, its first attempt succeeds. The ready
+    // message, then the record's `pending`, `running` and `succeeded`.
+    let fast = writes_per_task(&env, n(&|_| plain()), worker(false)).await;
+    assert_eq!(fast, expect(&[("AX_READY_NORMAL", 1), ("KV_AX_TASKS", 3)]));
+
+    // With an idempotency key: the key too.
+    let keyed = n(&|i| plain().idempotency_key(format!("budget-{i}")));
+    let with_key = writes_per_task(&env, keyed, worker(false)).await;
+    assert_eq!(
+        with_key,
+        expect(&[
+            ("AX_READY_NORMAL", 1),
+            ("KV_AX_IDEMPOTENCY", 1),
+            ("KV_AX_TASKS", 3)
+        ])
+    );
+
+    // One retry: `retrying`, a second `running` (the retry is a delayed Nak of the same
+    // message, no new publish).
+    let flaky = n(&|_| {
+        TaskSpec::new("t")
+            .json(&serde_json::json!({"fail_first": true}))
+            .backoff(Duration::from_millis(1), Duration::from_millis(1), 0.0)
+    });
+    let with_retry = writes_per_task(&env, flaky, worker(false)).await;
+    assert_eq!(
+        with_retry,
+        expect(&[("AX_READY_NORMAL", 1), ("KV_AX_TASKS", 5)])
+    );
+
+    // The lean first attempt (opt-in): a quick first attempt writes no `running`.
+    let lean = writes_per_task(&env, n(&|_| plain()), worker(true)).await;
+    assert_eq!(lean, expect(&[("AX_READY_NORMAL", 1), ("KV_AX_TASKS", 2)]));
+}
