@@ -62,9 +62,11 @@ class LocalNats:
         store = self.data_dir / "jetstream"
         store.mkdir(parents=True, exist_ok=True)
         logfile = open(self.data_dir / "nats-server.log", "ab")
+        # The memory target ax ships (deploy/docker-compose.yml); a set GOMEMLIMIT wins.
+        env = {"GOMEMLIMIT": "512MiB", **os.environ}
         self.proc = subprocess.Popen(
             [binary(), "-js", "-sd", str(store), "-a", "127.0.0.1", "-p", str(self.port)],
-            stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         logfile.close()
         atexit.register(self.stop)  # a process that exits without stop() leaves no broker behind
         deadline = time.monotonic() + wait

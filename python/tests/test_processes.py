@@ -117,3 +117,20 @@ def test_the_local_command_serves_the_console_and_ax_flow_get_finds_the_run(tmp_
     local.p.send_signal(signal.SIGTERM)
     assert local.p.wait(30) == 0, local.output()
     assert not listening("127.0.0.1", 4222), "the local runtime stopped its nats-server"
+
+
+def test_the_embedded_broker_runs_with_the_shipped_memory_limit(tmp_path):
+    """GOMEMLIMIT, the memory setting ax ships for nats-server (docs/PERFORMANCE.md, W4),
+    unless the environment sets one."""
+    import pytest
+
+    from ax_scheduler._embedded import LocalNats
+
+    if "GOMEMLIMIT" in os.environ:
+        pytest.skip("the environment's GOMEMLIMIT wins")
+    broker = LocalNats(tmp_path).start()
+    try:
+        environ = open(f"/proc/{broker.proc.pid}/environ", "rb").read().split(b"\0")
+        assert b"GOMEMLIMIT=512MiB" in environ
+    finally:
+        broker.stop()

@@ -102,3 +102,30 @@ async fn a_restarted_server_keeps_operator_settings() {
         .await;
     assert!(stream.consumer_info("ax_fresh_normal").await.is_ok());
 }
+
+/// The memory setting ax ships for nats-server (docs/PERFORMANCE.md, W4): the harness that
+/// `./dev`, the demo and these tests use runs nats-server with it, and docker-compose sets
+/// the same value.
+#[test]
+fn nats_server_runs_with_the_shipped_gomemlimit() {
+    if std::env::var_os("GOMEMLIMIT").is_some() {
+        return; // the operator's value wins; nothing of ours to check
+    }
+    let nats = LocalNats::start().unwrap();
+    let environ = std::fs::read(format!("/proc/{}/environ", nats.pid().unwrap())).unwrap();
+    let want = format!("GOMEMLIMIT={}", ax_testkit::NATS_GOMEMLIMIT);
+    assert!(
+        environ.split(|b| *b == 0).any(|v| v == want.as_bytes()),
+        "nats-server's environment lacks {want}"
+    );
+    let compose = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/deploy/docker-compose.yml"
+    ))
+    .unwrap();
+    let shipped = format!(
+        "GOMEMLIMIT: ${{NATS_GOMEMLIMIT:-{}}}",
+        ax_testkit::NATS_GOMEMLIMIT
+    );
+    assert!(compose.contains(&shipped), "docker-compose lacks {shipped}");
+}

@@ -57,6 +57,13 @@ pub struct LocalNats {
     jetstream: bool,
 }
 
+/// nats-server's soft memory limit (Go's `GOMEMLIMIT`) unless the environment sets one:
+/// the value `deploy/docker-compose.yml` ships. It makes the Go runtime return the
+/// file store's idle block caches instead of keeping them: with 1,000,000 delayed tasks
+/// nats-server held 718 MiB without it, 495 MiB with it (docs/PERFORMANCE.md, W4). A soft
+/// limit: a broker that needs more keeps growing, its garbage collector just works harder.
+pub const NATS_GOMEMLIMIT: &str = "512MiB";
+
 /// Locates the nats-server binary (see the module docs for the search order).
 pub fn find_binary() -> Result<PathBuf, NatsdError> {
     if let Some(path) = std::env::var_os("AX_NATS_SERVER") {
@@ -155,6 +162,10 @@ impl LocalNats {
         let mut command = Command::new(&self.binary);
         if self.jetstream {
             command.arg("-js");
+        }
+        // The memory target ax ships (deploy/docker-compose.yml); a set GOMEMLIMIT wins.
+        if std::env::var_os("GOMEMLIMIT").is_none() {
+            command.env("GOMEMLIMIT", NATS_GOMEMLIMIT);
         }
         let mut child = command
             .args(["-a", "127.0.0.1", "-p", &port_arg, "-sd"])
