@@ -53,7 +53,7 @@ async fn each_task_of_a_batch_is_answered_on_its_own_in_order() {
     }
     // In order: the payload of answer i is task i's.
     let rec = env.store().await;
-    let (r5, _) = rec.get(&ok(5).id).await.unwrap().unwrap();
+    let (r5, _) = rec.find(&ok(5).id).await.unwrap().unwrap();
     assert_eq!(r5.state, TaskState::Pending);
     // Each ready task runs exactly once: 2,500 less the 2 refused, the 2 duplicates and
     // the delayed one, plus the earlier single submit.

@@ -1,6 +1,8 @@
-//! The lean first attempt: a first attempt on its message's first delivery runs
-//! without writing `running` first; it writes it when the handler asks for its fencing
-//! token or after a second; a stale one cannot record its result.
+//! A first attempt on its message's first delivery runs without writing `running` first;
+//! it writes it when the handler asks for its fencing token or after a second; a stale
+//! one cannot record its result. Each test runs both kinds: an unrecorded task (an
+//! immediate submit without a key: the claim creates the record, every worker does this)
+//! and a recorded one (with a key: the lean first attempt, opt-in).
 
 use crate::support::Env;
 use ax_sdk::worker::{Task, Worker};
@@ -46,6 +48,29 @@ fn kinds(history: &[(TaskState, u64)]) -> Vec<TaskState> {
     history.iter().map(|(s, _)| *s).collect()
 }
 
+/// Submits an unrecorded task (`keyed` false) or a recorded one, and the states its
+/// record starts with: none, or `pending`.
+async fn submit(env: &Env, keyed: bool) -> (String, Vec<TaskState>) {
+    let spec = match keyed {
+        true => TaskSpec::new("t").idempotency_key(ax_sdk::names::new_task_id("k")),
+        false => TaskSpec::new("t"),
+    };
+    let id = env.ax.submit("q", spec).await.unwrap().id;
+    (
+        id,
+        if keyed {
+            vec![TaskState::Pending]
+        } else {
+            vec![]
+        },
+    )
+}
+
+fn then(mut first: Vec<TaskState>, more: &[TaskState]) -> Vec<TaskState> {
+    first.extend_from_slice(more);
+    first
+}
+
 /// Waits for the task to succeed, stops the worker, returns the task's history.
 async fn finish(
     env: &Env,
@@ -63,70 +88,83 @@ async fn finish(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_quick_first_attempt_writes_its_outcome_only() {
     let env = Env::start(Env::server().ack_wait(Duration::from_secs(30))).await;
-    let id = env.ax.submit("q", TaskSpec::new("t")).await.unwrap().id;
-    let seen: Seen = Arc::default();
-    let (stop, handle) = env.spawn_worker(worker_with(seen.clone(), Duration::ZERO, false));
-    let rec = env
-        .wait_state(&id, TaskState::Succeeded, Duration::from_secs(10))
-        .await;
-    stop.cancel();
-    handle.await.unwrap();
-    let history = states(&env, &id).await;
-    assert_eq!(kinds(&history), [TaskState::Pending, TaskState::Succeeded]);
-    assert_eq!(*seen.lock().unwrap(), [(1, 0)]);
-    assert_eq!(rec.attempt, 1);
-    assert!(rec.worker.is_some() && rec.started_at_ms.is_some());
+    for keyed in [false, true] {
+        let (id, first) = submit(&env, keyed).await;
+        let seen: Seen = Arc::default();
+        let (stop, handle) = env.spawn_worker(worker_with(seen.clone(), Duration::ZERO, false));
+        let rec = env
+            .wait_state(&id, TaskState::Succeeded, Duration::from_secs(10))
+            .await;
+        stop.cancel();
+        handle.await.unwrap();
+        let history = states(&env, &id).await;
+        assert_eq!(kinds(&history), then(first, &[TaskState::Succeeded]));
+        assert_eq!(*seen.lock().unwrap(), [(1, 0)]);
+        assert_eq!(rec.attempt, 1);
+        assert!(rec.worker.is_some() && rec.started_at_ms.is_some());
+    }
 }
 
 /// Asking for the fencing token writes `running` first: the token is that revision.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn asking_for_the_token_writes_running_first() {
     let env = Env::start(Env::server().ack_wait(Duration::from_secs(30))).await;
-    let id = env.ax.submit("q", TaskSpec::new("t")).await.unwrap().id;
-    let seen: Seen = Arc::default();
-    let (stop, handle) = env.spawn_worker(worker_with(seen.clone(), Duration::ZERO, true));
-    let history = finish(&env, &id, stop, handle).await;
-    assert_eq!(
-        kinds(&history),
-        [TaskState::Pending, TaskState::Running, TaskState::Succeeded]
-    );
-    assert_eq!(*seen.lock().unwrap(), [(1, history[1].1)]);
+    for keyed in [false, true] {
+        let (id, first) = submit(&env, keyed).await;
+        let running_at = first.len();
+        let seen: Seen = Arc::default();
+        let (stop, handle) = env.spawn_worker(worker_with(seen.clone(), Duration::ZERO, true));
+        let history = finish(&env, &id, stop, handle).await;
+        assert_eq!(
+            kinds(&history),
+            then(first, &[TaskState::Running, TaskState::Succeeded])
+        );
+        assert_eq!(*seen.lock().unwrap(), [(1, history[running_at].1)]);
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_first_attempt_longer_than_a_second_is_visible_as_running() {
     let env = Env::start(Env::server().ack_wait(Duration::from_secs(30))).await;
-    let id = env.ax.submit("q", TaskSpec::new("t")).await.unwrap().id;
-    let seen: Seen = Arc::default();
-    let (stop, handle) = env.spawn_worker(worker_with(
-        seen.clone(),
-        Duration::from_millis(2500),
-        false,
-    ));
-    let running = env
-        .wait_state(&id, TaskState::Running, Duration::from_secs(5))
-        .await;
-    assert_eq!(running.attempt, 1);
-    let started = running.started_at_ms.unwrap();
-    assert!(
-        running.updated_at_ms >= started + 900 && running.updated_at_ms <= started + 2000,
-        "running written about a second after the start ({} ms)",
-        running.updated_at_ms - started
-    );
-    let history = finish(&env, &id, stop, handle).await;
-    assert_eq!(
-        kinds(&history),
-        [TaskState::Pending, TaskState::Running, TaskState::Succeeded]
-    );
-    assert_eq!(*seen.lock().unwrap(), [(1, 0)]);
+    for keyed in [false, true] {
+        let (id, first) = submit(&env, keyed).await;
+        let seen: Seen = Arc::default();
+        let (stop, handle) = env.spawn_worker(worker_with(
+            seen.clone(),
+            Duration::from_millis(2500),
+            false,
+        ));
+        let running = env
+            .wait_state(&id, TaskState::Running, Duration::from_secs(5))
+            .await;
+        assert_eq!(running.attempt, 1);
+        let started = running.started_at_ms.unwrap();
+        assert!(
+            running.updated_at_ms >= started + 900 && running.updated_at_ms <= started + 2000,
+            "running written about a second after the start ({} ms)",
+            running.updated_at_ms - started
+        );
+        let history = finish(&env, &id, stop, handle).await;
+        assert_eq!(
+            kinds(&history),
+            then(first, &[TaskState::Running, TaskState::Succeeded])
+        );
+        assert_eq!(*seen.lock().unwrap(), [(1, 0)]);
+    }
 }
 
 /// Another attempt takes the task over while a first attempt runs unwritten: the first
 /// one's `running` write and its result are refused, and it does not ack.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stale_first_attempt_cannot_record_its_result() {
+    for keyed in [false, true] {
+        stale_first_attempt(keyed).await;
+    }
+}
+
+async fn stale_first_attempt(keyed: bool) {
     let env = Env::start(Env::server().ack_wait(Duration::from_secs(30))).await;
-    let id = env.ax.submit("q", TaskSpec::new("t")).await.unwrap().id;
+    let (id, _) = submit(&env, keyed).await;
     let (started_tx, mut started) = mpsc::unbounded_channel();
     let release = Arc::new(Semaphore::new(0));
     let worker = Worker::builder("q")
@@ -148,10 +186,12 @@ async fn a_stale_first_attempt_cannot_record_its_result() {
         .unwrap();
     let (stop, handle) = env.spawn_worker(worker);
     assert_eq!(started.recv().await.unwrap(), Ok(1));
-    // The takeover: an attempt elsewhere claims the record (as a redelivery would).
+    // The takeover: an attempt elsewhere claims the record (as a redelivery would); an
+    // unrecorded task is found by its message, at revision 0 (a create).
     let store = env.store().await;
-    let (rec, rev) = store.get(&id).await.unwrap().unwrap();
+    let (rec, rev) = store.find(&id).await.unwrap().unwrap();
     assert_eq!(rec.state, TaskState::Pending);
+    assert_eq!(rev == 0, !keyed, "recorded at submit only with a key");
     let mut other = rec.transition(TaskState::Running);
     other.attempt = 1;
     other.worker = Some("other".into());

@@ -245,7 +245,7 @@ async fn cancel_stops_a_task_before_and_during_its_attempt() {
         // signal): the cancel is recorded and the next delivery ends it unrun.
         let orphan = submit(&env, TaskSpec::new("t")).await;
         let store = env.store().await;
-        let (rec, rev) = store.get(&orphan).await.unwrap().unwrap();
+        let (rec, rev) = store.find(&orphan).await.unwrap().unwrap();
         let mut running = rec.transition(TaskState::Running);
         running.attempt = 1;
         running.worker = Some("gone".into());
@@ -256,6 +256,24 @@ async fn cancel_stops_a_task_before_and_during_its_attempt() {
             "{out:?}"
         );
 
+        // Pending with no record yet (an immediate submit without a key: the claim would
+        // create it): found by its message, cancelled by creating its record; the worker
+        // then acks it unrun. A made-up id of the queue is not found.
+        let unclaimed = submit(&env, TaskSpec::new("t")).await;
+        assert!(
+            store.get(&unclaimed).await.unwrap().is_none(),
+            "no record yet"
+        );
+        let found = env.record(&unclaimed).await;
+        assert_eq!(
+            (found.state, found.ready_seq.is_some()),
+            (TaskState::Pending, true)
+        );
+        let out = env.ax.cancel_task(&unclaimed).await.unwrap();
+        assert_eq!(out.state, TaskState::Cancelled);
+        let made_up = env.ax.cancel_task("q.nosuchtask").await.unwrap_err();
+        assert_eq!(made_up.kind(), ErrorKind::NotFound);
+
         let (w, runs, finished) = worker(Arc::new(AtomicBool::new(false)));
         let _w = env.spawn_worker(w);
         let rec = env
@@ -263,6 +281,21 @@ async fn cancel_stops_a_task_before_and_during_its_attempt() {
             .await;
         assert_eq!(rec.attempt, 1);
         assert_eq!(runs_of(&runs, &orphan), 0, "cancelled unrun");
+        eventually(
+            Duration::from_secs(10),
+            "the unclaimed task's message acked",
+            || {
+                let env = &env;
+                async move { (env.stream_len("AX_READY_NORMAL").await == 0).then_some(()) }
+            },
+        )
+        .await;
+        assert_eq!(
+            runs_of(&runs, &unclaimed),
+            0,
+            "cancelled before its claim: unrun"
+        );
+        assert_eq!(env.record(&unclaimed).await.state, TaskState::Cancelled);
 
         // Running here: the handler is stopped, the attempt ends cancelled, nothing reruns.
         let block = submit(&env, TaskSpec::new("t").json(&json!({"block": true}))).await;

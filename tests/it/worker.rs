@@ -111,7 +111,7 @@ async fn lost_heartbeat_redelivers_and_counts_the_attempt() {
     let mut batch = consumer.fetch().max_messages(1).messages().await.unwrap();
     let _held = batch.next().await.unwrap().unwrap();
     let store = env.store().await;
-    let (rec, rev) = store.get(&id).await.unwrap().unwrap();
+    let (rec, rev) = store.find(&id).await.unwrap().unwrap();
     let mut running = rec.transition(TaskState::Running);
     running.attempt = 1;
     running.worker = Some("doomed".into());

@@ -358,9 +358,11 @@ impl Client {
         Ok(self.tasks.get_or_try_init(open).await?.clone())
     }
 
-    /// The current record of a task and its revision.
+    /// The current record of a task and its revision. A task whose submit stored no
+    /// record and that no worker has claimed yet answers the `pending` record its message
+    /// stands for, at revision 0 ([`TaskStore::find`]).
     pub async fn task(&self, id: &str) -> Result<Option<(TaskRecord, u64)>, ClientError> {
-        Ok(self.store().await?.get(id).await?)
+        Ok(self.store().await?.find(id).await?)
     }
 
     /// A task's stored transitions, oldest first.

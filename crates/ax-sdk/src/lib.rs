@@ -79,6 +79,7 @@ pub mod task;
 pub mod time;
 pub mod trigger;
 pub mod typed_kv;
+pub mod unclaimed;
 pub mod worker;
 
 pub use client::{Client, ClientError, TaskSpec};

@@ -265,6 +265,7 @@ impl StateError {
 #[derive(Clone, Debug)]
 pub struct TaskStore {
     kv: kv::Store,
+    js: jetstream::Context,
 }
 
 /// Filter for [`TaskStore::list`].
@@ -307,7 +308,7 @@ impl TaskStore {
             .get_key_value(TASKS_BUCKET)
             .await
             .map_err(|e| broker("*", "open bucket", e))?;
-        Ok(TaskStore { kv })
+        Ok(TaskStore { kv, js: js.clone() })
     }
 
     /// Stores the first record; fails with [`StateError::Exists`] if the id is taken.
@@ -349,9 +350,31 @@ impl TaskStore {
             .map_err(|e| from_kv(id, None, e))
     }
 
-    /// Writes `rec` if the key is still at `revision`; returns the new revision.
+    /// The task as it stands, recorded or not: its record, or, for a task whose submit
+    /// stored none and that no worker has claimed yet, the `pending` record its ready
+    /// message stands for, at revision 0 ([`crate::unclaimed`]). A compare-and-set against
+    /// revision 0 creates the record. `None`: no such task.
+    pub async fn find(&self, id: &str) -> Result<Option<(TaskRecord, u64)>, StateError> {
+        if let Some(found) = self.get(id).await? {
+            return Ok(Some(found));
+        }
+        if let Some((meta, seq)) = crate::unclaimed::find_ready(&self.js, id).await? {
+            // Claimed between the two reads: the record exists now.
+            if let Some(found) = self.get(id).await? {
+                return Ok(Some(found));
+            }
+            return Ok(Some((crate::unclaimed::pending_record(&meta, seq), 0)));
+        }
+        // Its message was acknowledged after the first read: the worker wrote its record
+        // before the ack.
+        self.get(id).await
+    }
+
+    /// Writes `rec` if the key is still at `revision`; returns the new revision. Revision
+    /// 0 creates the record if there is none ([`StateError::Stale`] if there is).
     pub async fn cas(&self, rec: &TaskRecord, revision: u64) -> Result<u64, StateError> {
-        typed_kv::put(&self.kv, &rec.id, rec, Some(revision))
+        let expected = (revision != 0).then_some(revision);
+        typed_kv::put(&self.kv, &rec.id, rec, expected)
             .await
             .map_err(|e| from_kv(&rec.id, Some(revision), e))
     }

@@ -66,6 +66,10 @@ pub mod header {
     pub const RETRY_OF: &str = "Ax-Retry-Of";
     /// W3C trace context of the submit (the standard header name).
     pub const TRACEPARENT: &str = "traceparent";
+    /// `1` on a message whose submit stored no record: the worker that claims it creates
+    /// the record (docs/PROTOCOL.md §3, "Unrecorded tasks"). Set only on immediate tasks
+    /// without an idempotency key, which are published exactly once.
+    pub const UNRECORDED: &str = "Ax-Unrecorded";
 }
 
 /// Where a trigger-made task came from: which trigger, why, for which scheduled time.
@@ -192,6 +196,8 @@ pub struct TaskMeta {
     pub lineage: Option<Lineage>,
     /// Options the producer left unset (header `Ax-Defaulted`).
     pub defaulted: Defaulted,
+    /// The submit stored no record: the claim creates it (header `Ax-Unrecorded`).
+    pub unrecorded: bool,
 }
 
 /// Which options of a task took the server's defaults because the producer left them
@@ -485,6 +491,7 @@ impl TaskMeta {
             retry_of: None,
             lineage: None,
             defaulted,
+            unrecorded: false,
         };
         Ok((meta, payload))
     }
@@ -538,6 +545,9 @@ impl TaskMeta {
         }
         if let Some(defaulted) = self.defaulted.to_header() {
             h.insert(header::DEFAULTED, defaulted.as_str());
+        }
+        if self.unrecorded {
+            h.insert(header::UNRECORDED, "1");
         }
         if let Some(l) = &self.lineage {
             h.insert(header::TRIGGER, l.trigger.as_str());
@@ -662,6 +672,7 @@ impl TaskMeta {
             defaulted: h
                 .get(header::DEFAULTED)
                 .map_or_else(Defaulted::default, |v| Defaulted::from_header(v.as_str())),
+            unrecorded: h.get(header::UNRECORDED).is_some_and(|v| v.as_str() == "1"),
         })
     }
 }

@@ -14,13 +14,15 @@ pub(crate) struct Delivery<'a> {
     pub(crate) worker: &'a str,
     /// Now, ms since the epoch.
     pub(crate) now_ms: u64,
+    /// The first delivery of a message whose submit stored no record (`Ax-Unrecorded`).
+    pub(crate) unrecorded_first: bool,
 }
 
 /// What to do with a delivery.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Decision {
-    /// No record yet (the submitter died between its two writes): create this one
-    /// (`pending`, from the headers), then decide again.
+    /// No record yet, on a redelivery, or of a task whose submitter died between its two
+    /// writes: create this one (`pending`, from the headers), then decide again.
     Create(Box<TaskRecord>),
     /// The task already succeeded (a lost ack): Ack.
     AckDuplicate,
@@ -40,18 +42,25 @@ pub(crate) enum Decision {
     Dead(Box<TaskRecord>),
     /// Start an attempt: write this `running` record (CAS on the revision read); the new
     /// revision is the fencing token. `lost` is true when the previous attempt stopped
-    /// heartbeating (it counts as a failed attempt).
+    /// heartbeating (it counts as a failed attempt). With no record read (the first
+    /// delivery of an unrecorded task), the write is a create-if-absent and may be
+    /// deferred (`attempt::start`).
     Start { rec: Box<TaskRecord>, lost: bool },
 }
 
 /// Decides what a delivery of `meta` does, given the stored record.
 pub(crate) fn decide(found: Option<&TaskRecord>, meta: &TaskMeta, d: Delivery<'_>) -> Decision {
-    let Some(found) = found else {
-        return Decision::Create(Box::new(
-            meta.record().transition_at(TaskState::Pending, d.now_ms),
-        ));
+    let mut rec = match found {
+        Some(found) => found.clone(),
+        // Its submit stored no record and this is the message's first delivery: no attempt
+        // can have started, so the attempt starts from the headers.
+        None if d.unrecorded_first => meta.record(),
+        None => {
+            return Decision::Create(Box::new(
+                meta.record().transition_at(TaskState::Pending, d.now_ms),
+            ))
+        }
     };
-    let mut rec = found.clone();
     let mut lost = false;
     match rec.state {
         TaskState::Succeeded => return Decision::AckDuplicate,
@@ -142,6 +151,7 @@ mod tests {
         seq: 7,
         worker: "w1",
         now_ms: 1000,
+        unrecorded_first: false,
     };
 
     fn with(state: TaskState, attempt: u32, ready_seq: Option<u64>) -> TaskRecord {
@@ -166,6 +176,30 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn the_first_delivery_of_an_unrecorded_task_starts_attempt_one_from_its_headers() {
+        let m = meta(3);
+        let first = Delivery {
+            unrecorded_first: true,
+            ..D
+        };
+        match decide(None, &m, first) {
+            Decision::Start { rec, lost } => {
+                assert!(!lost);
+                assert_eq!((rec.state, rec.attempt), (TaskState::Running, 1));
+                assert_eq!(
+                    (rec.ready_seq, rec.worker.as_deref()),
+                    (Some(7), Some("w1"))
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        // A record found (a cancel made it, or another delivery's claim) decides as usual.
+        let mut cancelled = m.record();
+        cancelled.state = TaskState::Cancelled;
+        assert_eq!(decide(Some(&cancelled), &m, first), Decision::AckCancelled);
     }
 
     #[test]

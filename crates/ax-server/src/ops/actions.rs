@@ -63,6 +63,31 @@ fn note(op: &str, by: &str) -> Option<OpNote> {
     })
 }
 
+/// The events one stored change stands for: the change itself, preceded, when it is the
+/// first record of a task whose submit stored none (the claim created it: docs/PROTOCOL.md
+/// §3, "Unrecorded tasks"), by the `submitted` event and, for an attempt that ended
+/// before its `running` write, its `started` event, from the times the record keeps.
+fn events_of(before: Option<&TaskRecord>, rec: &TaskRecord) -> Vec<Value> {
+    let mut out = Vec::new();
+    if before.is_none() && !matches!(rec.state, TaskState::Scheduled | TaskState::Pending) {
+        let mut submitted = rec.clone();
+        submitted.state = TaskState::Pending;
+        submitted.op = None;
+        submitted.attempt = 0;
+        submitted.updated_at_ms = rec.created_at_ms;
+        out.push(event(None, &submitted));
+        if let (Some(at), true) = (rec.started_at_ms, rec.state != TaskState::Running) {
+            let mut started = rec.clone();
+            started.state = TaskState::Running;
+            started.op = None;
+            started.updated_at_ms = at;
+            out.push(event(Some(&submitted), &started));
+        }
+    }
+    out.push(event(before, rec));
+    out
+}
+
 /// One change of a task as an event: what happened, when, who did it, why.
 fn event(before: Option<&TaskRecord>, rec: &TaskRecord) -> Value {
     let by_op = rec
@@ -117,7 +142,7 @@ impl Ops {
             return Err(WireError::field("id", "not a task id"));
         }
         self.tasks
-            .get(id)
+            .find(id)
             .await
             .map_err(state_err)?
             .ok_or_else(|| WireError::new(ErrorCode::NotFound, format!("no task {id}")))
@@ -443,7 +468,7 @@ impl Ops {
                 let mut before: Option<TaskRecord> = None;
                 let mut out = Vec::new();
                 for (rec, _) in history {
-                    out.push(event(before.as_ref(), &rec));
+                    out.extend(events_of(before.as_ref(), &rec));
                     before = Some(rec);
                 }
                 return Ok((out, false));
@@ -475,7 +500,7 @@ impl Ops {
             .await
             .map_err(unavailable)?;
         let mut before: Option<TaskRecord> = None;
-        while (out.len() as u64) < stored {
+        for _ in 0..stored {
             let msg = tokio::time::timeout(Duration::from_secs(5), messages.next())
                 .await
                 .map_err(|_| unavailable("the event history did not arrive in time"))?;
@@ -484,7 +509,7 @@ impl Ops {
                 out.push(json!({"event": "removed"}));
                 continue;
             };
-            out.push(event(before.as_ref(), &rec));
+            out.extend(events_of(before.as_ref(), &rec));
             before = Some(rec);
         }
         Ok((out, true))

@@ -104,7 +104,7 @@ impl Ops {
             return Err(WireError::field("id", "not a task id"));
         }
         self.tasks
-            .get(id)
+            .find(id)
             .await
             .map_err(|e| WireError::new(ErrorCode::Unavailable, e.to_string()))?
             .ok_or_else(|| WireError::new(ErrorCode::NotFound, format!("no task {id}")))

@@ -64,7 +64,7 @@ impl Ops {
         }
         let (rec, _) = self
             .tasks
-            .get(id)
+            .find(id)
             .await
             .map_err(|e| WireError::new(ErrorCode::Unavailable, e.to_string()))?
             .ok_or_else(|| WireError::new(ErrorCode::NotFound, format!("no task {id}")))?;

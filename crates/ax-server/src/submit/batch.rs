@@ -62,7 +62,8 @@ impl Context {
                         .idempotency_key
                         .as_ref()
                         .is_some_and(|k| !keys.insert(k.clone()));
-                    let job: (usize, ax_sdk::task::TaskMeta, Bytes) = (i, meta, payload);
+                    let job: (usize, ax_sdk::task::TaskMeta, Bytes) =
+                        (i, super::unrecorded(meta), payload);
                     if again {
                         repeated.push(job);
                     } else {

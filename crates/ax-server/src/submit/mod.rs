@@ -1,10 +1,12 @@
 //! Level-1 admission: validate, de-duplicate, store, answer.
 //!
 //! A request is answered "accepted" only after its message is in JetStream (a ready subject,
-//! or `AX_DELAYED` for a task with a due time) and its state record is in `AX_TASKS`. The
-//! message goes first: it is what runs the task, and a full priority subject refuses it with
-//! nothing stored (`busy`). If ax dies between the two writes, the worker (or the dispatcher)
-//! creates the missing record from the message headers, so nothing accepted is lost.
+//! or `AX_DELAYED` for a task with a due time) and, for a delayed task or one with an
+//! idempotency key, its state record is in `AX_TASKS`. The message goes first: it is what
+//! runs the task, and a full priority subject refuses it with nothing stored (`busy`). If
+//! ax dies between the two writes, the worker (or the dispatcher) creates the missing
+//! record from the message headers, so nothing accepted is lost. An immediate task without
+//! a key stores its message alone ([`unrecorded`]): one stored write.
 
 use crate::context::Context;
 use async_nats::jetstream::{self, context::PublishError};
@@ -155,6 +157,16 @@ impl Queues {
     }
 }
 
+/// A producer's immediate task without an idempotency key is stored as its message alone
+/// (header `Ax-Unrecorded`): it is published exactly once, under an id made for it, so no
+/// copy can start beside its first attempt, and nothing needs its record before a worker
+/// claims it. Delayed tasks, tasks with a key, trigger fires and flow steps keep the
+/// record made at submit: their dispatchers, duplicate checks and engines read it.
+pub(crate) fn unrecorded(mut meta: TaskMeta) -> TaskMeta {
+    meta.unrecorded = meta.run_at_ms.is_none() && meta.idempotency_key.is_none();
+    meta
+}
+
 fn state_unavailable(e: StateError) -> WireError {
     WireError::new(ErrorCode::Unavailable, e.to_string())
 }
@@ -167,7 +179,7 @@ impl Context {
         body: &[u8],
     ) -> Result<SubmitAccepted, WireError> {
         let (meta, payload) = decode_submit(queue, body, &self.limits)?;
-        self.submit_prepared(meta, payload).await
+        self.submit_prepared(unrecorded(meta), payload).await
     }
 
     /// Admits a validated task (idempotency, store); used by submits and trigger fires.
@@ -257,6 +269,11 @@ impl Context {
         let ack = publish_task(&self.js, subject, meta, payload).await?;
         #[cfg(feature = "test-hooks")]
         ax_sdk::hooks::after_publish();
+        if meta.unrecorded {
+            // Published once, under a fresh id: the worker that claims it writes its first
+            // record (create-if-absent), and until then it is found by its message.
+            return Ok(());
+        }
         let mut record = meta.record();
         if meta.run_at_ms.is_none() {
             // The record names its ready message: a worker may start the first attempt of

@@ -112,10 +112,12 @@ pub(super) enum Claim {
 
 /// Reads the record and carries out [`decide`]'s decision.
 pub(super) async fn claim(sh: &Shared, meta: &TaskMeta, msg: &jetstream::Message) -> Claim {
+    let delivered = msg.info().map_or(1, |i| i.delivered);
     let delivery = Delivery {
         seq: msg.info().map_or(0, |i| i.stream_sequence),
         worker: &sh.worker_id,
         now_ms: now_ms(),
+        unrecorded_first: meta.unrecorded && delivered == 1,
     };
     let found = match sh.tasks.get(&meta.id).await {
         Ok(found) => found,
@@ -130,7 +132,6 @@ pub(super) async fn claim(sh: &Shared, meta: &TaskMeta, msg: &jetstream::Message
     // `pending`: a delivery faster than that write waits for it (a bounded number of
     // times: if the write never comes, the retry was lost and the task stays dead).
     if let Some((rec, rev)) = &found {
-        let delivered = msg.info().map_or(1, |i| i.delivered);
         if rec.state == TaskState::Dead && meta.retry_of == Some(*rev) && delivered < RETRY_WAITS {
             debug!(task_id = %meta.id, "retry delivered before its record moved; waiting");
             reply(msg, AckKind::Nak(Some(Duration::from_millis(200)))).await;
@@ -199,6 +200,9 @@ pub(super) async fn claim(sh: &Shared, meta: &TaskMeta, msg: &jetstream::Message
                 }
             }
         }
+        // An unrecorded task's first delivery: its `running` record is created later (or
+        // never, if the attempt ends within a second), create-if-absent (revision 0).
+        Decision::Start { rec, lost: false } if found.is_none() => Claim::Started(rec, 0, true),
         Decision::Start { rec, lost: false }
             if sh.lean_first_attempt
                 && first_delivery(found.as_ref().map(|(r, _)| r), msg, delivery.seq) =>

@@ -290,6 +290,16 @@ async function task(id) {
   const hist = g.history;
   const attempts = [];
   hist.forEach((h, i) => {
+    // An attempt that ended before its `running` write (a first attempt within its first
+    // second, docs/PROTOCOL.md §3): its outcome record alone, no fencing token.
+    const r = h.record, prev = i > 0 ? hist[i - 1].record : null;
+    if (["succeeded", "retrying", "dead", "cancelled"].includes(r.state) && r.attempt > 0 &&
+        r.started_at_ms && !(prev && prev.attempt === r.attempt)) {
+      attempts.push(`<tr><td>${r.attempt}</td><td class="mono">${esc(r.worker || "")}</td><td>-</td>
+        <td>${badge(r.state)}</td><td>${dur(r.updated_at_ms - r.started_at_ms)}</td>
+        <td>${r.state !== "succeeded" && r.last_error ? esc(`${r.last_error.class}: ${r.last_error.message}`) : ""}</td></tr>`);
+      return;
+    }
     if (h.record.state !== "running") return;
     const end = hist.slice(i + 1).find((x) => x.record.state !== "running");
     attempts.push(`<tr><td>${h.record.attempt}</td><td class="mono">${esc(h.record.worker || "")}</td><td>${h.revision}</td>

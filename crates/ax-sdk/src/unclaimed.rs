@@ -1,0 +1,64 @@
+//! Finding a task that has no record yet.
+//!
+//! An immediate task submitted without an idempotency key stores one message and no record
+//! (header `Ax-Unrecorded`): the worker that claims it writes the first record. Until then
+//! the message is the task, and this module finds it: its queue is in its id, so it walks
+//! that queue's three ready subjects (direct gets, `next_by_subj`, high priority first)
+//! until a message carries the id. A pending task waits in a bounded ready subject, so the
+//! walk reads at most the queue's capacity (1,000 + 5,000 + 10,000 messages by default).
+//! docs/PROTOCOL.md §3, "Unrecorded tasks".
+
+use crate::names::{self, Priority};
+use crate::state::{StateError, TaskRecord};
+use crate::task::{header, TaskMeta};
+use async_nats::jetstream::{self, stream::DirectGetErrorKind};
+
+/// The ready message of task `id` if one is stored: its metadata and stream sequence.
+/// `Ok(None)` if no ready subject of its queue holds it (or `id` is not a task id).
+pub async fn find_ready(
+    js: &jetstream::Context,
+    id: &str,
+) -> Result<Option<(TaskMeta, u64)>, StateError> {
+    let Some(queue) = names::queue_of_task_id(id) else {
+        return Ok(None);
+    };
+    let broker = |e: async_nats::Error| StateError::Broker {
+        id: id.to_string(),
+        op: "find ready message",
+        source: e,
+    };
+    for priority in Priority::ALL {
+        let stream = match js.get_stream_no_info(priority.ready_stream()).await {
+            Ok(stream) => stream,
+            Err(e) => return Err(broker(e.into())),
+        };
+        let subject = names::ready_subject(queue, priority);
+        let mut seq = 1;
+        loop {
+            let msg = match stream
+                .direct_get_next_for_subject(subject.clone(), Some(seq))
+                .await
+            {
+                Ok(msg) => msg,
+                Err(e) if e.kind() == DirectGetErrorKind::NotFound => break,
+                Err(e) => return Err(broker(e.into())),
+            };
+            seq = msg.sequence + 1;
+            if msg.headers.get(header::ID).map(|v| v.as_str()) != Some(id) {
+                continue;
+            }
+            // A message that carries the id but not a readable task is not one.
+            if let Ok(meta) = TaskMeta::from_headers(&msg.headers) {
+                return Ok(Some((meta, msg.sequence)));
+            }
+        }
+    }
+    Ok(None)
+}
+
+/// The record a task that has no record yet would have: `pending`, naming its message.
+pub fn pending_record(meta: &TaskMeta, seq: u64) -> TaskRecord {
+    let mut rec = meta.record();
+    rec.ready_seq = Some(seq);
+    rec
+}
