@@ -52,6 +52,9 @@ def test_a_python_worker_killed_mid_task_has_it_redelivered_and_recorded_once(ur
     first = procs(python_worker(url, "--id", "doomed"), env, tmp_path / "w1.log")
     handle = client.submit("slow", 3.0, queue="py_faults")
     eventually(lambda: any(r["id"] == handle.id for r in runs(record)), 30, "the task started")
+    # Killed once its attempt is recorded `running` (written after its first second: a
+    # first attempt lost sooner is not counted, docs/PROTOCOL.md §3 "Unrecorded tasks").
+    eventually(lambda: (client.get(handle.id) or {}).get("state") == "running", 30, "running recorded")
     first.p.send_signal(signal.SIGKILL)
     first.p.wait()
     procs(python_worker(url, "--id", "heir"), env, tmp_path / "w2.log")
