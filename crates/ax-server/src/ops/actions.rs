@@ -172,6 +172,10 @@ impl Ops {
                     let delayed = rec
                         .delayed_seq
                         .filter(|_| rec.state == TaskState::Scheduled);
+                    // No record yet (revision 0): a task whose submit stored none, found by
+                    // its ready message. Its first delivery is claimed without reading a
+                    // record, so the message goes as the record is made.
+                    let unclaimed = rec.ready_seq.filter(|_| rev == 0);
                     let mut done = rec.transition(TaskState::Cancelled);
                     done.op = note("cancel", by);
                     match self.tasks.cas(&done, rev).await {
@@ -179,6 +183,9 @@ impl Ops {
                             if let Some(seq) = delayed {
                                 // Tidy: the dispatch would only be acked unrun.
                                 self.delete(names::DELAYED_STREAM, seq).await;
+                            }
+                            if let Some(seq) = unclaimed {
+                                self.delete(&done.priority.ready_stream(), seq).await;
                             }
                             info!(task_id = %id, by, "task cancelled before it started");
                             return Ok(json!({"id": id, "state": "cancelled"}));
@@ -566,6 +573,10 @@ impl Ops {
         msg_id: &str,
         payload: Bytes,
     ) -> Result<u64, WireError> {
+        // A copy of a task's message (a retry, a run now) is never its first: its record
+        // exists, so a worker must read it (docs/PROTOCOL.md §3 step 1).
+        let mut headers = headers;
+        headers.insert(ax_sdk::task::header::UNRECORDED, "0");
         let ack =
             crate::submit::publish_headers(&self.js, subject, headers, msg_id, payload).await?;
         Ok(ack.sequence)

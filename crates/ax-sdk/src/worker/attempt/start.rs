@@ -119,7 +119,15 @@ pub(super) async fn claim(sh: &Shared, meta: &TaskMeta, msg: &jetstream::Message
         now_ms: now_ms(),
         unrecorded_first: meta.unrecorded && delivered == 1,
     };
-    let found = match sh.tasks.get(&meta.id).await {
+    // The first delivery of an unrecorded task has no record to read: nothing writes one
+    // before its claim (a cancel deletes the message as it writes `cancelled`), so it
+    // starts without the read (docs/PROTOCOL.md §3 step 1). A record made meanwhile
+    // refuses the attempt's writes.
+    let read = match delivery.unrecorded_first {
+        true => Ok(None),
+        false => sh.tasks.get(&meta.id).await,
+    };
+    let found = match read {
         Ok(found) => found,
         Err(e) => {
             warn!(task_id = %meta.id, cause = %e, "cannot read record");
