@@ -243,9 +243,7 @@ async fn cancel_stops_a_task_before_and_during_its_attempt() {
 
         // Running on a worker that is gone (its record says running; nobody answers the
         // signal): the cancel is recorded and the next delivery ends it unrun.
-        // (With a key, so the task is recorded at submit: an unrecorded task's record is
-        // made by the claim of its first delivery, which this setup skips.)
-        let orphan = submit(&env, TaskSpec::new("t").idempotency_key("orphan")).await;
+        let orphan = submit(&env, TaskSpec::new("t")).await;
         let store = env.store().await;
         let (rec, rev) = store.find(&orphan).await.unwrap().unwrap();
         let mut running = rec.transition(TaskState::Running);
@@ -274,7 +272,7 @@ async fn cancel_stops_a_task_before_and_during_its_attempt() {
         assert_eq!(env.stream_len("AX_READY_NORMAL").await, 2);
         let out = env.ax.cancel_task(&unclaimed).await.unwrap();
         assert_eq!(out.state, TaskState::Cancelled);
-        // Its message goes with it: a first delivery is claimed without a read.
+        // Its message goes with it: no worker fetches it to find it cancelled.
         assert_eq!(env.stream_len("AX_READY_NORMAL").await, 1);
         let made_up = env.ax.cancel_task("q.nosuchtask").await.unwrap_err();
         assert_eq!(made_up.kind(), ErrorKind::NotFound);

@@ -271,11 +271,7 @@ async fn a_stray_duplicate_message_does_not_run_the_task_twice() {
         .build()
         .unwrap();
     let (stop, handle) = env.spawn_worker(worker);
-    // Copies are made of recorded tasks only (a delayed task's dispatch, here stood in for
-    // by a task with a key): an immediate task without a key is published once, and its
-    // first delivery is claimed without reading a record (docs/PROTOCOL.md §3).
-    let spec = TaskSpec::new("t").idempotency_key("stray");
-    let id = env.ax.submit("q", spec).await.unwrap().id;
+    let id = env.ax.submit("q", TaskSpec::new("t")).await.unwrap().id;
     env.wait_state(&id, TaskState::Running, Duration::from_secs(5))
         .await;
     // A second copy of the task message, as a dispatcher restarted after the duplicate

@@ -119,15 +119,11 @@ pub(super) async fn claim(sh: &Shared, meta: &TaskMeta, msg: &jetstream::Message
         now_ms: now_ms(),
         unrecorded_first: meta.unrecorded && delivered == 1,
     };
-    // The first delivery of an unrecorded task has no record to read: nothing writes one
-    // before its claim (a cancel deletes the message as it writes `cancelled`), so it
-    // starts without the read (docs/PROTOCOL.md §3 step 1). A record made meanwhile
-    // refuses the attempt's writes.
-    let read = match delivery.unrecorded_first {
-        true => Ok(None),
-        false => sh.tasks.get(&meta.id).await,
-    };
-    let found = match read {
+    // Read even on an unrecorded task's first delivery, where no record is expected: a
+    // redelivery whose count a restarted nats-server lost looks like a first one, and the
+    // read is what finds its outcome already stored (docs/DECISIONS.md: skipping it saved
+    // nothing measurable).
+    let found = match sh.tasks.get(&meta.id).await {
         Ok(found) => found,
         Err(e) => {
             warn!(task_id = %meta.id, cause = %e, "cannot read record");
