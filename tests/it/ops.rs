@@ -608,11 +608,12 @@ async fn a_tasks_events_outlive_its_sixteen_stored_revisions() {
             }
         })
         .await;
-        // Fails 11 times, then succeeds: 1 submit + 12 starts + 11 retries + 1 success = 25
-        // writes.
+        // Fails 19 times, then succeeds: 20 stored writes (each attempt writes its end
+        // only: `retrying` ×19, `succeeded`), more than the record's 16 revisions; 41 events
+        // (the submit, then each attempt's start and end).
         let w = Worker::builder("q")
             .handler(|task: Task| async move {
-                if task.attempt <= 11 {
+                if task.attempt <= 19 {
                     return Err(TaskError::new(
                         "io",
                         format!("attempt {} fails", task.attempt),
@@ -623,7 +624,7 @@ async fn a_tasks_events_outlive_its_sixteen_stored_revisions() {
             .build()
             .unwrap();
         let _w = env.spawn_worker(w);
-        let spec = TaskSpec::new("t").max_attempts(20).backoff(
+        let spec = TaskSpec::new("t").max_attempts(30).backoff(
             Duration::from_millis(1),
             Duration::from_millis(5),
             0.0,
@@ -636,12 +637,12 @@ async fn a_tasks_events_outlive_its_sixteen_stored_revisions() {
             16,
             "the record keeps 16"
         );
-        let events = eventually(Duration::from_secs(5), "25 events", || {
+        let events = eventually(Duration::from_secs(5), "41 events", || {
             let ax = env.ax.clone();
             let id = id.clone();
             async move {
                 let (e, complete) = ax.task_events(&id).await.ok()?;
-                (complete && e.len() == 25).then_some(e)
+                (complete && e.len() == 41).then_some(e)
             }
         })
         .await;
@@ -650,16 +651,16 @@ async fn a_tasks_events_outlive_its_sixteen_stored_revisions() {
             .map(|e| e["event"].as_str().unwrap())
             .collect();
         assert_eq!(names[0], "submitted");
-        assert_eq!(names.iter().filter(|n| **n == "started").count(), 12);
+        assert_eq!(names.iter().filter(|n| **n == "started").count(), 20);
         assert_eq!(
             names.iter().filter(|n| **n == "failed_will_retry").count(),
-            11
+            19
         );
-        assert_eq!(names[24], "succeeded");
+        assert_eq!(names[40], "succeeded");
         assert_eq!(events[2]["reason"], "io: attempt 1 fails");
         assert!(events[1]["actor"].as_str().unwrap().starts_with("worker "));
         let table = cli(&env, &["task", "events", &id]).await;
-        assert_eq!(String::from_utf8_lossy(&table.stdout).lines().count(), 26);
+        assert_eq!(String::from_utf8_lossy(&table.stdout).lines().count(), 42);
 
         // Without the stream (the default), the record's last 16 changes, said so.
         let plain = Env::start(Env::server()).await;

@@ -65,10 +65,12 @@ fn note(op: &str, by: &str) -> Option<OpNote> {
 
 /// The events one stored change stands for: the change itself, preceded, when it is the
 /// first record of a task whose submit stored none (the claim created it: docs/PROTOCOL.md
-/// §3, "Unrecorded tasks"), by the `submitted` event and, for an attempt that ended
-/// before its `running` write, its `started` event, from the times the record keeps.
+/// §3, "Unrecorded tasks"), by the `submitted` event and, when it ends an attempt that
+/// never wrote `running` (one that ended within its first second), by that attempt's
+/// `started` event, from the times the record keeps.
 fn events_of(before: Option<&TaskRecord>, rec: &TaskRecord) -> Vec<Value> {
     let mut out = Vec::new();
+    let mut before = before.cloned();
     if before.is_none() && !matches!(rec.state, TaskState::Scheduled | TaskState::Pending) {
         let mut submitted = rec.clone();
         submitted.state = TaskState::Pending;
@@ -76,15 +78,22 @@ fn events_of(before: Option<&TaskRecord>, rec: &TaskRecord) -> Vec<Value> {
         submitted.attempt = 0;
         submitted.updated_at_ms = rec.created_at_ms;
         out.push(event(None, &submitted));
-        if let (Some(at), true) = (rec.started_at_ms, rec.state != TaskState::Running) {
-            let mut started = rec.clone();
-            started.state = TaskState::Running;
-            started.op = None;
-            started.updated_at_ms = at;
-            out.push(event(Some(&submitted), &started));
-        }
+        before = Some(submitted);
     }
-    out.push(event(before, rec));
+    let ends_attempt = matches!(
+        rec.state,
+        TaskState::Succeeded | TaskState::Retrying | TaskState::Dead | TaskState::Cancelled
+    );
+    let unwritten_start = before.as_ref().is_some_and(|b| b.attempt != rec.attempt);
+    if let (Some(at), true) = (rec.started_at_ms, ends_attempt && unwritten_start) {
+        let mut started = rec.clone();
+        started.state = TaskState::Running;
+        started.op = None;
+        started.updated_at_ms = at;
+        out.push(event(before.as_ref(), &started));
+        before = Some(started);
+    }
+    out.push(event(before.as_ref(), rec));
     out
 }
 

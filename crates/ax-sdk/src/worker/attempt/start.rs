@@ -213,6 +213,11 @@ pub(super) async fn claim(sh: &Shared, meta: &TaskMeta, msg: &jetstream::Message
         {
             Claim::Started(rec, revision, true)
         }
+        Decision::Start { rec, lost: false }
+            if retry_delivery(found.as_ref().map(|(r, _)| r), delivery.seq) =>
+        {
+            Claim::Started(rec, revision, true)
+        }
         Decision::Start { rec, lost } => match sh.tasks.cas(&rec, revision).await {
             Ok(token) => {
                 if lost {
@@ -251,6 +256,15 @@ pub(super) fn first_delivery(
         && rec.attempt == 0
         && rec.state == TaskState::Pending
         && rec.ready_seq == Some(seq)
+}
+
+/// True if this delivery is a retry of the message the last attempt ran from: the record
+/// is `retrying` (written by that attempt's end, so it is over) and names this message.
+/// Its attempt starts without writing `running` first, like a first attempt: the token is
+/// the `retrying` revision until the write, made after a second or when the handler asks
+/// for its token (docs/PROTOCOL.md §3 step 4, "retries").
+pub(super) fn retry_delivery(found: Option<&TaskRecord>, seq: u64) -> bool {
+    found.is_some_and(|rec| rec.state == TaskState::Retrying && rec.ready_seq == Some(seq))
 }
 
 /// How long a first attempt may run before its `running` record is written: states that
