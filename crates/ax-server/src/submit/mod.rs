@@ -6,7 +6,7 @@
 //! runs the task, and a full priority subject refuses it with nothing stored (`busy`). If
 //! ax dies between the two writes, the worker (or the dispatcher) creates the missing
 //! record from the message headers, so nothing accepted is lost. An immediate task without
-//! a key stores its message alone ([`unrecorded`]): one stored write.
+//! a key stores its message alone (`unrecorded`): one stored write.
 
 use crate::context::Context;
 use async_nats::jetstream::{self, context::PublishError};
