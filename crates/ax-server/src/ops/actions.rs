@@ -182,8 +182,8 @@ impl Ops {
                         .delayed_seq
                         .filter(|_| rec.state == TaskState::Scheduled);
                     // No record yet (revision 0): a task whose submit stored none, found by
-                    // its ready message. Its first delivery is claimed without reading a
-                    // record, so the message goes as the record is made.
+                    // its ready message. The message goes as the record is made, so no
+                    // worker fetches it only to ack it unrun.
                     let unclaimed = rec.ready_seq.filter(|_| rev == 0);
                     let mut done = rec.transition(TaskState::Cancelled);
                     done.op = note("cancel", by);
@@ -582,8 +582,8 @@ impl Ops {
         msg_id: &str,
         payload: Bytes,
     ) -> Result<u64, WireError> {
-        // A copy of a task's message (a retry, a run now) is never its first: its record
-        // exists, so a worker must read it (docs/PROTOCOL.md §3 step 1).
+        // A copy of a task's message (a retry, a run now) is never an unrecorded task's
+        // first delivery: its record exists (docs/PROTOCOL.md §3 step 1).
         let mut headers = headers;
         headers.insert(ax_sdk::task::header::UNRECORDED, "0");
         let ack =
