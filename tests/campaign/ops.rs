@@ -55,7 +55,7 @@ pub struct OpsLog {
 async fn reach(ax: &Client, id: &str, state: TaskState) -> Option<ax_sdk::TaskRecord> {
     let deadline = Instant::now() + Duration::from_secs(40);
     while Instant::now() < deadline {
-        if let Ok(Some((rec, _))) = ax.task(id).await {
+        if let Ok(Some((rec, _))) = ax.record(id).await {
             if rec.state == state {
                 return Some(rec);
             }
@@ -137,7 +137,7 @@ async fn one(
     }
     if (55..=69).contains(&kind) {
         tokio::time::sleep(Duration::from_millis(rng.random_range(200..800))).await;
-        let Ok(Some((rec, _))) = ax.task(&id).await else {
+        let Ok(Some((rec, _))) = ax.record(&id).await else {
             return;
         };
         let answer = ax.run_now(&id).await;

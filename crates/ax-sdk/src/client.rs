@@ -365,6 +365,14 @@ impl Client {
         Ok(self.store().await?.find(id).await?)
     }
 
+    /// The task's stored record and its revision, if it has one: a single read. A task
+    /// whose submit stored no record and that no worker has claimed yet has none; poll
+    /// with this, and look such a task up once with [`Client::task`] (which walks its
+    /// queue's ready messages to find it).
+    pub async fn record(&self, id: &str) -> Result<Option<(TaskRecord, u64)>, ClientError> {
+        Ok(self.store().await?.get(id).await?)
+    }
+
     /// A task's stored transitions, oldest first.
     pub async fn history(&self, id: &str) -> Result<Vec<(TaskRecord, u64)>, ClientError> {
         Ok(self.store().await?.history(id).await?)

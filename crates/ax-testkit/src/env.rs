@@ -157,7 +157,8 @@ impl Env {
         eventually(timeout, &what, || {
             let ax = ax.clone();
             async move {
-                match ax.task(id).await {
+                // The record alone: polling must not walk the ready messages each time.
+                match ax.record(id).await {
                     Ok(Some((rec, _))) if rec.state == state => Some(rec),
                     _ => None,
                 }
