@@ -90,7 +90,9 @@ async fn two_servers_killed_during_load_lose_nothing() {
     let stop = CancellationToken::new();
     let worker = tokio::spawn(worker.run(client.clone(), stop.clone()));
 
-    let total = 10_000usize;
+    // Enough that submits still flow when the plan's hooked servers start (about 5 s in):
+    // a hook trips only on the submits the hooked server admits.
+    let total = 20_000usize;
     let ax = Client::new(client.clone());
     let producer = tokio::spawn(async move {
         let accepted: Vec<(String, u64)> = futures::stream::iter(0..total)
