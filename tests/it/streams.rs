@@ -96,6 +96,20 @@ async fn a_restarted_server_keeps_operator_settings() {
         high.info().await.unwrap().config.max_messages_per_subject,
         7
     );
+    // A setting this version needs (atomic batches for flow re-runs) is turned on in a
+    // bucket made before it, and the operator's settings are kept.
+    let mut runs = env.js.get_stream("KV_AX_FLOW_RUNS").await.unwrap();
+    let mut old = runs.info().await.unwrap().config.clone();
+    assert!(old.allow_atomic_publish);
+    old.allow_atomic_publish = false;
+    old.max_age = std::time::Duration::from_secs(3600);
+    env.js.update_stream(&old).await.unwrap();
+    env.stop_server().await;
+    env.start_server(ax_server::Server::builder().queues(["q"]))
+        .await;
+    let now = runs.info().await.unwrap().config.clone();
+    assert!(now.allow_atomic_publish);
+    assert_eq!(now.max_age, std::time::Duration::from_secs(3600));
     // A queue the server has not seen yet is still created.
     env.stop_server().await;
     env.start_server(ax_server::Server::builder().queues(["q", "fresh"]))

@@ -41,6 +41,7 @@
 //! | [`task`] | a validated task and its message headers |
 //! | [`backoff`] | exponential backoff with jitter |
 //! | [`state`] | task state records in the `AX_TASKS` KV bucket |
+//! | [`atomic`] | atomic batch publish (ADR-50): many messages, one write, all or none |
 //! | [`typed_kv`] | JSON values in KV written by create or compare-and-set, one error type |
 //! | [`kv_read`] | KV reads from a bucket's stream leader (see every acknowledged write) |
 //! | [`output`] | task outputs: inline in the record or in the `AX_RESULTS` bucket |
@@ -48,6 +49,7 @@
 #![warn(missing_docs, unreachable_pub, rustdoc::broken_intra_doc_links)]
 
 pub mod api;
+pub mod atomic;
 pub mod backoff;
 pub mod client;
 pub mod error;

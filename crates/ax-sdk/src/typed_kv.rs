@@ -143,6 +143,40 @@ pub async fn put<T: Serialize>(
     }
 }
 
+/// Several keys of one bucket written together (one atomic batch, [`crate::atomic`]): each
+/// `(key, value, revision)` is created (`None`) or compare-and-set against `revision`, and
+/// either every write is stored or none is (a lost check is [`KvError::Stale`] naming the
+/// keys). The bucket's stream must allow atomic publish.
+pub async fn put_all<T: Serialize>(
+    client: &async_nats::Client,
+    kv: &kv::Store,
+    writes: &[(String, &T, Option<u64>)],
+) -> Result<(), KvError> {
+    let prefix = kv.put_prefix.as_ref().unwrap_or(&kv.prefix);
+    let msgs = writes
+        .iter()
+        .map(|(key, value, revision)| {
+            let mut headers = async_nats::HeaderMap::new();
+            let expected = revision.unwrap_or(0).to_string();
+            headers.insert("Nats-Expected-Last-Subject-Sequence", expected.as_str());
+            crate::atomic::Outgoing {
+                subject: format!("{prefix}{key}"),
+                headers,
+                payload: serde_json::to_vec(value).expect("serializes").into(),
+            }
+        })
+        .collect();
+    let keys = || {
+        let keys: Vec<&str> = writes.iter().map(|w| w.0.as_str()).collect();
+        keys.join(", ")
+    };
+    match crate::atomic::publish(client, msgs).await {
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == ErrorKind::Conflict => Err(KvError::Stale(keys())),
+        Err(e) => Err(broker(&keys(), "atomic put", e)),
+    }
+}
+
 /// Every current value of the keys matching `filter`, by key (values that do not decode
 /// are left out), read from a watch with history.
 pub async fn scan<T: DeserializeOwned>(

@@ -314,6 +314,35 @@ fn check_fixed(object: &str, fixed: &[&str], diffs: &[Difference]) -> Result<(),
     }
 }
 
+/// Stream settings this version of ax needs to run: [`ensure`] turns them on in an existing
+/// stream (leaving its other settings as they are), so an upgraded server works without
+/// `ax streams apply`. `allow_atomic`: atomic batch publish (ADR-50), which nothing else
+/// notices.
+const STREAM_REQUIRED: [&str; 1] = ["allow_atomic"];
+
+/// Turns on the [`STREAM_REQUIRED`] settings among `diffs` in `existing`; answers them.
+async fn turn_on_required(
+    js: &jetstream::Context,
+    object: &str,
+    desired: &stream::Config,
+    mut existing: stream::Config,
+    diffs: &[Difference],
+) -> Result<Vec<Difference>, StreamsError> {
+    let required: Vec<Difference> = diffs
+        .iter()
+        .filter(|d| STREAM_REQUIRED.contains(&d.field.as_str()) && d.desired == "true")
+        .cloned()
+        .collect();
+    if required.is_empty() {
+        return Ok(required);
+    }
+    existing.allow_atomic_publish = desired.allow_atomic_publish;
+    js.update_stream(&existing)
+        .await
+        .map_err(|e| broker(object, e))?;
+    Ok(required)
+}
+
 /// What to do with an existing object whose fields differ.
 fn settle(mode: Mode, diffs: &[Difference]) -> Outcome {
     match (diffs.is_empty(), mode) {
@@ -370,7 +399,22 @@ async fn reconcile(
             Ok(mut existing) => {
                 let info = existing.info().await.map_err(|e| broker(&object, e))?;
                 let had = serde_json::to_value(&info.config).expect("config serializes");
-                let diffs = differences(&desired, &had);
+                let mut diffs = differences(&desired, &had);
+                if mode == Mode::Ensure {
+                    let required =
+                        turn_on_required(js, &object, &config, info.config.clone(), &diffs).await?;
+                    if !required.is_empty() {
+                        diffs.retain(|d| !required.contains(d));
+                        report.push(Applied {
+                            object: object.clone(),
+                            outcome: Outcome::Updated,
+                            differences: required,
+                        });
+                        if diffs.is_empty() {
+                            continue;
+                        }
+                    }
+                }
                 let outcome = settle(mode, &diffs);
                 if outcome == Outcome::Updated {
                     check_fixed(&object, &STREAM_FIXED, &diffs)?;

@@ -4,7 +4,7 @@
 use super::def::FlowDef;
 use super::model::{step_key, FlowRun, StepRun};
 use crate::names::{FLOWS_BUCKET, FLOW_RUNS_BUCKET};
-use crate::typed_kv::{broker, get, put, scan, KvError};
+use crate::typed_kv::{broker, get, put, put_all, scan, KvError};
 use async_nats::jetstream::{self, kv};
 use futures::StreamExt;
 
@@ -14,6 +14,7 @@ pub type FlowStoreError = KvError;
 /// Both flow buckets.
 #[derive(Debug, Clone)]
 pub struct FlowStore {
+    client: async_nats::Client,
     defs: kv::Store,
     runs: kv::Store,
 }
@@ -29,7 +30,11 @@ impl FlowStore {
             .get_key_value(FLOW_RUNS_BUCKET)
             .await
             .map_err(|e| broker(FLOW_RUNS_BUCKET, "open bucket", e))?;
-        Ok(FlowStore { defs, runs })
+        Ok(FlowStore {
+            client: js.client(),
+            defs,
+            runs,
+        })
     }
 
     /// Stores a (checked) definition, replacing the previous one.
@@ -105,6 +110,28 @@ impl FlowStore {
         revision: Option<u64>,
     ) -> Result<u64, FlowStoreError> {
         put(&self.runs, &step_key(run, step), value, revision).await
+    }
+
+    /// Writes a run and steps of it together: all of them or none (one atomic batch), each
+    /// only if its revision is still the one given (`None`: a step never written). A re-run
+    /// uses it so that no reader sees its steps reset under a run that has not been.
+    pub async fn put_run_and_steps(
+        &self,
+        run: &FlowRun,
+        revision: u64,
+        steps: &[(&str, &StepRun, Option<u64>)],
+    ) -> Result<(), FlowStoreError> {
+        let values: Vec<serde_json::Value> = std::iter::once(serde_json::to_value(run))
+            .chain(steps.iter().map(|(_, s, _)| serde_json::to_value(s)))
+            .collect::<Result<_, _>>()
+            .expect("serializes");
+        let keys = std::iter::once((run.id.clone(), Some(revision)))
+            .chain(steps.iter().map(|(n, _, r)| (step_key(&run.id, n), *r)));
+        let writes: Vec<_> = keys
+            .zip(&values)
+            .map(|((key, rev), value)| (key, value, rev))
+            .collect();
+        put_all(&self.client, &self.runs, &writes).await
     }
 
     /// Every run (keys without a dot) now and every later write to one, as KV entries.

@@ -236,20 +236,33 @@ impl FlowApi {
                 "every step succeeded: nothing to re-run (mode \"whole\" starts a new run)",
             ));
         }
-        for &i in &chosen {
-            let (old, step_rev) = stored[i]
-                .clone()
-                .map_or((StepRun::default(), None), |(s, r)| (s, Some(r)));
-            let fresh = StepRun {
-                epoch: old.epoch + 1,
-                ..StepRun::default()
-            };
-            let name = &run.def.steps[i].name;
-            self.store
-                .put_step(&run.id, name, &fresh, step_rev)
-                .await
-                .map_err(changed_meanwhile)?;
-        }
+        // The run and its chosen steps in one atomic write: a reader (the engine, `flow
+        // get`) sees either the ended run with its old steps or the running run with fresh
+        // ones, never steps of a new epoch under a run that was not re-run.
+        let fresh: Vec<(StepRun, Option<u64>)> = chosen
+            .iter()
+            .map(|&i| match &stored[i] {
+                Some((old, rev)) => (
+                    StepRun {
+                        epoch: old.epoch + 1,
+                        ..StepRun::default()
+                    },
+                    Some(*rev),
+                ),
+                None => (
+                    StepRun {
+                        epoch: 1,
+                        ..StepRun::default()
+                    },
+                    None,
+                ),
+            })
+            .collect();
+        let steps: Vec<(&str, &StepRun, Option<u64>)> = chosen
+            .iter()
+            .zip(&fresh)
+            .map(|(&i, (step, rev))| (run.def.steps[i].name.as_str(), step, *rev))
+            .collect();
         run.state = RunState::Running;
         run.reason = None;
         run.finished_at_ms = None;
@@ -257,7 +270,7 @@ impl FlowApi {
         run.reruns += 1;
         run.updated_at_ms = now_ms();
         self.store
-            .put_run(&run, Some(rev))
+            .put_run_and_steps(&run, rev, &steps)
             .await
             .map_err(changed_meanwhile)?;
         metrics::counter!(m::FLOW_RUNS_STARTED, "flow" => run.flow.clone()).increment(1);
