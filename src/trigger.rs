@@ -76,17 +76,32 @@ pub(crate) async fn run(command: TriggerCommand, conn: &Conn) -> Result<()> {
     Ok(())
 }
 
-/// The `triggers:` part of `ax apply -f FILE [--no-prune]`.
+/// The `triggers:` part of `ax apply -f FILE [--no-prune]`: one request, or parts under the
+/// server's max payload with a progress bar (`Client::apply_triggers`).
 pub(crate) async fn apply(doc: &serde_json::Value, no_prune: bool, client: &Client) -> Result<()> {
-    let mut body = serde_json::json!({ "triggers": doc["triggers"].clone() });
-    body["prune"] = (!no_prune).into();
-    let report = client.trigger("apply", &body).await?;
-    for line in report.as_array().into_iter().flatten() {
-        println!(
-            "{:<10} {}",
-            line["outcome"].as_str().unwrap_or("?"),
-            line["name"].as_str().unwrap_or("?")
-        );
+    let Some(triggers) = doc["triggers"].as_array() else {
+        anyhow::bail!("`triggers:` must be a list of definitions");
+    };
+    let bar = indicatif::ProgressBar::new(triggers.len() as u64).with_style(
+        indicatif::ProgressStyle::with_template(
+            "{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} triggers {msg}",
+        )
+        .expect("a valid template"),
+    );
+    let report = client
+        .apply_triggers(triggers, !no_prune, |stage, done, total| {
+            bar.set_length(total as u64);
+            bar.set_position(done as u64);
+            bar.set_message(match stage {
+                ax_sdk::trigger::ApplyStage::Checking => "checked",
+                ax_sdk::trigger::ApplyStage::Storing => "stored",
+                ax_sdk::trigger::ApplyStage::Pruning => "deleted (not in the file)",
+            });
+        })
+        .await;
+    bar.finish_and_clear();
+    for line in report? {
+        println!("{:<10} {}", line.outcome, line.name);
     }
     Ok(())
 }

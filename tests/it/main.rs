@@ -1,6 +1,7 @@
 //! Integration tests: every test talks to a real nats-server started for it.
 //! Run with `./dev test` (it installs the pinned nats-server when none is found).
 
+mod apply;
 mod batch;
 mod browser;
 mod budget;

@@ -124,6 +124,7 @@ pub const OPERATIONS: &[Operation] = &[
     op(Api::Trigger, "apply", W, ANY),
     op(Api::Trigger, "get", R, ANY),
     op(Api::Trigger, "list", R, ANY),
+    op(Api::Trigger, "names", R, ANY),
     op(Api::Trigger, "leader", R, ANY),
     op(Api::Trigger, "pause", W, ANY),
     op(Api::Trigger, "resume", W, ANY),

@@ -52,6 +52,13 @@ pub struct TriggerSummary {
     pub last_result: Option<Value>,
 }
 
+/// A page of `ax.trigger.names`.
+#[derive(Deserialize)]
+struct NamesPage {
+    names: Vec<String>,
+    more: bool,
+}
+
 /// A manual run (`ax.trigger.run`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ManualRun {
@@ -61,9 +68,135 @@ pub struct ManualRun {
     pub forced: bool,
 }
 
+/// One line of an apply's report.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Applied {
+    /// Trigger name.
+    pub name: String,
+    /// `created`, `updated`, `unchanged` or `deleted`.
+    pub outcome: String,
+}
+
+/// Which part of [`Client::apply_triggers`] a progress report is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ApplyStage {
+    /// Definitions checked by the server (nothing stored yet).
+    Checking,
+    /// Definitions stored.
+    Storing,
+    /// Stored triggers the file does not name, deleted (`prune`).
+    Pruning,
+}
+
+/// Deletes in flight while [`Client::apply_triggers`] prunes.
+const DELETES_IN_FLIGHT: usize = 32;
+
 impl Client {
-    /// Calls the trigger API: `op` is `put`, `apply`, `get`, `list`, `leader`, `pause`,
-    /// `resume`, `delete` or `run` (PROTOCOL.md §5); returns the `ok` value. The typed
+    /// Applies a whole set of trigger definitions (`ax apply -f`): stores each, and with
+    /// `prune` deletes the stored triggers the set does not name. Nothing changes if any
+    /// definition is invalid (the error names it: `triggers[<i>].<field>`).
+    ///
+    /// A set that fits in one request (the server's max payload) is one `apply`. A larger
+    /// one goes in parts: every part checked first (`apply` with `check`), then every part
+    /// stored, then the stored names read a page at a time (`names`) and the others
+    /// deleted. Killed midway, it has stored some parts and not others: apply it again.
+    /// `progress(stage, done, total)` is called after each part.
+    pub async fn apply_triggers(
+        &self,
+        triggers: &[Value],
+        prune: bool,
+        mut progress: impl FnMut(ApplyStage, usize, usize),
+    ) -> Result<Vec<Applied>, ClientError> {
+        let max_bytes = self.nats.server_info().max_payload.max(64 * 1024) - 4096;
+        let mut parts: Vec<(usize, usize)> = Vec::new(); // (first, end)
+        let (mut first, mut bytes) = (0, 0);
+        for (i, def) in triggers.iter().enumerate() {
+            let size = serde_json::to_vec(def).map(|b| b.len()).unwrap_or(0) + 1;
+            if size > max_bytes {
+                return Err(ClientError::Refused(crate::protocol::WireError::field(
+                    &format!("triggers[{i}]"),
+                    format!("{size} bytes: over the server's max payload ({max_bytes} with the request around it)"),
+                )));
+            }
+            if bytes + size > max_bytes {
+                parts.push((first, i));
+                (first, bytes) = (i, 0);
+            }
+            bytes += size;
+        }
+        parts.push((first, triggers.len()));
+        let total = triggers.len();
+        let request = |(a, b): (usize, usize), check: bool, prune: bool| {
+            TriggerRequest::Apply(super::TriggerApply {
+                triggers: triggers[a..b].to_vec(),
+                prune,
+                check,
+                offset: a,
+            })
+        };
+        if parts.len() == 1 {
+            let ok = self.call(&request(parts[0], false, prune)).await?;
+            progress(ApplyStage::Storing, total, total);
+            return Ok(serde_json::from_value(ok)?);
+        }
+        for &part in &parts {
+            self.call(&request(part, true, false)).await?;
+            progress(ApplyStage::Checking, part.1, total);
+        }
+        let mut report: Vec<Applied> = Vec::with_capacity(total);
+        for &part in &parts {
+            let ok = self.call(&request(part, false, false)).await?;
+            report.extend(serde_json::from_value::<Vec<Applied>>(ok)?);
+            progress(ApplyStage::Storing, part.1, total);
+        }
+        if prune {
+            let wanted: std::collections::HashSet<&str> =
+                report.iter().map(|a| a.name.as_str()).collect();
+            let mut gone = Vec::new();
+            let mut after = None;
+            loop {
+                let page = TriggerRequest::Names(super::TriggerNames { after });
+                let page: NamesPage = serde_json::from_value(self.call(&page).await?)?;
+                after = page.names.last().cloned();
+                gone.extend(
+                    page.names
+                        .into_iter()
+                        .filter(|n| !wanted.contains(n.as_str())),
+                );
+                if !page.more || after.is_none() {
+                    break;
+                }
+            }
+            use futures::StreamExt;
+            let n = gone.len();
+            let mut deletes = futures::stream::iter(gone.into_iter().map(|name| async move {
+                match self.delete_trigger(&name).await {
+                    Ok(()) => Ok(Some(name)),
+                    Err(ClientError::Refused(e)) if e.code == ErrorCode::NotFound => Ok(None),
+                    Err(e) => Err(e),
+                }
+            }))
+            .buffer_unordered(DELETES_IN_FLIGHT);
+            let mut done = 0;
+            let mut deleted = Vec::new();
+            while let Some(one) = deletes.next().await {
+                deleted.extend(one?);
+                done += 1;
+                if done % 1000 == 0 || done == n {
+                    progress(ApplyStage::Pruning, done, n);
+                }
+            }
+            deleted.sort();
+            report.extend(deleted.into_iter().map(|name| Applied {
+                name,
+                outcome: "deleted".into(),
+            }));
+        }
+        Ok(report)
+    }
+
+    /// Calls the trigger API: `op` is `put`, `apply`, `get`, `list`, `names`, `leader`,
+    /// `pause`, `resume`, `delete` or `run` (PROTOCOL.md §5); returns the `ok` value. The typed
     /// calls below are the same requests.
     pub async fn trigger(&self, op: &str, body: &Value) -> Result<Value, ClientError> {
         self.management(TRIGGER_API_PREFIX, op, body).await

@@ -6,6 +6,6 @@ mod client;
 pub mod model;
 mod request;
 
-pub use client::{ManualRun, PutOutcome, TriggerInfo, TriggerSummary};
+pub use client::{Applied, ApplyStage, ManualRun, PutOutcome, TriggerInfo, TriggerSummary};
 pub use model::{Kind, MisfirePolicy, OverlapPolicy, TriggerDef};
-pub use request::{TriggerApply, TriggerRef, TriggerRequest};
+pub use request::{TriggerApply, TriggerNames, TriggerRef, TriggerRequest};

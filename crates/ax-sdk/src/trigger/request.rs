@@ -17,6 +17,8 @@ pub enum TriggerRequest {
     Get(TriggerRef),
     /// Every trigger, with its next fire and counts.
     List {},
+    /// The stored triggers' names, sorted, a page at a time.
+    Names(TriggerNames),
     /// Which server's trigger engine fires now.
     Leader {},
     /// Stop firing a trigger.
@@ -63,6 +65,27 @@ pub struct TriggerApply {
     /// Delete the stored triggers not in `triggers` (default true).
     #[serde(default = "yes")]
     pub prune: bool,
+    /// Only check the definitions; store nothing, answer `{"checked": n}` (default false).
+    /// A file too large for one request is checked part by part first, then applied.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub check: bool,
+    /// The position of `triggers[0]` in the whole file, for the field paths of errors
+    /// (`triggers[<offset + i>].…`; default 0).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub offset: usize,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
+}
+
+/// The body of `names`: `{"after"?}`, a page of the stored triggers' names.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TriggerNames {
+    /// Only names after this one (in byte order); default from the first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub after: Option<String>,
 }
 
 fn yes() -> bool {

@@ -11,7 +11,7 @@ use crate::context::Context;
 use crate::trigger::Validate;
 use ax_sdk::api::{unknown_operation, Api, Request};
 use ax_sdk::protocol::{ErrorCode, WireError};
-use ax_sdk::trigger::{TriggerApply, TriggerRequest};
+use ax_sdk::trigger::TriggerRequest;
 use serde_json::{json, Value};
 use std::sync::Arc;
 
@@ -24,7 +24,7 @@ pub(crate) struct TriggerApi {
     pub(crate) clock: Arc<dyn Clock>,
 }
 
-fn unavailable(e: TriggerStoreError) -> WireError {
+pub(super) fn unavailable(e: TriggerStoreError) -> WireError {
     WireError::new(ErrorCode::Unavailable, e.to_string())
 }
 
@@ -89,6 +89,7 @@ impl TriggerApi {
                 Ok(json!({ "outcome": outcome }))
             }
             TriggerRequest::Apply(req) => self.apply(req).await,
+            TriggerRequest::Names(req) => self.names(req.after).await,
             // The trigger engine's lease: who fires the scheduled triggers now.
             TriggerRequest::Leader {} => {
                 crate::lease::leader(&self.ctx.js, crate::lease::TRIGGERS_KEY).await
@@ -200,12 +201,24 @@ impl TriggerApi {
 
     /// Validates and stores a definition; `created`, `updated` or `unchanged`.
     async fn put(&self, def: TriggerDef) -> Result<&'static str, WireError> {
+        self.check(&def).await?;
+        self.store_checked(def).await
+    }
+
+    /// What a definition must pass to be stored: its fields, its task templates, its
+    /// flows and queues existing.
+    pub(super) async fn check(&self, def: &TriggerDef) -> Result<(), WireError> {
         def.validate()?;
         def.check_templates(&self.ctx.limits)?;
-        self.check_flows(&def).await?;
+        self.check_flows(def).await?;
         for queue in def.queues() {
             self.ctx.queues.check(&self.ctx.js, queue).await?;
         }
+        Ok(())
+    }
+
+    /// Stores a definition that passed [`TriggerApi::check`].
+    pub(super) async fn store_checked(&self, def: TriggerDef) -> Result<&'static str, WireError> {
         let existing = self.store.def(&def.name).await.map_err(unavailable)?;
         let outcome = match &existing {
             Some((old, _)) if *old == def => return Ok("unchanged"),
@@ -230,43 +243,6 @@ impl TriggerApi {
                 e => unavailable(e),
             })?;
         Ok(outcome)
-    }
-
-    async fn apply(&self, req: TriggerApply) -> Result<Value, WireError> {
-        // Decode and validate everything first: an invalid file changes nothing.
-        let mut defs = Vec::with_capacity(req.triggers.len());
-        for (i, value) in req.triggers.into_iter().enumerate() {
-            let at = |mut e: WireError| {
-                e.field = Some(format!("triggers[{i}].{}", e.field.unwrap_or_default()));
-                e
-            };
-            let def = TriggerDef::decode(value).map_err(at)?;
-            def.validate().map_err(at)?;
-            def.check_templates(&self.ctx.limits).map_err(at)?;
-            self.check_flows(&def).await.map_err(at)?;
-            defs.push(def);
-        }
-        for def in &defs {
-            for queue in def.queues() {
-                self.ctx.queues.check(&self.ctx.js, queue).await?;
-            }
-        }
-        let mut report = Vec::new();
-        let wanted: Vec<String> = defs.iter().map(|d| d.name.clone()).collect();
-        for def in defs {
-            let name = def.name.clone();
-            let outcome = self.put(def).await?;
-            report.push(json!({ "name": name, "outcome": outcome }));
-        }
-        if req.prune {
-            for def in self.store.all().await.map_err(unavailable)? {
-                if !wanted.contains(&def.name) {
-                    self.store.delete(&def.name).await.map_err(unavailable)?;
-                    report.push(json!({ "name": def.name, "outcome": "deleted" }));
-                }
-            }
-        }
-        Ok(Value::Array(report))
     }
 
     async fn describe(&self, name: &str) -> Result<Value, WireError> {

@@ -20,6 +20,7 @@
 //! doing the same work twice.
 
 pub(crate) mod api;
+mod apply;
 pub mod clock;
 pub(crate) mod engine;
 pub(crate) mod events;

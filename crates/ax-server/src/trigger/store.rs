@@ -104,15 +104,21 @@ impl TriggerStore {
         Ok(())
     }
 
-    /// Every stored definition.
-    pub async fn all(&self) -> Result<Vec<TriggerDef>, TriggerStoreError> {
+    /// Every stored definition's name, sorted (read from the keys alone).
+    pub async fn names(&self) -> Result<Vec<String>, TriggerStoreError> {
         let mut keys = self.defs.keys().await.map_err(|e| broker("*", "list", e))?;
         let mut names = Vec::new();
         while let Some(key) = keys.next().await {
             names.push(key.map_err(|e| broker("*", "list", e))?);
         }
+        names.sort();
+        Ok(names)
+    }
+
+    /// Every stored definition.
+    pub async fn all(&self) -> Result<Vec<TriggerDef>, TriggerStoreError> {
         let mut out = Vec::new();
-        for name in names {
+        for name in self.names().await? {
             if let Some((def, _)) = self.def(&name).await? {
                 out.push(def);
             }
