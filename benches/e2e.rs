@@ -325,6 +325,7 @@ fn main() {
             Server::builder()
                 .queues(["bench", "lag"])
                 .capacity([100_000, 100_000, 100_000])
+                .group_commit(std::env::var("AX_BENCH_GROUP_COMMIT").as_deref() != Ok("0"))
                 .build()
                 .run(client.clone(), stop.clone()),
         );

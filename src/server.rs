@@ -85,6 +85,10 @@ pub(crate) struct ServerArgs {
     /// `ax tasks replay` and `ax queue list`. Costs one more delivery per record write.
     #[arg(long)]
     task_index: bool,
+    /// Publish each submit on its own instead of grouping the submits of one moment into
+    /// one atomic batch (for streams that refuse atomic batches: `persist_mode: async`).
+    #[arg(long)]
+    no_group_commit: bool,
     /// Fold repeats of a terminal failure (same queue, task name and error class) into one
     /// alert per this window.
     #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
@@ -164,6 +168,7 @@ pub(crate) async fn run(args: ServerArgs, conn: &Conn) -> Result<()> {
         .max_held_bytes(args.max_held_bytes)
         .dispatch_horizon(args.dispatch_horizon)
         .task_index(args.task_index || args.console_addr.is_some())
+        .group_commit(!args.no_group_commit)
         .alerts(ax_server::ops::AlertConfig {
             window: args.alert_window,
             webhook: args.alert_webhook,

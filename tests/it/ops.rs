@@ -350,16 +350,32 @@ async fn run_now_starts_scheduled_and_retrying_tasks_at_once() {
         .await;
 
         // Retrying with an hour's backoff: run now starts the next attempt at once.
+        // Submitted in a batch with another task, its message was stored by a group
+        // commit and carries the batch's headers, which the run-now copy must not.
         let spec = TaskSpec::new("t").json(&json!({"flaky": true})).backoff(
             Duration::from_secs(3600),
             Duration::from_secs(3600),
             0.0,
         );
-        let flaky = submit(&env, spec).await;
+        let both = env.ax.submit_many("q", [spec, TaskSpec::new("t")]).await;
+        let flaky = both[0].as_ref().unwrap().id.clone();
         let rec = env
             .wait_state(&flaky, TaskState::Retrying, Duration::from_secs(10))
             .await;
         assert!(rec.next_retry_at_ms.unwrap() > ax_sdk::time::now_ms() + 3_000_000);
+        let stored = env
+            .js
+            .get_stream("AX_READY_NORMAL")
+            .await
+            .unwrap()
+            .get_raw_message(rec.ready_seq.unwrap())
+            .await
+            .unwrap();
+        assert!(
+            stored.headers.get("Nats-Batch-Id").is_some(),
+            "the two submits were one group: {:?}",
+            stored.headers
+        );
         env.ax.run_now(&flaky).await.unwrap();
         let done = env
             .wait_state(&flaky, TaskState::Succeeded, Duration::from_secs(10))

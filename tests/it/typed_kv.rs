@@ -87,11 +87,17 @@ async fn put_all_stores_every_write_or_none() {
         .unwrap();
     // Without allow_atomic the stream refuses the batch, typed, and stores nothing.
     let a = put(&store, "a", &Thing { n: 1 }, None).await.unwrap();
-    let refused = put_all(&client, &store, &[("a".into(), &Thing { n: 5 }, Some(a))])
-        .await
-        .unwrap_err();
+    let five = Thing { n: 5 };
+    let refused = put_all(
+        &client,
+        &store,
+        &[("z".into(), &five, None), ("a".into(), &five, Some(a))],
+    )
+    .await
+    .unwrap_err();
     assert!(matches!(refused, KvError::Broker { .. }), "{refused:?}");
     assert_eq!(get(&store, "a").await.unwrap(), Some((Thing { n: 1 }, a)));
+    assert_eq!(get::<Thing>(&store, "z").await.unwrap(), None);
     let mut config = js
         .get_stream("KV_ATOMIC")
         .await

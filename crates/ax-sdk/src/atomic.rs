@@ -3,10 +3,14 @@
 //! never see part of a batch, and each message's `Nats-Expected-*` checks are made against
 //! the stream as it was before the batch, at commit.
 //!
-//! async-nats has no publisher for it, so this sets the headers by hand: the first message
-//! is a request (the server answers empty once it opened the batch), the middle ones are
-//! plain publishes, the last carries `Nats-Batch-Commit: 1` and is answered by the pub ack
-//! of the whole batch, or by the error that abandoned it.
+//! async-nats has no publisher for it, so this sets the headers by hand: every message but
+//! the last is a plain publish (one connection keeps them in order; a problem with one
+//! abandons the batch), the last carries `Nats-Batch-Commit: 1` and is a request, answered
+//! by the pub ack of the whole batch or by the error that abandoned it: one round trip a
+//! batch.
+//!
+//! [`Grouped`] builds group commit on it: messages published at the same moment by many
+//! callers share one batch, one stored write.
 
 use crate::error::ErrorKind;
 use async_nats::header::HeaderMap;
@@ -80,26 +84,15 @@ pub async fn publish(
         let seq = (i + 1).to_string();
         m.headers.insert("Nats-Batch-Id", id.as_str());
         m.headers.insert("Nats-Batch-Sequence", seq.as_str());
-        let last = i + 1 == n;
-        if last {
+        if i + 1 == n {
             m.headers.insert("Nats-Batch-Commit", "1");
-        }
-        if i == 0 || last {
             let reply = client
                 .request_with_headers(m.subject, m.headers, m.payload)
                 .await
                 .map_err(|e| AtomicError::Broker(e.into()))?;
-            if !last && reply.payload.is_empty() {
-                continue;
-            }
             return match serde_json::from_slice::<Reply>(&reply.payload) {
                 Ok(Reply::Refused { error }) => Err(AtomicError::Refused(error)),
-                Ok(Reply::Ack(ack)) if last => Ok(ack),
-                Ok(Reply::Ack(_)) => Err(AtomicError::Broker(
-                    "the server acknowledged a batch's first message as a whole batch: \
-                     does the stream allow atomic publish?"
-                        .into(),
-                )),
+                Ok(Reply::Ack(ack)) => Ok(ack),
                 Err(e) => Err(AtomicError::Broker(e.into())),
             };
         }
@@ -109,4 +102,159 @@ pub async fn publish(
             .map_err(|e| AtomicError::Broker(e.into()))?;
     }
     unreachable!("the last message returns")
+}
+
+/// The headers a message stored by an atomic batch keeps (the server stores them).
+const BATCH_HEADERS: [&str; 3] = ["Nats-Batch-Id", "Nats-Batch-Sequence", "Nats-Batch-Commit"];
+
+/// `headers` without the atomic batch headers: a copy of a stored message published with
+/// them would be taken for part of a batch (and refused, or abandoned).
+pub fn without_batch_headers(headers: HeaderMap) -> HeaderMap {
+    if headers.get(BATCH_HEADERS[0]).is_none() {
+        return headers;
+    }
+    let mut out = HeaderMap::new();
+    for (name, values) in headers.iter() {
+        if BATCH_HEADERS.contains(&name.as_ref()) {
+            continue;
+        }
+        for value in values {
+            out.append(name.clone(), value.clone());
+        }
+    }
+    out
+}
+
+/// Most messages one group carries (below [`MAX_BATCH`]: a group's latency grows with it).
+pub const MAX_GROUP: usize = 256;
+
+/// Group commits in flight at once for one stream.
+const LANES: usize = 4;
+
+/// The outcome of one message published through [`Grouped`]: its stream sequence, or the
+/// error of the single publish it fell back to.
+pub type GroupResult = Result<u64, jetstream::context::PublishError>;
+
+struct Job {
+    msg: Outgoing,
+    done: tokio::sync::oneshot::Sender<GroupResult>,
+}
+
+/// Group commit for one stream: messages published at the same moment by many callers go
+/// out as one atomic batch, so one stored write (one fsync under `sync_interval: always`)
+/// carries many of them. A caller waits only for its own message: nobody waits for a group
+/// to fill; whatever queued while the previous groups were being committed forms the
+/// next one ([`LANES`] commits in flight).
+///
+/// A group the stream refuses as a whole (a full subject, a failed `Nats-Expected-*` check
+/// of one message) or whose commit gets no answer falls back to one publish per message,
+/// so each caller gets its own message's outcome. Only for messages that carry a
+/// `Nats-Msg-Id` (the fallback after a commit with no answer may send a stored message
+/// again: the id de-duplicates it) and no `Nats-Expected-*` header.
+#[derive(Debug, Clone)]
+pub struct Grouped {
+    tx: tokio::sync::mpsc::UnboundedSender<Job>,
+}
+
+impl std::fmt::Debug for Job {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Job")
+            .field("subject", &self.msg.subject)
+            .finish()
+    }
+}
+
+impl Grouped {
+    /// Starts the lanes of one stream's group commit; they end when every clone of the
+    /// handle is dropped.
+    pub fn start(js: jetstream::Context) -> Grouped {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<Job>();
+        let rx = std::sync::Arc::new(tokio::sync::Mutex::new(rx));
+        for _ in 0..LANES {
+            let (js, rx) = (js.clone(), rx.clone());
+            tokio::spawn(async move {
+                while let Some(group) = next_group(&rx).await {
+                    commit(&js, group).await;
+                }
+            });
+        }
+        Grouped { tx }
+    }
+
+    /// Publishes `msg` in the next group; answers its sequence, or the error of its own
+    /// publish.
+    pub async fn publish(&self, msg: Outgoing) -> GroupResult {
+        let (done, answer) = tokio::sync::oneshot::channel();
+        let lost = || {
+            jetstream::context::PublishError::new(jetstream::context::PublishErrorKind::BrokenPipe)
+        };
+        self.tx.send(Job { msg, done }).map_err(|_| lost())?;
+        answer.await.map_err(|_| lost())?
+    }
+}
+
+/// The next group: the first job to come, and every one queued behind it (up to
+/// [`MAX_GROUP`]). `None` once every handle is dropped.
+async fn next_group(
+    rx: &tokio::sync::Mutex<tokio::sync::mpsc::UnboundedReceiver<Job>>,
+) -> Option<Vec<Job>> {
+    let mut rx = rx.lock().await;
+    let first = rx.recv().await?;
+    let mut group = vec![first];
+    while group.len() < MAX_GROUP {
+        match rx.try_recv() {
+            Ok(job) => group.push(job),
+            Err(_) => break,
+        }
+    }
+    Some(group)
+}
+
+async fn commit(js: &jetstream::Context, group: Vec<Job>) {
+    if group.len() > 1 {
+        let msgs = group.iter().map(|j| j.msg.clone()).collect();
+        if let Ok(ack) = publish(&js.client(), msgs).await {
+            let first = ack.sequence + 1 - group.len() as u64;
+            for (i, job) in group.into_iter().enumerate() {
+                let _ = job.done.send(Ok(first + i as u64));
+            }
+            return;
+        }
+    }
+    // One message, or a group refused as a whole: each on its own, concurrently.
+    let singles = group.into_iter().map(|job| async move {
+        let m = job.msg;
+        let publish = jetstream::message::PublishMessage::build()
+            .headers(m.headers)
+            .payload(m.payload);
+        let ack = match js.send_publish(m.subject, publish).await {
+            Ok(future) => future.await.map(|a| a.sequence),
+            Err(e) => Err(e),
+        };
+        let _ = job.done.send(ack);
+    });
+    futures::future::join_all(singles).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_copy_leaves_the_batch_headers_behind_and_keeps_the_rest() {
+        let mut h = HeaderMap::new();
+        h.insert("Ax-Id", "q.1");
+        h.append("Ax-Tag", "a");
+        h.append("Ax-Tag", "b");
+        let plain = without_batch_headers(h.clone());
+        assert_eq!(plain.len(), 2);
+        for name in BATCH_HEADERS {
+            h.insert(name, "1");
+        }
+        let copy = without_batch_headers(h);
+        assert!(BATCH_HEADERS.iter().all(|n| copy.get(*n).is_none()));
+        assert_eq!(copy.get("Ax-Id").map(|v| v.as_str()), Some("q.1"));
+        let tags: Vec<&str> = copy.get_all("Ax-Tag").map(|v| v.as_str()).collect();
+        assert_eq!(tags, ["a", "b"]);
+    }
 }

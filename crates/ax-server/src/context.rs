@@ -20,6 +20,9 @@ pub(crate) struct Context {
     pub(crate) queues: Queues,
     /// Flow buckets: trigger fires start flow runs.
     pub(crate) flows: crate::flow::store::FlowStore,
+    /// Group commit of unrecorded submits, one per ready stream (by priority index);
+    /// `None` when turned off.
+    pub(crate) ready: Option<[ax_sdk::atomic::Grouped; 3]>,
 }
 
 impl Context {
@@ -27,6 +30,7 @@ impl Context {
         js: jetstream::Context,
         limits: Limits,
         queues: &[String],
+        group_commit: bool,
     ) -> Result<Context, StateError> {
         let tasks = TaskStore::open(&js).await?;
         let idempotency =
@@ -44,7 +48,10 @@ impl Context {
                 op: "open flow buckets",
                 source: e.into(),
             })?;
+        let ready =
+            group_commit.then(|| [0, 1, 2].map(|_| ax_sdk::atomic::Grouped::start(js.clone())));
         Ok(Context {
+            ready,
             js,
             tasks,
             idempotency,

@@ -28,6 +28,7 @@ pub struct Server {
     pub(super) partition_ttl: Duration,
     pub(super) clock: Arc<dyn Clock>,
     pub(super) id: String,
+    pub(super) group_commit: bool,
 }
 
 /// Builder for [`Server`].
@@ -64,6 +65,7 @@ impl Default for ServerBuilder {
             partition_ttl: Duration::from_millis(1500),
             clock: Arc::new(SystemClock::default()),
             id: format!("{}-{}", std::process::id(), nuid::next()),
+            group_commit: true,
         })
     }
 }
@@ -146,6 +148,15 @@ impl ServerBuilder {
     /// [`Topology::task_events`]). Only creates the stream when it is missing.
     pub fn task_events(mut self, on: bool) -> Self {
         self.0.topology.task_events = on;
+        self
+    }
+    /// Store the unrecorded submits of one moment as one atomic batch per ready stream
+    /// (default true): one stored write, one fsync under `sync_interval: always`, carries
+    /// many tasks. Off, each is its own publish: for a broker whose streams refuse atomic
+    /// batches (`persist_mode: async`), where every group would fall back to single
+    /// publishes anyway. docs/PERFORMANCE.md has both measured.
+    pub fn group_commit(mut self, on: bool) -> Self {
+        self.0.group_commit = on;
         self
     }
     /// Keep the task index and answer `ax.task.list`, `replay` and `queues` (default

@@ -112,7 +112,15 @@ impl Server {
         if !self.prepare_topology(&js, &shutdown).await? {
             return Ok(()); // shut down while waiting
         }
-        let ctx = Arc::new(Context::open(js.clone(), self.limits.clone(), &self.queues).await?);
+        let ctx = Arc::new(
+            Context::open(
+                js.clone(),
+                self.limits.clone(),
+                &self.queues,
+                self.group_commit,
+            )
+            .await?,
+        );
         let (service, mut requests, mut management) = self.endpoints(&client).await?;
         let trigger_api = if self.triggers {
             Some(Arc::new(TriggerApi {

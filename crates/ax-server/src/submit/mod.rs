@@ -49,10 +49,13 @@ pub(crate) async fn publish_task(
 pub(crate) async fn publish_headers(
     js: &jetstream::Context,
     subject: String,
-    mut headers: async_nats::HeaderMap,
+    headers: async_nats::HeaderMap,
     id: &str,
     payload: Bytes,
 ) -> Result<jetstream::publish::PublishAck, WireError> {
+    // A stored message copied (a retry, a run-now, a due delayed task) may carry the
+    // headers of the atomic batch that stored it: not this publish's.
+    let mut headers = ax_sdk::atomic::without_batch_headers(headers);
     headers.insert("Nats-Msg-Id", id);
     let publish = jetstream::message::PublishMessage::build()
         .headers(headers)
@@ -61,16 +64,19 @@ pub(crate) async fn publish_headers(
         Ok(future) => future.await,
         Err(e) => Err(e),
     };
-    ack.map_err(|e| {
-        if is_full(&e) {
-            WireError::new(
-                ErrorCode::Busy,
-                format!("{subject} is at capacity; retry later"),
-            )
-        } else {
-            WireError::new(ErrorCode::Unavailable, format!("{subject}: {e}"))
-        }
-    })
+    ack.map_err(|e| refusal(&subject, &e))
+}
+
+/// A publish that failed: `busy` if the subject is full, else `unavailable`.
+fn refusal(subject: &str, e: &PublishError) -> WireError {
+    if is_full(e) {
+        WireError::new(
+            ErrorCode::Busy,
+            format!("{subject} is at capacity; retry later"),
+        )
+    } else {
+        WireError::new(ErrorCode::Unavailable, format!("{subject}: {e}"))
+    }
 }
 
 /// Declared queues, looked up on the broker (a queue exists when its consumers do) and
@@ -266,12 +272,30 @@ impl Context {
             Some(_) => names::delayed_subject(&meta.queue, meta.priority, &meta.id),
             None => names::ready_subject(&meta.queue, meta.priority),
         };
+        if let (true, Some(ready)) = (meta.unrecorded, &self.ready) {
+            // Published once, under a fresh id: the worker that claims it writes its first
+            // record (create-if-absent), and until then it is found by its message. With
+            // the other submits of the moment, as one atomic batch (group commit).
+            let mut headers = meta.to_headers();
+            headers.insert("Nats-Msg-Id", meta.id.as_str());
+            let msg = ax_sdk::atomic::Outgoing {
+                subject,
+                headers,
+                payload,
+            };
+            let subject = msg.subject.clone();
+            ready[meta.priority.index()]
+                .publish(msg)
+                .await
+                .map_err(|e| refusal(&subject, &e))?;
+            #[cfg(feature = "test-hooks")]
+            ax_sdk::hooks::after_publish();
+            return Ok(());
+        }
         let ack = publish_task(&self.js, subject, meta, payload).await?;
         #[cfg(feature = "test-hooks")]
         ax_sdk::hooks::after_publish();
         if meta.unrecorded {
-            // Published once, under a fresh id: the worker that claims it writes its first
-            // record (create-if-absent), and until then it is found by its message.
             return Ok(());
         }
         let mut record = meta.record();

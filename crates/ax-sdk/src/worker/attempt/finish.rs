@@ -169,7 +169,8 @@ pub(super) async fn publish_dead_letter_and_term(
 /// A message on a ready subject that is not a task ax can read: dead-letter it as is.
 pub(super) async fn reject_malformed(sh: &Shared, msg: &jetstream::Message, why: &str) {
     error!(subject = %msg.subject, cause = why, "malformed task message; dead-lettered");
-    let mut headers = msg.headers.clone().unwrap_or_default();
+    let headers = msg.headers.clone().unwrap_or_default();
+    let mut headers = crate::atomic::without_batch_headers(headers);
     headers.insert(header::ERROR_CLASS, "bad_message");
     headers.insert(header::ERROR_MESSAGE, header_safe(why).as_str());
     dead_letter_and_term(sh, names::dead_subject(&sh.queue), msg, headers).await;
