@@ -61,7 +61,7 @@ impl Default for ServerBuilder {
             console: None,
             alerts: Default::default(),
             max_held_bytes: 64 << 20,
-            lease_ttl: Duration::from_secs(3),
+            lease_ttl: Duration::from_millis(1500),
             partition_ttl: Duration::from_millis(1500),
             clock: Arc::new(SystemClock::default()),
             id: format!("{}-{}", std::process::id(), nuid::next()),
@@ -180,12 +180,11 @@ impl ServerBuilder {
         self.0.max_held_bytes = bytes;
         self
     }
-    /// Lease TTL of the trigger engine's leader (default 3 s; renewed every third of it):
-    /// a standby takes over at most this long (plus one poll, a third of it) after the
-    /// leader dies. (1.5 s was tried: the R3 fault campaign then found a trigger state
-    /// counting a fire whose task does not exist, so it stays at 3 s until that is
-    /// understood.) Fires are fenced by the lease revision, so a leader that loses its
-    /// lease to a slow renewal cannot fire twice; it only hands over early.
+    /// Lease TTL of the trigger and flow engines' leaders (default 1.5 s; renewed every
+    /// third of it): a standby takes over at most this long (plus one poll, a third of it)
+    /// after the leader dies. Fires are fenced by the lease revision, so a leader that
+    /// loses its lease to a slow renewal cannot fire twice; it only hands over early.
+    /// (3 s until 2026-12-02: docs/DECISIONS.md.)
     pub fn lease_ttl(mut self, ttl: Duration) -> Self {
         self.0.lease_ttl = ttl.max(Duration::from_millis(300));
         self
