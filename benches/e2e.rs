@@ -133,6 +133,7 @@ async fn ax_end_to_end(
     let stop = CancellationToken::new();
     let worker = Worker::builder("bench")
         .concurrency(512)
+        .group_commit(group_commit())
         .handler({
             let done = done.clone();
             move |_task: Task| {
@@ -319,13 +320,17 @@ fn main() {
             nats.url(),
             if sync == "always" { "always (every write fsynced)" } else { "default (fsync every 2 min)" }
         );
+        println!(
+            "group commit (submits and worker records): {} (AX_BENCH_GROUP_COMMIT=0 turns it off)",
+            if group_commit() { "on" } else { "off" }
+        );
         let client = async_nats::connect(nats.url()).await.unwrap();
         let stop = CancellationToken::new();
         let server = tokio::spawn(
             Server::builder()
                 .queues(["bench", "lag"])
                 .capacity([100_000, 100_000, 100_000])
-                .group_commit(std::env::var("AX_BENCH_GROUP_COMMIT").as_deref() != Ok("0"))
+                .group_commit(group_commit())
                 .build()
                 .run(client.clone(), stop.clone()),
         );
@@ -363,4 +368,10 @@ fn main() {
         stop.cancel();
         server.await.unwrap().unwrap();
     });
+}
+
+/// `AX_BENCH_GROUP_COMMIT=0` turns group commit off in the bench's server and worker
+/// (default on, as in ax).
+fn group_commit() -> bool {
+    std::env::var("AX_BENCH_GROUP_COMMIT").as_deref() != Ok("0")
 }

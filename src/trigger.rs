@@ -52,6 +52,10 @@ pub(crate) enum TriggerCommand {
 pub(crate) fn read_definitions(path: &Path) -> Result<serde_json::Value> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    // JSON is YAML, but the JSON parser reads a large file several times faster.
+    if let Ok(doc) = serde_json::from_str(&text) {
+        return Ok(doc);
+    }
     serde_yaml::from_str(&text)
         .with_context(|| format!("{} is not valid YAML or JSON", path.display()))
 }

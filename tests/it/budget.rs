@@ -132,3 +132,59 @@ async fn stored_writes_per_task_on_each_path() {
         ])
     );
 }
+
+/// How many of the record writes since `from` were stored by an atomic batch (group
+/// commit), out of how many.
+async fn batched_records(env: &Env, from: u64) -> (usize, usize) {
+    let stream = env.js.get_stream("KV_AX_TASKS").await.unwrap();
+    let last = stream.get_info().await.unwrap().state.last_sequence;
+    let mut batched = 0;
+    for seq in from + 1..=last {
+        let msg = stream.get_raw_message(seq).await.unwrap();
+        batched += usize::from(msg.headers.get("Nats-Batch-Id").is_some());
+    }
+    (batched, (last - from) as usize)
+}
+
+/// A worker writes the outcomes of tasks that end at the same moment as one atomic batch
+/// (one stored write, one fsync, for many); with group commit off, each on its own. The
+/// number of records is the same either way (the budget above).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outcomes_that_end_together_are_stored_in_groups() {
+    let env = Env::start(Env::server()).await;
+    for group in [true, false] {
+        let from = env
+            .js
+            .get_stream("KV_AX_TASKS")
+            .await
+            .unwrap()
+            .get_info()
+            .await
+            .unwrap()
+            .state
+            .last_sequence;
+        let mut ids = Vec::new();
+        for _ in 0..N {
+            ids.push(env.ax.submit("q", TaskSpec::new("t")).await.unwrap().id);
+        }
+        let worker = Worker::builder("q")
+            .concurrency(32)
+            .group_commit(group)
+            .handler(|_task: Task| async { Ok(()) })
+            .build()
+            .unwrap();
+        let (stop, handle) = env.spawn_worker(worker);
+        for id in &ids {
+            env.wait_state(id, TaskState::Succeeded, Duration::from_secs(20))
+                .await;
+        }
+        stop.cancel();
+        handle.await.unwrap();
+        let (batched, records) = batched_records(&env, from).await;
+        assert_eq!(records, N as usize, "one record a task");
+        match group {
+            true => assert!(batched > 0, "no record was stored in a group"),
+            false => assert_eq!(batched, 0, "group commit is off"),
+        }
+    }
+}

@@ -144,13 +144,18 @@ struct Job {
 /// out as one atomic batch, so one stored write (one fsync under `sync_interval: always`)
 /// carries many of them. A caller waits only for its own message: nobody waits for a group
 /// to fill; whatever queued while the previous groups were being committed forms the
-/// next one ([`LANES`] commits in flight).
+/// next one (four commits in flight).
 ///
 /// A group the stream refuses as a whole (a full subject, a failed `Nats-Expected-*` check
 /// of one message) or whose commit gets no answer falls back to one publish per message,
-/// so each caller gets its own message's outcome. Only for messages that carry a
-/// `Nats-Msg-Id` (the fallback after a commit with no answer may send a stored message
-/// again: the id de-duplicates it) and no `Nats-Expected-*` header.
+/// so each caller gets its own message's outcome. Two kinds of messages fit: ones that
+/// carry a `Nats-Msg-Id` (the fallback after a commit with no answer may send a stored
+/// message again: the id de-duplicates it), and, with [`Grouped::start_distinct`],
+/// compare-and-set writes (`Nats-Expected-Last-Subject-Sequence`), of which a group holds at
+/// most one per subject, since the stream checks each against the stream as it was before
+/// the batch. A write whose batch was stored but not answered fails its fallback's check,
+/// as a single write whose answer was lost fails its retry: the caller reads the record to
+/// learn which.
 #[derive(Debug, Clone)]
 pub struct Grouped {
     tx: tokio::sync::mpsc::UnboundedSender<Job>,
@@ -168,12 +173,25 @@ impl Grouped {
     /// Starts the lanes of one stream's group commit; they end when every clone of the
     /// handle is dropped.
     pub fn start(js: jetstream::Context) -> Grouped {
+        Grouped::lanes(js, false)
+    }
+
+    /// Like [`Grouped::start`], with at most one message per subject in a group.
+    pub fn start_distinct(js: jetstream::Context) -> Grouped {
+        Grouped::lanes(js, true)
+    }
+
+    fn lanes(js: jetstream::Context, distinct: bool) -> Grouped {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<Job>();
-        let rx = std::sync::Arc::new(tokio::sync::Mutex::new(rx));
+        let inbox = std::sync::Arc::new(tokio::sync::Mutex::new(Inbox {
+            rx,
+            carry: None,
+            distinct,
+        }));
         for _ in 0..LANES {
-            let (js, rx) = (js.clone(), rx.clone());
+            let (js, inbox) = (js.clone(), inbox.clone());
             tokio::spawn(async move {
-                while let Some(group) = next_group(&rx).await {
+                while let Some(group) = next_group(&inbox).await {
                     commit(&js, group).await;
                 }
             });
@@ -193,16 +211,35 @@ impl Grouped {
     }
 }
 
+/// The queue the lanes of one [`Grouped`] take their groups from.
+struct Inbox {
+    rx: tokio::sync::mpsc::UnboundedReceiver<Job>,
+    /// A job that would have repeated a subject of the last group: the next one's first.
+    carry: Option<Job>,
+    /// At most one message per subject in a group.
+    distinct: bool,
+}
+
 /// The next group: the first job to come, and every one queued behind it (up to
-/// [`MAX_GROUP`]). `None` once every handle is dropped.
-async fn next_group(
-    rx: &tokio::sync::Mutex<tokio::sync::mpsc::UnboundedReceiver<Job>>,
-) -> Option<Vec<Job>> {
-    let mut rx = rx.lock().await;
-    let first = rx.recv().await?;
+/// [`MAX_GROUP`]; with `distinct`, up to the first that repeats a subject). `None` once
+/// every handle is dropped.
+async fn next_group(inbox: &tokio::sync::Mutex<Inbox>) -> Option<Vec<Job>> {
+    let mut inbox = inbox.lock().await;
+    let first = match inbox.carry.take() {
+        Some(job) => job,
+        None => inbox.rx.recv().await?,
+    };
+    let mut subjects = std::collections::HashSet::new();
+    if inbox.distinct {
+        subjects.insert(first.msg.subject.clone());
+    }
     let mut group = vec![first];
     while group.len() < MAX_GROUP {
-        match rx.try_recv() {
+        match inbox.rx.try_recv() {
+            Ok(job) if inbox.distinct && !subjects.insert(job.msg.subject.clone()) => {
+                inbox.carry = Some(job);
+                break;
+            }
             Ok(job) => group.push(job),
             Err(_) => break,
         }
@@ -239,6 +276,52 @@ async fn commit(js: &jetstream::Context, group: Vec<Job>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn inbox(subjects: &[&str], distinct: bool) -> tokio::sync::Mutex<Inbox> {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        for s in subjects {
+            let (done, _) = tokio::sync::oneshot::channel();
+            let msg = Outgoing {
+                subject: s.to_string(),
+                headers: HeaderMap::new(),
+                payload: Bytes::new(),
+            };
+            tx.send(Job { msg, done }).unwrap();
+        }
+        tokio::sync::Mutex::new(Inbox {
+            rx,
+            carry: None,
+            distinct,
+        })
+    }
+
+    async fn groups(inbox: &tokio::sync::Mutex<Inbox>, n: usize) -> Vec<Vec<String>> {
+        let mut out = Vec::new();
+        for _ in 0..n {
+            let group = next_group(inbox).await.unwrap();
+            out.push(group.into_iter().map(|j| j.msg.subject).collect());
+        }
+        out
+    }
+
+    #[tokio::test]
+    async fn a_group_takes_what_is_queued_and_compare_and_sets_one_per_subject() {
+        // Submits share their ready subject: one group.
+        let same = inbox(&["r", "r", "r"], false);
+        assert_eq!(groups(&same, 1).await, [["r", "r", "r"]]);
+        // Record writes: a second write of a key waits for the next group, in order.
+        let keys = inbox(&["a", "b", "a", "c", "a"], true);
+        assert_eq!(
+            groups(&keys, 3).await,
+            [vec!["a", "b"], vec!["a", "c"], vec!["a"]]
+        );
+        // At most MAX_GROUP in one.
+        let many: Vec<String> = (0..MAX_GROUP + 5).map(|i| i.to_string()).collect();
+        let many: Vec<&str> = many.iter().map(String::as_str).collect();
+        let lots = inbox(&many, true);
+        let sizes: Vec<usize> = groups(&lots, 2).await.iter().map(Vec::len).collect();
+        assert_eq!(sizes, [MAX_GROUP, 5]);
+    }
 
     #[test]
     fn a_copy_leaves_the_batch_headers_behind_and_keeps_the_rest() {

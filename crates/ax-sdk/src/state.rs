@@ -266,6 +266,8 @@ impl StateError {
 pub struct TaskStore {
     kv: kv::Store,
     js: jetstream::Context,
+    /// Group commit of [`TaskStore::cas`] writes ([`TaskStore::grouped`]).
+    group: Option<crate::atomic::Grouped>,
 }
 
 /// Filter for [`TaskStore::list`].
@@ -308,7 +310,11 @@ impl TaskStore {
             .get_key_value(TASKS_BUCKET)
             .await
             .map_err(|e| broker("*", "open bucket", e))?;
-        Ok(TaskStore { kv, js: js.clone() })
+        Ok(TaskStore {
+            kv,
+            js: js.clone(),
+            group: None,
+        })
     }
 
     /// Stores the first record; fails with [`StateError::Exists`] if the id is taken.
@@ -370,13 +376,52 @@ impl TaskStore {
         self.get(id).await
     }
 
+    /// This store with its [`TaskStore::cas`] writes group-committed: the writes made at
+    /// the same moment (a worker's outcomes of many tasks) stored as one atomic batch, one
+    /// stored write (and one fsync) for all ([`crate::atomic::Grouped`]). The bucket's
+    /// stream must allow atomic publish; a group it refuses falls back to single writes.
+    pub fn grouped(mut self) -> TaskStore {
+        self.group = Some(crate::atomic::Grouped::start_distinct(self.js.clone()));
+        self
+    }
+
     /// Writes `rec` if the key is still at `revision`; returns the new revision. Revision
     /// 0 creates the record if there is none ([`StateError::Stale`] if there is).
     pub async fn cas(&self, rec: &TaskRecord, revision: u64) -> Result<u64, StateError> {
+        if let Some(group) = &self.group {
+            return self.cas_grouped(group, rec, revision).await;
+        }
         let expected = (revision != 0).then_some(revision);
         typed_kv::put(&self.kv, &rec.id, rec, expected)
             .await
             .map_err(|e| from_kv(&rec.id, Some(revision), e))
+    }
+
+    async fn cas_grouped(
+        &self,
+        group: &crate::atomic::Grouped,
+        rec: &TaskRecord,
+        revision: u64,
+    ) -> Result<u64, StateError> {
+        let mut headers = async_nats::HeaderMap::new();
+        let expected = revision.to_string();
+        headers.insert("Nats-Expected-Last-Subject-Sequence", expected.as_str());
+        let prefix = self.kv.put_prefix.as_ref().unwrap_or(&self.kv.prefix);
+        let msg = crate::atomic::Outgoing {
+            subject: format!("{prefix}{}", rec.id),
+            headers,
+            payload: serde_json::to_vec(rec).expect("a record serializes").into(),
+        };
+        group.publish(msg).await.map_err(|e| {
+            if e.kind() == jetstream::context::PublishErrorKind::WrongLastSequence {
+                StateError::Stale {
+                    id: rec.id.clone(),
+                    expected: revision,
+                }
+            } else {
+                broker(&rec.id, "write", e)
+            }
+        })
     }
 
     /// Cancels task `id` if no attempt of it has started (`scheduled`, `pending` or

@@ -270,6 +270,7 @@ pub struct Worker {
     max_batch: usize,
     weights: [u32; 3],
     lean_first_attempt: bool,
+    group_commit: bool,
     flags: status::Flags,
 }
 
@@ -302,6 +303,7 @@ impl Worker {
                 max_batch: 256,
                 weights: fetch::DEFAULT_WEIGHTS,
                 lean_first_attempt: false,
+                group_commit: true,
                 flags: Default::default(),
             },
         }
@@ -329,10 +331,15 @@ impl Worker {
             q = self.queue
         );
         let queue = self.queue.clone();
+        let group_commit = self.group_commit;
         let ready = crate::retry::until_ok(&what, &shutdown, || {
             let (js, queue) = (js.clone(), queue.clone());
             async move {
                 let tasks = TaskStore::open(&js).await?;
+                let tasks = match group_commit {
+                    true => tasks.grouped(),
+                    false => tasks,
+                };
                 let mut consumers: Vec<PullConsumer> = Vec::with_capacity(3);
                 for p in Priority::ALL {
                     let name = names::consumer_name(&queue, p);
@@ -443,6 +450,14 @@ impl WorkerBuilder {
     /// measurable throughput (docs/PERFORMANCE.md), so it is off unless asked for.
     pub fn lean_first_attempt(mut self, on: bool) -> Self {
         self.worker.lean_first_attempt = on;
+        self
+    }
+    /// Write the records of attempts that end at the same moment as one atomic batch
+    /// (default true): one stored write, one fsync under `sync_interval: always`, for many
+    /// tasks ([`TaskStore::grouped`]). Off, each is its own write: for a broker whose
+    /// `AX_TASKS` refuses atomic batches (`persist_mode: async`).
+    pub fn group_commit(mut self, on: bool) -> Self {
+        self.worker.group_commit = on;
         self
     }
     /// Pick weights of high, normal and low (default 6 / 3 / 1), see [`fetch`].

@@ -10,7 +10,7 @@ use super::api::{unavailable, TriggerApi};
 use super::model::TriggerDef;
 use ax_sdk::protocol::WireError;
 use ax_sdk::trigger::TriggerApply;
-use futures::StreamExt;
+use futures::{StreamExt, TryStreamExt};
 use serde_json::{json, Value};
 
 /// Definitions stored at once by one `apply` (each is a few reads and up to two writes).
@@ -19,20 +19,30 @@ const IN_FLIGHT: usize = 64;
 /// Bytes of names a `names` page holds at most, below the default max payload.
 const NAMES_PAGE_BYTES: usize = 512 * 1024;
 
+/// `e` about the definition at position `i` of the file.
+fn at(i: usize, mut e: WireError) -> WireError {
+    e.field = Some(format!("triggers[{i}].{}", e.field.unwrap_or_default()));
+    e
+}
+
 impl TriggerApi {
     pub(super) async fn apply(&self, req: TriggerApply) -> Result<Value, WireError> {
         // Decode and check everything first: an invalid definition changes nothing.
+        let offset = req.offset;
         let mut defs = Vec::with_capacity(req.triggers.len());
         for (i, value) in req.triggers.into_iter().enumerate() {
-            let at = |mut e: WireError| {
-                let i = req.offset + i;
-                e.field = Some(format!("triggers[{i}].{}", e.field.unwrap_or_default()));
-                e
-            };
-            let def = TriggerDef::decode(value).map_err(at)?;
-            self.check(&def).await.map_err(at)?;
-            defs.push(def);
+            defs.push(TriggerDef::decode(value).map_err(|e| at(offset + i, e))?);
         }
+        // Checked concurrently (a flow's existence is a read); the first error in file
+        // order is the answer.
+        let mut checks = Vec::with_capacity(defs.len());
+        for (i, def) in defs.iter().enumerate() {
+            checks.push(async move { self.check(def).await.map_err(|e| at(offset + i, e)) });
+        }
+        futures::stream::iter(checks)
+            .buffered(IN_FLIGHT)
+            .try_collect::<Vec<()>>()
+            .await?;
         if req.check {
             return Ok(json!({ "checked": defs.len() }));
         }
