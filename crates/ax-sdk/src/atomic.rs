@@ -189,12 +189,7 @@ impl Grouped {
             distinct,
         }));
         for _ in 0..LANES {
-            let (js, inbox) = (js.clone(), inbox.clone());
-            tokio::spawn(async move {
-                while let Some(group) = next_group(&inbox).await {
-                    commit(&js, group).await;
-                }
-            });
+            tokio::spawn(lane(js.clone(), inbox.clone()));
         }
         Grouped { tx }
     }
@@ -247,11 +242,32 @@ async fn next_group(inbox: &tokio::sync::Mutex<Inbox>) -> Option<Vec<Job>> {
     Some(group)
 }
 
+/// One lane: commits groups until every handle is dropped. A commit that panics (a bug)
+/// is logged, counted in `ax_service_restarts_total{service="group_commit"}` and the lane
+/// goes on with the next group; the callers of the lost group get an error, not silence.
+async fn lane(js: jetstream::Context, inbox: std::sync::Arc<tokio::sync::Mutex<Inbox>>) {
+    while let Some(group) = next_group(&inbox).await {
+        let js = js.clone();
+        if let Err(e) = tokio::spawn(async move { commit(&js, group).await }).await {
+            tracing::error!(cause = %e, "a group commit ended abnormally; its callers get an error, the lane goes on");
+            metrics::counter!(crate::metrics::SERVICE_RESTARTS, "service" => "group_commit", "reason" => "panic")
+                .increment(1);
+        }
+    }
+}
+
 async fn commit(js: &jetstream::Context, group: Vec<Job>) {
+    #[cfg(feature = "test-hooks")]
+    if group
+        .iter()
+        .any(|j| j.msg.subject == crate::hooks::PANIC_GROUP_SUBJECT)
+    {
+        panic!("test hook: a group commit made to panic");
+    }
     if group.len() > 1 {
         let msgs = group.iter().map(|j| j.msg.clone()).collect();
         if let Ok(ack) = publish(&js.client(), msgs).await {
-            let first = ack.sequence + 1 - group.len() as u64;
+            let first = (ack.sequence + 1).saturating_sub(group.len() as u64);
             for (i, job) in group.into_iter().enumerate() {
                 let _ = job.done.send(Ok(first + i as u64));
             }

@@ -17,9 +17,14 @@
 //! start it again); [`panic_next_fire`] and [`panic_next_turn`] make a trigger's next fire
 //! job or a flow run's next turn panic; `AX_TEST_PANIC_REQUEST=<marker>` makes every management request
 //! whose body holds `<marker>` panic in its handler (the request path must answer
-//! `unavailable` and count it).
+//! `unavailable` and count it); a message to [`PANIC_GROUP_SUBJECT`] makes the group
+//! commit that carries it panic (its lane must go on).
 
 use std::sync::atomic::{AtomicU64, Ordering};
+
+/// A message to this subject makes the group commit that carries it panic
+/// ([`crate::atomic::Grouped`]).
+pub const PANIC_GROUP_SUBJECT: &str = "ax.test.panic_group";
 use std::sync::OnceLock;
 
 fn trip(var: &'static str, cell: &'static OnceLock<u64>, count: &'static AtomicU64) {

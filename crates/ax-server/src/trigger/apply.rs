@@ -31,13 +31,17 @@ impl TriggerApi {
         let offset = req.offset;
         let mut defs = Vec::with_capacity(req.triggers.len());
         for (i, value) in req.triggers.into_iter().enumerate() {
-            defs.push(TriggerDef::decode(value).map_err(|e| at(offset + i, e))?);
+            defs.push(TriggerDef::decode(value).map_err(|e| at(offset.saturating_add(i), e))?);
         }
         // Checked concurrently (a flow's existence is a read); the first error in file
         // order is the answer.
         let mut checks = Vec::with_capacity(defs.len());
         for (i, def) in defs.iter().enumerate() {
-            checks.push(async move { self.check(def).await.map_err(|e| at(offset + i, e)) });
+            checks.push(async move {
+                self.check(def)
+                    .await
+                    .map_err(|e| at(offset.saturating_add(i), e))
+            });
         }
         futures::stream::iter(checks)
             .buffered(IN_FLIGHT)
