@@ -110,6 +110,7 @@ pub const SERVICE_UP: &str = "ax_service_up";
 pub const LIMITS_APPLIED: &str = "ax_limits_applied_revision";
 /// Counter, server and worker `{service, reason}`: supervised parts that stopped while the
 /// process ran (each is started again); `reason` is `ended`, `error` or `panic`.
+/// `service="group_commit"`: a group commit that panicked (its lane goes on).
 pub const SERVICE_RESTARTS: &str = "ax_service_restarts_total";
 
 /// Registers help texts for every metric.
