@@ -321,8 +321,8 @@ fn main() {
             if sync == "always" { "always (every write fsynced)" } else { "default (fsync every 2 min)" }
         );
         println!(
-            "group commit (submits and worker records): {} (AX_BENCH_GROUP_COMMIT=0 turns it off)",
-            if group_commit() { "on" } else { "off" }
+            "group commit (submits and worker records): {:?} (AX_BENCH_GROUP_COMMIT=auto|1|0)",
+            group_commit()
         );
         let client = async_nats::connect(nats.url()).await.unwrap();
         let stop = CancellationToken::new();
@@ -370,8 +370,13 @@ fn main() {
     });
 }
 
-/// `AX_BENCH_GROUP_COMMIT=0` turns group commit off in the bench's server and worker
-/// (default on, as in ax).
-fn group_commit() -> bool {
-    std::env::var("AX_BENCH_GROUP_COMMIT").as_deref() != Ok("0")
+/// `AX_BENCH_GROUP_COMMIT`: group commit in the bench's server and worker: `auto` (the
+/// default, as in ax), `1` (always) or `0` (never).
+fn group_commit() -> ax_sdk::atomic::GroupCommit {
+    use ax_sdk::atomic::GroupCommit;
+    match std::env::var("AX_BENCH_GROUP_COMMIT").as_deref() {
+        Ok("0") | Ok("never") => GroupCommit::Never,
+        Ok("1") | Ok("always") => GroupCommit::Always,
+        _ => GroupCommit::Auto,
+    }
 }

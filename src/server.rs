@@ -2,6 +2,7 @@
 
 use crate::conn::Conn;
 use anyhow::{bail, Result};
+use ax_sdk::atomic::GroupCommit;
 use ax_server::streams::Topology;
 use ax_server::Server;
 use clap::Args;
@@ -50,6 +51,14 @@ impl TopologyArgs {
     }
 }
 
+/// `--group-commit`: see `ax_sdk::atomic::GroupCommit`.
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum GroupCommitArg {
+    Auto,
+    Always,
+    Never,
+}
+
 #[derive(Args)]
 pub(crate) struct ServerArgs {
     /// Topology settings used when creating what is missing. A server never changes an
@@ -85,9 +94,13 @@ pub(crate) struct ServerArgs {
     /// `ax tasks replay` and `ax queue list`. Costs one more delivery per record write.
     #[arg(long)]
     task_index: bool,
-    /// Publish each submit on its own instead of grouping the submits of one moment into
-    /// one atomic batch (for streams that refuse atomic batches: `persist_mode: async`).
-    #[arg(long)]
+    /// Group the submits of one moment into one atomic batch per ready stream: `auto`
+    /// measures and uses the way the broker answers faster (batches when it fsyncs every
+    /// write), `always`, or `never` (each submit its own publish).
+    #[arg(long, value_enum, default_value_t = GroupCommitArg::Auto)]
+    group_commit: GroupCommitArg,
+    /// The same as `--group-commit never`.
+    #[arg(long, conflicts_with = "group_commit")]
     no_group_commit: bool,
     /// Fold repeats of a terminal failure (same queue, task name and error class) into one
     /// alert per this window.
@@ -168,7 +181,11 @@ pub(crate) async fn run(args: ServerArgs, conn: &Conn) -> Result<()> {
         .max_held_bytes(args.max_held_bytes)
         .dispatch_horizon(args.dispatch_horizon)
         .task_index(args.task_index || args.console_addr.is_some())
-        .group_commit(!args.no_group_commit)
+        .group_commit(match (args.no_group_commit, args.group_commit) {
+            (true, _) | (_, GroupCommitArg::Never) => GroupCommit::Never,
+            (_, GroupCommitArg::Always) => GroupCommit::Always,
+            (_, GroupCommitArg::Auto) => GroupCommit::Auto,
+        })
         .alerts(ax_server::ops::AlertConfig {
             window: args.alert_window,
             webhook: args.alert_webhook,

@@ -15,6 +15,7 @@ mod fields;
 mod first_attempt;
 mod flows;
 mod follow;
+mod group_commit;
 mod kv_read;
 mod limits;
 mod limits_pace;

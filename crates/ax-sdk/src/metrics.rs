@@ -112,6 +112,10 @@ pub const LIMITS_APPLIED: &str = "ax_limits_applied_revision";
 /// process ran (each is started again); `reason` is `ended`, `error` or `panic`.
 /// `service="group_commit"`: a group commit that panicked (its lane goes on).
 pub const SERVICE_RESTARTS: &str = "ax_service_restarts_total";
+/// Gauge, server and worker `{stream}`: 1 while the writes to the stream go as atomic
+/// batches (group commit), 0 while each goes on its own (the broker was measured to
+/// answer those faster, or group commit is off).
+pub const GROUP_COMMIT_GROUPING: &str = "ax_group_commit_grouping";
 
 /// Registers help texts for every metric.
 pub fn describe() {
@@ -224,6 +228,10 @@ pub fn describe() {
     describe_counter!(
         SERVICE_RESTARTS,
         "Supervised parts that stopped (ended, error, panic) and were started again"
+    );
+    describe_gauge!(
+        GROUP_COMMIT_GROUPING,
+        "1 while writes to the stream go as atomic batches, 0 while each goes alone"
     );
 }
 

@@ -380,8 +380,16 @@ impl TaskStore {
     /// the same moment (a worker's outcomes of many tasks) stored as one atomic batch, one
     /// stored write (and one fsync) for all ([`crate::atomic::Grouped`]). The bucket's
     /// stream must allow atomic publish; a group it refuses falls back to single writes.
-    pub fn grouped(mut self) -> TaskStore {
-        self.group = Some(crate::atomic::Grouped::start_distinct(self.js.clone()));
+    /// `mode` says when ([`crate::atomic::GroupCommit`]; `Never` leaves the store as it is).
+    pub fn grouped(mut self, mode: crate::atomic::GroupCommit) -> TaskStore {
+        if mode != crate::atomic::GroupCommit::Never {
+            let stream = format!("KV_{TASKS_BUCKET}");
+            self.group = Some(crate::atomic::Grouped::start_distinct(
+                self.js.clone(),
+                mode,
+                &stream,
+            ));
+        }
         self
     }
 

@@ -30,7 +30,7 @@ impl Context {
         js: jetstream::Context,
         limits: Limits,
         queues: &[String],
-        group_commit: bool,
+        group_commit: ax_sdk::atomic::GroupCommit,
     ) -> Result<Context, StateError> {
         let tasks = TaskStore::open(&js).await?;
         let idempotency =
@@ -48,8 +48,11 @@ impl Context {
                 op: "open flow buckets",
                 source: e.into(),
             })?;
-        let ready =
-            group_commit.then(|| [0, 1, 2].map(|_| ax_sdk::atomic::Grouped::start(js.clone())));
+        let ready = (group_commit != ax_sdk::atomic::GroupCommit::Never).then(|| {
+            ax_sdk::names::Priority::ALL.map(|p| {
+                ax_sdk::atomic::Grouped::start(js.clone(), group_commit, &p.ready_stream())
+            })
+        });
         Ok(Context {
             ready,
             js,

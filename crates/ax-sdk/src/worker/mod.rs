@@ -270,7 +270,7 @@ pub struct Worker {
     max_batch: usize,
     weights: [u32; 3],
     lean_first_attempt: bool,
-    group_commit: bool,
+    group_commit: crate::atomic::GroupCommit,
     flags: status::Flags,
 }
 
@@ -303,7 +303,7 @@ impl Worker {
                 max_batch: 256,
                 weights: fetch::DEFAULT_WEIGHTS,
                 lean_first_attempt: false,
-                group_commit: true,
+                group_commit: crate::atomic::GroupCommit::Auto,
                 flags: Default::default(),
             },
         }
@@ -335,11 +335,7 @@ impl Worker {
         let ready = crate::retry::until_ok(&what, &shutdown, || {
             let (js, queue) = (js.clone(), queue.clone());
             async move {
-                let tasks = TaskStore::open(&js).await?;
-                let tasks = match group_commit {
-                    true => tasks.grouped(),
-                    false => tasks,
-                };
+                let tasks = TaskStore::open(&js).await?.grouped(group_commit);
                 let mut consumers: Vec<PullConsumer> = Vec::with_capacity(3);
                 for p in Priority::ALL {
                     let name = names::consumer_name(&queue, p);
@@ -452,12 +448,13 @@ impl WorkerBuilder {
         self.worker.lean_first_attempt = on;
         self
     }
-    /// Write the records of attempts that end at the same moment as one atomic batch
-    /// (default true): one stored write, one fsync under `sync_interval: always`, for many
-    /// tasks ([`TaskStore::grouped`]). Off, each is its own write: for a broker whose
-    /// `AX_TASKS` refuses atomic batches (`persist_mode: async`).
-    pub fn group_commit(mut self, on: bool) -> Self {
-        self.worker.group_commit = on;
+    /// Write the records of attempts that end at the same moment as one atomic batch:
+    /// one stored write, one fsync under `sync_interval: always`, for many tasks
+    /// ([`TaskStore::grouped`]). Default [`GroupCommit::Auto`](crate::atomic::GroupCommit):
+    /// batches while the broker answers them faster than single writes (it fsyncs each
+    /// write), single writes while not. `true` / `false` are `Always` / `Never`.
+    pub fn group_commit(mut self, mode: impl Into<crate::atomic::GroupCommit>) -> Self {
+        self.worker.group_commit = mode.into();
         self
     }
     /// Pick weights of high, normal and low (default 6 / 3 / 1), see [`fetch`].

@@ -28,7 +28,7 @@ pub struct Server {
     pub(super) partition_ttl: Duration,
     pub(super) clock: Arc<dyn Clock>,
     pub(super) id: String,
-    pub(super) group_commit: bool,
+    pub(super) group_commit: ax_sdk::atomic::GroupCommit,
 }
 
 /// Builder for [`Server`].
@@ -65,7 +65,7 @@ impl Default for ServerBuilder {
             partition_ttl: Duration::from_millis(1500),
             clock: Arc::new(SystemClock::default()),
             id: format!("{}-{}", std::process::id(), nuid::next()),
-            group_commit: true,
+            group_commit: ax_sdk::atomic::GroupCommit::Auto,
         })
     }
 }
@@ -150,13 +150,14 @@ impl ServerBuilder {
         self.0.topology.task_events = on;
         self
     }
-    /// Store the unrecorded submits of one moment as one atomic batch per ready stream
-    /// (default true): one stored write, one fsync under `sync_interval: always`, carries
-    /// many tasks. Off, each is its own publish: for a broker whose streams refuse atomic
-    /// batches (`persist_mode: async`), where every group would fall back to single
-    /// publishes anyway. docs/PERFORMANCE.md has both measured.
-    pub fn group_commit(mut self, on: bool) -> Self {
-        self.0.group_commit = on;
+    /// Store the unrecorded submits of one moment as one atomic batch per ready stream:
+    /// one stored write, one fsync under `sync_interval: always`, carries many tasks.
+    /// Default [`GroupCommit::Auto`](ax_sdk::atomic::GroupCommit): batches while the
+    /// broker answers them faster than single publishes (it fsyncs each write), single
+    /// publishes while not (and where the streams refuse batches: `persist_mode: async`).
+    /// `true` / `false` are `Always` / `Never`. docs/PERFORMANCE.md has all three measured.
+    pub fn group_commit(mut self, mode: impl Into<ax_sdk::atomic::GroupCommit>) -> Self {
+        self.0.group_commit = mode.into();
         self
     }
     /// Keep the task index and answer `ax.task.list`, `replay` and `queues` (default

@@ -1,131 +1,9 @@
-//! Atomic batch publish (ADR-50, nats-server ≥ 2.12): up to [`MAX_BATCH`] messages to one
-//! stream (which must allow it: `allow_atomic`) stored all together or not at all. Readers
-//! never see part of a batch, and each message's `Nats-Expected-*` checks are made against
-//! the stream as it was before the batch, at commit.
-//!
-//! async-nats has no publisher for it, so this sets the headers by hand: every message but
-//! the last is a plain publish (one connection keeps them in order; a problem with one
-//! abandons the batch), the last carries `Nats-Batch-Commit: 1` and is a request, answered
-//! by the pub ack of the whole batch or by the error that abandoned it: one round trip a
-//! batch.
-//!
-//! [`Grouped`] builds group commit on it: messages published at the same moment by many
-//! callers share one batch, one stored write.
+use super::choice::{Chooser, Way};
+use super::{publish, Outgoing};
+use async_nats::jetstream;
+use std::time::Instant;
 
-use crate::error::ErrorKind;
-use async_nats::header::HeaderMap;
-use async_nats::jetstream::{self, publish::PublishAck};
-use bytes::Bytes;
-use serde::Deserialize;
-
-/// Most messages in one atomic batch (the server's default limit).
-pub const MAX_BATCH: usize = 1000;
-
-/// One message of a batch.
-#[derive(Debug, Clone)]
-pub struct Outgoing {
-    /// Subject (all of a batch's subjects belong to one stream).
-    pub subject: String,
-    /// Headers (`Nats-Expected-*` allowed); the batch headers are added.
-    pub headers: HeaderMap,
-    /// Payload.
-    pub payload: Bytes,
-}
-
-/// Errors of an atomic publish. Nothing of the batch is stored in any of them, except
-/// [`AtomicError::Broker`] on the commit, where the outcome is unknown.
-#[derive(Debug, thiserror::Error)]
-pub enum AtomicError {
-    /// No messages, or more than [`MAX_BATCH`].
-    #[error("an atomic batch holds 1..={MAX_BATCH} messages, not {0}")]
-    Size(usize),
-    /// The stream refused the batch: a failed `Nats-Expected-*` check
-    /// ([`ErrorKind::Conflict`]), a stream without `allow_atomic`, a full stream, ….
-    #[error("atomic batch refused: {0}")]
-    Refused(#[source] jetstream::Error),
-    /// The broker did not answer, or answered something that is not a pub ack.
-    #[error("atomic batch: {0}")]
-    Broker(#[source] async_nats::Error),
-}
-
-impl AtomicError {
-    /// What kind of failure this is.
-    pub fn kind(&self) -> ErrorKind {
-        match self {
-            AtomicError::Size(_) => ErrorKind::Invalid,
-            AtomicError::Refused(e) => match ErrorKind::of(e) {
-                ErrorKind::Other => ErrorKind::Invalid,
-                kind => kind,
-            },
-            AtomicError::Broker(e) => ErrorKind::of(e.as_ref()),
-        }
-    }
-}
-
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum Reply {
-    Refused { error: jetstream::Error },
-    Ack(PublishAck),
-}
-
-/// Publishes `msgs` as one atomic batch; answers the pub ack of its last message (the
-/// ones before it have the sequences just below).
-pub async fn publish(
-    client: &async_nats::Client,
-    msgs: Vec<Outgoing>,
-) -> Result<PublishAck, AtomicError> {
-    let n = msgs.len();
-    if n == 0 || n > MAX_BATCH {
-        return Err(AtomicError::Size(n));
-    }
-    let id = nuid::next().to_string();
-    for (i, mut m) in msgs.into_iter().enumerate() {
-        let seq = (i + 1).to_string();
-        m.headers.insert("Nats-Batch-Id", id.as_str());
-        m.headers.insert("Nats-Batch-Sequence", seq.as_str());
-        if i + 1 == n {
-            m.headers.insert("Nats-Batch-Commit", "1");
-            let reply = client
-                .request_with_headers(m.subject, m.headers, m.payload)
-                .await
-                .map_err(|e| AtomicError::Broker(e.into()))?;
-            return match serde_json::from_slice::<Reply>(&reply.payload) {
-                Ok(Reply::Refused { error }) => Err(AtomicError::Refused(error)),
-                Ok(Reply::Ack(ack)) => Ok(ack),
-                Err(e) => Err(AtomicError::Broker(e.into())),
-            };
-        }
-        client
-            .publish_with_headers(m.subject, m.headers, m.payload)
-            .await
-            .map_err(|e| AtomicError::Broker(e.into()))?;
-    }
-    unreachable!("the last message returns")
-}
-
-/// The headers a message stored by an atomic batch keeps (the server stores them).
-const BATCH_HEADERS: [&str; 3] = ["Nats-Batch-Id", "Nats-Batch-Sequence", "Nats-Batch-Commit"];
-
-/// `headers` without the atomic batch headers: a copy of a stored message published with
-/// them would be taken for part of a batch (and refused, or abandoned).
-pub fn without_batch_headers(headers: HeaderMap) -> HeaderMap {
-    if headers.get(BATCH_HEADERS[0]).is_none() {
-        return headers;
-    }
-    let mut out = HeaderMap::new();
-    for (name, values) in headers.iter() {
-        if BATCH_HEADERS.contains(&name.as_ref()) {
-            continue;
-        }
-        for value in values {
-            out.append(name.clone(), value.clone());
-        }
-    }
-    out
-}
-
-/// Most messages one group carries (below [`MAX_BATCH`]: a group's latency grows with it).
+/// Most messages one group carries (below [`MAX_BATCH`](super::MAX_BATCH): a group's latency grows with it).
 pub const MAX_GROUP: usize = 256;
 
 /// Group commits in flight at once for one stream.
@@ -140,11 +18,37 @@ struct Job {
     done: tokio::sync::oneshot::Sender<GroupResult>,
 }
 
+/// When messages go as atomic batches ([`Grouped`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GroupCommit {
+    /// Measure both ways while running and use the one the broker answers faster
+    /// (docs/ARCHITECTURE.md, "Group commit"): batches where each stored write is
+    /// fsynced (`sync_interval: always`), single publishes where it is not.
+    #[default]
+    Auto,
+    /// Always in batches.
+    Always,
+    /// Never: each message its own publish.
+    Never,
+}
+
+impl From<bool> for GroupCommit {
+    /// `true` is [`GroupCommit::Always`], `false` [`GroupCommit::Never`].
+    fn from(on: bool) -> GroupCommit {
+        match on {
+            true => GroupCommit::Always,
+            false => GroupCommit::Never,
+        }
+    }
+}
+
 /// Group commit for one stream: messages published at the same moment by many callers go
 /// out as one atomic batch, so one stored write (one fsync under `sync_interval: always`)
 /// carries many of them. A caller waits only for its own message: nobody waits for a group
 /// to fill; whatever queued while the previous groups were being committed forms the
-/// next one (four commits in flight).
+/// next one (four commits in flight). With [`GroupCommit::Auto`] it measures whether the
+/// broker answers batches or single publishes faster and sends the faster way (the
+/// gauge `ax_group_commit_grouping{stream}` says which).
 ///
 /// A group the stream refuses as a whole (a full subject, a failed `Nats-Expected-*` check
 /// of one message) or whose commit gets no answer falls back to one publish per message,
@@ -159,6 +63,10 @@ struct Job {
 #[derive(Debug, Clone)]
 pub struct Grouped {
     tx: tokio::sync::mpsc::UnboundedSender<Job>,
+    js: jetstream::Context,
+    mode: GroupCommit,
+    chooser: std::sync::Arc<Chooser>,
+    stream: std::sync::Arc<str>,
 }
 
 impl std::fmt::Debug for Job {
@@ -170,18 +78,18 @@ impl std::fmt::Debug for Job {
 }
 
 impl Grouped {
-    /// Starts the lanes of one stream's group commit; they end when every clone of the
-    /// handle is dropped.
-    pub fn start(js: jetstream::Context) -> Grouped {
-        Grouped::lanes(js, false)
+    /// Starts the lanes of the group commit of `stream` (its name labels the gauge); they
+    /// end when every clone of the handle is dropped.
+    pub fn start(js: jetstream::Context, mode: GroupCommit, stream: &str) -> Grouped {
+        Grouped::lanes(js, mode, stream, false)
     }
 
     /// Like [`Grouped::start`], with at most one message per subject in a group.
-    pub fn start_distinct(js: jetstream::Context) -> Grouped {
-        Grouped::lanes(js, true)
+    pub fn start_distinct(js: jetstream::Context, mode: GroupCommit, stream: &str) -> Grouped {
+        Grouped::lanes(js, mode, stream, true)
     }
 
-    fn lanes(js: jetstream::Context, distinct: bool) -> Grouped {
+    fn lanes(js: jetstream::Context, mode: GroupCommit, stream: &str, distinct: bool) -> Grouped {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<Job>();
         let inbox = std::sync::Arc::new(tokio::sync::Mutex::new(Inbox {
             rx,
@@ -191,18 +99,79 @@ impl Grouped {
         for _ in 0..LANES {
             tokio::spawn(lane(js.clone(), inbox.clone()));
         }
-        Grouped { tx }
+        metrics::gauge!(crate::metrics::GROUP_COMMIT_GROUPING, "stream" => stream.to_string())
+            .set(f64::from(u8::from(mode != GroupCommit::Never)));
+        Grouped {
+            tx,
+            js,
+            mode,
+            chooser: std::sync::Arc::new(Chooser::new(Instant::now())),
+            stream: stream.into(),
+        }
     }
 
-    /// Publishes `msg` in the next group; answers its sequence, or the error of its own
-    /// publish.
+    /// Whether the next message goes in a group (false while single publishes are being
+    /// measured or were found faster).
+    pub fn grouping(&self) -> bool {
+        self.way() == Way::Grouped
+    }
+
+    fn way(&self) -> Way {
+        match self.mode {
+            GroupCommit::Auto => self.chooser.way(),
+            GroupCommit::Always => Way::Grouped,
+            GroupCommit::Never => Way::Single,
+        }
+    }
+
+    /// Publishes `msg` in the next group, or on its own; answers its sequence, or the
+    /// error of its own publish.
     pub async fn publish(&self, msg: Outgoing) -> GroupResult {
+        let way = self.way();
+        let started = Instant::now();
+        let out = match way {
+            Way::Grouped => self.in_group(msg).await,
+            Way::Single => single(&self.js, msg).await,
+        };
+        if self.mode == GroupCommit::Auto {
+            let now = Instant::now();
+            if let Some((best, last)) = self.chooser.record(way, now - started, now) {
+                let grouping = best == Way::Grouped;
+                let [g, s] = last.map(|m| m.map(|m| (m.mean.as_micros() as u64, m.rate as u64)));
+                tracing::debug!(
+                    stream = %self.stream,
+                    grouping,
+                    grouped_mean_us = g.map(|m| m.0),
+                    grouped_per_s = g.map(|m| m.1),
+                    single_mean_us = s.map(|m| m.0),
+                    single_per_s = s.map(|m| m.1),
+                    "group commit: the broker answers the other way faster now"
+                );
+                metrics::gauge!(crate::metrics::GROUP_COMMIT_GROUPING, "stream" => self.stream.to_string())
+                    .set(f64::from(u8::from(grouping)));
+            }
+        }
+        out
+    }
+
+    async fn in_group(&self, msg: Outgoing) -> GroupResult {
         let (done, answer) = tokio::sync::oneshot::channel();
         let lost = || {
             jetstream::context::PublishError::new(jetstream::context::PublishErrorKind::BrokenPipe)
         };
         self.tx.send(Job { msg, done }).map_err(|_| lost())?;
         answer.await.map_err(|_| lost())?
+    }
+}
+
+/// `m` published on its own.
+async fn single(js: &jetstream::Context, m: Outgoing) -> GroupResult {
+    let publish = jetstream::message::PublishMessage::build()
+        .headers(m.headers)
+        .payload(m.payload);
+    match js.send_publish(m.subject, publish).await {
+        Ok(future) => future.await.map(|a| a.sequence),
+        Err(e) => Err(e),
     }
 }
 
@@ -276,15 +245,7 @@ async fn commit(js: &jetstream::Context, group: Vec<Job>) {
     }
     // One message, or a group refused as a whole: each on its own, concurrently.
     let singles = group.into_iter().map(|job| async move {
-        let m = job.msg;
-        let publish = jetstream::message::PublishMessage::build()
-            .headers(m.headers)
-            .payload(m.payload);
-        let ack = match js.send_publish(m.subject, publish).await {
-            Ok(future) => future.await.map(|a| a.sequence),
-            Err(e) => Err(e),
-        };
-        let _ = job.done.send(ack);
+        let _ = job.done.send(single(js, job.msg).await);
     });
     futures::future::join_all(singles).await;
 }
@@ -292,6 +253,8 @@ async fn commit(js: &jetstream::Context, group: Vec<Job>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use async_nats::header::HeaderMap;
+    use bytes::Bytes;
 
     fn inbox(subjects: &[&str], distinct: bool) -> tokio::sync::Mutex<Inbox> {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
@@ -337,23 +300,5 @@ mod tests {
         let lots = inbox(&many, true);
         let sizes: Vec<usize> = groups(&lots, 2).await.iter().map(Vec::len).collect();
         assert_eq!(sizes, [MAX_GROUP, 5]);
-    }
-
-    #[test]
-    fn a_copy_leaves_the_batch_headers_behind_and_keeps_the_rest() {
-        let mut h = HeaderMap::new();
-        h.insert("Ax-Id", "q.1");
-        h.append("Ax-Tag", "a");
-        h.append("Ax-Tag", "b");
-        let plain = without_batch_headers(h.clone());
-        assert_eq!(plain.len(), 2);
-        for name in BATCH_HEADERS {
-            h.insert(name, "1");
-        }
-        let copy = without_batch_headers(h);
-        assert!(BATCH_HEADERS.iter().all(|n| copy.get(*n).is_none()));
-        assert_eq!(copy.get("Ax-Id").map(|v| v.as_str()), Some("q.1"));
-        let tags: Vec<&str> = copy.get_all("Ax-Tag").map(|v| v.as_str()).collect();
-        assert_eq!(tags, ["a", "b"]);
     }
 }
