@@ -1,6 +1,6 @@
 //! `Client::apply_triggers` (`ax apply -f`) with a file larger than the server's max
 //! payload: sent in parts, every part checked before any is stored, then the stored
-//! triggers the file does not name deleted.
+//! triggers the file does not name deleted (their names read a page at a time).
 
 use crate::support::Env;
 use crate::triggers::interval;
@@ -29,10 +29,14 @@ async fn a_file_over_the_max_payload_is_applied_in_parts_all_or_nothing() {
         bytes > max,
         "the file ({bytes} B) must not fit in one request ({max} B)"
     );
-    env.ax
-        .put_trigger(&serde_json::from_value(interval("old", 3_600_000)).unwrap())
-        .await
-        .unwrap();
+    for old in ["old", "zz-old"] {
+        env.ax
+            .put_trigger(&serde_json::from_value(interval(old, 3_600_000)).unwrap())
+            .await
+            .unwrap();
+    }
+    // Names pages of 2 KiB: the 3,002 stored names take many, and "zz-old" is on the last.
+    ax_sdk::hooks::set_names_page_bytes(2048);
 
     let mut seen: Vec<(ApplyStage, usize, usize)> = Vec::new();
     let report = env
@@ -42,13 +46,12 @@ async fn a_file_over_the_max_payload_is_applied_in_parts_all_or_nothing() {
         .unwrap();
     let created = report.iter().filter(|a| a.outcome == "created").count();
     assert_eq!(created, 3000, "{:?}", &report[..3]);
-    assert_eq!(
-        report.last(),
-        Some(&Applied {
-            name: "old".into(),
-            outcome: "deleted".into()
-        })
-    );
+    let deleted: Vec<&Applied> = report.iter().filter(|a| a.outcome == "deleted").collect();
+    let old = |name: &str| Applied {
+        name: name.into(),
+        outcome: "deleted".into(),
+    };
+    assert_eq!(deleted, [&old("old"), &old("zz-old")]);
     // Checked part by part to the end before anything was stored, then stored.
     let checks: Vec<_> = seen
         .iter()

@@ -18,7 +18,8 @@
 //! job or a flow run's next turn panic; `AX_TEST_PANIC_REQUEST=<marker>` makes every management request
 //! whose body holds `<marker>` panic in its handler (the request path must answer
 //! `unavailable` and count it); a message to [`PANIC_GROUP_SUBJECT`] makes the group
-//! commit that carries it panic (its lane must go on).
+//! commit that carries it panic (its lane must go on); [`set_names_page_bytes`] makes the
+//! pages of `ax.trigger.names` small, so that a test's few thousand names span many.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -82,6 +83,22 @@ static RETRY_GAP_MS: AtomicU64 = AtomicU64::new(0);
 /// Sets the retry gap (tests only).
 pub fn set_retry_gap_ms(ms: u64) {
     RETRY_GAP_MS.store(ms, Ordering::SeqCst);
+}
+
+static NAMES_PAGE_BYTES: AtomicU64 = AtomicU64::new(0);
+
+/// Makes every `ax.trigger.names` page of this process hold at most `bytes` of names (0:
+/// the server's own limit).
+pub fn set_names_page_bytes(bytes: u64) {
+    NAMES_PAGE_BYTES.store(bytes, Ordering::SeqCst);
+}
+
+/// The page size [`set_names_page_bytes`] set, if any.
+pub fn names_page_bytes() -> Option<usize> {
+    match NAMES_PAGE_BYTES.load(Ordering::SeqCst) {
+        0 => None,
+        n => Some(n as usize),
+    }
 }
 
 /// Between a retry's message publish and its record write.

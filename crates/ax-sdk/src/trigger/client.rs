@@ -91,6 +91,10 @@ pub enum ApplyStage {
 /// Deletes in flight while [`Client::apply_triggers`] prunes.
 const DELETES_IN_FLIGHT: usize = 32;
 
+/// Parts of a large file in flight while [`Client::apply_triggers`] checks or stores them
+/// (each stores 64 definitions at a time on the server).
+const PARTS_IN_FLIGHT: usize = 3;
+
 impl Client {
     /// Applies a whole set of trigger definitions (`ax apply -f`): stores each, and with
     /// `prune` deletes the stored triggers the set does not name. Nothing changes if any
@@ -98,7 +102,8 @@ impl Client {
     ///
     /// A set that fits in one request (the server's max payload) is one `apply`. A larger
     /// one goes in parts: every part checked first (`apply` with `check`), then every part
-    /// stored, then the stored names read a page at a time (`names`) and the others
+    /// stored (three parts in flight), then the stored names read a page at a time
+    /// (`names`) and the others
     /// deleted. Killed midway, it has stored some parts and not others: apply it again.
     /// `progress(stage, done, total)` is called after each part.
     pub async fn apply_triggers(
@@ -139,15 +144,26 @@ impl Client {
             progress(ApplyStage::Storing, total, total);
             return Ok(serde_json::from_value(ok)?);
         }
-        for &part in &parts {
-            self.call(&request(part, true, false)).await?;
-            progress(ApplyStage::Checking, part.1, total);
+        // A few parts in flight (answers taken in file order): the server's work on one
+        // part waits on the broker, which another part's can use.
+        use futures::StreamExt;
+        let mut checks = futures::stream::iter(parts.iter().map(|&part| async move {
+            self.call(&request(part, true, false)).await.map(|_| part.1)
+        }))
+        .buffered(PARTS_IN_FLIGHT);
+        while let Some(checked) = checks.next().await {
+            progress(ApplyStage::Checking, checked?, total);
         }
         let mut report: Vec<Applied> = Vec::with_capacity(total);
-        for &part in &parts {
+        let mut stores = futures::stream::iter(parts.iter().map(|&part| async move {
             let ok = self.call(&request(part, false, false)).await?;
-            report.extend(serde_json::from_value::<Vec<Applied>>(ok)?);
-            progress(ApplyStage::Storing, part.1, total);
+            Ok::<_, ClientError>((serde_json::from_value::<Vec<Applied>>(ok)?, part.1))
+        }))
+        .buffered(PARTS_IN_FLIGHT);
+        while let Some(stored) = stores.next().await {
+            let (applied, end) = stored?;
+            report.extend(applied);
+            progress(ApplyStage::Storing, end, total);
         }
         if prune {
             let wanted: std::collections::HashSet<&str> =
@@ -167,7 +183,6 @@ impl Client {
                     break;
                 }
             }
-            use futures::StreamExt;
             let n = gone.len();
             let mut deletes = futures::stream::iter(gone.into_iter().map(|name| async move {
                 match self.delete_trigger(&name).await {

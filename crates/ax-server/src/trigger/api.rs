@@ -147,14 +147,16 @@ impl TriggerApi {
     async fn state_of(&self, name: &str) -> Result<(TriggerState, Option<u64>), WireError> {
         Ok(match self.store.state(name).await.map_err(unavailable)? {
             Some((s, rev)) => (s, Some(rev)),
-            None => (
-                TriggerState {
-                    created_at_ms: self.clock.now_ms(),
-                    ..Default::default()
-                },
-                None,
-            ),
+            None => (self.new_state(), None),
         })
+    }
+
+    /// The state of a trigger created now.
+    fn new_state(&self) -> TriggerState {
+        TriggerState {
+            created_at_ms: self.clock.now_ms(),
+            ..Default::default()
+        }
     }
 
     /// Marks the times that passed while a trigger was paused as handled, so resuming does
@@ -225,7 +227,11 @@ impl TriggerApi {
             Some(_) => "updated",
             None => "created",
         };
-        let (state, rev) = self.state_of(&def.name).await?;
+        // A new definition's state is created if absent without reading it first.
+        let (state, rev) = match existing {
+            Some(_) => self.state_of(&def.name).await?,
+            None => (self.new_state(), None),
+        };
         if rev.is_none() {
             match self.store.put_state(&def.name, &state, None).await {
                 Ok(_) | Err(TriggerStoreError::Stale(_)) => {}

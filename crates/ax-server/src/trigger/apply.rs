@@ -80,6 +80,10 @@ impl TriggerApi {
     /// `{"names", "more"}`.
     pub(super) async fn names(&self, after: Option<String>) -> Result<Value, WireError> {
         let all = self.store.names().await.map_err(unavailable)?;
+        #[cfg(feature = "test-hooks")]
+        let page_bytes = ax_sdk::hooks::names_page_bytes().unwrap_or(NAMES_PAGE_BYTES);
+        #[cfg(not(feature = "test-hooks"))]
+        let page_bytes = NAMES_PAGE_BYTES;
         let mut page = Vec::new();
         let mut bytes = 0;
         let mut more = false;
@@ -88,7 +92,7 @@ impl TriggerApi {
             .filter(|n| after.as_ref().is_none_or(|a| n > a))
         {
             bytes += name.len() + 3;
-            if bytes > NAMES_PAGE_BYTES {
+            if bytes > page_bytes {
                 more = true;
                 break;
             }
