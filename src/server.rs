@@ -78,6 +78,10 @@ pub(crate) struct ServerArgs {
     /// Delayed tasks due within this window have their messages read ahead of time.
     #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
     dispatch_horizon: Duration,
+    /// The trigger engine's leader holds a trigger whole only while it is due within this
+    /// window; the others are held as their names and read back half of it before due.
+    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    trigger_hold: Duration,
     /// Most bytes of delayed-task messages held in memory ahead of their due time.
     #[arg(long, default_value = "64MiB", value_parser = parse_bytes)]
     max_held_bytes: usize,
@@ -180,6 +184,7 @@ pub(crate) async fn run(args: ServerArgs, conn: &Conn) -> Result<()> {
         .trigger_engine(!args.no_trigger_engine)
         .max_held_bytes(args.max_held_bytes)
         .dispatch_horizon(args.dispatch_horizon)
+        .trigger_hold(args.trigger_hold)
         .task_index(args.task_index || args.console_addr.is_some())
         .group_commit(match (args.no_group_commit, args.group_commit) {
             (true, _) | (_, GroupCommitArg::Never) => GroupCommit::Never,

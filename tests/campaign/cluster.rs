@@ -90,6 +90,10 @@ impl Procs {
                 "20,5000,10000",
                 "--dispatch-horizon",
                 "3s",
+                // Every trigger read back from the store at each of its due times (the
+                // path of a trigger due later than the default hold), under the faults.
+                "--trigger-hold",
+                "0s",
                 "--replicas",
                 self.replicas,
                 "--id",

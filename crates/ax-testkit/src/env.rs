@@ -86,11 +86,15 @@ impl Env {
         }
     }
 
-    /// The builder most tests use: queue `q`, ack wait 1 s.
+    /// The builder most tests use: queue `q`, ack wait 1 s, triggers read back at each due
+    /// time (`trigger_hold` zero).
     pub fn server() -> ServerBuilder {
         ax_server::Server::builder()
             .queues(["q"])
             .ack_wait(Duration::from_secs(1))
+            // Every trigger read back from the store at each of its due times: the tests
+            // take the path a trigger due later than the default hold time takes.
+            .trigger_hold(Duration::ZERO)
     }
 
     pub async fn start_server(&mut self, server: ServerBuilder) {

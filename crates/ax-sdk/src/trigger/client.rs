@@ -103,8 +103,8 @@ impl Client {
     /// A set that fits in one request (the server's max payload) is one `apply`. A larger
     /// one goes in parts: every part checked first (`apply` with `check`), then every part
     /// stored (three parts in flight), then the stored names read a page at a time
-    /// (`names`) and the others
-    /// deleted. Killed midway, it has stored some parts and not others: apply it again.
+    /// (`names`) and the others deleted. Killed midway, it has stored some parts and not
+    /// others: apply it again.
     /// `progress(stage, done, total)` is called after each part.
     pub async fn apply_triggers(
         &self,

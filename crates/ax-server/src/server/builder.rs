@@ -25,6 +25,7 @@ pub struct Server {
     pub(super) alerts: crate::ops::AlertConfig,
     pub(super) max_held_bytes: usize,
     pub(super) lease_ttl: Duration,
+    pub(super) trigger_hold: Duration,
     pub(super) partition_ttl: Duration,
     pub(super) clock: Arc<dyn Clock>,
     pub(super) id: String,
@@ -62,6 +63,7 @@ impl Default for ServerBuilder {
             alerts: Default::default(),
             max_held_bytes: 64 << 20,
             lease_ttl: Duration::from_millis(1500),
+            trigger_hold: Duration::from_secs(60),
             partition_ttl: Duration::from_millis(1500),
             clock: Arc::new(SystemClock::default()),
             id: format!("{}-{}", std::process::id(), nuid::next()),
@@ -188,6 +190,15 @@ impl ServerBuilder {
     /// (3 s until 2026-12-02: docs/DECISIONS.md.)
     pub fn lease_ttl(mut self, ttl: Duration) -> Self {
         self.0.lease_ttl = ttl.max(Duration::from_millis(300));
+        self
+    }
+    /// How far ahead the trigger engine's leader holds a trigger whole (default 60 s):
+    /// one not due within it (and with no task it waits on) is held as its name and next
+    /// wake time alone, and read back from the store half of this before it is due. A
+    /// shorter time holds less memory and reads more; zero reads each trigger back at
+    /// each of its due times.
+    pub fn trigger_hold(mut self, ahead: Duration) -> Self {
+        self.0.trigger_hold = ahead;
         self
     }
     /// Lease TTL of the delayed-task partitions this server owns (default 1.5 s, renewed

@@ -241,11 +241,12 @@ impl Server {
     ) -> Result<(), ServerError> {
         let js = &ctx.js;
         if self.triggers && self.trigger_engine {
-            let (ctx, clock, lease_ttl, id) = (
+            let (ctx, clock, lease_ttl, id, hold) = (
                 ctx.clone(),
                 self.clock.clone(),
                 self.lease_ttl,
                 self.id.clone(),
+                self.trigger_hold,
             );
             services.spawn("trigger-engine", move |token| {
                 Engine {
@@ -253,6 +254,7 @@ impl Server {
                     clock: clock.clone(),
                     lease_ttl,
                     id: id.clone(),
+                    hold,
                 }
                 .run(token)
             });

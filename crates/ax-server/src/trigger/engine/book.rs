@@ -21,6 +21,11 @@ pub(super) struct Book {
     recheck: HashSet<String>,
     /// Triggers due while every fire slot was busy, planned again as slots free up.
     starved: VecDeque<String>,
+    /// Triggers held as their name alone (their wake time is in `wakes`): not due within
+    /// `hold_ms`, nothing to wait on. Read back from the store when woken or changed.
+    pub(super) dormant: HashSet<String>,
+    /// How far ahead a trigger is held whole (`None`: always).
+    pub(super) hold_ms: Option<u64>,
 }
 
 /// What a write to a trigger task's record changed.
@@ -34,6 +39,18 @@ pub(super) enum Seen {
     Adopted(String, u64),
 }
 
+/// What [`Book::rest`] did with a trigger.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Rest {
+    /// Held whole: due within the hold time, or waiting on something.
+    Kept,
+    /// Held as its name alone.
+    Rested,
+    /// Idle and not due soon, but its state has what the store lacks (its last fire's
+    /// end): store it, then it rests.
+    StoreFirst,
+}
+
 /// What applying a fire's outcome asks of the pump.
 #[derive(Debug, PartialEq, Eq)]
 pub(super) enum Applied {
@@ -44,6 +61,45 @@ pub(super) enum Applied {
 }
 
 impl Book {
+    /// A book that holds a trigger whole only while it is due within `hold_ms`.
+    pub(super) fn holding(hold_ms: u64) -> Book {
+        Book {
+            hold_ms: Some(hold_ms),
+            ..Book::default()
+        }
+    }
+
+    /// If trigger `name`, next looked at `wake` (if ever), is not due within the hold time
+    /// and waits on nothing, holds it as its name alone, woken (read back) half the hold
+    /// time before `wake`; or asks for its state to be stored first.
+    pub(super) fn rest(&mut self, name: &str, wake: Option<u64>, now: u64) -> Rest {
+        let Some(hold) = self.hold_ms else {
+            return Rest::Kept;
+        };
+        let Some(h) = self.held.get(name) else {
+            return Rest::Kept;
+        };
+        let idle = h.active.is_empty()
+            && h.early_done.is_empty()
+            && !h.unsure
+            && !h.unstored
+            && h.fresh
+            && !self.in_flight.contains(name)
+            && !self.recheck.contains(name);
+        if !idle || wake.is_some_and(|at| at <= now.saturating_add(hold)) {
+            return Rest::Kept;
+        }
+        if h.dirty {
+            return Rest::StoreFirst;
+        }
+        self.held.remove(name);
+        if let Some(at) = wake {
+            self.wake(at.saturating_sub(hold / 2).max(now), name.to_string());
+        }
+        self.dormant.insert(name.to_string());
+        Rest::Rested
+    }
+
     /// The earliest time a trigger asked to be looked at.
     pub(super) fn next_wake(&self) -> Option<u64> {
         self.wakes.peek().map(|Reverse((at, _))| *at)
@@ -87,6 +143,7 @@ impl Book {
             return Seen::Nothing;
         }
         if h.active.remove(id) {
+            h.dirty = true;
             h.state.last_result.push(rec.state.to_string());
             if h.active.is_empty() {
                 h.state.last_completed_ms = Some(now);
@@ -137,14 +194,20 @@ impl Book {
         free_slots: usize,
     ) -> Result<Vec<String>, &'static str> {
         self.in_flight.remove(&name);
+        let mut due = Vec::new();
         if let Some(h) = self.held.get_mut(&name) {
-            match apply(h, outcome, token, now) {
-                Applied::Wake(Some(at)) => self.wake(at, name.clone()),
-                Applied::Wake(None) => {}
+            let at = match apply(h, outcome, token, now) {
+                Applied::Wake(at) => at,
                 Applied::StepDown(why) => return Err(why),
+            };
+            match (self.rest(&name, at, now), at) {
+                (Rest::Rested, _) => {}
+                // Planned now: the plan stores its state, then it rests.
+                (Rest::StoreFirst, _) => due.push(name.clone()),
+                (Rest::Kept, Some(at)) => self.wake(at, name.clone()),
+                (Rest::Kept, None) => {}
             }
         }
-        let mut due = Vec::new();
         if self.recheck.remove(&name) {
             due.push(name);
         }
@@ -171,6 +234,7 @@ pub(super) fn apply(h: &mut Held, outcome: Outcome, token: u64, now: u64) -> App
             h.state = state;
             h.revision = revision;
             h.fresh = true;
+            h.dirty = false;
             if !ids.is_empty() && !tracks_every_fire(&h.def) {
                 // Nothing waits on older fires: follow the latest one only.
                 h.active.clear();
@@ -184,6 +248,7 @@ pub(super) fn apply(h: &mut Held, outcome: Outcome, token: u64, now: u64) -> App
             if h.active.is_empty() && h.state.last_completed_ms.is_none() {
                 // Every task of the fire finished before it was recorded.
                 h.state.last_completed_ms = Some(now);
+                h.dirty = true;
             }
             let mut wake = next_wake_ms;
             if h.waits_on_tasks() {
@@ -210,6 +275,7 @@ pub(super) fn apply(h: &mut Held, outcome: Outcome, token: u64, now: u64) -> App
             h.state = state;
             h.revision = revision;
             h.fresh = true;
+            h.dirty = false;
             h.checked_at = None;
             h.active.extend(h.state.active.iter().cloned());
             h.settle(now);
@@ -334,5 +400,74 @@ mod tests {
         let due = book.fire_done("t".into(), Outcome::Reload(state, 4), 5, 1600, 1);
         assert_eq!(due, Ok(Vec::new()));
         assert_eq!((book.held["t"].revision, book.next_wake()), (4, Some(1600)));
+    }
+
+    #[test]
+    fn an_idle_trigger_not_due_within_the_hold_time_is_held_as_its_name() {
+        let mut book = book();
+        // A book that holds every trigger whole never rests one.
+        assert_eq!(book.rest("t", Some(1_000_000), 1000), Rest::Kept);
+        let mut book = Book {
+            hold_ms: Some(60_000),
+            ..book
+        };
+        // Due within the hold time: held whole.
+        assert_eq!(book.rest("t", Some(61_000), 1000), Rest::Kept);
+        // Waiting on a task: held whole, however far its next time.
+        book.held.get_mut("t").unwrap().active.insert("a".into());
+        assert_eq!(book.rest("t", Some(1_000_000), 1000), Rest::Kept);
+        book.held.get_mut("t").unwrap().active.clear();
+        // Not sure its state holds every fire: held whole until that is settled.
+        book.held.get_mut("t").unwrap().unsure = true;
+        assert_eq!(book.rest("t", Some(1_000_000), 1000), Rest::Kept);
+        book.held.get_mut("t").unwrap().unsure = false;
+        // Idle and due later, with its last fire's end not stored yet: stored first.
+        book.held.get_mut("t").unwrap().dirty = true;
+        assert_eq!(book.rest("t", Some(1_000_000), 1000), Rest::StoreFirst);
+        assert!(book.held.contains_key("t"));
+        book.held.get_mut("t").unwrap().dirty = false;
+        // Idle and due later: its name alone, woken half the hold time before it is due.
+        assert_eq!(book.rest("t", Some(1_000_000), 1000), Rest::Rested);
+        assert!(!book.held.contains_key("t") && book.dormant.contains("t"));
+        assert_eq!(book.next_wake(), Some(1_000_000 - 30_000));
+        // Never due again (a fired `once`): its name alone, woken by no timer.
+        let mut book = Book {
+            hold_ms: Some(0),
+            ..Book::default()
+        };
+        book.held.insert("t".into(), held());
+        assert_eq!(book.rest("t", None, 1000), Rest::Rested);
+        assert_eq!(book.next_wake(), None);
+    }
+
+    #[test]
+    fn a_fire_whose_tasks_finished_early_stores_their_end_then_rests() {
+        let mut book = Book {
+            hold_ms: Some(60_000),
+            ..book()
+        };
+        book.fire_started("t");
+        let id = "q.tr.t.1000.0";
+        book.task_record("t", id, &finished(id), 1200);
+        let mut outcome = stored(&book, &[id]);
+        if let Outcome::Stored { next_wake_ms, .. } = &mut outcome {
+            *next_wake_ms = Some(1500 + 3_600_000);
+        }
+        // Its end (1500) is not in the stored state: planned now, to store it.
+        let due = book.fire_done("t".into(), outcome, 1, 1500, 10).unwrap();
+        assert_eq!(due, vec!["t".to_string()]);
+        assert!(book.held["t"].dirty);
+        // Stored: it rests until half the hold time before its next time.
+        let mut stored_end = stored(&book, &[]);
+        if let Outcome::Stored { next_wake_ms, .. } = &mut stored_end {
+            *next_wake_ms = Some(1500 + 3_600_000);
+        }
+        book.fire_started("t");
+        assert!(book
+            .fire_done("t".into(), stored_end, 1, 1600, 10)
+            .unwrap()
+            .is_empty());
+        assert!(book.dormant.contains("t") && !book.held.contains_key("t"));
+        assert_eq!(book.next_wake(), Some(1500 + 3_600_000 - 30_000));
     }
 }

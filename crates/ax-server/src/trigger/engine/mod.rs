@@ -42,7 +42,7 @@ use crate::trigger::Validate;
 use async_nats::jetstream::kv;
 use ax_sdk::names::LEASES_BUCKET;
 use ax_sdk::state::TaskRecord;
-use book::{Book, Seen};
+use book::{Book, Rest, Seen};
 use futures::{FutureExt, StreamExt};
 use recover::merge_fire;
 use std::collections::HashSet;
@@ -110,6 +110,10 @@ struct Held {
     /// `state` holds a change the store must get before anything is planned (a late fire
     /// adopted from a previous leader).
     unstored: bool,
+    /// `state` holds what the store does not have yet and no plan would write: the end
+    /// and results of its last fire's tasks (written with the next fire's state). A
+    /// trigger is held as its name alone only after that is written (`Book::rest`).
+    dirty: bool,
     /// Scheduled times this leader fired, recorded from the tasks it found, or adopted:
     /// the creation of their tasks, seen late through a lagging watch, is never adopted
     /// again (it would count one fire twice). The latest [`KNOWN_FIRES`].
@@ -145,6 +149,8 @@ pub(crate) struct Engine {
     pub(crate) clock: Arc<dyn Clock>,
     pub(crate) lease_ttl: Duration,
     pub(crate) id: String,
+    /// How far ahead a trigger is held whole (`ServerBuilder::trigger_hold`).
+    pub(crate) hold: Duration,
 }
 
 /// Why leading stopped.
@@ -181,6 +187,22 @@ impl Engine {
         };
         run_as_leader("trigger engine", &leading, lease, &shutdown, || {}).await;
         Ok(())
+    }
+
+    /// Reads back a trigger held as its name alone ([`Book::rest`]): as a new leader
+    /// loads one. `None` if its definition is gone or no longer valid.
+    async fn read_back(
+        &self,
+        store: &TriggerStore,
+        name: &str,
+    ) -> Result<Option<Held>, EngineError> {
+        let Some((def, _)) = store.def(name).await? else {
+            return Ok(None);
+        };
+        let Ok(rec) = def.validate() else {
+            return Ok(None);
+        };
+        self.load(store, def, rec).await.map(Some)
     }
 
     /// Loads a trigger's state (creating it if missing) and re-checks its unfinished tasks.
@@ -220,6 +242,7 @@ impl Engine {
             unsure: true,
             fresh: true,
             unstored: false,
+            dirty: false,
             known: Default::default(),
         };
         self.settle(&mut h);
@@ -251,7 +274,7 @@ impl Engine {
             .watch_all()
             .await
             .map_err(|e| broker("watch trigger state")(e.into()))?;
-        let mut book = Book::default();
+        let mut book = Book::holding(self.hold.as_millis() as u64);
         let mut renew = tokio::time::interval(self.lease_ttl / 3);
         // Fires run as tasks so the timer loop never waits on the broker; a trigger is not
         // planned again while its fire is in flight (the book remembers it was due).
@@ -280,6 +303,7 @@ impl Engine {
                     let name = entry.key.clone();
                     if entry.operation != kv::Operation::Put {
                         book.held.remove(&name);
+                        book.dormant.remove(&name);
                         continue;
                     }
                     let Ok(def) = serde_json::from_slice::<TriggerDef>(&entry.value) else {
@@ -294,6 +318,7 @@ impl Engine {
                     if h.state.leader > token {
                         return Ok(Stop::StepDown("a newer leader wrote trigger state"));
                     }
+                    book.dormant.remove(&name);
                     book.held.insert(name.clone(), h);
                     due.push(name);
                 }
@@ -305,7 +330,13 @@ impl Engine {
                     if entry.operation != kv::Operation::Put || book.in_flight(&name) {
                         continue;
                     }
-                    let Some(h) = book.held.get_mut(&name) else { continue };
+                    let Some(h) = book.held.get_mut(&name) else {
+                        // Changed while held as its name alone: read back and planned.
+                        if book.dormant.contains(&name) {
+                            due.push(name);
+                        }
+                        continue;
+                    };
                     if entry.revision <= h.revision {
                         continue;
                     }
@@ -318,6 +349,7 @@ impl Engine {
                     h.state = state;
                     h.revision = entry.revision;
                     h.fresh = true;
+                    h.dirty = false;
                     self.settle(h);
                     due.push(name);
                 }
@@ -355,6 +387,26 @@ impl Engine {
             // Plan each due trigger, then fire and store them concurrently.
             let mut jobs = Vec::new();
             for name in book.plannable(due) {
+                if !book.held.contains_key(&name) && book.dormant.contains(&name) {
+                    match self.read_back(store, &name).await {
+                        Ok(Some(h)) if h.state.leader > token => {
+                            return Ok(Stop::StepDown("a newer leader wrote trigger state"))
+                        }
+                        Ok(Some(h)) => {
+                            book.dormant.remove(&name);
+                            book.held.insert(name.clone(), h);
+                        }
+                        Ok(None) => {
+                            book.dormant.remove(&name);
+                            continue;
+                        }
+                        Err(e) => {
+                            warn!(trigger = %name, cause = %e, "trigger not read back; trying again in 1 s");
+                            book.wake(self.clock.now_ms() + RETRY_MS, name);
+                            continue;
+                        }
+                    }
+                }
                 let Some(h) = book.held.get_mut(&name) else {
                     continue;
                 };
@@ -385,6 +437,25 @@ impl Engine {
                         // Look at the records again in a while, whatever the feed says.
                         let again = now + RECHECK.as_millis() as u64;
                         wake = Some(wake.map_or(again, |w| w.min(again)));
+                    }
+                    match book.rest(&name, wake, now) {
+                        Rest::Rested => continue,
+                        Rest::StoreFirst => {
+                            // Its last fire's end goes to the store (a plan that fires
+                            // nothing), then it rests.
+                            let h = &book.held[&name];
+                            jobs.push(Job {
+                                name: name.clone(),
+                                def: h.def.clone(),
+                                revision: h.revision,
+                                active: Vec::new(),
+                                plan: p,
+                                token,
+                                now,
+                            });
+                            continue;
+                        }
+                        Rest::Kept => {}
                     }
                     if let Some(wake) = wake {
                         book.wake(wake, name);

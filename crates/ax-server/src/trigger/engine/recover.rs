@@ -121,6 +121,7 @@ impl Engine {
                 h.state = state;
                 h.revision = revision;
                 h.fresh = true;
+                h.dirty = false;
                 h.unstored = false;
                 self.settle(h);
             }
@@ -137,6 +138,7 @@ impl Engine {
                     h.revision = revision;
                     h.unsure = false;
                     h.unstored = false;
+                    h.dirty = false;
                     return Recorded::Yes;
                 }
                 Err(TriggerStoreError::Stale(_)) => {
@@ -177,6 +179,7 @@ impl Held {
             && self.state.last_completed_ms.is_none()
         {
             self.state.last_completed_ms = Some(now);
+            self.dirty = true;
         }
     }
 
@@ -288,6 +291,7 @@ pub(super) mod tests {
             unsure: false,
             fresh: true,
             unstored: false,
+            dirty: false,
             known: Default::default(),
         }
     }
