@@ -61,10 +61,11 @@ pub(super) enum Applied {
 }
 
 impl Book {
-    /// A book that holds a trigger whole only while it is due within `hold_ms`.
-    pub(super) fn holding(hold_ms: u64) -> Book {
+    /// A book that holds a trigger whole only while it is due within `hold` (any
+    /// duration: one beyond what milliseconds in a `u64` hold means "always").
+    pub(super) fn holding(hold: std::time::Duration) -> Book {
         Book {
-            hold_ms: Some(hold_ms),
+            hold_ms: Some(u64::try_from(hold.as_millis()).unwrap_or(u64::MAX)),
             ..Book::default()
         }
     }
@@ -430,6 +431,12 @@ mod tests {
         assert_eq!(book.rest("t", Some(1_000_000), 1000), Rest::Rested);
         assert!(!book.held.contains_key("t") && book.dormant.contains("t"));
         assert_eq!(book.next_wake(), Some(1_000_000 - 30_000));
+        // A hold beyond what a u64 of milliseconds holds (`--trigger-hold 600000000y`)
+        // holds everything whole; it does not wrap to a short one.
+        // (These seconds are 2^64 + 384 ms: cast, they would hold 384 ms.)
+        let mut huge = Book::holding(std::time::Duration::from_secs(18_446_744_073_709_552));
+        huge.held.insert("t".into(), held());
+        assert_eq!(huge.rest("t", Some(u64::MAX - 1), 1000), Rest::Kept);
         // Never due again (a fired `once`): its name alone, woken by no timer.
         let mut book = Book {
             hold_ms: Some(0),

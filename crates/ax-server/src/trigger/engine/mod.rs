@@ -274,7 +274,7 @@ impl Engine {
             .watch_all()
             .await
             .map_err(|e| broker("watch trigger state")(e.into()))?;
-        let mut book = Book::holding(self.hold.as_millis() as u64);
+        let mut book = Book::holding(self.hold);
         let mut renew = tokio::time::interval(self.lease_ttl / 3);
         // Fires run as tasks so the timer loop never waits on the broker; a trigger is not
         // planned again while its fire is in flight (the book remembers it was due).
