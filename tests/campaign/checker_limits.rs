@@ -36,8 +36,9 @@ pub fn broker_disturbed(timeline: &Timeline, at: u64) -> bool {
         .any(|(down, up)| (*down..=up + BROKER_GRACE_MS).contains(&at))
 }
 
-/// A resumed worker stops a handler whose slot it lost at its first heartbeat, which fires
-/// at once on resume; until then the handler is not counted.
+/// A resumed worker stops a handler whose slot's TTL ran out while it was stopped at its
+/// first timer tick, without waiting for the broker (docs/PROTOCOL.md §7); until then the
+/// handler is not counted.
 pub const CAP_RESUME_SLACK_MS: u64 = 250;
 
 /// Handler starts of the tasks of `limit`, by key, oldest first, without those of a worker

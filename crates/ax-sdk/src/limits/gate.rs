@@ -835,6 +835,7 @@ impl Gate {
         for j in 0..cap {
             let key = format!("{base}.{}", (start + j) % cap);
             let ttl = *self.slot_ttl.lock().expect("not poisoned");
+            let sent = tokio::time::Instant::now();
             let mut made =
                 expiry::create(&buckets.js, &buckets.slots, &key, value.clone(), ttl).await;
             if matches!(made, Err(expiry::WriteError::TtlDisabled)) {
@@ -851,8 +852,7 @@ impl Gate {
                     return Ok(Some(Slot::hold(
                         buckets.js.clone(),
                         buckets.slots.clone(),
-                        key,
-                        rev,
+                        (key, rev, sent),
                         value,
                         (self.renew_every, ttl),
                         (def.queue.clone(), def.name.clone()),
@@ -916,6 +916,13 @@ fn slot_delay(delivered: i64) -> Duration {
 /// that finds the slot changed (it expired — the worker stalled past the ack wait — and
 /// may be held by another attempt now) marks it **lost**: the attempt holding it must stop,
 /// or the cap would be exceeded.
+///
+/// It is marked lost without a word from the broker too, when its TTL has run out since the
+/// last write the broker confirmed was sent (the broker counts the TTL from its receipt,
+/// which is later): a worker resumed after a stall (`SIGSTOP`, a frozen VM) stops the
+/// attempt at its first timer tick instead of after a round trip that a loaded or failing
+/// broker may take seconds to answer, and a worker cut off from the broker stops it before
+/// the slot can be taken, instead of running on beside the next holder.
 pub(crate) struct Slot {
     slots: kv::Store,
     key: String,
@@ -927,11 +934,11 @@ pub(crate) struct Slot {
 }
 
 impl Slot {
+    /// Holds the slot written at revision `rev` by a write sent at `sent`.
     fn hold(
         js: jetstream::Context,
         slots: kv::Store,
-        key: String,
-        rev: u64,
+        (key, rev, sent): (String, u64, tokio::time::Instant),
         value: Bytes,
         (every, ttl): (Duration, Option<Duration>),
         labels: (String, String),
@@ -943,25 +950,11 @@ impl Slot {
         let renew = tokio::spawn({
             let (key, rev, lost) = (key.clone(), rev.clone(), lost.clone());
             async move {
-                loop {
-                    tokio::time::sleep(every).await;
-                    let expected = rev.load(Ordering::SeqCst);
-                    match expiry::write(&js, &key, value.clone(), expected, ttl).await {
-                        Ok(new) => rev.store(new, Ordering::SeqCst),
-                        Err(expiry::WriteError::Taken) => {
-                            warn!(slot = %key, "concurrency slot lost (it expired, and may be held by another attempt): stopping the attempt");
-                            metrics::counter!(m::LIMIT_SLOTS_LOST, "queue" => labels_q.clone(), "limit" => labels_l.clone())
-                                .increment(1);
-                            lost.cancel();
-                            return;
-                        }
-                        // Unreachable: try again; if the slot expired meanwhile, the next
-                        // rewrite that reaches the broker finds it changed.
-                        Err(e) => {
-                            debug!(slot = %key, cause = %e, "concurrency slot not renewed; trying again")
-                        }
-                    }
-                }
+                let why = renew(&js, (&key, &rev, sent), value, (every, ttl)).await;
+                warn!(slot = %key, "concurrency slot lost ({why}, and may be held by another attempt): stopping the attempt");
+                metrics::counter!(m::LIMIT_SLOTS_LOST, "queue" => labels_q, "limit" => labels_l)
+                    .increment(1);
+                lost.cancel();
             }
         });
         metrics::gauge!(m::LIMIT_SLOTS_HELD, "queue" => labels.0.clone(), "limit" => labels.1.clone())
@@ -982,6 +975,56 @@ impl Slot {
         &self.lost
     }
 }
+
+/// Rewrites the slot every `every` until it is lost; answers why it was. With a `ttl`, the
+/// slot counts as lost once `ttl` has passed since the last confirmed write was sent (its
+/// expiry at the broker is later: the broker counts from its receipt, in whole seconds).
+async fn renew(
+    js: &jetstream::Context,
+    (key, rev, mut confirmed): (&str, &AtomicU64, tokio::time::Instant),
+    value: Bytes,
+    (every, ttl): (Duration, Option<Duration>),
+) -> &'static str {
+    // `None`: the bucket's max age applies (an hour); only the broker can say.
+    let expires = |confirmed: tokio::time::Instant| ttl.map(|ttl| confirmed + ttl);
+    let until = |at: Option<tokio::time::Instant>| async move {
+        match at {
+            Some(at) => tokio::time::sleep_until(at).await,
+            None => std::future::pending().await,
+        }
+    };
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep(every) => {}
+            () = until(expires(confirmed)) => return EXPIRED_HERE,
+        }
+        // A stalled process wakes here with both timers past: the elapsed TTL decides.
+        if expires(confirmed).is_some_and(|at| tokio::time::Instant::now() >= at) {
+            return EXPIRED_HERE;
+        }
+        let sent = tokio::time::Instant::now();
+        let expected = rev.load(Ordering::SeqCst);
+        let written = tokio::select! {
+            written = expiry::write(js, key, value.clone(), expected, ttl) => written,
+            () = until(expires(confirmed)) => return EXPIRED_HERE,
+        };
+        match written {
+            Ok(new) => {
+                rev.store(new, Ordering::SeqCst);
+                confirmed = sent;
+            }
+            Err(expiry::WriteError::Taken) => return "it expired",
+            // Unreachable: try again until the TTL runs out here.
+            Err(e) => {
+                debug!(slot = %key, cause = %e, "concurrency slot not renewed; trying again")
+            }
+        }
+    }
+}
+
+/// Why a slot is lost when its TTL ran out without a confirmed rewrite.
+const EXPIRED_HERE: &str =
+    "no rewrite confirmed within its TTL: the worker stalled or the broker was out of reach";
 
 impl Drop for Slot {
     fn drop(&mut self) {
