@@ -11,7 +11,9 @@
 //!   5 s and AX_BENCH_W4_SETTLE (default 60) s after the last submit, and the stored bytes
 //!   of the streams behind it.
 //! - **W5 cron triggers**: AX_BENCH_W5 (default 100,000) daily cron triggers, one per user,
-//!   put through the trigger API (256 in flight). Put rate; the `ax server` process's RSS.
+//!   put through the trigger API (256 in flight). Put rate; the `ax server` process's RSS;
+//!   then a restart: how long until the new leader holds them all (`ax_triggers_held`),
+//!   its RSS and its peak RSS.
 
 mod common;
 
@@ -111,13 +113,18 @@ async fn w3(client: &async_nats::Client, n: usize) {
 }
 
 fn spawn_server(nats: &LocalNats, queue: &str) -> Child {
+    spawn_server_with(nats, queue, "off")
+}
+
+/// [`spawn_server`] with its metrics at `metrics` (`host:port`, or `off`).
+fn spawn_server_with(nats: &LocalNats, queue: &str, metrics: &str) -> Child {
     Command::new(env!("CARGO_BIN_EXE_ax"))
         .args([
             "server",
             "--queue",
             queue,
             "--metrics-addr",
-            "off",
+            metrics,
             "--max-delayed",
             "5000000",
         ])
@@ -331,6 +338,46 @@ async fn w5(nats: &LocalNats, n: usize) {
     );
     let _ = server.kill();
     let _ = server.wait();
+    // A restart: the new leader reads every definition back from the store.
+    let addr = format!(
+        "127.0.0.1:{}",
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map_or(0, |a| a.port())
+    );
+    let mut server = spawn_server_with(nats, "w5", &addr);
+    let start = Instant::now();
+    let held = || -> f64 {
+        http_get(&addr, "/metrics")
+            .lines()
+            .filter(|l| l.starts_with("ax_triggers_held{"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    while held() < n as f64 && start.elapsed() < Duration::from_secs(300) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let loaded = start.elapsed();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    println!(
+        "W5 after a restart: {:.0} of {n} triggers held {:.1} s after the start; ax server RSS {:.1} MiB, its peak {:.1} MiB",
+        held(),
+        loaded.as_secs_f64(),
+        mib(usage(server.id()).1),
+        mib(peak_rss(server.id()))
+    );
+    let _ = server.kill();
+    let _ = server.wait();
+}
+
+/// The peak resident set of process `pid` (`VmHWM`), KiB.
+fn peak_rss(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))
+        .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        .unwrap_or(0)
 }
 
 fn main() {

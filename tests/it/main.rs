@@ -33,6 +33,7 @@ mod streams;
 mod submit;
 mod supervisor;
 mod support;
+mod trigger_hold;
 mod triggers;
 mod typed_kv;
 mod wire;

@@ -116,6 +116,10 @@ pub const SERVICE_RESTARTS: &str = "ax_service_restarts_total";
 /// batches (group commit), 0 while each goes on its own (the broker was measured to
 /// answer those faster, or group commit is off).
 pub const GROUP_COMMIT_GROUPING: &str = "ax_group_commit_grouping";
+/// Gauge, server (the trigger engine's leader) `{how}`: the triggers it follows, `whole`
+/// (due within `--trigger-hold`, or waiting on a fire's tasks) or `resting` (held as a
+/// name and a wake time, read back from the store when due); 0 on a server not leading.
+pub const TRIGGERS_HELD: &str = "ax_triggers_held";
 
 /// Registers help texts for every metric.
 pub fn describe() {
@@ -232,6 +236,10 @@ pub fn describe() {
     describe_gauge!(
         GROUP_COMMIT_GROUPING,
         "1 while writes to the stream go as atomic batches, 0 while each goes alone"
+    );
+    describe_gauge!(
+        TRIGGERS_HELD,
+        "Triggers the trigger leader follows, held whole or resting (name and wake time)"
     );
 }
 

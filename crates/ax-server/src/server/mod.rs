@@ -273,13 +273,9 @@ impl Server {
             });
         }
         if self.triggers {
-            let (ctx, store) = (ctx.clone(), TriggerStore::open(js).await?);
+            let ctx = ctx.clone();
             services.spawn("event-router", move |token| {
-                EventRouter {
-                    ctx: ctx.clone(),
-                    store: store.clone(),
-                }
-                .run(token)
+                EventRouter { ctx: ctx.clone() }.run(token)
             });
         }
         let scheduler = Scheduler {

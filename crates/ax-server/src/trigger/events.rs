@@ -10,10 +10,8 @@ use super::engine::EngineError;
 use super::fire::fire;
 use super::model::{Kind, TriggerDef};
 use super::plan::Source;
-use super::store::TriggerStore;
 use crate::context::Context;
 use crate::trigger::Validate;
-use async_nats::jetstream::kv;
 use ax_sdk::time::now_ms;
 use futures::StreamExt;
 use std::collections::HashMap;
@@ -27,53 +25,41 @@ const EVENTS_QUEUE_GROUP: &str = "ax-events";
 
 pub(crate) struct EventRouter {
     pub(crate) ctx: Arc<Context>,
-    pub(crate) store: TriggerStore,
 }
 
 impl EventRouter {
     pub(crate) async fn run(self, shutdown: CancellationToken) -> Result<(), EngineError> {
-        let mut watch = self
-            .store
-            .defs()
-            .watch_with_history(">")
-            .await
-            .map_err(|e| EngineError::Broker {
-                op: "watch definitions",
-                source: e.into(),
-            })?;
+        let watch = super::feed::definitions(&self.ctx.js).await?;
+        tokio::pin!(watch);
         let mut served: HashMap<String, (TriggerDef, JoinHandle<()>)> = HashMap::new();
         // A watch that fails or ends stops the router: its supervisor starts it again,
         // which follows every definition anew (it used to stop following changes).
         let outcome = loop {
             tokio::select! {
                 _ = shutdown.cancelled() => break Ok(()),
-                entry = watch.next() => {
-                    let entry = match entry {
-                        Some(Ok(entry)) => entry,
-                        Some(Err(e)) => break Err(EngineError::Broker {
-                            op: "watch definitions",
-                            source: e.into(),
-                        }),
+                write = watch.next() => {
+                    let super::feed::KvWrite { name, value, .. } = match write {
+                        Some(Ok(write)) => write,
+                        Some(Err(e)) => break Err(e),
                         None => break Err(EngineError::Broker {
-                            op: "watch definitions",
-                            source: "the watch ended".into(),
+                            op: "follow definitions",
+                            source: "the definition feed ended".into(),
                         }),
                     };
-                    let def = (entry.operation == kv::Operation::Put)
-                        .then(|| serde_json::from_slice::<TriggerDef>(&entry.value).ok())
-                        .flatten()
+                    let def = value
+                        .and_then(|v| serde_json::from_slice::<TriggerDef>(&v).ok())
                         .filter(|d| d.enabled && matches!(d.kind, Kind::Event { .. }) && d.validate().is_ok());
-                    if let Some((old, _)) = served.get(&entry.key) {
+                    if let Some((old, _)) = served.get(&name) {
                         if def.as_ref() == Some(old) {
                             continue;
                         }
                     }
-                    if let Some((_, task)) = served.remove(&entry.key) {
+                    if let Some((_, task)) = served.remove(&name) {
                         task.abort();
                     }
                     if let Some(def) = def {
                         let task = tokio::spawn(serve(self.ctx.clone(), def.clone()));
-                        served.insert(entry.key.clone(), (def, task));
+                        served.insert(name, (def, task));
                     }
                 }
             }

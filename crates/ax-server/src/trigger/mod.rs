@@ -6,6 +6,7 @@
 //! | [`recur`] | `next_after` for cron (with time zones), intervals, once |
 //! | [`plan`] | what fires now: misfire, overlap, drift, clock steps — a pure function |
 //! | [`store`] | definitions and state in KV |
+//! | `feed` | the trigger buckets followed: pulled in batches, not pushed |
 //! | `engine` | the leader that fires (inside `ax server`) |
 //! | `lease` | the leader lease: monotonic-clock expiry, revision as fencing token |
 //! | `fire` | one fire: task ids, submitting, unfinished tasks |
@@ -24,6 +25,7 @@ mod apply;
 pub mod clock;
 pub(crate) mod engine;
 pub(crate) mod events;
+mod feed;
 pub(crate) mod fire;
 pub use ax_sdk::trigger::model;
 pub mod plan;

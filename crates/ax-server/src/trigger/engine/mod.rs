@@ -2,7 +2,7 @@
 //!
 //! Leadership is the lease in `AX_LEASES` (see `lease`); its revision is the leader's
 //! fencing token, stored in every trigger state the leader writes. The leader follows
-//! `AX_TRIGGERS` (definitions, hot-reloaded) and `AX_TRIGGER_STATE` (manual runs made
+//! `AX_TRIGGERS` (definitions, hot-reloaded) and `AX_TRIGGER_STATE`, both pulled in batches (`trigger/feed.rs`) and `AX_TRIGGER_STATE` (manual runs made
 //! through any server), keeps a timer heap of next fire times, and follows the records of
 //! trigger tasks with a KV watch on `AX_TASKS` keys `*.tr.>` (an ordered consumer: no
 //! message is dropped, whatever the load) to know when they finish (overlap policies,
@@ -185,7 +185,12 @@ impl Engine {
             engine: &self,
             store: &store,
         };
-        run_as_leader("trigger engine", &leading, lease, &shutdown, || {}).await;
+        let stood_down = || {
+            for how in ["whole", "resting"] {
+                metrics::gauge!(ax_sdk::metrics::TRIGGERS_HELD, "how" => how).set(0.0);
+            }
+        };
+        run_as_leader("trigger engine", &leading, lease, &shutdown, stood_down).await;
         Ok(())
     }
 
@@ -256,11 +261,8 @@ impl Engine {
         shutdown: &CancellationToken,
     ) -> Result<Stop, EngineError> {
         let token = lease.token().unwrap_or_default();
-        let mut watch = store
-            .defs()
-            .watch_with_history(">")
-            .await
-            .map_err(|e| broker("watch definitions")(e.into()))?;
+        let watch = super::feed::definitions(&self.ctx.js).await?;
+        tokio::pin!(watch);
         // Every write to a trigger task's record, delivered by an ordered consumer.
         let mut completions = self
             .ctx
@@ -269,11 +271,8 @@ impl Engine {
             .await
             .map_err(|e| broker("follow trigger task records")(e.into()))?;
         // State written by others (a manual run on another server) is taken in at once.
-        let mut state_watch = store
-            .states()
-            .watch_all()
-            .await
-            .map_err(|e| broker("watch trigger state")(e.into()))?;
+        let state_watch = super::feed::states(&self.ctx.js).await?;
+        tokio::pin!(state_watch);
         let mut book = Book::holding(self.hold);
         let mut renew = tokio::time::interval(self.lease_ttl / 3);
         // Fires run as tasks so the timer loop never waits on the broker; a trigger is not
@@ -284,6 +283,10 @@ impl Engine {
         // instead of landing under whoever leads next.
         let mut firing = tokio::task::JoinSet::new();
         loop {
+            metrics::gauge!(ax_sdk::metrics::TRIGGERS_HELD, "how" => "whole")
+                .set(book.held.len() as f64);
+            metrics::gauge!(ax_sdk::metrics::TRIGGERS_HELD, "how" => "resting")
+                .set(book.dormant.len() as f64);
             let now = self.clock.now_ms();
             let next_wake = book.next_wake();
             let sleep = next_wake.map_or(Duration::from_secs(3600), |at| {
@@ -297,16 +300,15 @@ impl Engine {
                         return Ok(Stop::StepDown("lease lost"));
                     }
                 }
-                entry = watch.next() => {
-                    let Some(entry) = entry else { return Ok(Stop::StepDown("definition watch ended")) };
-                    let entry = entry.map_err(|e| broker("watch definitions")(e.into()))?;
-                    let name = entry.key.clone();
-                    if entry.operation != kv::Operation::Put {
+                write = watch.next() => {
+                    let Some(write) = write else { return Ok(Stop::StepDown("definition feed ended")) };
+                    let super::feed::KvWrite { name, value, .. } = write?;
+                    let Some(value) = value else {
                         book.held.remove(&name);
                         book.dormant.remove(&name);
                         continue;
-                    }
-                    let Ok(def) = serde_json::from_slice::<TriggerDef>(&entry.value) else {
+                    };
+                    let Ok(def) = serde_json::from_slice::<TriggerDef>(&value) else {
                         warn!(trigger = %name, "stored definition does not decode; ignored");
                         continue;
                     };
@@ -322,14 +324,13 @@ impl Engine {
                     book.held.insert(name.clone(), h);
                     due.push(name);
                 }
-                entry = state_watch.next() => {
-                    let Some(entry) = entry else { return Ok(Stop::StepDown("state watch ended")) };
-                    let entry = entry.map_err(|e| broker("watch trigger state")(e.into()))?;
-                    let name = entry.key.clone();
+                write = state_watch.next() => {
+                    let Some(write) = write else { return Ok(Stop::StepDown("state feed ended")) };
+                    let super::feed::KvWrite { name, value, revision } = write?;
                     // Our own writes are in flight until their outcome is applied.
-                    if entry.operation != kv::Operation::Put || book.in_flight(&name) {
+                    let Some(value) = value.filter(|_| !book.in_flight(&name)) else {
                         continue;
-                    }
+                    };
                     let Some(h) = book.held.get_mut(&name) else {
                         // Changed while held as its name alone: read back and planned.
                         if book.dormant.contains(&name) {
@@ -337,17 +338,17 @@ impl Engine {
                         }
                         continue;
                     };
-                    if entry.revision <= h.revision {
+                    if revision <= h.revision {
                         continue;
                     }
-                    let Ok(state) = serde_json::from_slice::<TriggerState>(&entry.value) else { continue };
+                    let Ok(state) = serde_json::from_slice::<TriggerState>(&value) else { continue };
                     if state.leader > token {
                         return Ok(Stop::StepDown("a newer leader wrote trigger state"));
                     }
                     h.active = unfinished(&self.ctx, tracked_ids(&state)).await;
                     h.checked_at = Some(Instant::now());
                     h.state = state;
-                    h.revision = entry.revision;
+                    h.revision = revision;
                     h.fresh = true;
                     h.dirty = false;
                     self.settle(h);
