@@ -1059,4 +1059,9 @@ async fn the_typed_trigger_calls_round_trip() {
         matches!(&gone, ax_sdk::ClientError::Refused(e) if e.code == ax_sdk::error::ErrorCode::NotFound),
         "{gone:?}"
     );
+    // Put again over the deleted definition and state: created, whole.
+    assert_eq!(env.ax.put_trigger(&def).await.unwrap(), PutOutcome::Created);
+    let info = env.ax.get_trigger("typed").await.unwrap().unwrap();
+    assert_eq!(info.definition, def);
+    assert_eq!(info.state["manual"], 0, "a fresh state: {}", info.state);
 }

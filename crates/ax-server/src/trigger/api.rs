@@ -221,6 +221,22 @@ impl TriggerApi {
 
     /// Stores a definition that passed [`TriggerApi::check`].
     pub(super) async fn store_checked(&self, def: TriggerDef) -> Result<&'static str, WireError> {
+        // Most puts of a bulk load name a new trigger: its state, then its definition, each
+        // created only if absent, without reading first (one round trip less a put). A
+        // name found taken goes the read, compare and update way below, and so does one
+        // whose state could not be written (an update of an existing trigger needs none).
+        if self
+            .store
+            .put_state(&def.name, &self.new_state(), None)
+            .await
+            .is_ok()
+        {
+            match self.store.put_def(&def, None).await {
+                Ok(_) => return Ok("created"),
+                Err(TriggerStoreError::Stale(_)) => {}
+                Err(e) => return Err(unavailable(e)),
+            }
+        }
         let existing = self.store.def(&def.name).await.map_err(unavailable)?;
         let outcome = match &existing {
             Some((old, _)) if *old == def => return Ok("unchanged"),
