@@ -21,9 +21,11 @@ pub(super) struct Book {
     recheck: HashSet<String>,
     /// Triggers due while every fire slot was busy, planned again as slots free up.
     starved: VecDeque<String>,
-    /// Triggers held as their name alone (their wake time is in `wakes`): not due within
-    /// `hold_ms`, nothing to wait on. Read back from the store when woken or changed.
-    pub(super) dormant: HashSet<String>,
+    /// Triggers held as their name alone, with the one wake time of theirs that counts
+    /// (`u64::MAX`: none): not due within `hold_ms`, nothing to wait on. Read back from the
+    /// store when woken or changed. A wake entry of a resting trigger at another time is
+    /// stale (left by an earlier rest) and dropped, not read back for nothing.
+    pub(super) dormant: HashMap<String, u64>,
     /// How far ahead a trigger is held whole (`None`: always).
     pub(super) hold_ms: Option<u64>,
 }
@@ -94,10 +96,12 @@ impl Book {
             return Rest::StoreFirst;
         }
         self.held.remove(name);
-        if let Some(at) = wake {
-            self.wake(at.saturating_sub(hold / 2).max(now), name.to_string());
+        let at = wake.map(|at| at.saturating_sub(hold / 2).max(now));
+        self.dormant
+            .insert(name.to_string(), at.unwrap_or(u64::MAX));
+        if let Some(at) = at {
+            self.wake(at, name.to_string());
         }
-        self.dormant.insert(name.to_string());
         Rest::Rested
     }
 
@@ -106,18 +110,26 @@ impl Book {
         self.wakes.peek().map(|Reverse((at, _))| *at)
     }
 
-    /// Look at trigger `name` again at `at`.
+    /// Look at trigger `name` again at `at` (for a resting one: instead of its earlier
+    /// wake time).
     pub(super) fn wake(&mut self, at: u64, name: String) {
+        if let Some(counts) = self.dormant.get_mut(&name) {
+            *counts = at;
+        }
         self.wakes.push(Reverse((at, name)));
     }
 
-    /// Moves every trigger whose wake time is `now` or earlier to `due`.
+    /// Moves every trigger whose wake time is `now` or earlier to `due`, but a resting
+    /// one's stale wakes.
     pub(super) fn take_woken(&mut self, now: u64, due: &mut Vec<String>) {
         while let Some(Reverse((at, _))) = self.wakes.peek() {
             if *at > now {
                 break;
             }
-            let Reverse((_, name)) = self.wakes.pop().expect("peeked");
+            let Reverse((at, name)) = self.wakes.pop().expect("peeked");
+            if self.dormant.get(&name).is_some_and(|counts| *counts != at) {
+                continue;
+            }
             due.push(name);
         }
     }
@@ -429,7 +441,7 @@ mod tests {
         book.held.get_mut("t").unwrap().dirty = false;
         // Idle and due later: its name alone, woken half the hold time before it is due.
         assert_eq!(book.rest("t", Some(1_000_000), 1000), Rest::Rested);
-        assert!(!book.held.contains_key("t") && book.dormant.contains("t"));
+        assert!(!book.held.contains_key("t") && book.dormant.contains_key("t"));
         assert_eq!(book.next_wake(), Some(1_000_000 - 30_000));
         // A hold beyond what a u64 of milliseconds holds (`--trigger-hold 600000000y`)
         // holds everything whole; it does not wrap to a short one.
@@ -474,7 +486,43 @@ mod tests {
             .fire_done("t".into(), stored_end, 1, 1600, 10)
             .unwrap()
             .is_empty());
-        assert!(book.dormant.contains("t") && !book.held.contains_key("t"));
+        assert!(book.dormant.contains_key("t") && !book.held.contains_key("t"));
         assert_eq!(book.next_wake(), Some(1500 + 3_600_000 - 30_000));
+    }
+
+    #[test]
+    fn a_resting_trigger_is_woken_at_its_latest_wake_time_only() {
+        let mut book = Book {
+            hold_ms: Some(60_000),
+            ..book()
+        };
+        assert_eq!(book.rest("t", Some(200_000), 1000), Rest::Rested);
+        // Changed meanwhile (read back at once, as the pump does), then resting again
+        // with a later time: the first wake entry is stale.
+        let mut due = Vec::new();
+        book.dormant.remove("t");
+        book.held.insert("t".into(), held());
+        assert_eq!(book.rest("t", Some(500_000), 2000), Rest::Rested);
+        book.take_woken(200_000 - 30_000, &mut due);
+        assert!(due.is_empty(), "woken by a stale entry: {due:?}");
+        book.take_woken(500_000 - 30_000, &mut due);
+        assert_eq!(due, vec!["t".to_string()]);
+        // A retry set while resting (a read-back that failed) replaces its wake time.
+        let mut book = Book {
+            hold_ms: Some(60_000),
+            ..Book::default()
+        };
+        book.held.insert("u".into(), held());
+        assert_eq!(book.rest("u", Some(900_000), 1000), Rest::Rested);
+        book.wake(5_000, "u".into());
+        let mut due = Vec::new();
+        book.take_woken(5_000, &mut due);
+        assert_eq!(due, vec!["u".to_string()]);
+        // A whole trigger is woken by any of its entries (planning finds nothing due).
+        book.dormant.remove("u");
+        book.held.insert("u".into(), held());
+        let mut due = Vec::new();
+        book.take_woken(900_000, &mut due);
+        assert_eq!(due, vec!["u".to_string()]);
     }
 }

@@ -333,7 +333,7 @@ impl Engine {
                     };
                     let Some(h) = book.held.get_mut(&name) else {
                         // Changed while held as its name alone: read back and planned.
-                        if book.dormant.contains(&name) {
+                        if book.dormant.contains_key(&name) {
                             due.push(name);
                         }
                         continue;
@@ -388,7 +388,7 @@ impl Engine {
             // Plan each due trigger, then fire and store them concurrently.
             let mut jobs = Vec::new();
             for name in book.plannable(due) {
-                if !book.held.contains_key(&name) && book.dormant.contains(&name) {
+                if !book.held.contains_key(&name) && book.dormant.contains_key(&name) {
                     match self.read_back(store, &name).await {
                         Ok(Some(h)) if h.state.leader > token => {
                             return Ok(Stop::StepDown("a newer leader wrote trigger state"))
