@@ -56,8 +56,10 @@ pub fn starts_by_key(
             continue;
         }
         for run in journal.get(id).into_iter().flatten() {
-            let resumed = timeline.stops.iter().any(|(w, _, cont)| {
-                *w == run.worker && (*cont..=cont + RESUME_GRACE_MS).contains(&run.start_ms)
+            // From the stop: a start timed before the recorded `SIGCONT` is the resume
+            // (see `checker_ops::check_pauses`).
+            let resumed = timeline.stops.iter().any(|(w, stop, cont)| {
+                *w == run.worker && (*stop..=cont + RESUME_GRACE_MS).contains(&run.start_ms)
             });
             if resumed || broker_disturbed(timeline, run.start_ms) {
                 left_out += 1;

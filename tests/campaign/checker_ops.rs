@@ -10,8 +10,9 @@
 //! - **pause**: no task of the paused queue starts from [`PAUSE_SLACK_MS`] after the pause
 //!   was acknowledged until the resume was sent (workers follow the pause key with a KV
 //!   watch; a start already past its claim when the key arrived may land just after),
-//!   except a worker's starts within the slack after its `SIGCONT` (claimed before it was
-//!   stopped).
+//!   except a worker's starts from its `SIGSTOP` to the slack after its `SIGCONT` (claimed
+//!   before it was stopped; a start timed before the recorded `SIGCONT` is the resume, read
+//!   on the worker's clock before the nemesis read its own).
 
 use crate::checker::{Histories, Invocation};
 use crate::cluster::Timeline;
@@ -169,8 +170,12 @@ pub fn check_pauses(
             else {
                 continue;
             };
-            let just_resumed = timeline.stops.iter().any(|(w, _, cont)| {
-                *w == run.worker && (*cont..=cont + PAUSE_SLACK_MS).contains(&run.start_ms)
+            // From the stop on: a stopped worker runs nothing, so a start journaled before
+            // the recorded `SIGCONT` is the resume itself, timed before the nemesis read its
+            // clock after sending the signal (seen: 1 ms before, seeds 7612214179525511733
+            // and 8141705213271473606).
+            let just_resumed = timeline.stops.iter().any(|(w, stop, cont)| {
+                *w == run.worker && (*stop..=cont + PAUSE_SLACK_MS).contains(&run.start_ms)
             });
             let disturbed = crate::checker_limits::broker_disturbed(timeline, run.start_ms);
             if !just_resumed && !disturbed {
@@ -295,6 +300,12 @@ mod tests {
         // Its worker had just been resumed.
         let t = Timeline {
             stops: vec![("x0".into(), 0, 1300)],
+            ..Default::default()
+        };
+        assert!(check_pauses("x", &pauses, &journal, &t).is_empty());
+        // Journaled a millisecond before its `SIGCONT` was recorded: the resume itself.
+        let t = Timeline {
+            stops: vec![("x0".into(), 1400, 1601)],
             ..Default::default()
         };
         assert!(check_pauses("x", &pauses, &journal, &t).is_empty());
