@@ -459,24 +459,36 @@ fn journaled(journal: &Path) -> Vec<Run> {
     out
 }
 
+/// Cap `cap` on task `slow`, a worker journaling to `journal`, and `cap` tasks of `slow`
+/// (one key, each sleeping `sleep_ms`) running on it: the worker and the task ids.
+async fn holding_every_slot(
+    env: &Env,
+    cap: usize,
+    journal: &Path,
+    sleep_ms: u64,
+) -> (AxProc, Vec<String>) {
+    set(
+        env,
+        json!({"name": "cap", "queue": "q", "task": "slow", "concurrency": cap}),
+    )
+    .await;
+    let worker = spawn_worker(&env.nats.url(), journal, 4, crate::procs::free_port(), &[]);
+    let ids = submit_keyed(env, cap, "slow", "k", sleep_ms).await;
+    crate::support::eventually(
+        Duration::from_secs(10),
+        "every task running on the worker",
+        || async { (journaled(journal).len() == cap).then_some(()) },
+    )
+    .await;
+    (worker, ids)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_holder_stops_its_attempt_when_its_slot_is_lost() {
     let env = Env::start(Env::server()).await;
-    set(
-        &env,
-        json!({"name": "two", "queue": "q", "task": "slow", "concurrency": 2}),
-    )
-    .await;
     let dir = tempfile::tempdir().unwrap();
     let (ja, jb) = (dir.path().join("a.jsonl"), dir.path().join("b.jsonl"));
-    let a = spawn_worker(&env.nats.url(), &ja, 4, crate::procs::free_port(), &[]);
-    let ids = submit_keyed(&env, 2, "slow", "k", 6_000).await;
-    crate::support::eventually(
-        Duration::from_secs(10),
-        "both tasks running on a",
-        || async { (journaled(&ja).len() == 2).then_some(()) },
-    )
-    .await;
+    let (a, ids) = holding_every_slot(&env, 2, &ja, 6_000).await;
     // Worker a stalls (a GC pause, a frozen VM) past the ack wait (1 s here): its slots
     // expire and worker b takes the tasks over.
     a.signal("-STOP");
@@ -522,19 +534,9 @@ async fn a_stalled_holder_stops_its_attempt_when_its_slot_is_lost() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_holder_cut_off_from_the_broker_stops_its_attempt_before_its_slot_can_expire() {
     let env = Env::start(Env::server()).await;
-    set(
-        &env,
-        json!({"name": "one", "queue": "q", "task": "slow", "concurrency": 1}),
-    )
-    .await;
     let dir = tempfile::tempdir().unwrap();
     let ja = dir.path().join("a.jsonl");
-    let _a = spawn_worker(&env.nats.url(), &ja, 4, crate::procs::free_port(), &[]);
-    let ids = submit_keyed(&env, 1, "slow", "k", 8_000).await;
-    crate::support::eventually(Duration::from_secs(10), "the task running on a", || async {
-        (journaled(&ja).len() == 1).then_some(())
-    })
-    .await;
+    let (_a, ids) = holding_every_slot(&env, 1, &ja, 8_000).await;
     // The broker stalls (frozen, so no rewrite is answered or refused) for longer than the
     // slot's TTL (the ack wait, 1 s): once it answers again, the slot may be anyone's.
     let nats = env.nats.pid().expect("nats-server runs") as i32;

@@ -31,16 +31,6 @@ impl TriggerStore {
         Ok(TriggerStore { defs, states })
     }
 
-    /// The definitions bucket (the engine watches it).
-    pub fn defs(&self) -> &kv::Store {
-        &self.defs
-    }
-
-    /// The state bucket (the engine watches it for manual runs made elsewhere).
-    pub fn states(&self) -> &kv::Store {
-        &self.states
-    }
-
     /// A definition and its revision.
     pub async fn def(&self, name: &str) -> Result<Option<(TriggerDef, u64)>, TriggerStoreError> {
         get(&self.defs, name).await

@@ -2,8 +2,8 @@
 //!
 //! Leadership is the lease in `AX_LEASES` (see `lease`); its revision is the leader's
 //! fencing token, stored in every trigger state the leader writes. The leader follows
-//! `AX_TRIGGERS` (definitions, hot-reloaded) and `AX_TRIGGER_STATE`, both pulled in batches (`trigger/feed.rs`) and `AX_TRIGGER_STATE` (manual runs made
-//! through any server), keeps a timer heap of next fire times, and follows the records of
+//! `AX_TRIGGERS` (definitions, hot-reloaded) and `AX_TRIGGER_STATE` (manual runs made
+//! through any server), both pulled in batches (`trigger/feed.rs`), keeps a timer heap of next fire times, and follows the records of
 //! trigger tasks with a KV watch on `AX_TASKS` keys `*.tr.>` (an ordered consumer: no
 //! message is dropped, whatever the load) to know when they finish (overlap policies,
 //! fixed-delay). Completion tracking is recoverable: on every (re)load of a trigger, and at
@@ -282,11 +282,17 @@ impl Engine {
         // Dropped when leading stops: fires still in flight are aborted, as a crash would,
         // instead of landing under whoever leads next.
         let mut firing = tokio::task::JoinSet::new();
+        // The counts `ax_triggers_held` last showed: set again only when they change.
+        let mut shown = None;
         loop {
-            metrics::gauge!(ax_sdk::metrics::TRIGGERS_HELD, "how" => "whole")
-                .set(book.held.len() as f64);
-            metrics::gauge!(ax_sdk::metrics::TRIGGERS_HELD, "how" => "resting")
-                .set(book.dormant.len() as f64);
+            let counts = (book.held.len(), book.dormant.len());
+            if shown != Some(counts) {
+                shown = Some(counts);
+                metrics::gauge!(ax_sdk::metrics::TRIGGERS_HELD, "how" => "whole")
+                    .set(counts.0 as f64);
+                metrics::gauge!(ax_sdk::metrics::TRIGGERS_HELD, "how" => "resting")
+                    .set(counts.1 as f64);
+            }
             let now = self.clock.now_ms();
             let next_wake = book.next_wake();
             let sleep = next_wake.map_or(Duration::from_secs(3600), |at| {
