@@ -4,7 +4,8 @@
 //! noisy, and any write added to the task path turns it red.
 //!
 //! The figures asserted are today's path (docs/PERFORMANCE.md, "Stored writes per
-//! task"): two on the fast path (the budget), five with a key, three with a retry.
+//! task"): two on the fast path (the budget), five with a key, three with a retry, four
+//! for a delayed task.
 
 use crate::support::Env;
 use ax_sdk::worker::{Task, TaskError, Worker};
@@ -118,6 +119,21 @@ async fn stored_writes_per_task_on_each_path() {
     assert_eq!(
         with_retry,
         expect(&[("AX_READY_NORMAL", 1), ("KV_AX_TASKS", 2)])
+    );
+
+    // A delayed task: its message in `AX_DELAYED` and no record while it waits, the ready
+    // message the dispatcher publishes when it is due, and two records: the claim writes
+    // `running` before the attempt starts (the dispatcher may have published a copy:
+    // docs/PROTOCOL.md §3), then `succeeded`. Five before delayed tasks went unrecorded.
+    let delayed = n(&|_| plain().delay(Duration::from_millis(300)));
+    let with_delay = writes_per_task(&env, delayed, worker(false)).await;
+    assert_eq!(
+        with_delay,
+        expect(&[
+            ("AX_DELAYED", 1),
+            ("AX_READY_NORMAL", 1),
+            ("KV_AX_TASKS", 2)
+        ])
     );
 
     // The lean first attempt (opt-in) spares a recorded task's `running` write.

@@ -433,6 +433,7 @@ async fn healthz_shows_each_service_and_its_restarts() {
         "event-router",
         "flow-engine",
         "task-index",
+        "task-index-delayed",
         "trigger-engine",
     ];
     crate::support::eventually(Duration::from_secs(10), "every service up", || async {

@@ -50,8 +50,8 @@ async fn delayed_task_runs_once_after_its_due_time() {
         "ran at {} before its due time {due}",
         seen[0].1
     );
-    // Every write is kept: the worker's claim moves the task out of `scheduled` (a delayed
-    // task's record names no ready message, so its first attempt writes `running` first).
+    // Every write is kept: none while it waits (its message is the task), then the
+    // claim's `running` (written before the attempt starts: PROTOCOL.md §3) and the end.
     let states: Vec<TaskState> = env
         .ax
         .history(&accepted.id)
@@ -60,14 +60,7 @@ async fn delayed_task_runs_once_after_its_due_time() {
         .into_iter()
         .map(|(r, _)| r.state)
         .collect();
-    assert_eq!(
-        states,
-        [
-            TaskState::Scheduled,
-            TaskState::Running,
-            TaskState::Succeeded
-        ]
-    );
+    assert_eq!(states, [TaskState::Running, TaskState::Succeeded]);
     eventually(
         Duration::from_secs(5),
         "delayed message deleted",
@@ -263,4 +256,90 @@ async fn bursts_beyond_the_horizon_all_reach_ready() {
         );
     }
     counter.abort();
+}
+
+/// A delayed task stores no record while it waits, so a second ready copy of it — what a
+/// dispatcher killed between its publish and its delete publishes again on restart, after
+/// the duplicate window — must not start beside the first: the claim of an unrecorded
+/// delayed task writes `running` (naming its message) before the handler runs, and the
+/// other copy is retired. Both copies wait before any worker starts, so both are first
+/// deliveries with no record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_ready_copy_of_an_unrecorded_delayed_task_does_not_run_it_again() {
+    let env = Env::start(Env::server()).await;
+    let accepted = env
+        .ax
+        .submit(
+            "q",
+            TaskSpec::new("later").delay(Duration::from_millis(200)),
+        )
+        .await
+        .unwrap();
+    // Waiting, it is found by its delayed message alone.
+    let waiting = env.record(&accepted.id).await;
+    assert_eq!(waiting.state, TaskState::Scheduled);
+    assert!(waiting.delayed_seq.is_some(), "{waiting:?}");
+    assert!(
+        env.ax.record(&accepted.id).await.unwrap().is_none(),
+        "no record is stored while the task waits"
+    );
+    let ready = env.js.get_stream("AX_READY_NORMAL").await.unwrap();
+    let first = eventually(
+        Duration::from_secs(10),
+        "the due task's ready message",
+        || {
+            let ready = ready.clone();
+            async move {
+                ready
+                    .direct_get_last_for_subject("ax.ready.q.normal")
+                    .await
+                    .ok()
+            }
+        },
+    )
+    .await;
+    let mut headers = first.headers.clone();
+    headers.insert("Nats-Msg-Id", format!("{}.again", accepted.id).as_str());
+    env.js
+        .publish_with_headers("ax.ready.q.normal", headers, first.payload.clone())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    assert_eq!(env.stream_len("AX_READY_NORMAL").await, 2);
+
+    // Two workers of one slot each (a worker never runs two attempts of a task at once,
+    // and a wider one may fetch both copies), each handler long enough for both copies
+    // to be claimed while the first runs.
+    let runs = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let slow = |runs: Arc<std::sync::atomic::AtomicU32>| {
+        Worker::builder("q")
+            .concurrency(1)
+            .handler(move |_task: Task| {
+                let runs = runs.clone();
+                async move {
+                    runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(400)).await;
+                    Ok(())
+                }
+            })
+            .build()
+            .unwrap()
+    };
+    let workers = [
+        env.spawn_worker(slow(runs.clone())),
+        env.spawn_worker(slow(runs.clone())),
+    ];
+    env.wait_state(&accepted.id, TaskState::Succeeded, Duration::from_secs(10))
+        .await;
+    eventually(Duration::from_secs(10), "both copies handled", || async {
+        (env.stream_len("AX_READY_NORMAL").await == 0).then_some(())
+    })
+    .await;
+    for (stop, handle) in workers {
+        stop.cancel();
+        handle.await.unwrap();
+    }
+    let runs = runs.load(std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(runs, 1, "the handler ran {runs} times for one task");
 }

@@ -364,7 +364,14 @@ async fn unknown_record_fields_survive_the_worker() {
     let env = Env::start(Env::server()).await;
     let id = env
         .ax
-        .submit("q", TaskSpec::new("t").delay(Duration::from_millis(1500)))
+        .submit(
+            "q",
+            // A key keeps the record made at submit (a task without one has none until
+            // its claim).
+            TaskSpec::new("t")
+                .delay(Duration::from_millis(1500))
+                .idempotency_key("unknown-fields"),
+        )
         .await
         .unwrap()
         .id;

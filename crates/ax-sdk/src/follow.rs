@@ -50,3 +50,24 @@ impl Reconnects {
         self.seen = self.stats.connects.load(Ordering::Relaxed);
     }
 }
+
+/// Opens an ordered consumer on `stream` with `config` (its pull expiry set to
+/// [`PULL_EXPIRES`]) and its message feed; the error as text, for a retry loop's log line.
+pub async fn ordered(
+    js: &async_nats::jetstream::Context,
+    stream: &str,
+    config: async_nats::jetstream::consumer::pull::OrderedConfig,
+) -> Result<async_nats::jetstream::consumer::pull::Ordered, String> {
+    js.get_stream(stream)
+        .await
+        .map_err(|e| e.to_string())?
+        .create_consumer(async_nats::jetstream::consumer::pull::OrderedConfig {
+            max_expires: PULL_EXPIRES,
+            ..config
+        })
+        .await
+        .map_err(|e| e.to_string())?
+        .messages()
+        .await
+        .map_err(|e| e.to_string())
+}

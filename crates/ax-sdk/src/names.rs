@@ -201,18 +201,25 @@ pub fn delayed_partition(task_id: &str) -> u32 {
     h % DELAYED_PARTITIONS
 }
 
-/// Subject of a delayed task: `ax.delayed.<queue>.<priority>.<partition>`.
+/// Subject of a delayed task: `ax.delayed.<queue>.<priority>.<partition>.<task id>`. A
+/// subject of its own, so a task without a record is found by one direct get (the last
+/// message of its subject) while it waits: [`crate::unclaimed::find_delayed`].
 pub fn delayed_subject(queue: &str, priority: Priority, task_id: &str) -> String {
     format!(
-        "ax.delayed.{queue}.{priority}.{}",
+        "ax.delayed.{queue}.{priority}.{}.{task_id}",
         delayed_partition(task_id)
     )
 }
 
-/// The subject filters of one delayed-task partition. Partition 0 also owns messages
-/// stored before partitions existed (`ax.delayed.<queue>.<priority>`).
+/// The subject filters of one delayed-task partition. Messages stored before delayed
+/// subjects named their task (`ax.delayed.<queue>.<priority>.<partition>`) stay in their
+/// partition, and partition 0 also owns those stored before partitions existed
+/// (`ax.delayed.<queue>.<priority>`).
 pub fn delayed_filters(partition: u32) -> Vec<String> {
-    let mut filters = vec![format!("ax.delayed.*.*.{partition}")];
+    let mut filters = vec![
+        format!("ax.delayed.*.*.{partition}.>"),
+        format!("ax.delayed.*.*.{partition}"),
+    ];
     if partition == 0 {
         filters.push("ax.delayed.*.*".to_string());
     }
@@ -281,9 +288,19 @@ mod tests {
             counts.iter().all(|&c| (800..1200).contains(&c)),
             "{counts:?}"
         );
-        assert!(delayed_subject("q", Priority::Low, "q.x").starts_with("ax.delayed.q.low."));
-        assert_eq!(delayed_filters(0), ["ax.delayed.*.*.0", "ax.delayed.*.*"]);
-        assert_eq!(delayed_filters(5), ["ax.delayed.*.*.5"]);
+        let p = delayed_partition("q.x");
+        assert_eq!(
+            delayed_subject("q", Priority::Low, "q.x"),
+            format!("ax.delayed.q.low.{p}.q.x")
+        );
+        assert_eq!(
+            delayed_filters(0),
+            ["ax.delayed.*.*.0.>", "ax.delayed.*.*.0", "ax.delayed.*.*"]
+        );
+        assert_eq!(
+            delayed_filters(5),
+            ["ax.delayed.*.*.5.>", "ax.delayed.*.*.5"]
+        );
     }
 
     #[test]

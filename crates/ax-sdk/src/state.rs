@@ -357,12 +357,22 @@ impl TaskStore {
     }
 
     /// The task as it stands, recorded or not: its record, or, for a task whose submit
-    /// stored none and that no worker has claimed yet, the `pending` record its ready
-    /// message stands for, at revision 0 ([`crate::unclaimed`]). A compare-and-set against
-    /// revision 0 creates the record. `None`: no such task.
+    /// stored none and that no worker has claimed yet, the `scheduled` record its delayed
+    /// message stands for or the `pending` record its ready message stands for, at
+    /// revision 0 ([`crate::unclaimed`]). A compare-and-set against revision 0 creates the
+    /// record. `None`: no such task.
     pub async fn find(&self, id: &str) -> Result<Option<(TaskRecord, u64)>, StateError> {
         if let Some(found) = self.get(id).await? {
             return Ok(Some(found));
+        }
+        // The delayed message first: the dispatcher publishes a due task's ready message
+        // before it deletes the delayed one, so a task not found delayed is found ready
+        // (or, claimed meanwhile, recorded).
+        if let Some((meta, seq)) = crate::unclaimed::find_delayed(&self.js, id).await? {
+            if let Some(found) = self.get(id).await? {
+                return Ok(Some(found));
+            }
+            return Ok(Some((crate::unclaimed::scheduled_record(&meta, seq), 0)));
         }
         if let Some((meta, seq)) = crate::unclaimed::find_ready(&self.js, id).await? {
             // Claimed between the two reads: the record exists now.

@@ -1,8 +1,10 @@
 //! Finding a task that has no record yet.
 //!
-//! An immediate task submitted without an idempotency key stores one message and no record
-//! (header `Ax-Unrecorded`): the worker that claims it writes the first record. Until then
-//! the message is the task, and this module finds it: its queue is in its id, so it walks
+//! A task submitted without an idempotency key stores one message and no record (header
+//! `Ax-Unrecorded`): the worker that claims it writes the first record. Until then the
+//! message is the task, and this module finds it. While it is delayed, its message has a
+//! subject of its own: one direct get ([`find_delayed`]). Once due (or if it never was
+//! delayed) it waits on a ready subject shared by its queue: its queue is in its id, so it walks
 //! that queue's three ready subjects (direct gets, `next_by_subj`, high priority first)
 //! until a message carries the id. A pending task waits in a bounded ready subject, so the
 //! walk reads at most the queue's capacity (1,000 + 5,000 + 10,000 messages by default).
@@ -13,6 +15,15 @@ use crate::state::{StateError, TaskRecord};
 use crate::task::{header, TaskMeta};
 use async_nats::jetstream::{self, stream::DirectGetErrorKind};
 
+/// A broker failure of the lookup `op` of task `id`.
+fn broker<'a>(id: &'a str, op: &'static str) -> impl Fn(async_nats::Error) -> StateError + 'a {
+    move |source| StateError::Broker {
+        id: id.to_string(),
+        op,
+        source,
+    }
+}
+
 /// The ready message of task `id` if one is stored: its metadata and stream sequence.
 /// `Ok(None)` if no ready subject of its queue holds it (or `id` is not a task id).
 pub async fn find_ready(
@@ -22,11 +33,7 @@ pub async fn find_ready(
     let Some(queue) = names::queue_of_task_id(id) else {
         return Ok(None);
     };
-    let broker = |e: async_nats::Error| StateError::Broker {
-        id: id.to_string(),
-        op: "find ready message",
-        source: e,
-    };
+    let broker = broker(id, "find ready message");
     for priority in Priority::ALL {
         let stream = match js.get_stream_no_info(priority.ready_stream()).await {
             Ok(stream) => stream,
@@ -54,6 +61,47 @@ pub async fn find_ready(
         }
     }
     Ok(None)
+}
+
+/// The delayed message of task `id` if one is stored under its own subject
+/// (`ax.delayed.<queue>.<priority>.<partition>.<id>`): its metadata and `AX_DELAYED`
+/// sequence. One direct get per priority, high first. `Ok(None)` if none holds it (or `id`
+/// is not a task id).
+pub async fn find_delayed(
+    js: &jetstream::Context,
+    id: &str,
+) -> Result<Option<(TaskMeta, u64)>, StateError> {
+    let Some(queue) = names::queue_of_task_id(id) else {
+        return Ok(None);
+    };
+    let broker = broker(id, "find delayed message");
+    let stream = match js.get_stream_no_info(names::DELAYED_STREAM).await {
+        Ok(stream) => stream,
+        Err(e) => return Err(broker(e.into())),
+    };
+    for priority in Priority::ALL {
+        let subject = names::delayed_subject(queue, priority, id);
+        let msg = match stream.direct_get_last_for_subject(subject).await {
+            Ok(msg) => msg,
+            Err(e) if e.kind() == DirectGetErrorKind::NotFound => continue,
+            Err(e) => return Err(broker(e.into())),
+        };
+        if msg.headers.get(header::ID).map(|v| v.as_str()) != Some(id) {
+            continue;
+        }
+        if let Ok(meta) = TaskMeta::from_headers(&msg.headers) {
+            return Ok(Some((meta, msg.sequence)));
+        }
+    }
+    Ok(None)
+}
+
+/// The record a delayed task that has no record yet would have: `scheduled`, naming its
+/// delayed message.
+pub fn scheduled_record(meta: &TaskMeta, seq: u64) -> TaskRecord {
+    let mut rec = meta.record();
+    rec.delayed_seq = Some(seq);
+    rec
 }
 
 /// The record a task that has no record yet would have: `pending`, naming its message.

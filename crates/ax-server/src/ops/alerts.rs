@@ -279,20 +279,12 @@ impl Alerts {
                 ax_sdk::retry::until_ok("the dead-letter feed (AX_DEAD)", &shutdown, || {
                     let js = js.clone();
                     async move {
-                        js.get_stream(ax_sdk::names::DEAD_STREAM)
-                            .await
-                            .map_err(|e| e.to_string())?
-                            .create_consumer(consumer::pull::OrderedConfig {
-                                deliver_policy: consumer::DeliverPolicy::ByStartTime { start_time },
-                                headers_only: true,
-                                max_expires: ax_sdk::follow::PULL_EXPIRES,
-                                ..Default::default()
-                            })
-                            .await
-                            .map_err(|e| e.to_string())?
-                            .messages()
-                            .await
-                            .map_err(|e| e.to_string())
+                        let config = consumer::pull::OrderedConfig {
+                            deliver_policy: consumer::DeliverPolicy::ByStartTime { start_time },
+                            headers_only: true,
+                            ..Default::default()
+                        };
+                        ax_sdk::follow::ordered(&js, ax_sdk::names::DEAD_STREAM, config).await
                     }
                 })
                 .await;

@@ -1,5 +1,6 @@
 //! Keeps the task index current: an ordered consumer over `KV_AX_TASKS` (the last value
-//! of every key, then every change). A feed that breaks is followed again from the start; the index ignores revisions older
+//! of every key, then every change), and one over `AX_DELAYED`'s headers for the delayed
+//! tasks that have no record yet. A feed that breaks is followed again from the start; the index ignores revisions older
 //! than the ones it holds, so reading again is harmless.
 
 use super::index::{Index, Indexed};
@@ -66,10 +67,18 @@ impl TaskIndex {
             loaded: tokio::sync::watch::channel(false).0,
         });
         let feed = ix.clone();
+        let tasks_js = js.clone();
         services.spawn("task-index", move |token| {
             use futures::FutureExt;
             feed.clone()
-                .follow_tasks(js.clone(), token)
+                .follow_tasks(tasks_js.clone(), token)
+                .map(Ok::<(), std::convert::Infallible>)
+        });
+        let feed = ix.clone();
+        services.spawn("task-index-delayed", move |token| {
+            use futures::FutureExt;
+            feed.clone()
+                .follow_delayed(js.clone(), token)
                 .map(Ok::<(), std::convert::Infallible>)
         });
         ix
@@ -192,6 +201,73 @@ impl TaskIndex {
                         info!(read = seen, of = total, "task index: loading");
                     }
                 }
+            }
+        }
+    }
+
+    /// Indexes the delayed tasks whose submit stored no record, from their messages in
+    /// `AX_DELAYED` (headers only): each as `scheduled` at revision 0, so any record a
+    /// worker or an operation writes replaces it. A task the dispatcher has moved to its
+    /// ready subject stays `scheduled` here until a worker claims it (its record then
+    /// says what it is); a restarted feed no longer sees it (docs/ARCHITECTURE.md).
+    async fn follow_delayed(
+        self: std::sync::Arc<Self>,
+        js: jetstream::Context,
+        shutdown: CancellationToken,
+    ) {
+        loop {
+            let opened =
+                ax_sdk::retry::until_ok("the delayed-task feed (AX_DELAYED)", &shutdown, || {
+                    let js = js.clone();
+                    async move {
+                        js.get_stream(ax_sdk::names::DELAYED_STREAM)
+                            .await
+                            .map_err(|e| e.to_string())?
+                            .create_consumer(consumer::pull::OrderedConfig {
+                                deliver_policy: consumer::DeliverPolicy::All,
+                                headers_only: true,
+                                max_expires: ax_sdk::follow::PULL_EXPIRES,
+                                ..Default::default()
+                            })
+                            .await
+                            .map_err(|e| e.to_string())?
+                            .messages()
+                            .await
+                            .map_err(|e| e.to_string())
+                    }
+                })
+                .await;
+            let Some(mut messages) = opened else {
+                return;
+            };
+            loop {
+                let msg = tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    msg = messages.next() => msg,
+                };
+                let msg = match msg {
+                    Some(Ok(msg)) => msg,
+                    Some(Err(e)) => {
+                        warn!(cause = %e, "delayed-task feed broke; following it again");
+                        break;
+                    }
+                    None => break,
+                };
+                let meta = msg
+                    .headers
+                    .as_ref()
+                    .and_then(|h| ax_sdk::task::TaskMeta::from_headers(h).ok());
+                // Recorded tasks are indexed from their records.
+                let Some(meta) = meta.filter(|m| m.unrecorded) else {
+                    continue;
+                };
+                self.index.write().expect("not poisoned").put(
+                    &meta.id,
+                    0,
+                    &Indexed::scheduled(&meta),
+                );
+                self.version
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
         }
     }

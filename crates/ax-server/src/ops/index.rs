@@ -75,6 +75,27 @@ pub(crate) struct Indexed<'a> {
     finished_at_ms: Option<u64>,
 }
 
+impl<'a> Indexed<'a> {
+    /// What the index keeps of a delayed task whose submit stored no record: the
+    /// `scheduled` record its message stands for (docs/PROTOCOL.md §3, "Unrecorded tasks").
+    pub(crate) fn scheduled(meta: &'a ax_sdk::task::TaskMeta) -> Indexed<'a> {
+        Indexed {
+            queue: Cow::Borrowed(&meta.queue),
+            name: Cow::Borrowed(&meta.name),
+            state: TaskState::Scheduled,
+            attempt: 0,
+            created_at_ms: meta.created_at_ms,
+            updated_at_ms: meta.created_at_ms,
+            last_error: None,
+            trigger: None,
+            idempotency_key: None,
+            run_at_ms: meta.run_at_ms,
+            started_at_ms: None,
+            finished_at_ms: None,
+        }
+    }
+}
+
 /// A string field that borrows when it can (serde borrows `Cow<str>` itself, not
 /// inside an `Option`).
 #[derive(Debug, Deserialize)]

@@ -12,8 +12,9 @@
 //! then its delayed message is deleted. A crash in between repeats the publish on restart;
 //! the message id makes it a no-op within the duplicate window. A full ready subject leaves
 //! the task in `AX_DELAYED` and retries with backoff (counted in `ax_pending_dispatch`),
-//! never spinning or dropping it. The record stays `scheduled` until a worker claims it
-//! (see docs/ARCHITECTURE.md for why no `pending` write is made here).
+//! never spinning or dropping it. No record is written here: a task with a key keeps its
+//! `scheduled` record until a worker claims it (see docs/ARCHITECTURE.md for why no
+//! `pending` write is made), and one without a key has none until its claim.
 
 use crate::submit::publish_headers;
 use async_nats::jetstream::{self, consumer, stream};

@@ -1,12 +1,12 @@
 //! Level-1 admission: validate, de-duplicate, store, answer.
 //!
 //! A request is answered "accepted" only after its message is in JetStream (a ready subject,
-//! or `AX_DELAYED` for a task with a due time) and, for a delayed task or one with an
-//! idempotency key, its state record is in `AX_TASKS`. The message goes first: it is what
+//! or `AX_DELAYED` for a task with a due time) and, for a task with an idempotency key,
+//! its state record is in `AX_TASKS`. The message goes first: it is what
 //! runs the task, and a full priority subject refuses it with nothing stored (`busy`). If
 //! ax dies between the two writes, the worker (or the dispatcher) creates the missing
-//! record from the message headers, so nothing accepted is lost. An immediate task without
-//! a key stores its message alone (`unrecorded`): one stored write.
+//! record from the message headers, so nothing accepted is lost. A task without a key
+//! stores its message alone (`unrecorded`): one stored write.
 
 use crate::context::Context;
 use async_nats::jetstream::{self, context::PublishError};
@@ -163,13 +163,15 @@ impl Queues {
     }
 }
 
-/// A producer's immediate task without an idempotency key is stored as its message alone
-/// (header `Ax-Unrecorded`): it is published exactly once, under an id made for it, so no
-/// copy can start beside its first attempt, and nothing needs its record before a worker
-/// claims it. Delayed tasks, tasks with a key, trigger fires and flow steps keep the
-/// record made at submit: their dispatchers, duplicate checks and engines read it.
+/// A producer's task without an idempotency key is stored as its message alone (header
+/// `Ax-Unrecorded`), immediate or delayed: nothing needs its record before a worker claims
+/// it. An immediate one is published exactly once, under an id made for it, so no copy can
+/// start beside its first attempt; a delayed one is found by its message's own subject
+/// while it waits, and its claim writes `running` before it starts (the dispatcher may
+/// publish it twice: docs/PROTOCOL.md §3). Tasks with a key, trigger fires and flow steps
+/// keep the record made at submit: their duplicate checks and engines read it.
 pub(crate) fn unrecorded(mut meta: TaskMeta) -> TaskMeta {
-    meta.unrecorded = meta.run_at_ms.is_none() && meta.idempotency_key.is_none();
+    meta.unrecorded = meta.idempotency_key.is_none();
     meta
 }
 

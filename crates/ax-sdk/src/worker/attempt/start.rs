@@ -204,9 +204,15 @@ pub(super) async fn claim(sh: &Shared, meta: &TaskMeta, msg: &jetstream::Message
                 }
             }
         }
-        // An unrecorded task's first delivery: its `running` record is created later (or
-        // never, if the attempt ends within a second), create-if-absent (revision 0).
-        Decision::Start { rec, lost: false } if found.is_none() => Claim::Started(rec, 0, true),
+        // An unrecorded immediate task's first delivery: its `running` record is created
+        // later (or never, if the attempt ends within a second), create-if-absent
+        // (revision 0). An unrecorded delayed task's is created now (the last arm, CAS on
+        // 0): the dispatcher may have published its ready message twice (killed between
+        // the publish and the delete, restarted after the duplicate window), and the
+        // record naming this message is what retires the other copy.
+        Decision::Start { rec, lost: false } if found.is_none() && meta.run_at_ms.is_none() => {
+            Claim::Started(rec, 0, true)
+        }
         Decision::Start { rec, lost: false }
             if sh.lean_first_attempt
                 && first_delivery(found.as_ref().map(|(r, _)| r), msg, delivery.seq) =>
