@@ -54,6 +54,33 @@ impl Unreadable {
     }
 }
 
+/// Why a feed gave no message.
+enum Stop {
+    /// The feed broke or ended (logged): follow it again.
+    Broke,
+    Shutdown,
+}
+
+/// The next message of a feed, or why there is none (a broken feed is logged as `broke`).
+async fn next(
+    messages: &mut consumer::pull::Ordered,
+    shutdown: &CancellationToken,
+    broke: &str,
+) -> Result<jetstream::Message, Stop> {
+    let msg = tokio::select! {
+        _ = shutdown.cancelled() => return Err(Stop::Shutdown),
+        msg = messages.next() => msg,
+    };
+    match msg {
+        Some(Ok(msg)) => Ok(msg),
+        Some(Err(e)) => {
+            warn!(cause = %e, "{broke}");
+            Err(Stop::Broke)
+        }
+        None => Err(Stop::Broke),
+    }
+}
+
 impl TaskIndex {
     /// Starts following the task-state feed (a supervised service, `task-index`: one that
     /// stops is started again and reads the feed anew into the same index).
@@ -147,17 +174,16 @@ impl TaskIndex {
                 self.mark_loaded(0, started);
             }
             loop {
-                let msg = tokio::select! {
-                    _ = shutdown.cancelled() => return,
-                    msg = messages.next() => msg,
-                };
-                let msg = match msg {
-                    Some(Ok(msg)) => msg,
-                    Some(Err(e)) => {
-                        warn!(cause = %e, "task-state feed broke; following it again");
-                        break;
-                    }
-                    None => break,
+                let msg = match next(
+                    &mut messages,
+                    &shutdown,
+                    "task-state feed broke; following it again",
+                )
+                .await
+                {
+                    Ok(msg) => msg,
+                    Err(Stop::Broke) => break,
+                    Err(Stop::Shutdown) => return,
                 };
                 let Ok(info) = msg.info() else { continue };
                 let (revision, pending) = (info.stream_sequence, info.pending);
@@ -218,22 +244,14 @@ impl TaskIndex {
         loop {
             let opened =
                 ax_sdk::retry::until_ok("the delayed-task feed (AX_DELAYED)", &shutdown, || {
+                    let config = consumer::pull::OrderedConfig {
+                        deliver_policy: consumer::DeliverPolicy::All,
+                        headers_only: true,
+                        ..Default::default()
+                    };
                     let js = js.clone();
                     async move {
-                        js.get_stream(ax_sdk::names::DELAYED_STREAM)
-                            .await
-                            .map_err(|e| e.to_string())?
-                            .create_consumer(consumer::pull::OrderedConfig {
-                                deliver_policy: consumer::DeliverPolicy::All,
-                                headers_only: true,
-                                max_expires: ax_sdk::follow::PULL_EXPIRES,
-                                ..Default::default()
-                            })
-                            .await
-                            .map_err(|e| e.to_string())?
-                            .messages()
-                            .await
-                            .map_err(|e| e.to_string())
+                        ax_sdk::follow::ordered(&js, ax_sdk::names::DELAYED_STREAM, config).await
                     }
                 })
                 .await;
@@ -241,17 +259,16 @@ impl TaskIndex {
                 return;
             };
             loop {
-                let msg = tokio::select! {
-                    _ = shutdown.cancelled() => return,
-                    msg = messages.next() => msg,
-                };
-                let msg = match msg {
-                    Some(Ok(msg)) => msg,
-                    Some(Err(e)) => {
-                        warn!(cause = %e, "delayed-task feed broke; following it again");
-                        break;
-                    }
-                    None => break,
+                let msg = match next(
+                    &mut messages,
+                    &shutdown,
+                    "delayed-task feed broke; following it again",
+                )
+                .await
+                {
+                    Ok(msg) => msg,
+                    Err(Stop::Broke) => break,
+                    Err(Stop::Shutdown) => return,
                 };
                 let meta = msg
                     .headers
