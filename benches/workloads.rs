@@ -261,6 +261,10 @@ async fn w4(nats: &LocalNats, m: usize, batch: bool) {
             &format!("127.0.0.1:{port}"),
             "/debug/pprof/heap?debug=1&gc=1",
         );
+        // AX_BENCH_NATS_HEAP=<file> keeps the whole profile (stacks with their live bytes).
+        if let Ok(file) = std::env::var("AX_BENCH_NATS_HEAP") {
+            std::fs::write(&file, &text).expect("write the heap profile");
+        }
         let stat = |name: &str| {
             text.lines()
                 .find_map(|l| l.strip_prefix(&format!("# {name} = ")))
