@@ -95,8 +95,10 @@ async fn stored_writes_per_task_on_each_path() {
     let fast = writes_per_task(&env, n(&|_| plain()), worker(false)).await;
     assert_eq!(fast, expect(&[("AX_READY_NORMAL", 1), ("KV_AX_TASKS", 1)]));
 
-    // With an idempotency key: the key, and the record made at submit (`pending`,
-    // `running`, `succeeded`): a key's duplicate check reads the record.
+    // With an idempotency key: the ready message, then the key naming it, then the
+    // records the claim writes, `running` before the handler and `succeeded` (no record
+    // at submit: the key, not the record, is what a duplicate submit reads). Five before
+    // (the key, the message, and `pending`, `running`, `succeeded`).
     let keyed = || n(&|i| plain().idempotency_key(format!("budget-{i}")));
     let with_key = writes_per_task(&env, keyed(), worker(false)).await;
     assert_eq!(
@@ -104,7 +106,7 @@ async fn stored_writes_per_task_on_each_path() {
         expect(&[
             ("AX_READY_NORMAL", 1),
             ("KV_AX_IDEMPOTENCY", 1),
-            ("KV_AX_TASKS", 3)
+            ("KV_AX_TASKS", 2)
         ])
     );
 
@@ -136,15 +138,21 @@ async fn stored_writes_per_task_on_each_path() {
         ])
     );
 
-    // The lean first attempt (opt-in) spares a recorded task's `running` write.
-    let keys = (0..N).map(|i| plain().idempotency_key(format!("lean-{i}")));
-    let lean = writes_per_task(&env, keys.collect(), worker(true)).await;
+    // A delayed task with a key keeps the record made at submit (`scheduled`, then
+    // `running`, `succeeded`) after its key.
+    let keys = (0..N).map(|i| {
+        plain()
+            .idempotency_key(format!("later-{i}"))
+            .delay(Duration::from_millis(300))
+    });
+    let delayed_keyed = writes_per_task(&env, keys.collect(), worker(false)).await;
     assert_eq!(
-        lean,
+        delayed_keyed,
         expect(&[
+            ("AX_DELAYED", 1),
             ("AX_READY_NORMAL", 1),
             ("KV_AX_IDEMPOTENCY", 1),
-            ("KV_AX_TASKS", 2)
+            ("KV_AX_TASKS", 3)
         ])
     );
 }

@@ -1,8 +1,9 @@
 //! A first attempt on its message's first delivery runs without writing `running` first;
 //! it writes it when the handler asks for its fencing token or after a second; a stale
 //! one cannot record its result. Each test runs both kinds: an unrecorded task (an
-//! immediate submit without a key: the claim creates the record, every worker does this)
-//! and a recorded one (with a key: the lean first attempt, opt-in).
+//! immediate submit: the claim creates the record, every worker does this) and a recorded
+//! one (its `pending` record made with its message, as a trigger fire's or a flow step's
+//! is: the lean first attempt, opt-in).
 
 use crate::support::Env;
 use ax_sdk::worker::{Task, Worker};
@@ -48,22 +49,25 @@ fn kinds(history: &[(TaskState, u64)]) -> Vec<TaskState> {
     history.iter().map(|(s, _)| *s).collect()
 }
 
-/// Submits an unrecorded task (`keyed` false) or a recorded one, and the states its
-/// record starts with: none, or `pending`.
-async fn submit(env: &Env, keyed: bool) -> (String, Vec<TaskState>) {
-    let spec = match keyed {
-        true => TaskSpec::new("t").idempotency_key(ax_sdk::names::new_task_id("k")),
-        false => TaskSpec::new("t"),
-    };
-    let id = env.ax.submit("q", spec).await.unwrap().id;
-    (
-        id,
-        if keyed {
-            vec![TaskState::Pending]
-        } else {
-            vec![]
-        },
-    )
+/// Submits an unrecorded task (`recorded` false) or a recorded one, and the states its
+/// record starts with: none, or `pending`. A recorded one gets the `pending` record a
+/// trigger fire writes beside its message (naming it by `ready_seq`), made here from the
+/// stored message before any worker runs.
+async fn submit(env: &Env, recorded: bool) -> (String, Vec<TaskState>) {
+    let id = env.ax.submit("q", TaskSpec::new("t")).await.unwrap().id;
+    if !recorded {
+        return (id, vec![]);
+    }
+    let (meta, seq) = ax_sdk::unclaimed::find_ready(&env.js, &id)
+        .await
+        .unwrap()
+        .expect("the message is stored");
+    let tasks = ax_sdk::state::TaskStore::open(&env.js).await.unwrap();
+    tasks
+        .create(&ax_sdk::unclaimed::pending_record(&meta, seq))
+        .await
+        .unwrap();
+    (id, vec![TaskState::Pending])
 }
 
 fn then(mut first: Vec<TaskState>, more: &[TaskState]) -> Vec<TaskState> {
@@ -88,8 +92,8 @@ async fn finish(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_quick_first_attempt_writes_its_outcome_only() {
     let env = Env::start(Env::server().ack_wait(Duration::from_secs(30))).await;
-    for keyed in [false, true] {
-        let (id, first) = submit(&env, keyed).await;
+    for recorded in [false, true] {
+        let (id, first) = submit(&env, recorded).await;
         let seen: Seen = Arc::default();
         let (stop, handle) = env.spawn_worker(worker_with(seen.clone(), Duration::ZERO, false));
         let rec = env
@@ -109,8 +113,8 @@ async fn a_quick_first_attempt_writes_its_outcome_only() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn asking_for_the_token_writes_running_first() {
     let env = Env::start(Env::server().ack_wait(Duration::from_secs(30))).await;
-    for keyed in [false, true] {
-        let (id, first) = submit(&env, keyed).await;
+    for recorded in [false, true] {
+        let (id, first) = submit(&env, recorded).await;
         let running_at = first.len();
         let seen: Seen = Arc::default();
         let (stop, handle) = env.spawn_worker(worker_with(seen.clone(), Duration::ZERO, true));
@@ -126,8 +130,8 @@ async fn asking_for_the_token_writes_running_first() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_first_attempt_longer_than_a_second_is_visible_as_running() {
     let env = Env::start(Env::server().ack_wait(Duration::from_secs(30))).await;
-    for keyed in [false, true] {
-        let (id, first) = submit(&env, keyed).await;
+    for recorded in [false, true] {
+        let (id, first) = submit(&env, recorded).await;
         let seen: Seen = Arc::default();
         let (stop, handle) = env.spawn_worker(worker_with(
             seen.clone(),
@@ -157,14 +161,14 @@ async fn a_first_attempt_longer_than_a_second_is_visible_as_running() {
 /// one's `running` write and its result are refused, and it does not ack.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stale_first_attempt_cannot_record_its_result() {
-    for keyed in [false, true] {
-        stale_first_attempt(keyed).await;
+    for recorded in [false, true] {
+        stale_first_attempt(recorded).await;
     }
 }
 
-async fn stale_first_attempt(keyed: bool) {
+async fn stale_first_attempt(recorded: bool) {
     let env = Env::start(Env::server().ack_wait(Duration::from_secs(30))).await;
-    let (id, _) = submit(&env, keyed).await;
+    let (id, _) = submit(&env, recorded).await;
     let (started_tx, mut started) = mpsc::unbounded_channel();
     let release = Arc::new(Semaphore::new(0));
     let worker = Worker::builder("q")
@@ -191,7 +195,7 @@ async fn stale_first_attempt(keyed: bool) {
     let store = env.store().await;
     let (rec, rev) = store.find(&id).await.unwrap().unwrap();
     assert_eq!(rec.state, TaskState::Pending);
-    assert_eq!(rev == 0, !keyed, "recorded at submit only with a key");
+    assert_eq!(rev == 0, !recorded, "recorded at submit only with a key");
     let mut other = rec.transition(TaskState::Running);
     other.attempt = 1;
     other.worker = Some("other".into());

@@ -16,6 +16,7 @@ mod first_attempt;
 mod flows;
 mod follow;
 mod group_commit;
+mod keys;
 mod kv_read;
 mod limits;
 mod limits_pace;

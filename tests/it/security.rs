@@ -126,6 +126,11 @@ async fn each_role_has_least_privilege() {
         )
         .await
         .unwrap();
+    // A keyed task: its claim reads the key (the worker's rights on AX_IDEMPOTENCY).
+    let keyed = producer
+        .submit("default", TaskSpec::new("t").idempotency_key("k-1"))
+        .await
+        .unwrap();
     // ... but not read task state, nor touch JetStream.
     assert!(producer.task(&now.id).await.is_err());
     let raw_producer = connect(&url, "producer", "pw-producer").await.unwrap();
@@ -147,7 +152,7 @@ async fn each_role_has_least_privilege() {
     let wstop = CancellationToken::new();
     let wh = tokio::spawn(worker.run(worker_conn.clone(), wstop.clone()));
     let admin_view = Client::new(connect(&url, "admin", "pw-admin").await.unwrap());
-    for id in [&now.id, &later.id] {
+    for id in [&now.id, &later.id, &keyed.id] {
         eventually(
             Duration::from_secs(10),
             "the worker to finish the task",

@@ -148,17 +148,19 @@ async fn a_task_index_that_panics_comes_back_and_lists_new_tasks() {
             all.tasks.iter().any(|r| r.id == id).then_some(())
         }
     };
-    // Tasks with a key: recorded at submit, so listed before any worker claims them (an
-    // immediate task without one is recorded by its claim, and there is no worker here).
-    let keyed = |k: &str| ax_sdk::TaskSpec::new("t").idempotency_key(k);
-    let first = env.ax.submit("q", keyed("first")).await.unwrap().id;
+    // Immediate tasks, recorded by their claim: listed from their records (the feed of
+    // `AX_TASKS`, the service that panics), not from a delayed message.
+    let (worker, _runs) = crate::support::counting_worker(2);
+    let (_stop, _handle) = env.spawn_worker(worker);
+    let task = || ax_sdk::TaskSpec::new("t");
+    let first = env.ax.submit("q", task()).await.unwrap().id;
     eventually(Duration::from_secs(10), "the first task listed", || {
         listed(first.clone())
     })
     .await;
     ax_sdk::hooks::panic_service("sup-index", "task-index");
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let second = env.ax.submit("q", keyed("second")).await.unwrap().id;
+    let second = env.ax.submit("q", task()).await.unwrap().id;
     eventually(
         Duration::from_secs(15),
         "a task submitted after the panic listed",

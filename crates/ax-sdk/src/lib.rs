@@ -61,6 +61,7 @@ pub mod follow;
 #[cfg(feature = "test-hooks")]
 #[doc(hidden)]
 pub mod hooks;
+pub mod idempotency;
 pub mod kv_read;
 pub mod limits;
 pub mod metrics;

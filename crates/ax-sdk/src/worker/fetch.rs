@@ -102,6 +102,7 @@ pub(super) async fn run(
     );
     let shared = Arc::new(Shared {
         gate,
+        keys: crate::idempotency::Keys::new(js.clone()),
         js,
         tasks,
         results,

@@ -97,7 +97,7 @@ impl Ops {
                 .get(&kv_key)
                 .await
                 .map_err(|e| WireError::new(ErrorCode::Unavailable, e.to_string()))?;
-            if named.is_some_and(|v| v == id.as_bytes()) {
+            if named.is_some_and(|v| ax_sdk::idempotency::KeyValue::parse(&v).id == *id) {
                 return Err(WireError::new(
                     ErrorCode::Conflict,
                     format!(

@@ -1,15 +1,17 @@
 //! Level-1 admission: validate, de-duplicate, store, answer.
 //!
 //! A request is answered "accepted" only after its message is in JetStream (a ready subject,
-//! or `AX_DELAYED` for a task with a due time) and, for a task with an idempotency key,
-//! its state record is in `AX_TASKS`. The message goes first: it is what
-//! runs the task, and a full priority subject refuses it with nothing stored (`busy`). If
-//! ax dies between the two writes, the worker (or the dispatcher) creates the missing
-//! record from the message headers, so nothing accepted is lost. A task without a key
-//! stores its message alone (`unrecorded`): one stored write.
+//! or `AX_DELAYED` for a task with a due time) and, for an immediate task with an
+//! idempotency key, its key in `AX_IDEMPOTENCY` (a delayed one with a key: its key, then
+//! its message, then its state record in `AX_TASKS`). The message goes before the record:
+//! it is what runs the task, and a full priority subject refuses it with nothing stored
+//! (`busy`). If ax dies between the writes, the worker (or the dispatcher) creates the
+//! missing record from the message headers, or the claim the missing key, so nothing
+//! accepted is lost. Every other task stores its message alone (`unrecorded`).
 
 use crate::context::Context;
 use async_nats::jetstream::{self, context::PublishError};
+use ax_sdk::idempotency::KeyValue;
 use ax_sdk::names;
 use ax_sdk::protocol::{ErrorCode, SubmitAccepted, WireError};
 use ax_sdk::state::{StateError, TaskState};
@@ -163,20 +165,44 @@ impl Queues {
     }
 }
 
-/// A producer's task without an idempotency key is stored as its message alone (header
-/// `Ax-Unrecorded`), immediate or delayed: nothing needs its record before a worker claims
-/// it. An immediate one is published exactly once, under an id made for it, so no copy can
-/// start beside its first attempt; a delayed one is found by its message's own subject
-/// while it waits, and its claim writes `running` before it starts (the dispatcher may
-/// publish it twice: docs/PROTOCOL.md §3). Tasks with a key, trigger fires and flow steps
-/// keep the record made at submit: their duplicate checks and engines read it.
+/// A producer's task is stored as its message alone (header `Ax-Unrecorded`), unless it
+/// is delayed and has an idempotency key: nothing needs its record before a worker claims
+/// it. An immediate one is published once, under an id made for it, so no copy can start
+/// beside its first attempt (one with a key may leave a copy under another id if its
+/// submit loses the key; the claim retires that copy by the key); a delayed one is found
+/// by its message's own subject while it waits, and its claim writes `running` before it
+/// starts (the dispatcher may publish it twice: docs/PROTOCOL.md §3). Delayed tasks with
+/// a key, trigger fires and flow steps keep the record made at submit: their duplicate
+/// checks and engines read it.
 pub(crate) fn unrecorded(mut meta: TaskMeta) -> TaskMeta {
-    meta.unrecorded = meta.idempotency_key.is_none();
+    meta.unrecorded = meta.idempotency_key.is_none() || meta.run_at_ms.is_none();
     meta
 }
 
 fn state_unavailable(e: StateError) -> WireError {
     WireError::new(ErrorCode::Unavailable, e.to_string())
+}
+
+/// The answer of an accepted, new task.
+fn accepted(meta: &TaskMeta) -> SubmitAccepted {
+    SubmitAccepted {
+        id: meta.id.clone(),
+        duplicate: false,
+        state: if meta.run_at_ms.is_some() {
+            TaskState::Scheduled
+        } else {
+            TaskState::Pending
+        },
+    }
+}
+
+/// The task an idempotency key names, as a duplicate submit sees it.
+enum Named {
+    /// Answer the producer this (`duplicate: true`).
+    Answer(SubmitAccepted),
+    /// The key was written before the task and no record shows it stored: finish the
+    /// task under this id.
+    Unstored(String),
 }
 
 impl Context {
@@ -203,34 +229,24 @@ impl Context {
         let mut claimed: Option<(String, u64)> = None;
         if let Some(key) = meta.idempotency_key.clone() {
             let kv_key = names::idempotency_kv_key(queue, &key);
-            match self
-                .idempotency
-                .create(&kv_key, Bytes::from(meta.id.clone()))
-                .await
-            {
+            if meta.unrecorded {
+                return self.submit_keyed(meta, payload, kv_key).await;
+            }
+            let value = KeyValue {
+                id: meta.id.clone(),
+                stored: false,
+            };
+            match self.idempotency.create(&kv_key, value.encode()).await {
                 Ok(revision) => claimed = Some((kv_key, revision)),
                 Err(e) if ax_sdk::state::create_lost(&e) => {
-                    let first = self
-                        .idempotency
-                        .get(&kv_key)
-                        .await
-                        .map_err(|e| WireError::new(ErrorCode::Unavailable, e.to_string()))?
-                        .map(|v| String::from_utf8_lossy(&v).into_owned());
-                    if let Some(first) = first {
-                        if let Some((rec, _)) =
-                            self.tasks.get(&first).await.map_err(state_unavailable)?
-                        {
-                            metrics::counter!(ax_sdk::metrics::SUBMIT_DUPLICATES, "queue" => queue.to_string())
-                                .increment(1);
-                            return Ok(SubmitAccepted {
-                                id: first,
-                                duplicate: true,
-                                state: rec.state,
-                            });
+                    if let Some(first) = self.key_value(&kv_key).await? {
+                        match self.named(queue, first).await? {
+                            Named::Answer(accepted) => return Ok(accepted),
+                            // The first submit stored its key but died before its task:
+                            // finish it under the first id (the message id de-duplicates
+                            // a re-publish).
+                            Named::Unstored(first) => meta.id = first,
                         }
-                        // The first submit stored its key but died before its task: finish
-                        // it under the first id (the message id de-duplicates a re-publish).
-                        meta.id = first;
                     }
                 }
                 Err(e) => return Err(WireError::new(ErrorCode::Unavailable, e.to_string())),
@@ -258,18 +274,125 @@ impl Context {
             }
             return Err(e);
         }
-        Ok(SubmitAccepted {
-            id: meta.id,
-            duplicate: false,
-            state: if meta.run_at_ms.is_some() {
-                TaskState::Scheduled
-            } else {
-                TaskState::Pending
-            },
-        })
+        Ok(accepted(&meta))
     }
 
-    async fn store(&self, meta: &TaskMeta, payload: Bytes) -> Result<(), WireError> {
+    /// An immediate task with an idempotency key: no record until its claim. The key is
+    /// read first (a duplicate stores nothing), the message stored, then the key created
+    /// naming it (`"<id> stored"`). A submit that loses the key to a concurrent one
+    /// deletes its message and answers the winner's task; if that delete is lost, the
+    /// claim retires the copy, since the key names another task
+    /// (`ax_sdk::idempotency::Keys::check`). If ax dies between the two writes (or the
+    /// key's write fails: `unavailable`), the claim writes the key. Four stored writes a
+    /// task: message, key, `running` (before the handler), outcome.
+    async fn submit_keyed(
+        &self,
+        meta: TaskMeta,
+        payload: Bytes,
+        kv_key: String,
+    ) -> Result<SubmitAccepted, WireError> {
+        if let Some(first) = self.key_value(&kv_key).await? {
+            return match self.named(&meta.queue, first).await? {
+                Named::Answer(accepted) => Ok(accepted),
+                // A key written first by an older server (or for a delayed task) whose
+                // task may not be stored: finish it under that id, recorded.
+                Named::Unstored(first) => {
+                    let meta = TaskMeta {
+                        id: first,
+                        unrecorded: false,
+                        ..meta
+                    };
+                    self.store(&meta, payload).await?;
+                    Ok(accepted(&meta))
+                }
+            };
+        }
+        let seq = self.store(&meta, payload).await?;
+        let value = KeyValue {
+            id: meta.id.clone(),
+            stored: true,
+        };
+        match self.idempotency.create(&kv_key, value.encode()).await {
+            Ok(_) => Ok(accepted(&meta)),
+            Err(e) if ax_sdk::state::create_lost(&e) => {
+                let named = self.key_value(&kv_key).await?;
+                match named {
+                    // A worker claimed the task first and wrote its key.
+                    Some(v) if v.id == meta.id => Ok(accepted(&meta)),
+                    Some(v) => {
+                        self.retract(&meta, seq).await;
+                        match self.named(&meta.queue, v).await? {
+                            Named::Answer(accepted) => Ok(accepted),
+                            // An older server's submit of the same key, in flight.
+                            Named::Unstored(first) => Ok(SubmitAccepted {
+                                id: first,
+                                duplicate: true,
+                                state: TaskState::Pending,
+                            }),
+                        }
+                    }
+                    // Written and gone again (expired at once): ours to write.
+                    None => Err(WireError::new(
+                        ErrorCode::Unavailable,
+                        format!("idempotency key {kv_key} changed while it was written: retry"),
+                    )),
+                }
+            }
+            // Not accepted: the key does not name this task, and a retry with the key,
+            // finding none, would store another that the key then names (this one's claim
+            // retires it as a copy; or, if no retry comes, writes its key and runs it).
+            Err(e) => {
+                warn!(task_id = %meta.id, cause = %e, "task stored but its idempotency key not written; answered unavailable");
+                Err(WireError::new(
+                    ErrorCode::Unavailable,
+                    format!("idempotency key {kv_key} not written ({e}): retry with the key"),
+                ))
+            }
+        }
+    }
+
+    /// The value of an idempotency key, if it is set.
+    async fn key_value(&self, kv_key: &str) -> Result<Option<KeyValue>, WireError> {
+        self.idempotency
+            .get(kv_key)
+            .await
+            .map_err(|e| WireError::new(ErrorCode::Unavailable, e.to_string()))
+            .map(|v| v.map(|v| KeyValue::parse(&v)))
+    }
+
+    /// What a duplicate submit answers about the task a key names: its record's state;
+    /// `pending` for a task stored before its key and not claimed yet; or
+    /// [`Named::Unstored`] when the key came first and no record shows the task stored.
+    async fn named(&self, queue: &str, first: KeyValue) -> Result<Named, WireError> {
+        let state = match self.tasks.get(&first.id).await.map_err(state_unavailable)? {
+            Some((rec, _)) => rec.state,
+            None if first.stored => TaskState::Pending,
+            None => return Ok(Named::Unstored(first.id)),
+        };
+        metrics::counter!(ax_sdk::metrics::SUBMIT_DUPLICATES, "queue" => queue.to_string())
+            .increment(1);
+        Ok(Named::Answer(SubmitAccepted {
+            id: first.id,
+            duplicate: true,
+            state,
+        }))
+    }
+
+    /// Deletes the ready message of a submit that lost its key; best effort.
+    async fn retract(&self, meta: &TaskMeta, seq: u64) {
+        let stream = meta.priority.ready_stream();
+        let deleted = match self.js.get_stream_no_info(&stream).await {
+            Ok(stream) => stream.delete_message(seq).await.map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        if let Err(cause) = deleted {
+            warn!(task_id = %meta.id, seq, %cause, "could not delete the message of a submit that lost its idempotency key; its claim retires it");
+        }
+    }
+
+    /// Stores the task (its message, and its record unless it is unrecorded); answers
+    /// the message's stream sequence.
+    async fn store(&self, meta: &TaskMeta, payload: Bytes) -> Result<u64, WireError> {
         let subject = match meta.run_at_ms {
             Some(_) => names::delayed_subject(&meta.queue, meta.priority, &meta.id),
             None => names::ready_subject(&meta.queue, meta.priority),
@@ -286,19 +409,19 @@ impl Context {
                 payload,
             };
             let subject = msg.subject.clone();
-            ready[meta.priority.index()]
+            let seq = ready[meta.priority.index()]
                 .publish(msg)
                 .await
                 .map_err(|e| refusal(&subject, &e))?;
             #[cfg(feature = "test-hooks")]
             ax_sdk::hooks::after_publish();
-            return Ok(());
+            return Ok(seq);
         }
         let ack = publish_task(&self.js, subject, meta, payload).await?;
         #[cfg(feature = "test-hooks")]
         ax_sdk::hooks::after_publish();
         if meta.unrecorded {
-            return Ok(());
+            return Ok(ack.sequence);
         }
         let mut record = meta.record();
         if meta.run_at_ms.is_none() {
@@ -312,7 +435,7 @@ impl Context {
         }
         match self.tasks.create(&record).await {
             // Exists: a worker already picked the task up and wrote its record.
-            Ok(_) | Err(StateError::Exists(_)) => Ok(()),
+            Ok(_) | Err(StateError::Exists(_)) => Ok(ack.sequence),
             // The task is stored and will run: it is accepted. Answering `unavailable`
             // would make a producer without an idempotency key submit it twice. The worker
             // that claims it writes the record from the message headers.
@@ -320,7 +443,7 @@ impl Context {
                 warn!(task_id = %meta.id, cause = %e, "task stored but its record not written; the worker will write it");
                 metrics::counter!(ax_sdk::metrics::RECORD_DEFERRED, "queue" => meta.queue.clone())
                     .increment(1);
-                Ok(())
+                Ok(ack.sequence)
             }
         }
     }

@@ -13,6 +13,7 @@ use super::options::Routes;
 use super::rate::TimeoutRate;
 use super::settle::{settle, After, End};
 use super::{is_json, Handler, Task, TaskError};
+use crate::idempotency::Verdict;
 use crate::limits::gate::{Admit, Gate, Reason};
 use crate::metrics as m;
 use crate::names;
@@ -45,6 +46,8 @@ pub(crate) struct Shared {
     pub(crate) gate: Arc<crate::limits::gate::Gate>,
     pub(crate) js: jetstream::Context,
     pub(crate) tasks: TaskStore,
+    /// Idempotency keys, read by the claim of a keyed task that has no record.
+    pub(crate) keys: crate::idempotency::Keys,
     pub(crate) results: ResultStore,
     pub(crate) queue: String,
     pub(crate) worker_id: String,

@@ -20,6 +20,9 @@ pub(super) async fn note_waiting(sh: &Shared, meta: &TaskMeta, reason: Reason, l
         // Its first record was left to the worker (a deferred write) and is not made yet:
         // make it now, waiting, as the claim would (create-if-absent: a writer that won the
         // race keeps its record).
+        // A keyed task's record is made only by its claim, after the key check
+        // (`crate::idempotency::Keys::check`): a copy that lost its key must not get one.
+        Ok(None) if meta.idempotency_key.is_some() => return,
         Ok(None) => {
             let mut rec = meta.record().transition_at(TaskState::Pending, now_ms());
             rec.waiting = Some(crate::state::Waiting {
@@ -131,6 +134,26 @@ pub(super) async fn claim(sh: &Shared, meta: &TaskMeta, msg: &jetstream::Message
             return Claim::Done;
         }
     };
+    // A keyed task without a record: its submit stored the message before the key, so
+    // the key says which of the copies such submits may leave behind runs.
+    if found.is_none() && meta.unrecorded && meta.idempotency_key.is_some() {
+        let published_ms = msg.info().map_or(i128::from(now_ms()), |i| {
+            i.published.unix_timestamp_nanos() / 1_000_000
+        });
+        match sh.keys.check(meta, published_ms).await {
+            Ok(Verdict::Run) => {}
+            Ok(Verdict::Stray(named)) => {
+                warn!(task_id = %meta.id, seq = delivery.seq, key_names = %named, "copy of a submit that lost its idempotency key retired");
+                reply(msg, AckKind::Term).await;
+                return Claim::Done;
+            }
+            Err(e) => {
+                warn!(task_id = %meta.id, cause = %e, "cannot check idempotency key");
+                reply(msg, AckKind::Nak(Some(BROKER_RETRY))).await;
+                return Claim::Done;
+            }
+        }
+    }
     let revision = found.as_ref().map_or(0, |(_, rev)| *rev);
     // An operator's retry publishes its message, then moves the `dead` record to
     // `pending`: a delivery faster than that write waits for it (a bounded number of
@@ -209,8 +232,13 @@ pub(super) async fn claim(sh: &Shared, meta: &TaskMeta, msg: &jetstream::Message
         // (revision 0). An unrecorded delayed task's is created now (the last arm, CAS on
         // 0): the dispatcher may have published its ready message twice (killed between
         // the publish and the delete, restarted after the duplicate window), and the
-        // record naming this message is what retires the other copy.
-        Decision::Start { rec, lost: false } if found.is_none() && meta.run_at_ms.is_none() => {
+        // record naming this message is what retires the other copy. So is a keyed one's
+        // (after its key check): an operator's cancel in the first second of an attempt
+        // that started unwritten finds no record, writes `cancelled`, and the handler runs
+        // on beside it (the limits campaign, whose tasks carry keys: docs/ARCHITECTURE.md).
+        Decision::Start { rec, lost: false }
+            if found.is_none() && meta.run_at_ms.is_none() && meta.idempotency_key.is_none() =>
+        {
             Claim::Started(rec, 0, true)
         }
         Decision::Start { rec, lost: false }

@@ -1,0 +1,180 @@
+//! Idempotency keys (`AX_IDEMPOTENCY`, key `<queue>.<hex of the key>`): which task a
+//! producer's key names, and the claim's check of a keyed task that has no record.
+//!
+//! An immediate task submitted with a key stores its ready message first and its key
+//! second, naming it; it has no record until a worker claims it (docs/PROTOCOL.md §2,
+//! "Idempotency keys"). Two submits of one key that race, or a submit whose producer
+//! retried after the first one died between the two writes, can each store a message:
+//! the key names one of them, and the claim ([`Keys::check`]) runs only that one.
+
+use crate::names;
+use crate::state::{create_lost, StateError};
+use crate::task::TaskMeta;
+use async_nats::jetstream::{self, kv};
+use bytes::Bytes;
+use std::time::Duration;
+use tokio::sync::OnceCell;
+
+/// What an idempotency key holds: the id of the task it names and whether that task's
+/// message was stored before the key was written (`"<id> stored"`, written by submits
+/// since 2026-12-03), or the key came first (`"<id>"`: delayed tasks, and every key written
+/// before then), in which case the task may never have been stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyValue {
+    /// The task the key names.
+    pub id: String,
+    /// True if its message was stored before the key was written.
+    pub stored: bool,
+}
+
+impl KeyValue {
+    /// The value as written to the bucket.
+    pub fn encode(&self) -> Bytes {
+        match self.stored {
+            true => Bytes::from(format!("{} stored", self.id)),
+            false => Bytes::from(self.id.clone()),
+        }
+    }
+
+    /// Reads a stored value (anything after the id other than ` stored` is ignored).
+    pub fn parse(value: &[u8]) -> KeyValue {
+        let text = String::from_utf8_lossy(value);
+        match text.split_once(' ') {
+            Some((id, rest)) => KeyValue {
+                id: id.to_string(),
+                stored: rest == "stored",
+            },
+            None => KeyValue {
+                id: text.into_owned(),
+                stored: false,
+            },
+        }
+    }
+}
+
+/// What the claim of a keyed task without a record may do ([`Keys::check`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// The key names this task (now, if it named none): run it.
+    Run,
+    /// The key names another task, written while this one's key would still have held:
+    /// this message is the copy of a submit that lost the key. Retire it unrun.
+    Stray(String),
+}
+
+/// The idempotency bucket, opened when first needed (a worker that never sees a keyed
+/// task without a record never opens it).
+#[derive(Debug, Clone)]
+pub struct Keys {
+    js: jetstream::Context,
+    opened: std::sync::Arc<OnceCell<(kv::Store, Duration)>>,
+}
+
+impl Keys {
+    /// Keys of the bucket [`names::IDEMPOTENCY_BUCKET`] reached through `js`.
+    pub fn new(js: jetstream::Context) -> Keys {
+        Keys {
+            js,
+            opened: Default::default(),
+        }
+    }
+
+    /// The bucket and how long a key is kept (its `max_age`; zero: for ever).
+    async fn store(&self, id: &str) -> Result<&(kv::Store, Duration), StateError> {
+        self.opened
+            .get_or_try_init(|| async {
+                let broker = |e: async_nats::Error| StateError::Broker {
+                    id: id.to_string(),
+                    op: "open the idempotency bucket",
+                    source: e,
+                };
+                let store = self
+                    .js
+                    .get_key_value(names::IDEMPOTENCY_BUCKET)
+                    .await
+                    .map_err(|e| broker(e.into()))?;
+                let status = store.status().await.map_err(|e| broker(e.into()))?;
+                let window = status.max_age();
+                Ok((store, window))
+            })
+            .await
+    }
+
+    /// Decides whether the message of keyed task `meta`, stored at `published_ms` (Unix
+    /// milliseconds, the stream's time of the message), may run
+    /// when the task has no record: the key names it (or named nothing, and now names
+    /// it: a submit that died between its message and its key) → [`Verdict::Run`]; the
+    /// key names another task and was written less than the key window after this
+    /// message (so this message's own key, had it won, would still hold) →
+    /// [`Verdict::Stray`]. A key written later than that belongs to a newer task with
+    /// the same key: this one's had expired, and it runs.
+    pub async fn check(&self, meta: &TaskMeta, published_ms: i128) -> Result<Verdict, StateError> {
+        let Some(key) = meta.idempotency_key.as_deref() else {
+            return Ok(Verdict::Run);
+        };
+        let (store, window) = self.store(&meta.id).await?;
+        let kv_key = names::idempotency_kv_key(&meta.queue, key);
+        let broker = |op: &'static str, e: async_nats::Error| StateError::Broker {
+            id: meta.id.clone(),
+            op,
+            source: e,
+        };
+        for _ in 0..3 {
+            let entry = store
+                .entry(&kv_key)
+                .await
+                .map_err(|e| broker("read idempotency key", e.into()))?;
+            if let Some(entry) = entry.filter(|e| e.operation == kv::Operation::Put) {
+                let named = KeyValue::parse(&entry.value);
+                if named.id == meta.id {
+                    return Ok(Verdict::Run);
+                }
+                let written_ms = entry.created.unix_timestamp_nanos() / 1_000_000;
+                let expired = !window.is_zero()
+                    && written_ms >= published_ms.saturating_add(window.as_millis() as i128);
+                return Ok(match expired {
+                    true => Verdict::Run,
+                    false => Verdict::Stray(named.id),
+                });
+            }
+            let value = KeyValue {
+                id: meta.id.clone(),
+                stored: true,
+            };
+            match store.create(&kv_key, value.encode()).await {
+                Ok(_) => return Ok(Verdict::Run),
+                Err(e) if create_lost(&e) => continue,
+                Err(e) => return Err(broker("write idempotency key", e.into())),
+            }
+        }
+        Err(StateError::Broker {
+            id: meta.id.clone(),
+            op: "read idempotency key",
+            source: "the key kept changing while it was read".into(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn values_round_trip_and_old_values_read_as_unstored() {
+        for stored in [true, false] {
+            let v = KeyValue {
+                id: "q.ABC123".into(),
+                stored,
+            };
+            assert_eq!(KeyValue::parse(&v.encode()), v);
+        }
+        assert_eq!(
+            KeyValue::parse(b"q.ABC123"),
+            KeyValue {
+                id: "q.ABC123".into(),
+                stored: false
+            }
+        );
+        assert!(!KeyValue::parse(b"q.ABC123 other").stored);
+    }
+}
