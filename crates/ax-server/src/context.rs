@@ -20,9 +20,9 @@ pub(crate) struct Context {
     pub(crate) queues: Queues,
     /// Flow buckets: trigger fires start flow runs.
     pub(crate) flows: crate::flow::store::FlowStore,
-    /// Group commit of unrecorded submits, one per ready stream (by priority index);
-    /// `None` when turned off.
-    pub(crate) ready: Option<[ax_sdk::atomic::Grouped; 3]>,
+    /// Group commit of unrecorded submits, one per ready stream (by priority index)
+    /// and one for `AX_DELAYED` (a batch is stored by one stream); `None` when turned off.
+    pub(crate) ready: Option<([ax_sdk::atomic::Grouped; 3], ax_sdk::atomic::Grouped)>,
 }
 
 impl Context {
@@ -49,9 +49,12 @@ impl Context {
                 source: e.into(),
             })?;
         let ready = (group_commit != ax_sdk::atomic::GroupCommit::Never).then(|| {
-            ax_sdk::names::Priority::ALL.map(|p| {
-                ax_sdk::atomic::Grouped::start(js.clone(), group_commit, &p.ready_stream())
-            })
+            let start =
+                |stream: &str| ax_sdk::atomic::Grouped::start(js.clone(), group_commit, stream);
+            (
+                ax_sdk::names::Priority::ALL.map(|p| start(&p.ready_stream())),
+                start(ax_sdk::names::DELAYED_STREAM),
+            )
         });
         Ok(Context {
             ready,

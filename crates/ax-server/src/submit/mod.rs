@@ -397,7 +397,7 @@ impl Context {
             Some(_) => names::delayed_subject(&meta.queue, meta.priority, &meta.id),
             None => names::ready_subject(&meta.queue, meta.priority),
         };
-        if let (true, Some(ready)) = (meta.unrecorded, &self.ready) {
+        if let (true, Some((ready, delayed))) = (meta.unrecorded, &self.ready) {
             // Published once, under a fresh id: the worker that claims it writes its first
             // record (create-if-absent), and until then it is found by its message. With
             // the other submits of the moment, as one atomic batch (group commit).
@@ -409,7 +409,11 @@ impl Context {
                 payload,
             };
             let subject = msg.subject.clone();
-            let seq = ready[meta.priority.index()]
+            let group = match meta.run_at_ms {
+                Some(_) => delayed,
+                None => &ready[meta.priority.index()],
+            };
+            let seq = group
                 .publish(msg)
                 .await
                 .map_err(|e| refusal(&subject, &e))?;
