@@ -8,8 +8,9 @@
 //! - **W4 pending memory**: AX_BENCH_W4 (default 1,000,000) tasks delayed by one hour,
 //!   single submits (1,024 in flight; AX_BENCH_W4_BATCH=1 uses batches), no worker. An `ax
 //!   server` process; RSS of it and of nats-server from /proc before, at the peak and after,
-//!   5 s and AX_BENCH_W4_SETTLE (default 60) s after the last submit, and the stored bytes
-//!   of the streams behind it.
+//!   5 s, every minute, and AX_BENCH_W4_SETTLE (default 60) s after the last submit, and
+//!   the stored bytes of the streams behind it. AX_BENCH_NATS_PROFILE=<port> also reads
+//!   nats-server's heap after a forced GC (AX_BENCH_NATS_HEAP=<file> keeps the profile).
 //! - **W5 cron triggers**: AX_BENCH_W5 (default 100,000) daily cron triggers, one per user,
 //!   put through the trigger API (256 in flight). Put rate; the `ax server` process's RSS;
 //!   then a restart: how long until the new leader holds them all (`ax_triggers_held`),
@@ -226,7 +227,21 @@ async fn w4(nats: &LocalNats, m: usize, batch: bool) {
     tokio::time::sleep(Duration::from_secs(5)).await;
     let (nats5, ax5) = (usage(nats_pid).1, usage(ax_pid).1);
     let settle = env_or("AX_BENCH_W4_SETTLE", 60) as u64;
-    tokio::time::sleep(Duration::from_secs(settle.saturating_sub(5))).await;
+    // Every minute of the settle, the figures so far: the broker's duplicate-window map
+    // (2 min) and the file store's block caches go, and Go returns freed memory slowly.
+    let mut waited = 5;
+    while waited < settle {
+        let step = (settle - waited).min(60);
+        tokio::time::sleep(Duration::from_secs(step)).await;
+        waited += step;
+        if waited < settle {
+            eprintln!(
+                "  ... {waited} s after: nats-server {:.1} MiB + ax server {:.1} MiB",
+                mib(usage(nats_pid).1),
+                mib(usage(ax_pid).1)
+            );
+        }
+    }
     sampling.cancel();
     sampler.await.unwrap();
     let (nats1, ax1) = (usage(nats_pid).1, usage(ax_pid).1);
