@@ -8,7 +8,7 @@
 //! the key names one of them, and the claim ([`Keys::check`]) runs only that one.
 
 use crate::names;
-use crate::state::{create_lost, StateError};
+use crate::state::StateError;
 use crate::task::TaskMeta;
 use async_nats::jetstream::{self, kv};
 use bytes::Bytes;
@@ -119,32 +119,47 @@ impl Keys {
             op,
             source: e,
         };
+        let decide = |entry: &kv::Entry| {
+            let named = KeyValue::parse(&entry.value);
+            if named.id == meta.id {
+                return Verdict::Run;
+            }
+            let written_ms = entry.created.unix_timestamp_nanos() / 1_000_000;
+            let expired = !window.is_zero()
+                && written_ms >= published_ms.saturating_add(window.as_millis() as i128);
+            match expired {
+                true => Verdict::Run,
+                false => Verdict::Stray(named.id),
+            }
+        };
+        // The common case, a key naming this task, from any replica (a direct get). An
+        // absent key or one naming another task is read again from the stream's leader
+        // before it decides anything: a replica catching up after a restart answers
+        // "absent" for keys written long ago (docs/ARCHITECTURE.md, `kv_read`).
+        let direct = store
+            .entry(&kv_key)
+            .await
+            .map_err(|e| broker("read idempotency key", e.into()))?;
+        if let Some(entry) = direct.filter(|e| e.operation == kv::Operation::Put) {
+            if KeyValue::parse(&entry.value).id == meta.id {
+                return Ok(Verdict::Run);
+            }
+        }
         for _ in 0..3 {
-            let entry = store
-                .entry(&kv_key)
+            let latest = crate::kv_read::latest(store, &kv_key)
                 .await
-                .map_err(|e| broker("read idempotency key", e.into()))?;
-            if let Some(entry) = entry.filter(|e| e.operation == kv::Operation::Put) {
-                let named = KeyValue::parse(&entry.value);
-                if named.id == meta.id {
-                    return Ok(Verdict::Run);
-                }
-                let written_ms = entry.created.unix_timestamp_nanos() / 1_000_000;
-                let expired = !window.is_zero()
-                    && written_ms >= published_ms.saturating_add(window.as_millis() as i128);
-                return Ok(match expired {
-                    true => Verdict::Run,
-                    false => Verdict::Stray(named.id),
-                });
+                .map_err(|e| broker("read idempotency key from the stream leader", e))?;
+            if let Some(entry) = latest.filter(|e| e.operation == kv::Operation::Put) {
+                return Ok(decide(&entry));
             }
             let value = KeyValue {
                 id: meta.id.clone(),
                 stored: true,
             };
-            match store.create(&kv_key, value.encode()).await {
-                Ok(_) => return Ok(Verdict::Run),
-                Err(e) if create_lost(&e) => continue,
-                Err(e) => return Err(broker("write idempotency key", e.into())),
+            // Any failure is followed by a read: a create that was stored but not
+            // answered, or refused because the key exists, shows there.
+            if store.create(&kv_key, value.encode()).await.is_ok() {
+                return Ok(Verdict::Run);
             }
         }
         Err(StateError::Broker {

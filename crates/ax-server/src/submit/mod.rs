@@ -312,36 +312,38 @@ impl Context {
             id: meta.id.clone(),
             stored: true,
         };
-        match self.idempotency.create(&kv_key, value.encode()).await {
-            Ok(_) => Ok(accepted(&meta)),
-            Err(e) if ax_sdk::state::create_lost(&e) => {
-                let named = self.key_value(&kv_key).await?;
-                match named {
-                    // A worker claimed the task first and wrote its key.
-                    Some(v) if v.id == meta.id => Ok(accepted(&meta)),
-                    Some(v) => {
-                        self.retract(&meta, seq).await;
-                        match self.named(&meta.queue, v).await? {
-                            Named::Answer(accepted) => Ok(accepted),
-                            // An older server's submit of the same key, in flight.
-                            Named::Unstored(first) => Ok(SubmitAccepted {
-                                id: first,
-                                duplicate: true,
-                                state: TaskState::Pending,
-                            }),
-                        }
-                    }
-                    // Written and gone again (expired at once): ours to write.
-                    None => Err(WireError::new(
-                        ErrorCode::Unavailable,
-                        format!("idempotency key {kv_key} changed while it was written: retry"),
-                    )),
+        let created = self.idempotency.create(&kv_key, value.encode()).await;
+        let Err(e) = created else {
+            return Ok(accepted(&meta));
+        };
+        // Refused (a concurrent submit's key, or a worker's), or no answer: the stream's
+        // leader says what the key holds (a replica may be behind and answer "absent").
+        let named = ax_sdk::kv_read::latest(&self.idempotency, &kv_key)
+            .await
+            .map_err(|e| WireError::new(ErrorCode::Unavailable, e.to_string()))?
+            .filter(|entry| entry.operation == async_nats::jetstream::kv::Operation::Put)
+            .map(|entry| KeyValue::parse(&entry.value));
+        match named {
+            // This submit's create was stored, or a worker claimed the task first and
+            // wrote its key.
+            Some(v) if v.id == meta.id => Ok(accepted(&meta)),
+            Some(v) => {
+                self.retract(&meta, seq).await;
+                match self.named(&meta.queue, v).await? {
+                    Named::Answer(accepted) => Ok(accepted),
+                    // An older server's submit of the same key, in flight.
+                    Named::Unstored(first) => Ok(SubmitAccepted {
+                        id: first,
+                        duplicate: true,
+                        state: TaskState::Pending,
+                    }),
                 }
             }
             // Not accepted: the key does not name this task, and a retry with the key,
-            // finding none, would store another that the key then names (this one's claim
-            // retires it as a copy; or, if no retry comes, writes its key and runs it).
-            Err(e) => {
+            // finding none, would store another that the key then names (this one's
+            // claim retires it as a copy; or, if no retry comes, writes its key and runs
+            // it).
+            None => {
                 warn!(task_id = %meta.id, cause = %e, "task stored but its idempotency key not written; answered unavailable");
                 Err(WireError::new(
                     ErrorCode::Unavailable,
