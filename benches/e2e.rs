@@ -3,7 +3,8 @@
 //! Run: `./dev bench` (or `cargo bench --bench e2e` with AX_NATS_SERVER set).
 //! Settings (environment): AX_BENCH_TASKS (default 50000) tasks for the throughput runs,
 //! AX_BENCH_DELAYED (default 50000) delayed tasks, AX_BENCH_SPREAD_SECS (default 10) the
-//! window their due times are spread over, AX_BENCH_PAYLOAD (default 256) payload bytes.
+//! window their due times are spread over, AX_BENCH_PAYLOAD (default 256) payload bytes;
+//! AX_BENCH_KEYS=1 gives every task of (b) its own idempotency key.
 //!
 //! (a) raw JetStream: async publish (pipelined) + pull consume + ack of N messages.
 //! (b) ax end to end: submit (request/reply) → admission → ready stream → worker with a
@@ -146,29 +147,47 @@ async fn ax_end_to_end(
     let worker = tokio::spawn(worker.run(client.clone(), stop.clone()));
     let ax = Client::new(client.clone());
     let value = serde_json::Value::String("x".repeat(payload.len().saturating_sub(2)));
+    // AX_BENCH_KEYS=1: task i carries its own key (the same on a resubmit after `busy`).
+    let keyed = std::env::var("AX_BENCH_KEYS").is_ok_and(|v| v == "1");
+    let run = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let spec = move |i: usize, value: &serde_json::Value| {
+        let spec = TaskSpec::new("noop").json(value);
+        match keyed {
+            true => spec.idempotency_key(format!("bench-{run}-{i}")),
+            false => spec,
+        }
+    };
     let start = Instant::now();
     if batch {
         // Batch submits: Client::submit_many, 1,000 tasks a request, 4 requests in flight;
         // a refused task (busy) is sent again.
-        let mut left = n;
-        while left > 0 {
-            let specs = (0..left).map(|_| TaskSpec::new("noop").json(&value));
+        let mut left: Vec<usize> = (0..n).collect();
+        while !left.is_empty() {
+            let specs = left.iter().map(|&i| spec(i, &value));
             let answers = ax.submit_many("bench", specs).await;
             for a in &answers {
                 if let Err(e) = a {
                     assert!(e.code.is_retryable(), "submit: {e}");
                 }
             }
-            left = answers.iter().filter(|a| a.is_err()).count();
+            left = left
+                .iter()
+                .zip(&answers)
+                .filter(|(_, a)| a.is_err())
+                .map(|(&i, _)| i)
+                .collect();
         }
     }
     let mut submits = futures::stream::iter(0..if batch { 0 } else { n })
-        .map(|_| {
+        .map(|i| {
             let ax = ax.clone();
             let value = value.clone();
             async move {
                 loop {
-                    match ax.submit("bench", TaskSpec::new("noop").json(&value)).await {
+                    match ax.submit("bench", spec(i, &value)).await {
                         Ok(_) => return,
                         Err(ax_sdk::ClientError::Refused(e)) if e.code.is_retryable() => {
                             tokio::time::sleep(Duration::from_millis(5)).await
@@ -323,6 +342,10 @@ fn main() {
         println!(
             "group commit (submits and worker records): {:?} (AX_BENCH_GROUP_COMMIT=auto|1|0)",
             group_commit()
+        );
+        println!(
+            "(b) tasks with an idempotency key each: {} (AX_BENCH_KEYS=1)",
+            std::env::var("AX_BENCH_KEYS").is_ok_and(|v| v == "1")
         );
         let client = async_nats::connect(nats.url()).await.unwrap();
         let stop = CancellationToken::new();
