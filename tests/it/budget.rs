@@ -60,10 +60,9 @@ async fn writes_per_task(env: &Env, specs: Vec<TaskSpec>, worker: Worker) -> BTr
     per_task
 }
 
-fn worker(lean: bool) -> Worker {
+fn worker() -> Worker {
     Worker::builder("q")
         .concurrency(32)
-        .lean_first_attempt(lean)
         .handler(|task: Task| async move {
             // `{"fail_first": true}` fails its first attempt (retried at once).
             let fail_first = task.json::<serde_json::Value>()?["fail_first"] == true;
@@ -92,7 +91,7 @@ async fn stored_writes_per_task_on_each_path() {
     // second. The ready message, then the record the claim creates as `succeeded` (the
     // submit stores none, the attempt writes no `running`): two writes. Before the
     // unrecorded submit this was 1 + 3.
-    let fast = writes_per_task(&env, n(&|_| plain()), worker(false)).await;
+    let fast = writes_per_task(&env, n(&|_| plain()), worker()).await;
     assert_eq!(fast, expect(&[("AX_READY_NORMAL", 1), ("KV_AX_TASKS", 1)]));
 
     // With an idempotency key: the ready message, then the key naming it, then the
@@ -100,7 +99,7 @@ async fn stored_writes_per_task_on_each_path() {
     // at submit: the key, not the record, is what a duplicate submit reads). Five before
     // (the key, the message, and `pending`, `running`, `succeeded`).
     let keyed = || n(&|i| plain().idempotency_key(format!("budget-{i}")));
-    let with_key = writes_per_task(&env, keyed(), worker(false)).await;
+    let with_key = writes_per_task(&env, keyed(), worker()).await;
     assert_eq!(
         with_key,
         expect(&[
@@ -117,7 +116,7 @@ async fn stored_writes_per_task_on_each_path() {
             .json(&serde_json::json!({"fail_first": true}))
             .backoff(Duration::from_millis(1), Duration::from_millis(1), 0.0)
     });
-    let with_retry = writes_per_task(&env, flaky, worker(false)).await;
+    let with_retry = writes_per_task(&env, flaky, worker()).await;
     assert_eq!(
         with_retry,
         expect(&[("AX_READY_NORMAL", 1), ("KV_AX_TASKS", 2)])
@@ -128,7 +127,7 @@ async fn stored_writes_per_task_on_each_path() {
     // `running` before the attempt starts (the dispatcher may have published a copy:
     // docs/PROTOCOL.md §3), then `succeeded`. Five before delayed tasks went unrecorded.
     let delayed = n(&|_| plain().delay(Duration::from_millis(300)));
-    let with_delay = writes_per_task(&env, delayed, worker(false)).await;
+    let with_delay = writes_per_task(&env, delayed, worker()).await;
     assert_eq!(
         with_delay,
         expect(&[
@@ -145,7 +144,7 @@ async fn stored_writes_per_task_on_each_path() {
             .idempotency_key(format!("later-{i}"))
             .delay(Duration::from_millis(300))
     });
-    let delayed_keyed = writes_per_task(&env, keys.collect(), worker(false)).await;
+    let delayed_keyed = writes_per_task(&env, keys.collect(), worker()).await;
     assert_eq!(
         delayed_keyed,
         expect(&[
