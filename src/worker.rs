@@ -41,7 +41,7 @@ pub(crate) struct WorkerArgs {
     /// Append one JSON line per handler start and one per end to this file (created if
     /// missing; never truncated). A start: `{"event": "start", "id", "attempt", "token"
     /// (the fencing token, 0 when the handler did not ask for one), "worker", "name",
-    /// "at_ms"}`; an end: `{"event": "end", "id", "attempt", "token", "outcome", "at_ms"}`,
+    /// "at_ms"}`; an end: `{"event": "end", "id", "attempt", "token", "worker", "outcome", "at_ms"}`,
     /// `outcome` being `ok`, `err:<class>`, or `stopped` (the worker dropped the handler:
     /// a cancel, a lost concurrency slot, a shutdown). For checkers counting every run.
     #[arg(long)]
@@ -81,6 +81,7 @@ impl Journal {
 /// Writes the `end` line of a run whose handler is dropped before it finishes.
 struct Stopped {
     journal: Journal,
+    worker: String,
     id: String,
     attempt: u32,
     token: u64,
@@ -92,7 +93,7 @@ impl Drop for Stopped {
         if !self.done {
             self.journal.line(serde_json::json!({
                 "event": "end", "id": self.id, "token": self.token, "attempt": self.attempt,
-                "outcome": "stopped", "at_ms": ax_sdk::time::now_ms(),
+                "worker": self.worker, "outcome": "stopped", "at_ms": ax_sdk::time::now_ms(),
             }));
         }
     }
@@ -130,6 +131,7 @@ pub(crate) fn example_worker(
                 }
                 let mut stopped = journal.as_ref().map(|j| Stopped {
                     journal: j.clone(),
+                    worker: worker_id.clone(),
                     id: task.id.clone(),
                     attempt: task.attempt,
                     token,
@@ -146,7 +148,7 @@ pub(crate) fn example_worker(
                     };
                     j.line(serde_json::json!({
                         "event": "end", "id": task.id, "token": token, "attempt": task.attempt,
-                        "outcome": outcome, "at_ms": ax_sdk::time::now_ms(),
+                        "worker": worker_id, "outcome": outcome, "at_ms": ax_sdk::time::now_ms(),
                     }));
                 }
                 result

@@ -43,14 +43,17 @@ pub fn parse_journal(text: &str) -> HashMap<String, Vec<Invocation>> {
                 end_ms: None,
             }),
             Some("end") => {
-                // Matched by token and attempt: invocations that never asked for a token
-                // all journal token 0, and a paused one may end after a later one started.
+                // Matched by token, attempt and worker: invocations that never asked for a
+                // token all journal token 0, a paused one may end after a later one
+                // started, and a first attempt lost within its first second runs again as
+                // the same attempt on another worker (docs/RELIABILITY.md).
                 let attempt = v["attempt"].as_u64().map(|a| a as u32);
-                if let Some(run) = runs
-                    .iter_mut()
-                    .rev()
-                    .find(|r| r.token == token && attempt.is_none_or(|a| a == r.attempt))
-                {
+                let worker = v["worker"].as_str();
+                if let Some(run) = runs.iter_mut().rev().find(|r| {
+                    r.token == token
+                        && attempt.is_none_or(|a| a == r.attempt)
+                        && worker.is_none_or(|w| w == r.worker)
+                }) {
                     run.outcome = v["outcome"].as_str().map(str::to_string);
                     run.end_ms = v["at_ms"].as_u64();
                 }
@@ -190,16 +193,42 @@ pub fn check_tokens(journal: &HashMap<String, Vec<Invocation>>) -> Vec<String> {
     v
 }
 
+/// How long a first attempt (or a retry) may run before its `running` write
+/// (`FIRST_WRITE_AFTER` in the worker).
+pub const FIRST_WRITE_MS: u64 = 1_000;
+
 /// Every handler start is of an attempt its task's record counts: the record exists and
 /// its attempt is at least the journal's. A start the records do not count (a task run
-/// again after it ended, a fire made twice) is what deterministic ids would hide.
+/// again after it ended, a fire made twice) is what deterministic ids would hide. Left
+/// out: a start without a token whose worker was killed or stopped within
+/// [`FIRST_WRITE_MS`] of it — an attempt lost before its `running` write is not counted
+/// (docs/RELIABILITY.md, "An attempt lost within its first second is not counted"), and
+/// a cancel made meanwhile records none.
 pub fn check_counted(
     journal: &HashMap<String, Vec<Invocation>>,
     histories: &Histories,
+    timeline: &crate::cluster::Timeline,
 ) -> Vec<String> {
+    let lost_unwritten = |r: &Invocation| {
+        let soon = |at: u64| at >= r.start_ms && at < r.start_ms + FIRST_WRITE_MS;
+        r.token == 0
+            && (timeline
+                .kills
+                .iter()
+                .any(|(w, at)| *w == r.worker && soon(*at))
+                || timeline
+                    .stops
+                    .iter()
+                    .any(|(w, at, _)| *w == r.worker && soon(*at)))
+    };
     let mut v = Vec::new();
     for (id, runs) in journal {
-        let Some(most) = runs.iter().map(|r| r.attempt).max() else {
+        let Some(most) = runs
+            .iter()
+            .filter(|r| !lost_unwritten(r))
+            .map(|r| r.attempt)
+            .max()
+        else {
             continue;
         };
         match histories.get(id).and_then(|h| h.last()) {
@@ -325,6 +354,25 @@ mod tests {
     }
 
     #[test]
+    fn end_lines_match_their_worker() {
+        // Attempt 1 lost in its first second on w1 (stopped) runs again on w2; w1's ends
+        // after w2's.
+        let text = [
+            r#"{"event":"start","id":"q.a","attempt":1,"token":0,"worker":"w1","at_ms":1}"#,
+            r#"{"event":"start","id":"q.a","attempt":1,"token":0,"worker":"w2","at_ms":2}"#,
+            r#"{"event":"end","id":"q.a","attempt":1,"token":0,"worker":"w2","outcome":"ok","at_ms":3}"#,
+            r#"{"event":"end","id":"q.a","attempt":1,"token":0,"worker":"w1","outcome":"ok","at_ms":9}"#,
+        ]
+        .join("\n");
+        let j = parse_journal(&text);
+        let ends: Vec<_> = j["q.a"]
+            .iter()
+            .map(|r| (r.worker.as_str(), r.end_ms))
+            .collect();
+        assert_eq!(ends, [("w1", Some(9)), ("w2", Some(3))]);
+    }
+
+    #[test]
     fn only_an_operators_retry_reopens_a_dead_task() {
         let rec = |state: &str, attempt: u32, op: Option<&str>| -> TaskRecord {
             let mut v = serde_json::json!({"id": "q.a", "queue": "q", "name": "t",
@@ -372,11 +420,26 @@ mod tests {
             "attempt": 1, "max_attempts": 5, "created_at_ms": 0, "updated_at_ms": 0}))
         .unwrap();
         let histories = Histories::from([("q.a".to_string(), vec![(1, rec)])]);
+        let none = crate::cluster::Timeline::default();
         let mut journal = HashMap::from([("q.a".to_string(), vec![run(1)])]);
-        assert!(check_counted(&journal, &histories).is_empty());
+        assert!(check_counted(&journal, &histories, &none).is_empty());
         journal.insert("q.a".to_string(), vec![run(1), run(2)]);
         journal.insert("q.b".to_string(), vec![run(1)]);
-        assert_eq!(check_counted(&journal, &histories).len(), 2);
+        assert_eq!(check_counted(&journal, &histories, &none).len(), 2);
+        // Attempt 2 started unwritten on w, which was stopped 500 ms in: not counted,
+        // not a violation; stopped 1.5 s in (after its `running` write) it is one.
+        let lost = Invocation {
+            attempt: 2,
+            worker: "w".into(),
+            start_ms: 10_000,
+            ..Default::default()
+        };
+        journal = HashMap::from([("q.a".to_string(), vec![run(1), lost])]);
+        let mut stopped = crate::cluster::Timeline::default();
+        stopped.stops.push(("w".into(), 10_500, 13_000));
+        assert!(check_counted(&journal, &histories, &stopped).is_empty());
+        stopped.stops[0].1 = 11_500;
+        assert_eq!(check_counted(&journal, &histories, &stopped).len(), 1);
     }
 
     #[test]

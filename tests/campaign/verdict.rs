@@ -55,7 +55,7 @@ pub async fn check_core(
     verdict.add("tokens", checker::check_tokens(invocations));
     verdict.add(
         "counted starts",
-        checker::check_counted(invocations, histories),
+        checker::check_counted(invocations, histories, &seen.timeline),
     );
     let mut violations = Vec::new();
     let records: Vec<&TaskRecord> = histories

@@ -4,8 +4,8 @@
 //! noisy, and any write added to the task path turns it red.
 //!
 //! The figures asserted are today's path (docs/PERFORMANCE.md, "Stored writes per
-//! task"): two on the fast path (the budget), five with a key, three with a retry, four
-//! for a delayed task.
+//! task"): two on the fast path (the budget), three with a key or a retry, four for a
+//! delayed task.
 
 use crate::support::Env;
 use ax_sdk::worker::{Task, TaskError, Worker};
@@ -95,9 +95,11 @@ async fn stored_writes_per_task_on_each_path() {
     assert_eq!(fast, expect(&[("AX_READY_NORMAL", 1), ("KV_AX_TASKS", 1)]));
 
     // With an idempotency key: the ready message, then the key naming it, then the
-    // records the claim writes, `running` before the handler and `succeeded` (no record
-    // at submit: the key, not the record, is what a duplicate submit reads). Five before
-    // (the key, the message, and `pending`, `running`, `succeeded`).
+    // record the claim creates as `succeeded` (no record at submit: the key, not the
+    // record, is what a duplicate submit reads; no `running` before a first attempt that
+    // ends within a second, as without a key). Five before 2026-12-03 (the key, the
+    // message, and `pending`, `running`, `succeeded`), four until the cancel of an
+    // unwritten attempt signalled its worker (`running` before the handler).
     let keyed = || n(&|i| plain().idempotency_key(format!("budget-{i}")));
     let with_key = writes_per_task(&env, keyed(), worker()).await;
     assert_eq!(
@@ -105,7 +107,7 @@ async fn stored_writes_per_task_on_each_path() {
         expect(&[
             ("AX_READY_NORMAL", 1),
             ("KV_AX_IDEMPOTENCY", 1),
-            ("KV_AX_TASKS", 2)
+            ("KV_AX_TASKS", 1)
         ])
     );
 

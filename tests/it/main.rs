@@ -5,6 +5,7 @@ mod apply;
 mod batch;
 mod browser;
 mod budget;
+mod cancel_unwritten;
 mod chaos;
 mod console;
 mod console_guard;

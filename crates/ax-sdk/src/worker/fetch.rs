@@ -268,7 +268,8 @@ pub(super) async fn run(
 
 /// Answers operators' cancel signals (`ax.cancel.<queue>`, body = task id): the attempt
 /// of that task running here stops and ends `cancelled`. A worker not holding the task
-/// stays silent, so the one that holds it answers.
+/// stays silent, so the one that holds it answers, with the attempt whose handler it had
+/// started (`started`, 0 if none: then none starts).
 async fn cancel_signals(shared: Arc<Shared>, shutdown: CancellationToken) {
     let client = shared.js.client();
     let subject = crate::names::cancel_subject(&shared.queue);
@@ -290,10 +291,11 @@ async fn cancel_signals(shared: Arc<Shared>, shutdown: CancellationToken) {
             msg = subscription.next() => match msg { Some(m) => m, None => return },
         };
         let id = String::from_utf8_lossy(&msg.payload).to_string();
-        if shared.inflight.cancel(&id) {
-            info!(task_id = %id, "cancel signal: stopping the attempt");
+        if let Some(started) = shared.inflight.cancel(&id) {
+            info!(task_id = %id, started, "cancel signal: stopping the attempt");
             if let Some(reply) = msg.reply {
-                let body = serde_json::json!({ "worker": shared.worker_id }).to_string();
+                let body = serde_json::json!({ "worker": shared.worker_id, "started": started })
+                    .to_string();
                 let _ = client.publish(reply, body.into()).await;
             }
         }

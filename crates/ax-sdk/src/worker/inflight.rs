@@ -10,6 +10,7 @@
 //! Across worker processes the fencing token keeps results apart (docs/PROTOCOL.md §3).
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -37,6 +38,28 @@ pub(crate) struct Slot {
     /// Cancelled when an operator cancels the task while its attempt runs here
     /// (`ax.cancel.<queue>`): the attempt stops and ends `cancelled`.
     pub(crate) cancel: tokio_util::sync::CancellationToken,
+    /// Set (before `cancel`) by an operator's cancel signal; read by an attempt as its
+    /// handler starts, after it set `started` (see [`Slot::start`]).
+    stop: AtomicBool,
+    /// The attempt whose handler was started here (0: none).
+    started: AtomicU32,
+}
+
+impl Slot {
+    /// Marks the handler of `attempt` as started; false if a cancel signal came first (the
+    /// handler must not start). The signal sets `stop` and then reads `started`, the
+    /// attempt sets `started` and then reads `stop` (both sequentially consistent), so a
+    /// signal that answers "not started" is always seen here: a cancelled task's handler
+    /// either started before the signal's answer, which says so, or never starts.
+    pub(crate) fn start(&self, attempt: u32) -> bool {
+        self.started.store(attempt, SeqCst);
+        !self.stop.load(SeqCst)
+    }
+
+    /// The attempt whose handler was last started here (0: none).
+    pub(crate) fn started(&self) -> u32 {
+        self.started.load(SeqCst)
+    }
 }
 
 /// The registry: task id → its slot and how many deliveries use it.
@@ -53,6 +76,8 @@ impl InFlight {
                 held: Held::now(),
                 turn: tokio::sync::Mutex::new(()),
                 cancel: Default::default(),
+                stop: AtomicBool::new(false),
+                started: AtomicU32::new(0),
             };
             (Arc::new(slot), 0)
         });
@@ -65,16 +90,14 @@ impl InFlight {
         }
     }
 
-    /// Signals the attempt of task `id` held here to stop; false if none is held here.
-    pub(crate) fn cancel(&self, id: &str) -> bool {
+    /// Signals the attempt of task `id` held here to stop. `None` if the task is not held
+    /// here; else the attempt whose handler had started here (0: none, and none will).
+    pub(crate) fn cancel(&self, id: &str) -> Option<u32> {
         let map = self.0.lock().expect("not poisoned");
-        match map.get(id) {
-            Some((slot, _)) => {
-                slot.cancel.cancel();
-                true
-            }
-            None => false,
-        }
+        let (slot, _) = map.get(id)?;
+        slot.stop.store(true, SeqCst);
+        slot.cancel.cancel();
+        Some(slot.started.load(SeqCst))
     }
 
     /// Tasks held now (for tests).
@@ -128,5 +151,23 @@ mod tests {
         assert_eq!(reg.len(), 1);
         drop(second);
         assert_eq!(reg.len(), 0, "the slot leaves with its last delivery");
+    }
+
+    #[test]
+    fn a_cancel_signal_says_whether_the_handler_started_and_stops_a_later_start() {
+        let reg = Arc::new(InFlight::default());
+        assert_eq!(reg.cancel("q.a"), None, "not held here");
+        let before = reg.enter("q.a");
+        assert_eq!(reg.cancel("q.a"), Some(0), "held, not started");
+        assert!(!before.slot.start(1), "a start after the signal is refused");
+        drop(before);
+        let running = reg.enter("q.b");
+        assert!(running.slot.start(2));
+        assert_eq!(
+            reg.cancel("q.b"),
+            Some(2),
+            "the signal names the started attempt"
+        );
+        assert!(running.slot.cancel.is_cancelled());
     }
 }

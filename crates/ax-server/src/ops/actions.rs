@@ -161,9 +161,15 @@ impl Ops {
     /// and ends `cancelled`. Answers the task's state after the operation.
     pub(crate) async fn cancel(&self, id: &str, by: &str) -> Result<Value, WireError> {
         let mut attempts_moved = 0;
+        // A worker that held the task's message and stopped at this cancel's signal.
+        let mut signalled: Option<String> = None;
         loop {
             let (rec, rev) = self.read(id).await?;
             match rec.state {
+                // The signalled worker wrote `cancelled` itself, before this cancel did.
+                TaskState::Cancelled if signalled.is_some() => {
+                    return Ok(json!({"id": id, "state": "cancelled", "worker": signalled}))
+                }
                 s if s.is_terminal() => {
                     return Err(conflict(format!("task {id} is {s}: nothing to cancel")))
                 }
@@ -185,10 +191,14 @@ impl Ops {
                     // its ready message. The message goes as the record is made, so no
                     // worker fetches it only to ack it unrun.
                     let unclaimed = rec.ready_seq.filter(|_| rev == 0);
+                    // A worker may be starting it without a `running` write: stopped first,
+                    // so the record counts the attempt it had started (ops::holder).
+                    let holder = self.stop_holder(&rec).await;
                     let mut done = rec.transition(TaskState::Cancelled);
                     done.op = note("cancel", by);
+                    done.attempt = done.attempt.max(holder.started());
                     match self.tasks.cas(&done, rev).await {
-                        Ok(_) => {
+                        Ok(revision) => {
                             if let Some(seq) = delayed {
                                 // Tidy: the dispatch would only be acked unrun.
                                 self.delete(names::DELAYED_STREAM, seq).await;
@@ -196,10 +206,18 @@ impl Ops {
                             if let Some(seq) = unclaimed {
                                 self.delete(&done.priority.ready_stream(), seq).await;
                             }
-                            info!(task_id = %id, by, "task cancelled before it started");
-                            return Ok(json!({"id": id, "state": "cancelled"}));
+                            let late = self.stop_late_holder(&holder, &done, revision).await;
+                            let worker = holder.worker().or(late);
+                            info!(task_id = %id, by, ?worker, "task cancelled before it started");
+                            return Ok(match worker {
+                                Some(w) => json!({"id": id, "state": "cancelled", "worker": w}),
+                                None => json!({"id": id, "state": "cancelled"}),
+                            });
                         }
-                        Err(StateError::Stale { .. }) => continue,
+                        Err(StateError::Stale { .. }) => {
+                            signalled = holder.worker().or(signalled);
+                            continue;
+                        }
                         Err(e) => return Err(state_err(e)),
                     }
                 }

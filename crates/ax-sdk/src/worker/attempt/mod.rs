@@ -75,6 +75,12 @@ pub(crate) struct Shared {
 /// Deliveries of an operator's retry that wait for its record write (200 ms apart).
 const RETRY_WAITS: i64 = 25;
 
+/// An attempt that would start without its `running` write more than this long after its
+/// claim read the record writes it first. Shorter than the wait of an operator's cancel
+/// for the holder's answer (`ax-server`'s `ops::actions`, 500 ms): a cancel answered
+/// without one was made more than this before any such start, so the write sees it.
+pub(crate) const LATE_START: Duration = Duration::from_millis(250);
+
 /// Retry pause when the broker cannot be reached for a state read or write.
 const BROKER_RETRY: Duration = Duration::from_secs(1);
 
@@ -287,6 +293,18 @@ async fn process(
                     // Shut down while waiting: the attempt never started.
                     return reply(msg, AckKind::Nak(None)).await;
                 }
+                // An attempt that would start unwritten long after its claim read the
+                // record (a rate token, a stalled process) writes `running` first: an
+                // operator's cancel made meanwhile, whose signal this worker may have
+                // missed, must not be outrun (`LATE_START`).
+                let (rec, token, deferred) = match deferred && claiming.elapsed() > LATE_START {
+                    false => (rec, token, deferred),
+                    true => match late_start(sh, meta, msg, rec, token).await {
+                        Claim::Started(rec, token, deferred) => (rec, token, deferred),
+                        Claim::Again => continue,
+                        Claim::Done => return,
+                    },
+                };
                 let lost = Lost(&limit_slots);
                 return run(sh, meta, route, msg, *rec, token, deferred, slot, lost).await;
             }

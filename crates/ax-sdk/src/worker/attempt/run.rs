@@ -106,6 +106,15 @@ pub(super) async fn run(
                 }
             }
         };
+        // Marked started as it is first polled, unless a cancel signal came first (the
+        // signal's answer says which: `Slot::start`).
+        let number = rec.attempt;
+        let handler = async {
+            if !slot.start(number) {
+                return None;
+            }
+            Some(handler.await)
+        };
         let mut attempt = std::pin::pin!(async {
             // Biased: a task cancelled (or a slot lost) before its start, while it waited
             // for its token or a resume, never has its handler polled.
@@ -114,7 +123,11 @@ pub(super) async fn run(
                 _ = sh.hard_stop.cancelled() => None,
                 _ = slot.cancel.cancelled() => None,
                 _ = lost.wait() => None,
-                r = tokio::time::timeout(meta.timeout, handler) => Some(r),
+                r = tokio::time::timeout(meta.timeout, handler) => match r {
+                    Ok(None) => None,
+                    Ok(Some(r)) => Some(Ok(r)),
+                    Err(elapsed) => Some(Err(elapsed)),
+                },
             }
         });
         if deferred {
@@ -202,6 +215,12 @@ pub(super) async fn run(
         // the task goes back unless another attempt took it over (then this write is stale
         // and refused); or the shutdown grace is over: handed back for another worker.
         None => {
+            let mut rec = rec;
+            // An attempt that was to start unwritten and never started is not counted
+            // (its claim counted it in the record it was going to write).
+            if deferred && slot.started() != rec.attempt {
+                rec.attempt = rec.attempt.saturating_sub(1);
+            }
             let attempt = rec.attempt;
             let end = if slot.cancel.is_cancelled() {
                 End::Cancelled

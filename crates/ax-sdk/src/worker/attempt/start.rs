@@ -227,18 +227,16 @@ pub(super) async fn claim(sh: &Shared, meta: &TaskMeta, msg: &jetstream::Message
                 }
             }
         }
-        // An unrecorded immediate task's first delivery: its `running` record is created
-        // later (or never, if the attempt ends within a second), create-if-absent
-        // (revision 0). An unrecorded delayed task's is created now (the last arm, CAS on
-        // 0): the dispatcher may have published its ready message twice (killed between
-        // the publish and the delete, restarted after the duplicate window), and the
-        // record naming this message is what retires the other copy. So is a keyed one's
-        // (after its key check): an operator's cancel in the first second of an attempt
-        // that started unwritten finds no record, writes `cancelled`, and the handler runs
-        // on beside it (the limits campaign, whose tasks carry keys: docs/ARCHITECTURE.md).
-        Decision::Start { rec, lost: false }
-            if found.is_none() && meta.run_at_ms.is_none() && meta.idempotency_key.is_none() =>
-        {
+        // An unrecorded immediate task's first delivery (a keyed one's after its key
+        // check): its `running` record is created later (or never, if the attempt ends
+        // within a second), create-if-absent (revision 0). An operator's cancel meanwhile
+        // creates `cancelled` and signals this worker, which stops the attempt (or never
+        // starts it: `Slot::start`, `LATE_START`). An unrecorded delayed task's is
+        // created now (the last arm, CAS on 0): the dispatcher may have published its
+        // ready message twice (killed between the publish and the delete, restarted after
+        // the duplicate window), and the record naming this message is what retires the
+        // other copy.
+        Decision::Start { rec, lost: false } if found.is_none() && meta.run_at_ms.is_none() => {
             Claim::Started(rec, 0, true)
         }
         Decision::Start { rec, lost: false }
@@ -266,6 +264,32 @@ pub(super) async fn claim(sh: &Shared, meta: &TaskMeta, msg: &jetstream::Message
                 Claim::Done
             }
         },
+    }
+}
+
+/// Writes the `running` record of an attempt that was to start unwritten, now that its
+/// start comes late ([`LATE_START`]): [`Claim::Started`] with its token (written), or
+/// [`Claim::Again`] if the record moved (a cancel, another attempt), or [`Claim::Done`]
+/// (answered) if the write failed otherwise.
+pub(super) async fn late_start(
+    sh: &Shared,
+    meta: &TaskMeta,
+    msg: &jetstream::Message,
+    mut rec: Box<TaskRecord>,
+    token: u64,
+) -> Claim {
+    rec.updated_at_ms = now_ms();
+    match sh.tasks.cas(&rec, token).await {
+        Ok(token) => Claim::Started(rec, token, false),
+        Err(StateError::Stale { .. }) => {
+            debug!(task_id = %meta.id, "record moved before a late start; claiming again");
+            Claim::Again
+        }
+        Err(e) => {
+            warn!(task_id = %meta.id, cause = %e, "cannot write running before a late start");
+            reply(msg, AckKind::Nak(Some(BROKER_RETRY))).await;
+            Claim::Done
+        }
     }
 }
 
