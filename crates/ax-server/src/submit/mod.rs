@@ -283,8 +283,9 @@ impl Context {
     /// deletes its message and answers the winner's task; if that delete is lost, the
     /// claim retires the copy, since the key names another task
     /// (`ax_sdk::idempotency::Keys::check`). If ax dies between the two writes (or the
-    /// key's write fails: `unavailable`), the claim writes the key. Four stored writes a
-    /// task: message, key, `running` (before the handler), outcome.
+    /// key's write fails: `unavailable`), the claim writes the key. Three stored writes a
+    /// task: message, key, outcome (a first attempt that ends within a second writes no
+    /// `running`).
     async fn submit_keyed(
         &self,
         meta: TaskMeta,
