@@ -107,7 +107,12 @@ impl Ops {
         };
         let answer = serde_json::from_slice::<Value>(&reply.payload).unwrap_or_default();
         let worker = answer["worker"].as_str().unwrap_or("?").to_string();
-        let started = answer["started"].as_u64().unwrap_or(0) as u32;
+        // An answer without a usable count (an older worker, a number out of range)
+        // counts no started attempt.
+        let started = answer["started"]
+            .as_u64()
+            .and_then(|n| u32::try_from(n).ok())
+            .unwrap_or(0);
         info!(task_id = %rec.id, %worker, started, "cancel signalled to the worker holding the task's message");
         Holder::Answered { worker, started }
     }

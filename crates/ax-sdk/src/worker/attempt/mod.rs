@@ -77,8 +77,9 @@ const RETRY_WAITS: i64 = 25;
 
 /// An attempt that would start without its `running` write more than this long after its
 /// claim read the record writes it first. Shorter than the wait of an operator's cancel
-/// for the holder's answer (`ax-server`'s `ops::actions`, 500 ms): a cancel answered
-/// without one was made more than this before any such start, so the write sees it.
+/// for the holder's answer (`ax-server`'s `ops::holder::HOLDER_WAIT`, 500 ms): a cancel
+/// answered without one was made more than this before any such start, so the write
+/// sees it.
 pub(crate) const LATE_START: Duration = Duration::from_millis(250);
 
 /// Retry pause when the broker cannot be reached for a state read or write.
