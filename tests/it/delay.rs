@@ -343,3 +343,54 @@ async fn a_second_ready_copy_of_an_unrecorded_delayed_task_does_not_run_it_again
     let runs = runs.load(std::sync::atomic::Ordering::SeqCst);
     assert_eq!(runs, 1, "the handler ran {runs} times for one task");
 }
+
+/// Moves task `id`'s delayed message to `subject` (an older layout), with a fresh
+/// message id so the duplicate window does not drop the copy.
+async fn move_delayed(env: &Env, id: &str, subject: &str) {
+    let stream = env.js.get_stream("AX_DELAYED").await.unwrap();
+    let now = ax_sdk::names::delayed_subject("q", ax_sdk::names::Priority::Normal, id);
+    let msg = stream.direct_get_last_for_subject(&now).await.unwrap();
+    let mut headers = msg.headers.clone();
+    headers.insert("Nats-Msg-Id", format!("{id}.moved").as_str());
+    env.js
+        .publish_with_headers(subject.to_string(), headers, msg.payload.clone())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    stream.delete_message(msg.sequence).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delayed_messages_of_older_subject_layouts_run_beside_new_ones() {
+    let mut env = Env::start(Env::server()).await;
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        let spec = TaskSpec::new("later").delay(Duration::from_secs(3));
+        ids.push(env.ax.submit("q", spec).await.unwrap().id);
+    }
+    env.stop_server().await;
+    // As stored before subjects named their task, and before partitions existed.
+    let p = ax_sdk::names::delayed_partition(&ids[0]);
+    move_delayed(&env, &ids[0], &format!("ax.delayed.q.normal.{p}")).await;
+    move_delayed(&env, &ids[1], "ax.delayed.q.normal").await;
+    assert_eq!(env.stream_len("AX_DELAYED").await, 3);
+    // Each partition replays every layout, then follows the live subjects alone.
+    env.start_server(Env::server()).await;
+    let seen: Arc<Mutex<Vec<(String, u64)>>> = Arc::default();
+    let (stop, handle) = env.spawn_worker(recording_worker(seen.clone()));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let later = TaskSpec::new("later").delay(Duration::from_millis(1500));
+    ids.push(env.ax.submit("q", later).await.unwrap().id);
+    for id in &ids {
+        env.wait_state(id, TaskState::Succeeded, Duration::from_secs(15))
+            .await;
+    }
+    let mut ran: Vec<String> = seen.lock().unwrap().iter().map(|s| s.0.clone()).collect();
+    assert_eq!(ran.len(), 4, "each ran once: {ran:?}");
+    ran.sort();
+    ran.dedup();
+    assert_eq!(ran.len(), 4);
+    stop.cancel();
+    handle.await.unwrap();
+}

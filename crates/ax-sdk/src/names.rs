@@ -211,13 +211,19 @@ pub fn delayed_subject(queue: &str, priority: Priority, task_id: &str) -> String
     )
 }
 
-/// The subject filters of one delayed-task partition. Messages stored before delayed
+/// The subject filter of the delayed tasks of one partition stored now (a subject per
+/// task). The first of [`delayed_filters`].
+pub fn delayed_filter(partition: u32) -> String {
+    format!("ax.delayed.*.*.{partition}.>")
+}
+
+/// Every subject filter of one delayed-task partition. Messages stored before delayed
 /// subjects named their task (`ax.delayed.<queue>.<priority>.<partition>`) stay in their
 /// partition, and partition 0 also owns those stored before partitions existed
 /// (`ax.delayed.<queue>.<priority>`).
 pub fn delayed_filters(partition: u32) -> Vec<String> {
     let mut filters = vec![
-        format!("ax.delayed.*.*.{partition}.>"),
+        delayed_filter(partition),
         format!("ax.delayed.*.*.{partition}"),
     ];
     if partition == 0 {
@@ -301,6 +307,7 @@ mod tests {
             delayed_filters(5),
             ["ax.delayed.*.*.5.>", "ax.delayed.*.*.5"]
         );
+        assert_eq!(delayed_filter(5), "ax.delayed.*.*.5.>");
     }
 
     #[test]

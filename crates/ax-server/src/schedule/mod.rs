@@ -68,7 +68,8 @@ pub(crate) struct Scheduler {
     pub(crate) horizon: Duration,
     pub(crate) max_inflight: usize,
     pub(crate) max_held_bytes: usize,
-    /// The subjects of `AX_DELAYED` this scheduler follows.
+    /// The subjects of `AX_DELAYED` this scheduler follows: the first is the one new
+    /// messages are stored under, the rest are older layouts (`names::delayed_filters`).
     pub(crate) filters: Vec<String>,
     /// Its slot in `totals`.
     pub(crate) slot: usize,
@@ -125,6 +126,15 @@ enum Outcome {
 }
 
 impl Scheduler {
+    /// The filter of the subjects new delayed messages are stored under. Once the replay
+    /// of every stored message is done the feed follows it alone: a consumer with
+    /// several filters costs nats-server a walk over every subject of the partition
+    /// each time it finds no next message, that is after each new message
+    /// (docs/PERFORMANCE.md, W4; no server stores the older layouts any more).
+    fn live(&self) -> &[String] {
+        &self.filters[..self.filters.len().min(1)]
+    }
+
     pub(crate) async fn run(self, shutdown: CancellationToken) -> Result<(), ScheduleError> {
         // A cluster electing leaders (a node lost) answers nothing for a few seconds: wait
         // with backoff rather than end, which would stop the partition.
@@ -135,11 +145,16 @@ impl Scheduler {
                     .get_stream(DELAYED_STREAM)
                     .await
                     .map_err(|e| err("get stream")(e.into()))?;
-                let feed = follow(&stream, &self.filters, 0).await?;
-                Ok::<_, ScheduleError>((stream, feed))
+                let (feed, pending) = follow(&stream, &self.filters, 0).await?;
+                if pending == 0 && self.filters.len() > 1 {
+                    // Nothing stored yet: the live subjects alone from the start.
+                    let (feed, _) = follow(&stream, self.live(), 0).await?;
+                    return Ok((stream, feed, false));
+                }
+                Ok::<_, ScheduleError>((stream, feed, self.filters.len() > 1))
             })
             .await;
-        let Some((stream, mut feed)) = started else {
+        let Some((stream, mut feed, mut catching_up)) = started else {
             return Ok(()); // shut down while waiting
         };
         let mut last_seq = 0u64;
@@ -197,8 +212,9 @@ impl Scheduler {
                 _ = shutdown.cancelled() => break,
                 _ = reconnects.changed() => {
                     debug!(last_seq, "reconnected: following AX_DELAYED again");
-                    match follow(&stream, &self.filters, last_seq + 1).await {
-                        Ok(f) => {
+                    let filters = if catching_up { &self.filters[..] } else { self.live() };
+                    match follow(&stream, filters, last_seq + 1).await {
+                        Ok((f, _)) => {
                             feed = f;
                             reconnects.mark();
                         }
@@ -222,6 +238,15 @@ impl Scheduler {
                                 index.add(at, seq, Some(body), now_ms(), horizon_ms);
                             }
                             None => warn!(seq, "delayed message without a valid Ax-Run-At-Ms; left in place"),
+                        }
+                        if catching_up && info.pending == 0 {
+                            match follow(&stream, self.live(), last_seq + 1).await {
+                                Ok((f, _)) => {
+                                    feed = f;
+                                    catching_up = false;
+                                }
+                                Err(e) => debug!(cause = %e, "cannot follow the live delayed subjects alone yet; the next message tries again"),
+                            }
                         }
                     }
                     Some(Err(e)) => warn!(cause = %e, "delayed index feed error; the ordered consumer resets itself"),
@@ -271,17 +296,18 @@ fn earliest(a: Option<Instant>, b: Instant) -> Option<Instant> {
     Some(a.map_or(b, |a| a.min(b)))
 }
 
-/// An ordered consumer over `AX_DELAYED` from `start` (0: from the first message).
+/// An ordered consumer over `AX_DELAYED` from `start` (0: from the first message), and
+/// how many stored messages it has to deliver.
 async fn follow(
     stream: &stream::Stream,
     filters: &[String],
     start: u64,
-) -> Result<consumer::pull::Ordered, ScheduleError> {
+) -> Result<(consumer::pull::Ordered, u64), ScheduleError> {
     let deliver_policy = match start {
         0 => consumer::DeliverPolicy::All,
         start_sequence => consumer::DeliverPolicy::ByStartSequence { start_sequence },
     };
-    stream
+    let consumer = stream
         .create_consumer(consumer::pull::OrderedConfig {
             deliver_policy,
             filter_subjects: filters.to_vec(),
@@ -292,10 +318,13 @@ async fn follow(
             ..Default::default()
         })
         .await
-        .map_err(|e| err("create index consumer")(e.into()))?
+        .map_err(|e| err("create index consumer")(e.into()))?;
+    let pending = consumer.cached_info().num_pending;
+    let feed = consumer
         .messages()
         .await
-        .map_err(|e| err("follow stream")(e.into()))
+        .map_err(|e| err("follow stream")(e.into()))?;
+    Ok((feed, pending))
 }
 
 /// Reads a delayed message back by sequence: `Ok(None)` if it is gone (another server
