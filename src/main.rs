@@ -21,6 +21,11 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use tokio_util::sync::CancellationToken;
 
+/// mimalloc instead of glibc's allocator (docs/PERFORMANCE.md, W4: under a burst of
+/// submits glibc spent a third of the server's CPU in `malloc_consolidate` and friends).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(
     name = "ax",
