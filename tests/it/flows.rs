@@ -707,3 +707,79 @@ async fn the_cli_takes_an_input_from_a_file_or_stdin_and_prints_json() {
         assert!(!v.is_null(), "{args:?}");
     }
 }
+
+/// A step task's retry starts without a `running` write; a fail-fast cancel in its first
+/// second signals the worker holding it (ops::holder) instead of leaving its handler to
+/// run on beside the `cancelled` record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fail_fast_stops_a_step_retry_that_started_unwritten() {
+    use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+    let env = Env::start(Env::server()).await;
+    let retry_started = Arc::new(AtomicBool::new(false));
+    let finished = Arc::new(AtomicU32::new(0));
+    let retried_id: Arc<Mutex<Option<String>>> = Arc::default();
+    let (started, done, seen) = (retry_started.clone(), finished.clone(), retried_id.clone());
+    let worker = Worker::builder("q")
+        .concurrency(4)
+        .handler(move |task: Task| {
+            let (started, done, seen) = (started.clone(), done.clone(), seen.clone());
+            async move {
+                match task.name.as_str() {
+                    "flaky_slow" if task.attempt == 1 => {
+                        Err(TaskError::new("transient", "fails once"))
+                    }
+                    "flaky_slow" => {
+                        *seen.lock().unwrap() = Some(task.id.clone());
+                        started.store(true, Ordering::SeqCst);
+                        tokio::time::sleep(Duration::from_secs(3)).await;
+                        done.fetch_add(1, Ordering::SeqCst);
+                        Ok(Output::json(&1)?)
+                    }
+                    _ => {
+                        // Fails for good while the retry is in its first second.
+                        for _ in 0..400 {
+                            if started.load(Ordering::SeqCst) {
+                                break;
+                            }
+                            tokio::time::sleep(Duration::from_millis(25)).await;
+                        }
+                        Err(TaskError::permanent("boom", "fails while the retry runs"))
+                    }
+                }
+            }
+        })
+        .build()
+        .unwrap();
+    let (_stop, _w) = env.spawn_worker(worker);
+    let quick = Duration::from_millis(100);
+    let def = FlowDef::new("ffr")
+        .step(StepDef::new(
+            "r",
+            "q",
+            TaskSpec::new("flaky_slow").backoff(quick, quick, 0.0),
+        ))
+        .step(StepDef::new("f", "q", TaskSpec::new("fail_now")));
+    env.ax.put_flow(&def).await.unwrap();
+    let run = env.ax.run_flow("ffr", json!({})).await.unwrap();
+    let ended = finish(&env.ax, &run).await;
+    assert_eq!(ended.state, RunState::Failed);
+    assert!(retry_started.load(Ordering::SeqCst), "the retry started");
+    assert_eq!(steps(&env.ax, &run).await["r"].0, StepState::Cancelled);
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    assert_eq!(
+        finished.load(Ordering::SeqCst),
+        0,
+        "the retry's handler was stopped"
+    );
+    let id = retried_id
+        .lock()
+        .unwrap()
+        .clone()
+        .expect("the retry's task id");
+    let rec = env.record(&id).await;
+    assert_eq!(
+        (rec.state, rec.attempt),
+        (ax_sdk::TaskState::Cancelled, 2),
+        "the started retry is counted"
+    );
+}

@@ -445,7 +445,10 @@ impl TaskStore {
     /// Cancels task `id` if no attempt of it has started (`scheduled`, `pending` or
     /// `retrying`): compare-and-set to `cancelled`, read again on a lost race. Returns the
     /// state it ends in (`running` and finished states are left as they are), or `None`
-    /// when there is no record.
+    /// when there is no record. It does not signal a worker that may be starting an
+    /// attempt without a `running` write (a retry, an unrecorded task's first attempt):
+    /// the server's cancels do (docs/ARCHITECTURE.md, "Cancelling an attempt that starts
+    /// unwritten").
     pub async fn cancel_unstarted(
         &self,
         id: &str,

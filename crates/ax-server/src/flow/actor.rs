@@ -651,14 +651,20 @@ impl Run {
     /// Cancels step `i`'s tasks that have not started; running ones finish.
     async fn cancel_queued(&mut self, sh: &Shared, i: usize, reason: &str) -> Result<(), Fault> {
         self.steps[i].queued_cancelled = true;
-        let tasks = &sh.ctx.tasks;
+        // A worker may be starting one of them without a `running` write (a retry): it
+        // is signalled before the record is written (ops::holder).
+        let holders = crate::ops::holder::Holders {
+            js: &sh.ctx.js,
+            tasks: &sh.ctx.tasks,
+        };
+        let holders = &holders;
         let ids: Vec<(u32, String)> = (0..self.steps[i].items.unwrap_or(0))
             .filter(|&k| !self.steps[i].has_ended(k))
             .map(|k| (k, self.task_id(i, k)))
             .collect();
         let answers: Vec<_> = futures::stream::iter(
             ids.into_iter()
-                .map(|(k, id)| async move { (k, tasks.cancel_unstarted(&id, reason).await) }),
+                .map(|(k, id)| async move { (k, holders.cancel_unstarted(&id, reason).await) }),
         )
         .buffer_unordered(CONCURRENCY)
         .collect()

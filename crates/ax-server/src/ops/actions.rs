@@ -193,7 +193,7 @@ impl Ops {
                     let unclaimed = rec.ready_seq.filter(|_| rev == 0);
                     // A worker may be starting it without a `running` write: stopped first,
                     // so the record counts the attempt it had started (ops::holder).
-                    let holder = self.stop_holder(&rec).await;
+                    let holder = self.holders().stop_holder(&rec).await;
                     let mut done = rec.transition(TaskState::Cancelled);
                     done.op = note("cancel", by);
                     done.attempt = done.attempt.max(holder.started());
@@ -206,7 +206,10 @@ impl Ops {
                             if let Some(seq) = unclaimed {
                                 self.delete(&done.priority.ready_stream(), seq).await;
                             }
-                            let late = self.stop_late_holder(&holder, &done, revision).await;
+                            let late = self
+                                .holders()
+                                .stop_late_holder(&holder, &done, revision)
+                                .await;
                             let worker = holder.worker().or(late);
                             info!(task_id = %id, by, ?worker, "task cancelled before it started");
                             return Ok(match worker {

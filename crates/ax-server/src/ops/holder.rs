@@ -8,11 +8,13 @@
 //! worker that got the message in between. A holder that answers neither (stopped, cut
 //! off) starts no handler after the cancel's answer: an unwritten start that comes later
 //! than 250 ms after its claim read the record writes `running` first (`ax_sdk`'s
-//! `LATE_START`), and that write meets the `cancelled` record.
+//! `LATE_START`), and that write meets the `cancelled` record. The operations API's
+//! cancel and the flow engine's fail-fast cancel both go through [`Holders`].
 
 use super::actions::Ops;
+use async_nats::jetstream;
 use ax_sdk::names;
-use ax_sdk::state::{StateError, TaskRecord, TaskState};
+use ax_sdk::state::{ErrorInfo, StateError, TaskRecord, TaskState, TaskStore};
 use bytes::Bytes;
 use serde_json::Value;
 use std::time::Duration;
@@ -57,7 +59,63 @@ impl Holder {
     }
 }
 
+/// What signalling a holder and counting its attempt need: the operations API
+/// ([`Ops::holders`]) and the flow engine's fail-fast cancel use it.
+pub(crate) struct Holders<'a> {
+    pub(crate) js: &'a jetstream::Context,
+    pub(crate) tasks: &'a TaskStore,
+}
+
 impl Ops {
+    /// The holder signalling of this server's connection and task store.
+    pub(crate) fn holders(&self) -> Holders<'_> {
+        Holders {
+            js: &self.js,
+            tasks: &self.tasks,
+        }
+    }
+}
+
+impl Holders<'_> {
+    /// Cancels task `id` if no attempt of it has started by its record (`scheduled`,
+    /// `pending` or `retrying`), as [`TaskStore::cancel_unstarted`] does, but signals
+    /// the worker that may hold its message first, so an attempt that started there
+    /// without a `running` write (a retry) is stopped and counted. Returns the state it
+    /// ends in, or `None` when there is no record.
+    pub(crate) async fn cancel_unstarted(
+        &self,
+        id: &str,
+        reason: &str,
+    ) -> Result<Option<TaskState>, StateError> {
+        loop {
+            let Some((rec, revision)) = self.tasks.get(id).await? else {
+                return Ok(None);
+            };
+            if !matches!(
+                rec.state,
+                TaskState::Scheduled | TaskState::Pending | TaskState::Retrying
+            ) {
+                return Ok(Some(rec.state));
+            }
+            let holder = self.stop_holder(&rec).await;
+            let mut cancelled = rec.transition(TaskState::Cancelled);
+            cancelled.attempt = cancelled.attempt.max(holder.started());
+            cancelled.last_error = Some(ErrorInfo {
+                detail: None,
+                class: "cancelled".into(),
+                message: reason.to_string(),
+            });
+            match self.tasks.cas(&cancelled, revision).await {
+                Ok(revision) => {
+                    self.stop_late_holder(&holder, &cancelled, revision).await;
+                    return Ok(Some(TaskState::Cancelled));
+                }
+                Err(StateError::Stale { .. }) => continue,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
     /// Signals the worker that may hold `rec`'s ready message (a `pending` or `retrying`
     /// task) to stop the attempt it may be starting there.
     pub(crate) async fn stop_holder(&self, rec: &TaskRecord) -> Holder {

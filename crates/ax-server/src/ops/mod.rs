@@ -11,7 +11,7 @@ pub(crate) mod actions;
 pub mod alerts;
 pub(crate) mod api;
 pub(crate) mod feed;
-mod holder;
+pub(crate) mod holder;
 pub(crate) mod index;
 mod inspect;
 mod purge;
