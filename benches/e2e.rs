@@ -23,12 +23,12 @@ use futures::stream::{FuturesUnordered, StreamExt};
 use std::future::IntoFuture;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+use tokio_util::sync::CancellationToken;
 
 /// The allocator of the `ax` binary, so the in-process server and worker run as it does.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
-use std::time::{Duration, Instant, SystemTime};
-use tokio_util::sync::CancellationToken;
 
 fn machine() -> String {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
