@@ -22,9 +22,11 @@
 //! journals count them; operations take effect (nothing starts after its cancel was
 //! acknowledged, nor in a paused queue).
 //!
-//! `AX_CAMPAIGN_SECS` (default 40) sets the load time, `AX_CAMPAIGN_SEED` replays a run's
-//! random choices; the seed is printed first. A long run: `AX_CAMPAIGN_SECS=600 ./dev test
-//! --test campaign -- --nocapture --test-threads 1`.
+//! Which seeds run: the fixed list of [`seeds`] (what `./dev test`, and so CI, replays:
+//! a landing never depends on a seed a clock picked), or `AX_CAMPAIGN_SEED` — one seed or
+//! several, comma-separated, to replay, or `random` for a new one (`./dev campaign`). Each
+//! run prints its seed first. `AX_CAMPAIGN_SECS` (default 40) sets the load time of each
+//! run. A long run: `./dev campaign 600`.
 
 mod checker;
 mod checker_flows;
@@ -38,6 +40,7 @@ mod ops;
 #[allow(dead_code, unused_imports)]
 #[path = "../it/procs.rs"]
 mod procs;
+mod seeds;
 use ax_testkit::env as support;
 mod verdict;
 
@@ -255,16 +258,31 @@ async fn put(what: &str, f: impl AsyncFn() -> Result<serde_json::Value, ClientEr
     support::eventually(Duration::from_secs(30), what, || async { f().await.ok() }).await;
 }
 
+/// Runs the campaign once per chosen seed ([`seeds::chosen`]: the fixed list unless
+/// `AX_CAMPAIGN_SEED` names seeds or `random`), every seed even after one failed, then
+/// fails naming each seed that found violations.
 async fn campaign(cluster: bool) {
     let _alone = ONE_AT_A_TIME.lock().await;
-    let seed: u64 = std::env::var("AX_CAMPAIGN_SEED")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| rand::rng().random());
     let secs: u64 = std::env::var("AX_CAMPAIGN_SECS")
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(40);
+    let chosen = seeds::chosen(cluster, std::env::var("AX_CAMPAIGN_SEED").ok().as_deref())
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut failed = Vec::new();
+    for seed in chosen {
+        let violations = run(cluster, seed, secs).await;
+        if violations > 0 {
+            failed.push(format!(
+                "seed {seed}: {violations} violations (replay: AX_CAMPAIGN_SEED={seed})"
+            ));
+        }
+    }
+    assert!(failed.is_empty(), "{}", failed.join("; "));
+}
+
+/// One campaign of `secs` of load under `seed`; the number of violations (each printed).
+async fn run(cluster: bool, seed: u64, secs: u64) -> usize {
     let kind = if cluster { "R3 cluster" } else { "single node" };
     println!(
         "fault campaign ({kind}): seed {seed}, {secs} s of load (replay: AX_CAMPAIGN_SEED={seed}; AX_CAMPAIGN_EXTENDED=0 leaves out flows, limits and operations)"
@@ -456,15 +474,11 @@ async fn campaign(cluster: bool) {
         }
         let t = timeline.lock().unwrap();
         println!(
-            "  faults: stops {:?}; kills {:?}; nats {:?}; ax servers killed {:?}",
-            t.stops, t.kills, t.nats, t.servers
+            "  faults: stops {:?}; kills {:?}; nats {:?}; ax servers killed {:?}; queue x paused {:?}",
+            t.stops, t.kills, t.nats, t.servers, seen.ops.pauses
         );
     }
-    assert!(
-        violations.is_empty(),
-        "seed {seed}: {} violations (replay: AX_CAMPAIGN_SEED={seed})",
-        violations.len()
-    );
+    violations.len()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
