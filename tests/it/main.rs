@@ -38,5 +38,6 @@ mod support;
 mod trigger_hold;
 mod triggers;
 mod typed_kv;
+mod waits;
 mod wire;
 mod worker;

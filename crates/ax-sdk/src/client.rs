@@ -25,7 +25,6 @@ use crate::output::{ResultStore, TaskOutput};
 use crate::protocol::{BackoffRequest, SubmitAccepted, SubmitReply, SubmitRequest, WireError};
 use crate::state::{ListFilter, StateError, TaskRecord, TaskStore};
 use base64::Engine;
-use futures::StreamExt;
 use std::time::Duration;
 
 /// A finished task: its final record and revision, and its output if it returned one.
@@ -153,6 +152,9 @@ pub enum ClientError {
     /// Reading a flow run failed.
     #[error(transparent)]
     Flows(#[from] crate::flow::store::FlowStoreError),
+    /// A wait could not follow its record: the subscription that wakes it failed.
+    #[error(transparent)]
+    Follow(#[from] crate::key_wait::FollowError),
     /// Reading a task's output from `AX_RESULTS` failed, or the output it names is gone.
     #[error("task {id}: output not readable: {source}")]
     Output {
@@ -177,6 +179,7 @@ impl ClientError {
             ClientError::State(e) => e.kind(),
             ClientError::Flows(e) => e.kind(),
             ClientError::Output { source, .. } => ErrorKind::of(source.as_ref()),
+            ClientError::Follow(e) => ErrorKind::of(e.source.as_ref()),
         }
     }
 }
@@ -406,34 +409,34 @@ impl Client {
         Ok(reply["ok"].take())
     }
 
-    /// Waits until task `id` is finished (`succeeded` or `dead`) and returns its final
-    /// record with its output. Pushed, not polled: a KV watch on the task's record, so it
-    /// returns at once for a finished task and within a round trip of the final write
-    /// otherwise (a task with no record yet is waited for too). It has no deadline of its
-    /// own: wrap it in `tokio::time::timeout`.
+    /// Waits until task `id` is finished (`succeeded`, `dead` or `cancelled`) and returns
+    /// its final record with its output. Pushed, not polled, and without a consumer
+    /// ([`crate::key_wait`]): a core subscription to the record's subject wakes it, and a
+    /// read from the bucket's leader confirms; it returns at once for a finished task and
+    /// within a round trip of the final write otherwise (a task with no record yet is
+    /// waited for too). The subscription ends with the wait: any number of waits leave
+    /// nothing on the server. It has no deadline of its own: wrap it in
+    /// `tokio::time::timeout`.
     pub async fn wait(&self, id: &str) -> Result<Finished, ClientError> {
         let store = self.store().await?;
-        let (record, revision) = loop {
-            let mut watch = store.watch_task(id).await?;
-            let mut last = None;
-            while let Some(entry) = watch.next().await {
-                let Ok(entry) = entry else { break }; // the watch is made again below
-                if entry.operation != async_nats::jetstream::kv::Operation::Put {
-                    continue;
-                }
-                let Ok(rec) = serde_json::from_slice::<TaskRecord>(&entry.value) else {
-                    continue;
-                };
-                if rec.state.is_terminal() {
-                    last = Some((rec, entry.revision));
-                    break;
-                }
-            }
-            if let Some(found) = last {
-                break found;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        };
+        let subject = store.subject(id);
+        let (record, revision) = crate::key_wait::until(
+            &self.nats,
+            subject,
+            |msg| {
+                serde_json::from_slice::<TaskRecord>(&msg.payload)
+                    .map_or(true, |rec| rec.state.is_terminal())
+            },
+            || async {
+                Ok::<_, ClientError>(
+                    store
+                        .get_latest(id)
+                        .await?
+                        .filter(|(rec, _)| rec.state.is_terminal()),
+                )
+            },
+        )
+        .await?;
         let output = self.output(&record).await?;
         Ok(Finished {
             record,

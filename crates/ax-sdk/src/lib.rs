@@ -44,6 +44,7 @@
 //! | [`atomic`] | atomic batch publish (ADR-50): many messages, one write, all or none |
 //! | [`typed_kv`] | JSON values in KV written by create or compare-and-set, one error type |
 //! | [`kv_read`] | KV reads from a bucket's stream leader (see every acknowledged write) |
+//! | [`key_wait`] | waiting for a key's final value: a core subscription and leader reads, no consumer |
 //! | [`output`] | task outputs: inline in the record or in the `AX_RESULTS` bucket |
 //! | [`metrics`] | Prometheus metric names (the process installs the exporter) |
 #![warn(missing_docs, unreachable_pub, rustdoc::broken_intra_doc_links)]
@@ -62,6 +63,7 @@ pub mod follow;
 #[doc(hidden)]
 pub mod hooks;
 pub mod idempotency;
+pub mod key_wait;
 pub mod kv_read;
 pub mod limits;
 pub mod metrics;

@@ -347,6 +347,11 @@ impl TaskStore {
             .map_err(|e| from_kv(id, None, e))
     }
 
+    /// The subject a task's record writes are published on (`$KV.AX_TASKS.<id>`).
+    pub fn subject(&self, id: &str) -> String {
+        format!("{}{id}", self.kv.prefix)
+    }
+
     /// The current record and its revision as the bucket's leader has it: never older than
     /// an acknowledged write ([`crate::kv_read`]), where [`TaskStore::get`] may answer from
     /// a replica that is behind. For reads whose answer decides without a compare-and-set.
@@ -482,14 +487,6 @@ impl TaskStore {
     /// on, delivered by an ordered consumer.
     pub async fn watch_flow_tasks(&self) -> Result<kv::Watch, kv::WatchError> {
         self.kv.watch("*.fl.>").await
-    }
-
-    /// The record of `id` now (if any) and every later write to it, as KV entries.
-    pub async fn watch_task(&self, id: &str) -> Result<kv::Watch, StateError> {
-        self.kv
-            .watch_with_history(id)
-            .await
-            .map_err(|e| broker(id, "watch", e))
     }
 
     /// A live feed of every write to a trigger task's record (keys `*.tr.>`), from now on,

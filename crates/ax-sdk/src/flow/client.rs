@@ -7,10 +7,7 @@ use super::rerun::RerunMode;
 use super::store::FlowStore;
 use crate::client::{Client, ClientError};
 use crate::names::FLOW_API_PREFIX;
-use async_nats::jetstream::kv;
-use futures::StreamExt;
 use serde_json::Value;
-use std::time::Duration;
 
 impl Client {
     /// Calls the flow API: `op` is `put`, `def`, `defs`, `delete`, `run`, `get`, `list`,
@@ -87,24 +84,28 @@ impl Client {
     }
 
     /// Waits until run `run` has ended (`succeeded`, `failed` or `cancelled`) and returns
-    /// it. Pushed, not polled: a KV watch on the run's key. No deadline of its own.
+    /// it. Pushed, not polled, and without a consumer: a core subscription to the run's
+    /// key wakes it and a read from the bucket's leader confirms ([`crate::key_wait`]);
+    /// nothing is left on the server after it. No deadline of its own.
     pub async fn wait_flow(&self, run: &str) -> Result<FlowRun, ClientError> {
         let store = self.flows().await?;
-        loop {
-            let mut watch = store.watch_run(run).await?;
-            while let Some(entry) = watch.next().await {
-                let Ok(entry) = entry else { break };
-                if entry.operation != kv::Operation::Put {
-                    continue;
-                }
-                let Ok(found) = serde_json::from_slice::<FlowRun>(&entry.value) else {
-                    continue;
-                };
-                if found.state != RunState::Running {
-                    return Ok(found);
-                }
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        crate::key_wait::until(
+            &self.nats,
+            store.run_subject(run),
+            |msg| {
+                serde_json::from_slice::<FlowRun>(&msg.payload)
+                    .map_or(true, |found| found.state != RunState::Running)
+            },
+            || async {
+                Ok::<_, ClientError>(
+                    store
+                        .run(run)
+                        .await?
+                        .map(|(found, _)| found)
+                        .filter(|found| found.state != RunState::Running),
+                )
+            },
+        )
+        .await
     }
 }

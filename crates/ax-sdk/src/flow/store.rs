@@ -68,6 +68,11 @@ impl FlowStore {
             .map_err(|e| broker(name, "delete", e))
     }
 
+    /// The subject a run's writes are published on (`$KV.AX_FLOW_RUNS.<run>`).
+    pub fn run_subject(&self, id: &str) -> String {
+        format!("{}{id}", self.runs.prefix)
+    }
+
     /// A run and its revision.
     pub async fn run(&self, id: &str) -> Result<Option<(FlowRun, u64)>, FlowStoreError> {
         get(&self.runs, id).await
@@ -140,14 +145,6 @@ impl FlowStore {
             .watch_with_history("*")
             .await
             .map_err(|e| broker("*", "watch runs", e))
-    }
-
-    /// Every write to a run from now on (its final state included).
-    pub async fn watch_run(&self, id: &str) -> Result<kv::Watch, FlowStoreError> {
-        self.runs
-            .watch_with_history(id)
-            .await
-            .map_err(|e| broker(id, "watch run", e))
     }
 
     /// Every run (an operator command: reads every run key).
