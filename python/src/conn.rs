@@ -201,10 +201,23 @@ impl Connection {
         Ok(json_bytes(py, &ended))
     }
 
-    /// Follows a core NATS subject (wildcards allowed), e.g. `ax.events.alert.>`.
-    fn subscribe(&self, py: Python<'_>, subject: String) -> PyResult<Subscription> {
+    /// Follows a core NATS subject (wildcards allowed), e.g. `ax.events.alert.>`. With a
+    /// `queue` group, each message goes to one member of the group (one replica of a
+    /// service), not to every subscriber.
+    #[pyo3(signature = (subject, queue = None))]
+    fn subscribe(
+        &self,
+        py: Python<'_>,
+        subject: String,
+        queue: Option<String>,
+    ) -> PyResult<Subscription> {
         let nats = self.nats.clone();
-        let sub = wait(py, async move { nats.subscribe(subject).await })?
+        let sub = wait(py, async move {
+            match queue {
+                Some(group) => nats.queue_subscribe(subject, group).await,
+                None => nats.subscribe(subject).await,
+            }
+        })?
             .map_err(|e| errors::raise(ErrorKind::Unavailable, e.to_string(), None, None))?;
         Ok(Subscription(tokio::sync::Mutex::new(sub).into()))
     }

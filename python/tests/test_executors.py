@@ -81,7 +81,7 @@ def after_a_runtime_bug(x: int) -> int:
 
 def test_a_task_thread_survives_a_runtime_failure_and_the_attempt_is_retried(runtime, client, monkeypatch):
     rt = runtime(after_a_runtime_bug, max_concurrency=1)  # one thread: if it died, nothing would run
-    real = rt._handle
+    real = rt._executors._handle
     calls: list[str] = []
 
     def broken_once(core):
@@ -90,10 +90,10 @@ def test_a_task_thread_survives_a_runtime_failure_and_the_attempt_is_retried(run
             raise RuntimeError("a runtime bug")
         real(core)
 
-    monkeypatch.setattr(rt, "_handle", broken_once)
+    monkeypatch.setattr(rt._executors, "_handle", broken_once)
     handle = after_a_runtime_bug.submit(5, client=client)
     assert handle.result(timeout=20) == 5
     record = client.get(handle.id)
     assert record["attempt"] == 2, "the failed attempt was recorded and retried"
-    assert rt.thread_failures == 1
+    assert rt._executors.thread_failures == 1
     assert after_a_runtime_bug.submit(6, client=client).result(timeout=20) == 6
