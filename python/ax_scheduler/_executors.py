@@ -1,58 +1,100 @@
 """Where attempts run: the runtime's task threads, its event loop for ``async def``
-tasks, and child processes for ``executor="process"``. The Rust worker puts each attempt
-in the inbox; a task thread takes it out and runs it here."""
+tasks, and child processes for ``executor="process"`` (``_processes``). The Rust worker
+puts each attempt in the inbox only when it has a free slot; a task thread takes it out
+and runs it.
+
+A sync function cannot be interrupted. When the worker gives up on an attempt (hard
+timeout, cancel) its slot is free at once and it may hand out another attempt, while the
+thread still runs the old function. The keeper marks such a thread stuck and starts a
+new one in its place, so free slots always find a free thread and no attempt spends its
+timeout waiting for one; the stuck thread ends when its function returns. Each is logged
+and counted (``ax_python_stuck_threads``, ``ax_python_threads_replaced_total``).
+
+Nothing a task raises ends a thread or the loop: a ``BaseException`` (``SystemExit``,
+``KeyboardInterrupt``) is that attempt's failure. A thread or the loop that ends anyway
+(a runtime bug) is logged, counted (``ax_python_restarts_total``) and started again.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-import multiprocessing
-import os
-import pickle
 import threading
-import traceback
-from typing import Any
+from typing import Any, Callable, Coroutine
 
-from . import _json
-from ._context import TaskContext, _current
-from ._flow import resolve
+from . import _core
+from ._attempt import encode, failure, prepare
+from ._context import _current
+from ._processes import ProcessPool
 from ._task import TaskDef
-from .errors import AxError, InvalidInput
+from .errors import InvalidInput
 
 log = logging.getLogger("ax_scheduler")
+KEEPER_TICK = 0.05  # how often the keeper looks for threads stuck in abandoned attempts
+
+
+def _metric(kind: str, name: str, value: float, queue: str | None = None) -> None:
+    labels = [("queue", queue)] if queue is not None else [("executor", "python")]
+    try:
+        if kind == "gauge":
+            _core.gauge_set(name, value, labels)
+        else:
+            _core.counter_add(name, int(value), labels)
+    except Exception:  # metrics never stop a task; the failure is logged
+        log.exception("ax: metric %s", name)
 
 
 class Executors:
-    """The runtime's ``max_concurrency`` task threads over ``inbox``, and its event loop."""
+    """The runtime's task threads over ``inbox`` (``max_concurrency`` free ones at any
+    time), its event loop, and its process pool when ``executor="process"``."""
 
-    def __init__(self, inbox: Any, tasks: dict[str, TaskDef], executor: str, max_concurrency: int):
+    def __init__(self, inbox: Any, tasks: dict[str, TaskDef], executor: str, max_concurrency: int,
+                 processes: ProcessPool | None = None):
         self._inbox = inbox
         self._tasks = tasks
         self.executor = executor
         self.max_concurrency = max_concurrency
-        self._threads: list[threading.Thread] = []
+        self._processes = processes
+        self._lock = threading.Lock()
+        self._threads: dict[int, threading.Thread] = {}
+        self._busy: dict[int, Any] = {}  # thread id -> the attempt it runs in the thread
+        self._stuck: dict[int, str] = {}  # thread id -> queue: running an abandoned attempt
+        self._named = 0
         self._closing = threading.Event()
         self.thread_failures = 0  # attempts a task thread failed outside the task (a runtime bug)
+        self.threads_replaced = 0
+        self.restarts = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
+        self._keeper: threading.Thread | None = None
+
+    @property
+    def stuck_threads(self) -> int:
+        """Threads still running an attempt the worker gave up on (each replaced)."""
+        with self._lock:
+            return len(self._stuck)
 
     def start(self) -> "Executors":
-        for i in range(self.max_concurrency):
-            thread = threading.Thread(target=self._serve, name=f"ax-task-{i}", daemon=True)
-            thread.start()
-            self._threads.append(thread)
+        for _ in range(self.max_concurrency):
+            self._spawn_thread()
         self._loop = asyncio.new_event_loop()
-        self._loop_thread = threading.Thread(target=self._loop.run_forever, name="ax-asyncio", daemon=True)
+        self._loop_thread = threading.Thread(target=self._run_loop, name="ax-asyncio", daemon=True)
         self._loop_thread.start()
+        self._keeper = threading.Thread(target=self._keep, name="ax-task-keeper", daemon=True)
+        self._keeper.start()
+        if self._processes is not None:
+            self._processes.start()
         return self
 
     def stop(self) -> None:
-        """Ends the threads (the inbox is closed first) and the loop."""
+        """Ends the threads (the inbox is closed first), the loop and the children, each
+        joined at once against one deadline."""
         self._closing.set()
-        for thread in self._threads:
-            thread.join(5)
-        self._threads.clear()
+        with self._lock:
+            threads = list(self._threads.values())
+        for thread in [*threads, self._keeper]:
+            if thread is not None:
+                thread.join(5 if thread is self._keeper else 2)
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
             if self._loop_thread is not None:
@@ -60,21 +102,77 @@ class Executors:
             if not self._loop.is_running():
                 self._loop.close()
             self._loop = None
+        if self._processes is not None:
+            self._processes.stop()
+
+    # -- threads --------------------------------------------------------------------------
+
+    def _spawn_thread(self) -> None:
+        with self._lock:
+            self._named += 1
+            thread = threading.Thread(target=self._serve, name=f"ax-task-{self._named}", daemon=True)
+            self._threads[id(thread)] = thread
+        thread.start()
 
     def _serve(self) -> None:
-        """One of the runtime's ``max_concurrency`` threads: takes attempts from the inbox
-        (waiting with the GIL released) and runs them."""
-        while not self._closing.is_set():
-            core = self._inbox.next(0.5)
-            if core is None:
-                continue
-            try:
-                self._handle(core)
-            except Exception as e:  # a bug of the runtime: the thread goes on serving
-                self.thread_failures += 1
-                log.exception("ax: task thread: %s (task %s; failure %d, the thread goes on)",
-                              e, core.id, self.thread_failures)
-                core.fail("runtime_error", f"the Python runtime failed: {e}", False, None)
+        """A task thread: takes attempts from the inbox (waiting with the GIL released) and
+        runs them, until the runtime closes or it was replaced while stuck."""
+        me = id(threading.current_thread())
+        try:
+            while not self._closing.is_set():
+                core = self._inbox.next(0.5)
+                if core is None:
+                    continue
+                try:
+                    self._handle(core)
+                except BaseException as e:  # a bug of the runtime: the thread goes on serving
+                    self.thread_failures += 1
+                    log.exception("ax: task thread: %s (task %s; failure %d, the thread goes on)",
+                                  e, core.id, self.thread_failures)
+                    core.fail("runtime_error", f"the Python runtime failed: {e}", False, None)
+                finally:
+                    if self._leave(me):
+                        return
+        finally:
+            with self._lock:
+                self._threads.pop(me, None)
+
+    def _leave(self, me: int) -> bool:
+        """After an attempt: True if this thread had been replaced (it ends now)."""
+        with self._lock:
+            self._busy.pop(me, None)
+            queue = self._stuck.pop(me, None)
+            stuck = len([q for q in self._stuck.values() if q == queue])
+        if queue is None:
+            return False
+        log.warning("ax: a stuck task thread's function returned; the thread ends (%d still stuck on %s)",
+                    stuck, queue)
+        _metric("gauge", "ax_python_stuck_threads", stuck, queue)
+        return True
+
+    def _keep(self) -> None:
+        """Replaces each thread whose attempt the worker gave up on while its function still
+        runs (a sync function cannot be interrupted)."""
+        while not self._closing.wait(KEEPER_TICK):
+            with self._lock:
+                abandoned = [(t, core) for t, core in self._busy.items()
+                             if t not in self._stuck and core.abandoned()]
+                for t, core in abandoned:
+                    self._stuck[t] = core.queue
+            for t, core in abandoned:
+                self.threads_replaced += 1
+                with self._lock:
+                    stuck = len([q for q in self._stuck.values() if q == core.queue])
+                log.warning(
+                    "ax: task %s (%s, attempt %d) is still running past the end of its attempt (hard timeout "
+                    "or cancel) and cannot be interrupted; its thread is replaced by a new one (%d stuck on %s). "
+                    "Check ax.context().cancelled in long loops.", core.name, core.id, core.attempt, stuck,
+                    core.queue)
+                _metric("counter", "ax_python_threads_replaced_total", 1, core.queue)
+                _metric("gauge", "ax_python_stuck_threads", stuck, core.queue)
+                self._spawn_thread()
+
+    # -- attempts -------------------------------------------------------------------------
 
     def _handle(self, core: Any) -> None:
         td = self._tasks.get(core.name)
@@ -83,30 +181,18 @@ class Executors:
         elif core.cancelled():
             return  # the worker gave up on it while it waited: its end is already written
         elif td.is_async:
-            asyncio.run_coroutine_threadsafe(self._run_async(td, core), self._loop)  # type: ignore[arg-type]
-        elif self.executor == "process":
-            self._run_process(td, core)
+            assert self._loop is not None
+            asyncio.run_coroutine_threadsafe(self._run_async(td, core), self._loop)
+        elif self._processes is not None:
+            self._processes.run(td, core)
         else:
+            with self._lock:
+                self._busy[id(threading.current_thread())] = core
             self._run_sync(td, core)
-
-    def _prepare(self, td: TaskDef, core: Any) -> tuple[list, dict, TaskContext]:
-        payload = _json.loads(core.payload) if core.is_json else bytes(core.payload)
-        flow = run = step = index = None
-        args_spec = payload.get("args") if isinstance(payload, dict) else None
-        if isinstance(args_spec, dict) and "ax_args" in args_spec and "run" in payload:
-            flow, run, step, index = payload.get("flow"), payload.get("run"), payload.get("step"), payload.get("index")
-            resolved = resolve(payload, args_spec["ax_args"])
-            args, kwargs = [], {k: _json.typed(v, td.hints.get(k)) for k, v in resolved.items()}
-        else:
-            args, kwargs = td.arguments(payload)
-        ctx = TaskContext(core.id, core.name, core.queue, core.priority, core.attempt, core.max_attempts,
-                          core.idempotency_key, core.created_at_ms, core.run_at_ms, core.traceparent,
-                          flow, run, step, index, core)
-        return args, kwargs, ctx
 
     def _ok(self, td: TaskDef, core: Any, result: Any) -> None:
         try:
-            data, is_json = _encode(td, result)
+            data, is_json = encode(td, result)
         except InvalidInput as e:
             core.fail("bad_output", str(e), True, None)
             return
@@ -114,128 +200,70 @@ class Executors:
             log.info("ax: task %s: late result refused (the attempt had timed out or was cancelled)", core.id)
 
     def _fail(self, td: TaskDef, core: Any, error: BaseException) -> None:
-        cls, permanent = td.classify(error)
-        if isinstance(error, InvalidInput) and error.code == "bad_payload":
-            cls, permanent = "bad_payload", True
-        detail = "".join(traceback.format_exception(error))[-8000:]
-        if not core.fail(cls, str(error) or cls, permanent, detail):
+        cls, permanent, message, detail = failure(td, error)
+        if not core.fail(cls, message, permanent, detail):
             log.info("ax: task %s: late failure refused", core.id)
 
     def _run_sync(self, td: TaskDef, core: Any) -> None:
         try:
-            args, kwargs, ctx = self._prepare(td, core)
+            args, kwargs, ctx = prepare(td, core, core)
             token = _current.set(ctx)
             try:
                 result = td.fn(*args, **kwargs)
             finally:
                 _current.reset(token)
-        except Exception as e:
+        except BaseException as e:  # the attempt's failure, SystemExit included
             self._fail(td, core, e)
             return
         self._ok(td, core, result)
 
     async def _run_async(self, td: TaskDef, core: Any) -> None:
         try:
-            args, kwargs, ctx = self._prepare(td, core)
+            args, kwargs, ctx = prepare(td, core, core)
             _current.set(ctx)
-            job = asyncio.ensure_future(td.fn(*args, **kwargs))
+            job = asyncio.ensure_future(_guarded(td.fn, args, kwargs))
             while not job.done():
                 await asyncio.wait({job}, timeout=0.1)
                 if not job.done() and core.cancelled():
                     job.cancel()
                     return
-            result = job.result()
+            ok, value = job.result()
         except asyncio.CancelledError:
             return
-        except Exception as e:
+        except BaseException as e:
             self._fail(td, core, e)
             return
-        self._ok(td, core, result)
-
-    def _run_process(self, td: TaskDef, core: Any) -> None:
-        """A child process per attempt (forked: it shares the parent's code), killed when
-        the worker gives up on the attempt (hard timeout, cancel, shutdown)."""
-        try:
-            args, kwargs, ctx = self._prepare(td, core)
-        except Exception as e:
-            self._fail(td, core, e)
-            return
-        mp = multiprocessing.get_context("fork")
-        receive, send = mp.Pipe(duplex=False)
-        child = mp.Process(target=_child, args=(td, args, kwargs, ctx, send), daemon=True)
-        child.start()
-        send.close()
-        try:
-            while True:
-                if receive.poll(0.1):
-                    kind, value = pickle.loads(receive.recv_bytes())
-                    if kind == "beat":
-                        core.heartbeat()
-                        continue
-                    break
-                if core.cancelled():
-                    child.kill()
-                    return
-                if not child.is_alive() and not receive.poll(0):
-                    core.fail("process_died", f"the task's process exited with {child.exitcode}", False, None)
-                    return
-        finally:
-            receive.close()
-            child.join(1)
-        if kind == "ok":
-            data, is_json = value
-            if not core.ok(data, is_json):
-                log.info("ax: task %s: late result refused", core.id)
+        if ok:
+            self._ok(td, core, value)
         else:
-            cls, permanent, message, detail = value
-            core.fail(cls, message, permanent, detail)
+            self._fail(td, core, value)
+
+    # -- the event loop -------------------------------------------------------------------
+
+    def _run_loop(self) -> None:
+        """Runs the loop until the runtime stops it; an exception out of it (a callback's
+        ``SystemExit``) is logged and counted, and the loop runs again."""
+        loop = self._loop
+        assert loop is not None
+        while not self._closing.is_set():
+            try:
+                loop.run_forever()
+            except BaseException as e:
+                self.restarts += 1
+                log.exception("ax: the event loop stopped on %r; it runs again (restart %d)", e, self.restarts)
+                _metric("counter", "ax_python_restarts_total", 1)
+                continue
+            return  # stopped by stop()
 
 
-def _encode(td: TaskDef, result: Any) -> tuple[bytes | None, bool]:
-    """A task's result as stored: bytes as bytes, None as no output, else JSON."""
-    if isinstance(result, (bytes, bytearray)):
-        return bytes(result), False
-    if result is None:
-        return None, True
-    return _json.dumps(result, f"the result of task {td.name}"), True
-
-
-class _ChildCore:
-    """What a process-executor child's ``ax.context()`` reaches: heartbeats go to the
-    parent over the pipe (the parent passes them on to the Rust worker)."""
-
-    def __init__(self, send: Any):
-        self._send = send
-        self._lock = threading.Lock()
-
-    def put(self, kind: str, value: Any) -> None:
-        with self._lock:
-            self._send.send_bytes(pickle.dumps((kind, value)))
-
-    def heartbeat(self) -> None:
-        self.put("beat", None)
-
-    def cancelled(self) -> bool:
-        return False  # the parent kills the child instead
-
-    def fencing_token(self) -> int:
-        raise AxError("fencing_token() is not available in a process-executor child")
-
-
-def _child(td: TaskDef, args: list, kwargs: dict, ctx: TaskContext, send: Any) -> None:
-    core = _ChildCore(send)
-    token = _current.set(dataclasses.replace(ctx, _core=core))
+async def _guarded(fn: Callable[..., Coroutine[Any, Any, Any]], args: list[Any],
+                   kwargs: dict[str, Any]) -> tuple[bool, Any]:
+    """Runs the task's coroutine and hands back ``(True, result)`` or ``(False, error)``:
+    an exception never leaves the coroutine, so a ``SystemExit`` cannot stop the loop.
+    A cancel (the attempt's hard timeout) still cancels it."""
     try:
-        result = td.fn(*args, **kwargs)
-        try:
-            out: tuple[str, Any] = ("ok", _encode(td, result))
-        except InvalidInput as e:
-            out = ("fail", ("bad_output", True, str(e), None))
-    except Exception as e:
-        cls, permanent = td.classify(e)
-        out = ("fail", (cls, permanent, str(e) or cls, "".join(traceback.format_exception(e))[-8000:]))
-    finally:
-        _current.reset(token)
-    core.put(*out)
-    send.close()
-    os._exit(0)
+        return True, await fn(*args, **kwargs)
+    except asyncio.CancelledError:
+        raise
+    except BaseException as e:
+        return False, e

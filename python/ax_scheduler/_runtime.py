@@ -12,6 +12,7 @@ from . import _core, _events, _json, _schedule
 from ._client import DEFAULT_URL, Client
 from ._embedded import LocalNats, listening
 from ._executors import Executors
+from ._processes import ProcessPool
 from ._flow import FLOWS
 from ._task import REGISTRY, TaskDef
 from .errors import AxError, InvalidInput
@@ -115,7 +116,12 @@ class Runtime:
             log.warning("ax: embedded local runtime: nats-server with JetStream on %s (data in %s) and an ax "
                         "server in this process", url, os.path.abspath(self.data_dir))
         self._inbox = _core.Inbox()
-        self._executors = Executors(self._inbox, self._tasks, self.executor, self.max_concurrency).start()
+        processes = None
+        if self.executor == "process":
+            processes = ProcessPool(self.max_concurrency, [t for t in tasks if not t.is_async], url, self.creds,
+                                    self.token)
+        self._executors = Executors(self._inbox, self._tasks, self.executor, self.max_concurrency,
+                                    processes).start()
         _running = self
         client = Client(_conn=self.connection)
         if self.config is not None:

@@ -68,6 +68,8 @@ class TaskOptions:
     every: float | None = None
     schedule_payload: Any = None
     rate_limit: float | None = None
+    max_memory_mb: int | None = None
+    max_cpu_seconds: float | None = None
 
     def check(self, name: str) -> None:
         if not _NAME.match(name):
@@ -78,12 +80,17 @@ class TaskOptions:
             raise InvalidInput(f"priority must be one of {_PRIORITIES}, not {self.priority!r}", field="priority")
         if self.on_failure not in _ON_FAILURE:
             raise InvalidInput(f"on_failure must be one of {_ON_FAILURE}, not {self.on_failure!r}", field="on_failure")
-        for what, top in (("retries", 999), ("concurrency", 100_000)):
+        for what, top in (("retries", 999), ("concurrency", 100_000), ("max_memory_mb", 1 << 30)):
             v = getattr(self, what)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0 or v > top):
                 raise InvalidInput(f"{what} must be an integer 0..{top}, not {v!r}", field=what)
         if self.concurrency == 0:
             raise InvalidInput("concurrency must be at least 1", field="concurrency")
+        if self.max_memory_mb == 0:
+            raise InvalidInput("max_memory_mb must be at least 1", field="max_memory_mb")
+        if self.max_cpu_seconds is not None and not 0 < self.max_cpu_seconds <= 86_400:
+            raise InvalidInput(f"max_cpu_seconds must be more than 0 and at most 24 h, not {self.max_cpu_seconds!r}",
+                               field="max_cpu_seconds")
         if self.retry_jitter is not None and not 0.0 <= self.retry_jitter <= 1.0:
             raise InvalidInput(f"retry_jitter must be within 0..1, not {self.retry_jitter!r}", field="retry_jitter")
         for what in ("timeout", "heartbeat_timeout"):
@@ -287,7 +294,8 @@ def task(fn: Callable[..., Any] | None = None, *, name: str | None = None, queue
          retry_on_exception: Any = None, no_retry_on_exception: Any = None, on_failure: str = "fail",
          concurrency: int | None = None, idempotency_key: Callable[..., str] | None = None,
          cron: str | None = None, tz: str | None = None, every: Any = None,
-         schedule_payload: Any = None, rate_limit: Any = None) -> Any:
+         schedule_payload: Any = None, rate_limit: Any = None, max_memory_mb: int | None = None,
+         max_cpu_seconds: Any = None) -> Any:
     """Registers a function (sync or ``async def``) as an ax task. See the Python guide
     for each option; times are seconds (or timedeltas). An unknown option is a
     ``TypeError``; a bad value an ``InvalidInput`` naming it."""
@@ -306,7 +314,8 @@ def task(fn: Callable[..., Any] | None = None, *, name: str | None = None, queue
             no_retry_on_exception=_classes(no_retry_on_exception, "no_retry_on_exception"),
             on_failure=on_failure, concurrency=concurrency, idempotency_key=idempotency_key,
             cron=cron, tz=tz, every=_seconds(every, "every"), schedule_payload=schedule_payload,
-            rate_limit=None if rate_limit is None else _schedule.rate(rate_limit))
+            rate_limit=None if rate_limit is None else _schedule.rate(rate_limit),
+            max_memory_mb=max_memory_mb, max_cpu_seconds=_seconds(max_cpu_seconds, "max_cpu_seconds"))
         task_name = name or f.__name__
         opts.check(task_name)
         if asyncio.iscoroutinefunction(f) is False and inspect.isasyncgenfunction(f):

@@ -218,7 +218,7 @@ impl Connection {
                 None => nats.subscribe(subject).await,
             }
         })?
-            .map_err(|e| errors::raise(ErrorKind::Unavailable, e.to_string(), None, None))?;
+        .map_err(|e| errors::raise(ErrorKind::Unavailable, e.to_string(), None, None))?;
         Ok(Subscription(tokio::sync::Mutex::new(sub).into()))
     }
 

@@ -13,10 +13,12 @@
 //! | `worker` | a worker of one queue whose handlers are Python |
 //! | `embed` | an ax server inside the Python process |
 //! | `errors` | Rust errors raised as the typed exceptions of `ax_scheduler.errors` |
+//! | `metrics` | the Prometheus exporter and the Python runtime's own metrics |
 
 mod conn;
 mod embed;
 mod errors;
+mod metrics;
 mod running;
 mod settings;
 mod worker;
@@ -98,5 +100,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(embed::serve, m)?)?;
     m.add_function(wrap_pyfunction!(settings::read_settings_file, m)?)?;
     m.add_function(wrap_pyfunction!(settings::settings_of, m)?)?;
+    m.add_function(wrap_pyfunction!(metrics::serve_metrics, m)?)?;
+    m.add_function(wrap_pyfunction!(metrics::gauge_set, m)?)?;
+    m.add_function(wrap_pyfunction!(metrics::counter_add, m)?)?;
     Ok(())
 }

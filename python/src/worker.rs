@@ -95,6 +95,13 @@ impl TaskContext {
         self.abandoned.is_cancelled() || self.task.cancellation().is_cancelled()
     }
 
+    /// True once the worker stopped waiting for this attempt (hard timeout, cancel,
+    /// shutdown past its grace): its slot is free and its result will be refused. A
+    /// cooperative cancel alone (the task told to stop) does not make it abandoned.
+    fn abandoned(&self) -> bool {
+        self.abandoned.is_cancelled()
+    }
+
     /// Says the task still makes progress (its soft timeout, `heartbeat_timeout`, starts
     /// again); cheap, callable from any thread.
     fn heartbeat(&self) {

@@ -97,3 +97,55 @@ def test_a_task_thread_survives_a_runtime_failure_and_the_attempt_is_retried(run
     assert record["attempt"] == 2, "the failed attempt was recorded and retried"
     assert rt._executors.thread_failures == 1
     assert after_a_runtime_bug.submit(6, client=client).result(timeout=20) == 6
+
+
+# -- issue 38: a child that uses ax, children reused, per-task limits -------------------------
+
+@ax.task(queue=Q, retries=0)
+def sub_echo(x: int) -> int:
+    return x * 10
+
+
+@ax.task(queue=Q, retries=0, timeout=20)
+def submits_from_a_child(x: int) -> dict:
+    by_task = sub_echo.submit(x)
+    by_client = ax.Client().submit(sub_echo, x + 1)
+    return {"pid": os.getpid(), "ids": [by_task.id, by_client.id],
+            "results": [by_task.result(timeout=15), by_client.result(timeout=15)]}
+
+
+def test_a_task_in_a_child_process_can_use_ax_and_children_are_reused(runtime, client):
+    runtime(in_a_child, sub_echo, submits_from_a_child, executor="process", max_concurrency=2)
+    out = submits_from_a_child.submit(4, client=client).result(timeout=30)
+    assert out["results"] == [40, 50]
+    assert out["pid"] != os.getpid()
+    pids = {in_a_child.submit(i, client=client).result(timeout=20)["pid"] for i in range(6)}
+    assert len(pids) <= 2, f"six attempts on two reused children, not a process each: {pids}"
+
+
+@ax.task(queue=Q, retries=0, max_memory_mb=64)
+def greedy(mb: int) -> int:
+    block = bytearray(mb * 1024 * 1024)
+    return len(block)
+
+
+@ax.task(queue=Q, retries=0, max_cpu_seconds=1, timeout=30)
+def spinning(seconds: float) -> int:
+    end, n = time.process_time() + seconds, 0
+    while time.process_time() < end:
+        n += 1
+    return n
+
+
+def test_per_task_memory_and_cpu_limits_fail_the_attempt_and_spare_the_runtime(runtime, client):
+    runtime(greedy, spinning, in_a_child, executor="process", max_concurrency=1)
+    assert greedy.submit(8, client=client).result(timeout=30) == 8 * 1024 * 1024
+    with pytest.raises(ax.TaskFailed) as failed:
+        greedy.submit(512, client=client).result(timeout=30)
+    assert failed.value.error_class == "memory_limit"
+    assert failed.value.record["attempt"] == 1, "a limit is not retried"
+    with pytest.raises(ax.TaskFailed) as failed:
+        spinning.submit(5.0, client=client).result(timeout=30)
+    assert failed.value.error_class == "cpu_limit"
+    assert spinning.submit(0.1, client=client).result(timeout=30) > 0, "the next attempt has its own second"
+    assert in_a_child.submit(1, client=client).result(timeout=30)["x"] == 1

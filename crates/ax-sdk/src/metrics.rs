@@ -120,6 +120,17 @@ pub const GROUP_COMMIT_GROUPING: &str = "ax_group_commit_grouping";
 /// (due within `--trigger-hold`, or waiting on a fire's tasks) or `resting` (held as a
 /// name and a wake time, read back from the store when due); 0 on a server not leading.
 pub const TRIGGERS_HELD: &str = "ax_triggers_held";
+/// Gauge, Python runtime `{queue}`: task threads still running a sync function whose
+/// attempt the worker gave up on (hard timeout, cancel): each was replaced by a new
+/// thread, so they hold no slot, but they hold memory and CPU until the function returns.
+pub const PYTHON_STUCK_THREADS: &str = "ax_python_stuck_threads";
+/// Counter, Python runtime `{queue}`: task threads started to replace one stuck in an
+/// abandoned attempt.
+pub const PYTHON_THREADS_REPLACED: &str = "ax_python_threads_replaced_total";
+/// Counter, Python runtime `{executor}`: task threads, the event loop or process-executor
+/// children that ended unexpectedly (a runtime bug or a task's `SystemExit` escaping) and
+/// were started again.
+pub const PYTHON_RESTARTS: &str = "ax_python_restarts_total";
 
 /// Registers help texts for every metric.
 pub fn describe() {
@@ -240,6 +251,18 @@ pub fn describe() {
     describe_gauge!(
         TRIGGERS_HELD,
         "Triggers the trigger leader follows, held whole or resting (name and wake time)"
+    );
+    describe_gauge!(
+        PYTHON_STUCK_THREADS,
+        "Python task threads still running an abandoned attempt (replaced)"
+    );
+    describe_counter!(
+        PYTHON_THREADS_REPLACED,
+        "Python task threads started to replace one stuck in an abandoned attempt"
+    );
+    describe_counter!(
+        PYTHON_RESTARTS,
+        "Python task threads, event loop or children that ended unexpectedly and restarted"
     );
 }
 
