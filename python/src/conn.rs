@@ -3,14 +3,11 @@
 //! Python side decodes it.
 
 use crate::errors;
+use crate::ops::{self, Failed};
 use crate::wait;
-use ax_sdk::api::{Api, Request};
-use ax_sdk::protocol::SubmitRequest;
-use ax_sdk::{Client, ErrorKind, TaskSpec};
+use ax_sdk::{Client, ErrorKind};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
-use serde_json::json;
-use std::future::Future;
 use std::time::Duration;
 
 /// A connection to NATS, with the ax producer client over it. Cheap to share between
@@ -19,10 +16,6 @@ use std::time::Duration;
 pub struct Connection {
     pub(crate) nats: async_nats::Client,
     pub(crate) client: Client,
-}
-
-fn json_bytes<'py>(py: Python<'py>, value: &impl serde::Serialize) -> Bound<'py, PyBytes> {
-    PyBytes::new(py, &serde_json::to_vec(value).expect("JSON serializes"))
 }
 
 #[pymethods]
@@ -73,11 +66,8 @@ impl Connection {
         queue: String,
         request: &[u8],
     ) -> PyResult<Bound<'py, PyBytes>> {
-        let spec = spec(request)?;
-        let client = self.client.clone();
-        let accepted =
-            wait(py, async move { client.submit(&queue, spec).await })?.map_err(errors::client)?;
-        Ok(json_bytes(py, &accepted))
+        let fut = ops::submit(&self.client, queue, request)?;
+        Ok(PyBytes::new(py, &wait(py, fut)?.map_err(Failed::raise)?))
     }
 
     /// Submits many tasks to `queue` in batches; one `(accepted, reply JSON)` per task, in
@@ -88,28 +78,17 @@ impl Connection {
         queue: String,
         requests: Vec<Vec<u8>>,
     ) -> PyResult<Vec<(bool, Bound<'py, PyBytes>)>> {
-        let specs = requests
-            .iter()
-            .map(|r| spec(r))
-            .collect::<PyResult<Vec<_>>>()?;
-        let client = self.client.clone();
-        let answers = wait(py, async move { client.submit_many(&queue, specs).await })?;
-        Ok(answers
+        let fut = ops::submit_many(&self.client, queue, &requests)?;
+        Ok(wait(py, fut)?
             .into_iter()
-            .map(|a| match a {
-                Ok(accepted) => (true, json_bytes(py, &accepted)),
-                Err(refused) => (false, json_bytes(py, &refused)),
-            })
+            .map(|(ok, json)| (ok, PyBytes::new(py, &json)))
             .collect())
     }
 
     /// The task's record and revision as JSON `{"record", "revision"}`, or None.
     fn task<'py>(&self, py: Python<'py>, id: String) -> PyResult<Option<Bound<'py, PyBytes>>> {
-        let client = self.client.clone();
-        let found = wait(py, async move { client.task(&id).await })?.map_err(errors::client)?;
-        Ok(found.map(|(record, revision)| {
-            json_bytes(py, &json!({"record": record, "revision": revision}))
-        }))
+        let found = wait(py, ops::task(&self.client, id))?.map_err(Failed::raise)?;
+        Ok(found.map(|json| PyBytes::new(py, &json)))
     }
 
     /// Waits until the task is finished, at most `timeout` seconds (None: no limit);
@@ -122,19 +101,11 @@ impl Connection {
         id: String,
         timeout: Option<f64>,
     ) -> PyResult<(Bound<'py, PyBytes>, Option<Bound<'py, PyBytes>>, bool)> {
-        let client = self.client.clone();
-        let what = format!("task {id}");
-        let finished = within(py, timeout, what, async move { client.wait(&id).await })?;
-        let (output, is_json) = match finished.output {
-            Some(out) => (Some(PyBytes::new(py, &out.bytes)), out.is_json),
-            None => (None, false),
-        };
+        let fut = ops::wait(&self.client, id, timeout)?;
+        let (record, output, is_json) = wait(py, fut)?.map_err(Failed::raise)?;
         Ok((
-            json_bytes(
-                py,
-                &json!({"record": finished.record, "revision": finished.revision}),
-            ),
-            output,
+            PyBytes::new(py, &record),
+            output.map(|out| PyBytes::new(py, &out)),
             is_json,
         ))
     }
@@ -149,36 +120,8 @@ impl Connection {
         op: &str,
         body: &[u8],
     ) -> PyResult<Bound<'py, PyBytes>> {
-        use ax_sdk::{
-            flow::FlowRequest, limits::LimitRequest, ops::TaskRequest, trigger::TriggerRequest,
-        };
-        let client = self.client.clone();
-        let api = Api::ALL
-            .into_iter()
-            .find(|a| a.name() == api)
-            .ok_or_else(|| {
-                errors::invalid(format!("no API {api:?} (task, flow, limit, trigger)"))
-            })?;
-        let bad = |e: ax_sdk::error::WireError| errors::wire(&e);
-        let answer = match api {
-            Api::Task => {
-                let req = TaskRequest::decode(op, body).map_err(bad)?;
-                wait(py, async move { client.call(&req).await })?
-            }
-            Api::Flow => {
-                let req = FlowRequest::decode(op, body).map_err(bad)?;
-                wait(py, async move { client.call(&req).await })?
-            }
-            Api::Limit => {
-                let req = LimitRequest::decode(op, body).map_err(bad)?;
-                wait(py, async move { client.call(&req).await })?
-            }
-            Api::Trigger => {
-                let req = TriggerRequest::decode(op, body).map_err(bad)?;
-                wait(py, async move { client.call(&req).await })?
-            }
-        };
-        Ok(json_bytes(py, &answer.map_err(errors::client)?))
+        let fut = ops::call(&self.client, api, op, body)?;
+        Ok(PyBytes::new(py, &wait(py, fut)?.map_err(Failed::raise)?))
     }
 
     /// Waits until flow run `run` has ended, at most `timeout` seconds; returns the run as
@@ -190,15 +133,8 @@ impl Connection {
         run: String,
         timeout: Option<f64>,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        let client = self.client.clone();
-        let what = format!("flow run {run}");
-        let ended = within(
-            py,
-            timeout,
-            what,
-            async move { client.wait_flow(&run).await },
-        )?;
-        Ok(json_bytes(py, &ended))
+        let fut = ops::wait_flow(&self.client, run, timeout)?;
+        Ok(PyBytes::new(py, &wait(py, fut)?.map_err(Failed::raise)?))
     }
 
     /// Follows a core NATS subject (wildcards allowed), e.g. `ax.events.alert.>`. With a
@@ -258,37 +194,6 @@ impl Subscription {
         })?;
         Ok(msg.map(|m| (m.subject.to_string(), PyBytes::new(py, &m.payload))))
     }
-}
-
-/// Waits for `fut` at most `timeout` seconds (None: no limit): `TimedOut` naming `what`
-/// when the time runs out, a client error raised by its kind.
-fn within<T: Send + 'static>(
-    py: Python<'_>,
-    timeout: Option<f64>,
-    what: String,
-    fut: impl Future<Output = Result<T, ax_sdk::ClientError>> + Send + 'static,
-) -> PyResult<T> {
-    let limit = timeout.map(|t| seconds(t, "timeout")).transpose()?;
-    let done = wait(py, async move {
-        match limit {
-            Some(limit) => tokio::time::timeout(limit, fut).await.ok(),
-            None => Some(fut.await),
-        }
-    })?;
-    let late = || {
-        let message = format!(
-            "{what} not finished within {} s",
-            timeout.unwrap_or_default()
-        );
-        errors::raise(ErrorKind::TimedOut, message, None, None)
-    };
-    done.ok_or_else(late)?.map_err(errors::client)
-}
-
-/// A submit request decoded by the protocol's own type (unknown fields refused).
-fn spec(request: &[u8]) -> PyResult<TaskSpec> {
-    let req: SubmitRequest = serde_json::from_slice(request).map_err(errors::invalid)?;
-    Ok(TaskSpec::from_request(req))
 }
 
 /// Seconds from Python: finite and not negative.

@@ -10,15 +10,19 @@
 //! | module | concept |
 //! |---|---|
 //! | `conn` | a connection: submit, read and wait for tasks, the request APIs, subscriptions |
+//! | `aio` | the same calls as awaitables, for `asyncio` code |
+//! | `ops` | those calls as futures, shared by both forms |
 //! | `worker` | a worker of one queue whose handlers are Python |
 //! | `embed` | an ax server inside the Python process |
 //! | `errors` | Rust errors raised as the typed exceptions of `ax_scheduler.errors` |
 //! | `metrics` | the Prometheus exporter and the Python runtime's own metrics |
 
+mod aio;
 mod conn;
 mod embed;
 mod errors;
 mod metrics;
+mod ops;
 mod running;
 mod settings;
 mod worker;
@@ -86,12 +90,22 @@ fn init_logging(filter: &str) -> bool {
         .is_ok()
 }
 
+/// Runs the `ax` command line with `argv` (the first is the program name) and returns its
+/// exit code. The GIL is released meanwhile: the command owns the process until it ends
+/// (`ax server` until SIGTERM or ctrl-c, as the binary does).
+#[pyfunction]
+fn cli(py: Python<'_>, argv: Vec<String>) -> u8 {
+    py.detach(|| ax_cli::main_with(argv))
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(init_logging, m)?)?;
+    m.add_function(wrap_pyfunction!(cli, m)?)?;
     m.add_class::<conn::Connection>()?;
     m.add_class::<conn::Subscription>()?;
+    m.add_class::<aio::AsyncConnection>()?;
     m.add_class::<worker::WorkerHandle>()?;
     m.add_class::<worker::TaskContext>()?;
     m.add_class::<worker::Inbox>()?;
