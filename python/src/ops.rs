@@ -38,6 +38,8 @@ impl From<ClientError> for Failed {
 }
 
 type Json = Vec<u8>;
+/// A finished task: `{"record", "revision"}`, its output, whether the output is JSON.
+type Finished = (Json, Option<Json>, bool);
 
 fn to_json(value: &impl serde::Serialize) -> Json {
     serde_json::to_vec(value).expect("JSON serializes")
@@ -101,8 +103,7 @@ pub(crate) fn wait(
     client: &Client,
     id: String,
     timeout: Option<f64>,
-) -> Result<impl Future<Output = Result<(Json, Option<Json>, bool), Failed>> + Send + 'static, PyErr>
-{
+) -> Result<impl Future<Output = Result<Finished, Failed>> + Send + 'static, PyErr> {
     let client = client.clone();
     let what = format!("task {id}");
     within(timeout, what, async move {
