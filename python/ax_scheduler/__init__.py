@@ -19,7 +19,7 @@ from . import errors
 from ._client import Client
 from ._context import TaskContext, context, heartbeat
 from ._core import __version__
-from ._events import events, on_event
+from ._events import Event, events, on_event
 from ._flow import FlowDef, flow
 from ._runtime import Runtime
 from ._schedule import schedule
@@ -55,7 +55,7 @@ def register(*items: "TaskDef | FlowDef", client: "Client | None" = None) -> Non
 
 
 __all__ = [
-    "AxError", "Client", "Conflict", "FlowDef", "FlowDefinitionError", "FlowFailed", "Handle", "InvalidInput",
+    "AxError", "Client", "Conflict", "Event", "FlowDef", "FlowDefinitionError", "FlowFailed", "Handle", "InvalidInput",
     "NonRetryable", "NotFound", "PermissionDenied", "Runtime", "TaskContext", "TaskDef", "TaskFailed",
     "TimedOut", "Unavailable", "__version__", "context", "errors", "events", "flow", "heartbeat", "on_event",
     "register",

@@ -40,9 +40,7 @@ def prepare(td: TaskDef, task: Delivered, core: Any) -> tuple[list[Any], dict[st
     args_spec = payload.get("args") if isinstance(payload, dict) else None
     if isinstance(args_spec, dict) and "ax_args" in args_spec and "run" in payload:
         flow, run, step, index = payload.get("flow"), payload.get("run"), payload.get("step"), payload.get("index")
-        resolved = resolve(payload, args_spec["ax_args"])
-        args: list[Any] = []
-        kwargs = {k: _json.typed(v, td.hints.get(k)) for k, v in resolved.items()}
+        args, kwargs = td.call_arguments(resolve(payload, args_spec["ax_args"]))
     else:
         args, kwargs = td.arguments(payload)
     ctx = TaskContext(task.id, task.name, task.queue, task.priority, task.attempt, task.max_attempts,

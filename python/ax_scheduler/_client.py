@@ -6,11 +6,14 @@ from __future__ import annotations
 import json
 import os
 import threading
-from typing import Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from . import _core, _json
 from ._task import REGISTRY, Handle, TaskDef
 from .errors import AxError, FlowFailed, InvalidInput, NotFound, TaskFailed, TimedOut
+
+if TYPE_CHECKING:
+    from ._events import Event
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
 
@@ -82,10 +85,13 @@ class Client:
 
     def submit(self, task: TaskDef | str, payload: Any = None, *, queue: str | None = None, delay: Any = None,
                run_at: Any = None, key: str | None = None, priority: str | None = None) -> Handle:
-        """Submits a task by function or by name with ``payload`` (the one argument, or
-        an object of arguments by name); see ``TaskDef.submit`` for the options."""
+        """Submits a task by function or by name with ``payload``: the argument of a
+        one-parameter function (a list for ``*args``, an object for ``**kwargs``), else an
+        object of arguments by name (the Python guide, "Tasks"); see
+        ``TaskDef.submit`` for the options. A payload the function cannot take is refused."""
         td = task if isinstance(task, TaskDef) else REGISTRY.get(task)
         if td is not None and not isinstance(task, str):
+            td.check_payload(payload)
             req = td.request(payload, delay=delay, run_at=run_at, key=key, priority=priority)
             return self.submit_request(queue or td.options.queue, req, task=td)
         name = task if isinstance(task, str) else td.name  # type: ignore[union-attr]
@@ -107,6 +113,10 @@ class Client:
         name = task if isinstance(task, str) else task.name
         opts = td.options if td else _bare_options()
         bare = TaskDef(lambda payload=None: None, name, opts)
+        payloads = list(payloads)
+        if isinstance(task, TaskDef):
+            for p in payloads:
+                task.check_payload(p)
         bodies = [_json.dumps(bare.request(p, priority=priority), "a task's payload") for p in payloads]
         out: list[Handle | AxError] = []
         for accepted, reply in self._conn.submit_many(queue or opts.queue, bodies):
@@ -264,9 +274,9 @@ class Client:
         body; the ``ok`` value. Refusals raise the typed errors of ``ax.errors``."""
         return json.loads(self._conn.call(api, op, _json.dumps({} if body is None else body, "the request")))
 
-    def events(self, subject: str = "ax.events.alert.>", poll: float = 1.0) -> Iterator[dict[str, Any]]:
+    def events(self, subject: str = "ax.events.alert.>", poll: float = 1.0) -> Iterator["Event"]:
         """Follows ax's events (by default the alerts: tasks dead, flow runs failed, one
-        per burst); yields each as a dict."""
+        per burst); yields each as an ``ax.Event`` (every follower gets each)."""
         from ._events import follow
 
         return follow(self._conn.subscribe(subject), poll)

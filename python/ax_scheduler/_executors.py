@@ -86,6 +86,10 @@ class Executors:
             self._processes.start()
         return self
 
+    def ready(self) -> bool:
+        """True once the process executor's children have started (at once otherwise)."""
+        return self._processes is None or self._processes.ready()
+
     def stop(self) -> None:
         """Ends the threads (the inbox is closed first), the loop and the children, each
         joined at once against one deadline."""

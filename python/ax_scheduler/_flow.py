@@ -4,7 +4,8 @@ Each call of an ``@ax.task`` in the body becomes a step; an argument that is the
 input or another call's result becomes a ``need`` and is passed by name; ``task.map(xs)``
 fans out over a list output, and a call on its result fans in. The definition is ax's
 own (PROTOCOL.md §6): the step's task payload ``args`` says where each argument comes
-from, ``{"ax_args": {param: source}}``, and the Python runtime rebuilds the call.
+from, ``{"ax_args": {param: source}}`` (the arguments by name, as in a task's payload;
+``*args`` as ``{"list": [source, ...]}``), and the Python runtime rebuilds the call.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import inspect
 from typing import Any, Callable
 
 from . import _json
+from ._task import claim_name
 from .errors import FlowDefinitionError, InvalidInput
 
 FLOWS: dict[str, "FlowDef"] = {}
@@ -96,11 +98,11 @@ class _Builder:
         self.steps: list[dict[str, Any]] = []
         self.names: set[str] = set()
 
-    def call(self, td: Any, args: tuple, kwargs: dict, fan_out: bool) -> Value:
+    def call(self, td: Any, args: tuple[Any, ...], kwargs: dict[str, Any], fan_out: bool) -> Value:
         try:
-            bound = td.signature.bind(*args, **kwargs)
-        except TypeError as e:
-            raise FlowDefinitionError(f"flow {self.flow}: task {td.name}: {e}") from None
+            named: dict[str, Any] = td.named_arguments(args, kwargs)
+        except InvalidInput as e:
+            raise FlowDefinitionError(f"flow {self.flow}: {e}") from None
         step = td.name
         n = 2
         while step in self.names:
@@ -108,8 +110,16 @@ class _Builder:
         needs: list[str] = []
         sources: dict[str, Any] = {}
         for_each = None
-        for i, (param, value) in enumerate(bound.arguments.items()):
-            if fan_out and i == 0:
+        params: list[inspect.Parameter] = td.params
+        first = params[0] if params else None
+        item = first.name if first is not None and first.kind in (first.POSITIONAL_ONLY, first.POSITIONAL_OR_KEYWORD) \
+            else None
+        if fan_out and item is None:
+            raise FlowDefinitionError(f"flow {self.flow}: {td.name}.map() passes each item as the first "
+                                      "argument, and its first parameter is not a positional one")
+        var_args = next((p.name for p in params if p.kind is p.VAR_POSITIONAL), None)
+        for param, value in named.items():
+            if fan_out and param == item:
                 if not isinstance(value, Value) or value._source[0] != "step" or value._path:
                     raise FlowDefinitionError(
                         f"flow {self.flow}: {td.name}.map() fans out over a task's list output "
@@ -117,17 +127,10 @@ class _Builder:
                 for_each = value._source[1]
                 needs.append(for_each)
                 sources[param] = {"from": "item"}
-            elif isinstance(value, Value):
-                if value._source[0] == "step" and value._source[1] not in needs:
-                    needs.append(value._source[1])
-                sources[param] = value._spec()
-            elif _has_value(value):
-                raise FlowDefinitionError(
-                    f"flow {self.flow}: task {td.name}: argument {param!r} holds a run value inside a "
-                    "list or dict; pass run values as whole arguments")
+            elif param == var_args and _has_value(value):  # *args: each item its own source
+                sources[param] = {"list": [self._source(td, param, v, needs) for v in value]}
             else:
-                _json.dumps(value, f"flow {self.flow}: task {td.name}: argument {param!r}")
-                sources[param] = {"value": value}
+                sources[param] = self._source(td, param, value, needs)
         o = td.options
         task: dict[str, Any] = {"name": td.name, "queue": o.queue, "payload": {"ax_args": sources}}
         if o.priority != "normal":
@@ -142,6 +145,19 @@ class _Builder:
         self.steps.append(step_def)
         self.names.add(step)
         return Value(self.flow, ("step", step))
+
+    def _source(self, td: Any, param: str, value: Any, needs: list[str]) -> dict[str, Any]:
+        """Where an argument comes from: a run value (its step becomes a need) or a constant."""
+        if isinstance(value, Value):
+            if value._source[0] == "step" and value._source[1] not in needs:
+                needs.append(value._source[1])
+            return value._spec()
+        if _has_value(value):
+            raise FlowDefinitionError(
+                f"flow {self.flow}: task {td.name}: argument {param!r} holds a run value inside a "
+                "list or dict; pass run values as whole arguments")
+        _json.dumps(value, f"flow {self.flow}: task {td.name}: argument {param!r}")
+        return {"value": value}
 
 
 class FlowDef:
@@ -193,6 +209,7 @@ def flow(fn: Callable[..., Any] | None = None, *, name: str | None = None, failu
         if failure not in ("fail_fast", "continue"):
             raise InvalidInput(f"failure must be fail_fast or continue, not {failure!r}", field="failure")
         fd = FlowDef(f, name or f.__name__, failure)
+        claim_name(FLOWS, "flow", fd.name, f)
         FLOWS[fd.name] = fd
         return fd
 
@@ -200,30 +217,37 @@ def flow(fn: Callable[..., Any] | None = None, *, name: str | None = None, failu
 
 
 def resolve(payload: dict[str, Any], sources: dict[str, Any]) -> dict[str, Any]:
-    """The keyword arguments of a step's task from its payload (PROTOCOL.md §6): the
+    """The arguments by name of a step's task from its payload (PROTOCOL.md §6): the
     run's input, the parents' outputs (None for a parent that did not succeed), the
-    item, constants."""
+    item, constants; ``*args`` as a list of those. ``TaskDef.call_arguments`` makes the
+    call of them."""
     out: dict[str, Any] = {}
     for param, spec in sources.items():
-        if "value" in spec:
-            out[param] = spec["value"]
-            continue
-        kind = spec.get("from")
-        if kind == "input":
-            value = payload.get("input")
-        elif kind == "step":
-            value = (payload.get("parents") or {}).get(spec.get("step"))
-        elif kind == "item":
-            value = payload.get("item")
+        if "list" in spec:
+            out[param] = [_resolve(payload, param, s) for s in spec["list"]]
         else:
-            raise InvalidInput(f"argument {param!r}: unknown source {spec!r}", code="bad_payload")
-        for key in spec.get("path", ()):
-            if value is None:
-                break
-            try:
-                value = value[key]
-            except (KeyError, IndexError, TypeError):
-                raise InvalidInput(f"argument {param!r}: no {key!r} in {type(value).__name__}",
-                                   code="bad_payload") from None
-        out[param] = value
+            out[param] = _resolve(payload, param, spec)
     return out
+
+
+def _resolve(payload: dict[str, Any], param: str, spec: dict[str, Any]) -> Any:
+    if "value" in spec:
+        return spec["value"]
+    kind = spec.get("from")
+    if kind == "input":
+        value = payload.get("input")
+    elif kind == "step":
+        value = (payload.get("parents") or {}).get(spec.get("step"))
+    elif kind == "item":
+        value = payload.get("item")
+    else:
+        raise InvalidInput(f"argument {param!r}: unknown source {spec!r}", code="bad_payload")
+    for key in spec.get("path", ()):
+        if value is None:
+            break
+        try:
+            value = value[key]
+        except (KeyError, IndexError, TypeError):
+            raise InvalidInput(f"argument {param!r}: no {key!r} in {type(value).__name__}",
+                               code="bad_payload") from None
+    return value

@@ -28,6 +28,7 @@ import resource
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,27 +105,38 @@ class ProcessPool:
         self._lock = threading.Lock()
         self._children: list[_Child] = []
         self._closing = threading.Event()
+        self._warmed = threading.Event()
         self.replaced = 0
 
     def start(self) -> None:
         """Starts the children in the background, so the first attempts find them ready."""
         threading.Thread(target=self._warm, name="ax-process-pool", daemon=True).start()
 
+    def ready(self) -> bool:
+        """True once the first children have started (the runtime is ready then)."""
+        return self._warmed.is_set()
+
     def _warm(self) -> None:
-        for _ in range(self.size):
-            if self._closing.is_set():
-                return
+        """Starts every child at once, then waits for each to load the task modules."""
+        started = [self._spawn() for _ in range(self.size) if not self._closing.is_set()]
+        for child in started:
             try:
-                child = self._new()
+                child.wait_ready(READY_WAIT)
             except AxError as e:
                 log.error("ax: process executor: %s", e)
-                return
+                self._drop(child)
+                continue
             self._idle.put(child)
+        self._warmed.set()
 
-    def _new(self) -> _Child:
+    def _spawn(self) -> _Child:
         with self._lock:
             child = _Child(self._ctx, _child_main, self._args)
             self._children.append(child)
+        return child
+
+    def _new(self) -> _Child:
+        child = self._spawn()
         try:
             child.wait_ready(READY_WAIT)
         except BaseException:
@@ -138,16 +150,22 @@ class ProcessPool:
             if child in self._children:
                 self._children.remove(child)
 
-    def _take(self) -> _Child:
-        try:
-            return self._idle.get_nowait()
-        except queue.Empty:
-            pass
-        with self._lock:
-            room = len(self._children) < self.size
-        if room:
-            return self._new()
-        return self._idle.get(timeout=READY_WAIT)
+    def _take(self, core: Any) -> _Child:
+        """An idle child, waiting (with heartbeats for the attempt) while the children
+        start; one started here if the pool has room."""
+        deadline = time.monotonic() + READY_WAIT
+        while True:
+            try:
+                return self._idle.get(timeout=0.2)
+            except queue.Empty:
+                pass
+            core.heartbeat()  # the attempt has not started: its soft timeout must not run out
+            with self._lock:
+                room = len(self._children) < self.size
+            if room and self._warmed.is_set():
+                return self._new()
+            if time.monotonic() > deadline:
+                raise AxError(f"no task process became free within {READY_WAIT} s")
 
     def stop(self) -> None:
         self._closing.set()
@@ -160,8 +178,8 @@ class ProcessPool:
         """Runs one attempt in a child; ends it through ``core``. The child is killed if
         the worker gives up on the attempt, or dies; either way a new one replaces it."""
         try:
-            child = self._take()
-        except (AxError, queue.Empty) as e:
+            child = self._take(core)
+        except AxError as e:
             core.fail("process_unavailable", f"no task process: {e}", False, None)
             return
         limits = (td.options.max_memory_mb, td.options.max_cpu_seconds)

@@ -9,8 +9,8 @@ import threading
 from typing import Any, Iterable
 
 from . import _core, _events, _json, _schedule
-from ._client import DEFAULT_URL, Client
-from ._embedded import LocalNats, listening
+from ._client import Client
+from ._embedded import LocalNats, listening, local_port, reclaim, storage_target
 from ._executors import Executors
 from ._processes import ProcessPool
 from ._flow import FLOWS
@@ -37,10 +37,12 @@ class Runtime:
     mostly ``async def`` tasks). ``async def`` tasks always run on the runtime's one
     event loop.
 
-    ``url``: NATS. None: ``$AX_URL``; else, if something listens on 127.0.0.1:4222,
-    that; else the **embedded local runtime** — a nats-server with JetStream on
-    ``data_dir`` and an ax server in this process. ``server``: run an ax server in this
-    process (default: only in the embedded case).
+    ``url``: NATS. None: ``$AX_URL``; else, if something listens on 127.0.0.1:4222
+    (``$AX_LOCAL_PORT``), that; else the **embedded local runtime** — a nats-server with
+    JetStream on ``data_dir`` (default ``.ax``) and an ax server in this process.
+    ``server``: run an ax server in this process (default: only in the embedded case).
+    ``storage``: instead of ``url`` / ``data_dir``, a NATS URL or a directory (a path,
+    ``file:///path`` or ``sqlite:///path``: a directory holding JetStream's store).
 
     ``config``: a settings file (``runtime.yaml``: retries, timeouts, concurrency, alert
     group per task, in the decorator's words) stored when the runtime starts, before its
@@ -50,20 +52,28 @@ class Runtime:
     """
 
     def __init__(self, url: str | None = None, *, max_concurrency: int = 10, executor: str = "threadpool",
-                 tasks: Iterable[TaskDef] | None = None, data_dir: str | os.PathLike = ".ax",
+                 tasks: Iterable[TaskDef] | None = None, data_dir: str | os.PathLike[str] | None = None,
                  server: bool | None = None, queues: Iterable[str] = (), console: str | None = None,
                  console_token: str | None = None, shutdown_grace: float = 30.0, creds: str | None = None,
                  token: str | None = None, log_level: str | None = None, worker_id: str | None = None,
-                 ack_wait: float | None = None, config: "str | os.PathLike | dict[str, Any] | None" = None):
+                 ack_wait: float | None = None, config: "str | os.PathLike | dict[str, Any] | None" = None,
+                 storage: str | os.PathLike[str] | None = None):
         if executor not in _EXECUTORS:
             raise InvalidInput(f"executor must be one of {_EXECUTORS}, not {executor!r}", field="executor")
         if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or not 1 <= max_concurrency <= 10_000:
             raise InvalidInput(f"max_concurrency must be an integer 1..10000, not {max_concurrency!r}",
                                field="max_concurrency")
+        if storage is not None:
+            if url is not None or data_dir is not None:
+                raise InvalidInput("give storage=, or url= / data_dir=, not both", field="storage")
+            url, data_dir = storage_target(storage)
+            if data_dir is not None:
+                log.warning("ax: storage=%r: ax keeps its state in NATS JetStream, not a SQLite file: the embedded "
+                            "local runtime stores it in the directory %s", os.fspath(storage), data_dir.resolve())
         self.url = url or os.environ.get("AX_URL") or None
         self.max_concurrency = max_concurrency
         self.executor = executor
-        self.data_dir = data_dir
+        self.data_dir: str | os.PathLike[str] = data_dir if data_dir is not None else ".ax"
         self.server = server
         self.extra_queues = list(queues)
         self.console = console
@@ -84,6 +94,7 @@ class Runtime:
         self._executors: Executors | None = None
         self._stop = threading.Event()
         self._events: _events.Dispatcher | None = None
+        self._event_failures = 0  # of dispatchers stopped
 
     # -- start and stop -----------------------------------------------------------------
 
@@ -104,10 +115,16 @@ class Runtime:
         queues = sorted({t.options.queue for t in tasks} | set(self.extra_queues) | {"default"})
         url, embedded = self.url, False
         if url is None:
-            if listening("127.0.0.1", 4222):
-                url = DEFAULT_URL
+            port = local_port()
+            reclaim(self.data_dir)  # a broker this directory's dead runtime left would pass for a NATS
+            if listening("127.0.0.1", port):
+                url = f"nats://127.0.0.1:{port}"
+                log.warning("ax: using %s, a NATS this runtime did not start (not the broker of %s)%s", url,
+                            os.path.abspath(self.data_dir), "" if self.server else
+                            "; waiting up to 30 s for an ax server there: start one (python -m ax_scheduler "
+                            "server, or Runtime(server=True)), or stop that NATS, or pass url=")
             else:
-                self._nats = LocalNats(self.data_dir, port=4222).start()
+                self._nats = LocalNats(self.data_dir, port=port).start()
                 url, embedded = self._nats.url, True
         self.connection = _core.Connection.connect(url, "ax-python-runtime", 5.0, self.creds, self.token, 30.0)
         if self.server or (self.server is None and embedded):
@@ -165,9 +182,16 @@ class Runtime:
                     client.put_flow(FLOWS[started["flow"]])
             client.call("trigger", "put", definition)
 
+    @property
+    def event_handler_failures(self) -> int:
+        """Exceptions ``@ax.on_event`` handlers raised in this runtime (each logged)."""
+        return self._event_failures + (self._events.failures if self._events is not None else 0)
+
     def ready(self) -> bool:
-        """True once every worker found its queue."""
-        return bool(self._workers) and all(w.ready() for w in self._workers)
+        """True once every worker found its queue (and, with ``executor="process"``, its
+        task processes have started)."""
+        return (bool(self._workers) and all(w.ready() for w in self._workers)
+                and self._executors is not None and self._executors.ready())
 
     def stop(self) -> None:
         """Stops pulling; running attempts get ``shutdown_grace`` seconds to finish, then
@@ -182,6 +206,7 @@ class Runtime:
         self._workers.clear()
         if self._events is not None:
             self._events.stop()
+            self._event_failures += self._events.failures
             self._events = None
         if self._inbox is not None:
             self._inbox.close()  # waiting threads return at once

@@ -12,6 +12,7 @@ from datetime import datetime, timedelta
 from typing import Any, Callable
 
 from . import _json, _schedule
+from ._arguments import Arguments
 from .errors import InvalidInput, NonRetryable
 
 REGISTRY: dict[str, "TaskDef"] = {}
@@ -124,6 +125,27 @@ class TaskOptions:
         return out
 
 
+def definition_of(fn: Callable[..., Any]) -> str:
+    """Where a function is defined, ``module.qualname``; a spawned child's re-import of
+    the main script (``__mp_main__``) is the script (``__main__``)."""
+    module = getattr(fn, "__module__", None) or "?"
+    if module == "__mp_main__":
+        module = "__main__"
+    return f"{module}.{getattr(fn, '__qualname__', None) or getattr(fn, '__name__', repr(fn))}"
+
+
+def claim_name(registry: dict[str, Any], kind: str, name: str, fn: Callable[..., Any]) -> None:
+    """Refuses ``name`` when another function has it: both would be served under one
+    name, and every run would go to one of them. The same function again (a re-import,
+    ``importlib.reload``) keeps it."""
+    taken = registry.get(name)
+    if taken is None or definition_of(taken.fn) == definition_of(fn):
+        return
+    raise InvalidInput(f"@ax.{kind} name {name!r} is taken by {definition_of(taken.fn)}, and "
+                       f"{definition_of(fn)} has it too: pass name=\"...\" to one of them "
+                       f"(@ax.{kind}(name=...))", field="name")
+
+
 class TaskDef:
     """A function registered with ``@ax.task``. Call it as a function (it runs here, or,
     inside an ``@ax.flow`` body, becomes a step); ``.submit(...)`` runs it through ax."""
@@ -133,15 +155,16 @@ class TaskDef:
         self.name = name
         self.options = options
         self.is_async = inspect.iscoroutinefunction(fn)
-        self.signature = inspect.signature(fn)
+        try:
+            self.signature = inspect.signature(fn)
+        except (TypeError, ValueError) as e:
+            raise InvalidInput(f"task {name}: its signature cannot be read ({e}): wrap it in a def") from None
         try:
             self.hints = typing.get_type_hints(fn)
         except Exception:  # unresolvable forward references: no typing back
             self.hints = {}
-        self.params = [
-            p for p in self.signature.parameters.values()
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-        ]
+        self._arguments = Arguments(name, self.signature, self.hints)
+        self.params = self._arguments.params
         self.__name__ = getattr(fn, "__name__", name)
         self.__doc__ = fn.__doc__
         self.__wrapped__ = fn
@@ -169,35 +192,30 @@ class TaskDef:
 
     # -- arguments as JSON ------------------------------------------------------------
 
-    def payload(self, args: tuple, kwargs: dict) -> Any:
-        """The JSON payload of a direct call: the one argument of a one-parameter
-        function, else an object of arguments by name."""
-        try:
-            bound = self.signature.bind(*args, **kwargs)
-        except TypeError as e:
-            raise InvalidInput(f"task {self.name}: {e}", code="bad_request") from None
-        if len(self.params) == 1 and len(bound.arguments) == 1:
-            return next(iter(bound.arguments.values()))
-        return dict(bound.arguments)
+    def payload(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The JSON payload of a direct call (``_arguments`` says how each kind of
+        parameter maps): the one argument of a one-parameter function, else an object of
+        arguments by name."""
+        return self._arguments.payload(args, kwargs)
 
-    def arguments(self, payload: Any) -> tuple[list, dict]:
+    def arguments(self, payload: Any) -> tuple[list[Any], dict[str, Any]]:
         """Arguments of this function from a task payload (the inverse of ``payload``),
-        typed back by the annotations."""
-        if not self.params:
-            return [], {}
-        if len(self.params) == 1:
-            p = self.params[0]
-            return [_json.typed(payload, self.hints.get(p.name))], {}
-        if not isinstance(payload, dict):
-            raise InvalidInput(
-                f"task {self.name} takes {len(self.params)} arguments: its payload must be "
-                f"an object of them by name, not {type(payload).__name__}", code="bad_payload")
-        kwargs = {k: _json.typed(v, self.hints.get(k)) for k, v in payload.items()}
-        try:
-            self.signature.bind(**kwargs)
-        except TypeError as e:
-            raise InvalidInput(f"task {self.name}: payload {e}", code="bad_payload") from None
-        return [], kwargs
+        typed back by the annotations; ``InvalidInput`` (``bad_payload``) if it does not fit."""
+        return self._arguments.call(payload)
+
+    def check_payload(self, payload: Any) -> None:
+        """Refuses, before it is submitted, a payload this function cannot take."""
+        self._arguments.call(payload, typed=False, code="bad_request")
+
+    def named_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """A call's arguments as an object by name, whatever the function's parameters
+        (a flow step passes every argument by name)."""
+        return self._arguments.by_name(self._arguments.bind(args, kwargs))
+
+    def call_arguments(self, resolved: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+        """The call of a flow step's resolved arguments (``named_arguments`` of the flow
+        body's call), typed back by the annotations."""
+        return self._arguments.call_by_name(resolved)
 
     def output_type(self) -> Any:
         return self.hints.get("return")
@@ -321,6 +339,7 @@ def task(fn: Callable[..., Any] | None = None, *, name: str | None = None, queue
         if asyncio.iscoroutinefunction(f) is False and inspect.isasyncgenfunction(f):
             raise InvalidInput(f"task {task_name}: an async generator cannot be a task")
         td = TaskDef(f, task_name, opts)
+        claim_name(REGISTRY, "task", task_name, f)
         REGISTRY[task_name] = td
         return td
 

@@ -16,11 +16,13 @@
 //! | `embed` | an ax server inside the Python process |
 //! | `errors` | Rust errors raised as the typed exceptions of `ax_scheduler.errors` |
 //! | `metrics` | the Prometheus exporter and the Python runtime's own metrics |
+//! | `logs` | the core's log lines, relayed to Python's `logging` |
 
 mod aio;
 mod conn;
 mod embed;
 mod errors;
+mod logs;
 mod metrics;
 mod ops;
 mod running;
@@ -78,18 +80,6 @@ where
     }
 }
 
-/// Sends the core's `tracing` logs to stderr, filtered by `filter` (the `RUST_LOG`
-/// syntax, e.g. `info` or `ax_sdk=debug`). Only the first call takes effect.
-#[pyfunction]
-fn init_logging(filter: &str) -> bool {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
-        .with_writer(std::io::stderr)
-        .with_target(false)
-        .try_init()
-        .is_ok()
-}
-
 /// Runs the `ax` command line with `argv` (the first is the program name) and returns its
 /// exit code. The GIL is released meanwhile: the command owns the process until it ends
 /// (`ax server` until SIGTERM or ctrl-c, as the binary does).
@@ -101,7 +91,8 @@ fn cli(py: Python<'_>, argv: Vec<String>) -> u8 {
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
-    m.add_function(wrap_pyfunction!(init_logging, m)?)?;
+    m.add_function(wrap_pyfunction!(logs::init_logging, m)?)?;
+    m.add_class::<logs::LogRelay>()?;
     m.add_function(wrap_pyfunction!(cli, m)?)?;
     m.add_class::<conn::Connection>()?;
     m.add_class::<conn::Subscription>()?;

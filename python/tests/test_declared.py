@@ -73,7 +73,7 @@ def always_fails(x: int) -> None:
 
 
 def test_event_handlers_get_the_alerts_and_their_own_failures_touch_nothing(runtime, client):
-    seen: list[dict] = []
+    seen: list[ax.Event] = []
 
     def broken(event):
         raise RuntimeError("a handler bug")
@@ -85,9 +85,11 @@ def test_event_handlers_get_the_alerts_and_their_own_failures_touch_nothing(runt
         async for event in ax.events(client=client):
             return event
 
-    streamed: list[dict] = []
+    streamed: list[ax.Event] = []
     listener = threading.Thread(target=lambda: streamed.append(asyncio.run(first_alert())), daemon=True)
-    _events.HANDLERS[:] = [broken, keep]
+    _events.HANDLERS.clear()
+    ax.on_event(broken)
+    ax.on_event(keep)
     try:
         runtime(always_fails)
         listener.start()
@@ -98,10 +100,10 @@ def test_event_handlers_get_the_alerts_and_their_own_failures_touch_nothing(runt
         deadline = time.monotonic() + 10
         while not seen and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert seen and seen[0]["kind"] == "task_dead" and seen[0]["task"] == handle.id, seen
-        assert seen[0]["error_class"] == "LookupError"
+        assert seen and seen[0].kind == "task_dead" and seen[0].task_id == handle.id, seen
+        assert seen[0].error_class == "LookupError"
         listener.join(10)
-        assert streamed and streamed[0]["task"] == handle.id, "ax.events() yields the same alert"
+        assert streamed and streamed[0].task_id == handle.id, "ax.events() yields the same alert"
         assert always_fails.submit(8, client=client).wait(timeout=20)["state"] == "dead", "tasks go on"
     finally:
         _events.HANDLERS.clear()

@@ -116,7 +116,7 @@ def test_a_notify_only_step_alerts_and_neither_blocks_nor_fails_the_run(runtime,
         if alerts:
             break
         threading.Event().wait(0.1)
-    assert alerts and alerts[0]["kind"] == "task_dead" and alerts[0]["name"] == "notify", alerts
+    assert alerts and alerts[0].kind == "task_dead" and alerts[0].task_name == "notify", alerts
 
 
 def plain_helper(event):

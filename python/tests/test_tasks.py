@@ -116,16 +116,16 @@ LATE: list[str] = []
 
 
 @ax.task(queue=Q, timeout=1, retries=0)
-def blocks(seconds: float) -> str:
+def blocks_past_its_timeout(seconds: float) -> str:
     time.sleep(seconds)  # cannot be interrupted
     LATE.append(ax.context().id)
     return "too late"
 
 
 def test_a_sync_task_blocking_past_its_timeout_fails_and_its_late_result_is_refused(runtime, client):
-    runtime(blocks)
+    runtime(blocks_past_its_timeout)
     LATE.clear()
-    handle = blocks.submit(3.0, client=client)
+    handle = blocks_past_its_timeout.submit(3.0, client=client)
     with pytest.raises(ax.TaskFailed) as failed:
         handle.result(timeout=20)
     assert failed.value.error_class == "timeout"
