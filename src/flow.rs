@@ -39,6 +39,10 @@ pub(crate) enum FlowCommand {
         /// Longest wait with --wait.
         #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
         timeout: Duration,
+        /// The business id the run works for (an order number): every step task carries
+        /// it, in its record and its logs.
+        #[arg(long)]
+        business_id: Option<String>,
     },
     /// A run: each step with state, attempts, timings and error.
     Get {
@@ -218,8 +222,14 @@ pub(crate) async fn run(command: FlowCommand, conn: &Conn, output: Output) -> Re
             input,
             wait,
             timeout,
+            business_id,
         } => {
-            let id = client.run_flow(&name, json_arg(&input)?).await?;
+            let start = ax_sdk::flow::FlowStart {
+                flow: name,
+                input: json_arg(&input)?,
+                business_id,
+            };
+            let id = client.start_flow(start).await?;
             if !wait {
                 println!("{id}");
                 return Ok(());

@@ -45,6 +45,9 @@ pub(crate) struct SubmitArgs {
     /// W3C trace context (`00-<trace id>-<parent id>-<flags>`), logged with every attempt.
     #[arg(long, env = "TRACEPARENT")]
     traceparent: Option<String>,
+    /// The business id the task works for (an order number), in its record and logs.
+    #[arg(long)]
+    business_id: Option<String>,
     /// Attempts in all.
     #[arg(long)]
     max_attempts: Option<u32>,
@@ -69,6 +72,7 @@ pub(crate) async fn run(args: SubmitArgs, conn: &Conn) -> Result<()> {
             || args.key.is_some()
             || args.limit_key.is_some()
             || args.traceparent.is_some()
+            || args.business_id.is_some()
             || args.max_attempts.is_some()
             || args.timeout.is_some()
         {
@@ -101,6 +105,9 @@ pub(crate) async fn run(args: SubmitArgs, conn: &Conn) -> Result<()> {
     }
     if let Some(t) = args.traceparent {
         spec = spec.traceparent(t);
+    }
+    if let Some(id) = args.business_id {
+        spec = spec.business_id(id);
     }
     if let Some(n) = args.max_attempts {
         spec = spec.max_attempts(n);

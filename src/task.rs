@@ -324,6 +324,7 @@ async fn show(client: &Client, rec: &ax_sdk::TaskRecord, rev: u64) -> Result<()>
             .map(|o| format!("{} by {} {}", o.op, o.by, out::ago(Some(o.at_ms)))),
     );
     opt("traceparent", rec.traceparent.clone());
+    opt("business id", rec.business_id.clone());
     for (k, v) in &rows {
         println!("{k:<16} {v}");
     }

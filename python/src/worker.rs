@@ -88,6 +88,10 @@ impl TaskContext {
     fn traceparent(&self) -> Option<&str> {
         self.task.traceparent.as_deref()
     }
+    #[getter]
+    fn business_id(&self) -> Option<&str> {
+        self.task.business_id.as_deref()
+    }
 
     /// True once an operator cancelled the task or the worker gave up on this attempt
     /// (its hard timeout passed, or the worker shut down past its grace).

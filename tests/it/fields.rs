@@ -3,7 +3,7 @@
 //! field added to the protocol reaches the tests that throw odd values at it.
 
 /// Every field of a submit request (the `backoff` object's too), and one that is not.
-pub const SUBMIT_FIELDS: [&str; 20] = [
+pub const SUBMIT_FIELDS: [&str; 21] = [
     "name",
     "queue",
     "payload",
@@ -14,6 +14,7 @@ pub const SUBMIT_FIELDS: [&str; 20] = [
     "idempotency_key",
     "limit_key",
     "traceparent",
+    "business_id",
     "max_attempts",
     "timeout_ms",
     "backoff",

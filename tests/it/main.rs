@@ -5,6 +5,7 @@ mod apply;
 mod batch;
 mod browser;
 mod budget;
+mod business_id;
 mod cancel_unwritten;
 mod chaos;
 mod console;

@@ -89,6 +89,12 @@ impl TaskSpec {
         self.0.traceparent = Some(traceparent.into());
         self
     }
+    /// The business id the task works for (an order number, a batch id): in its record
+    /// and every attempt's logs.
+    pub fn business_id(mut self, id: impl Into<String>) -> TaskSpec {
+        self.0.business_id = Some(id.into());
+        self
+    }
     /// The key per-key limits count this task under (a customer id, a tenant).
     pub fn limit_key(mut self, key: impl Into<String>) -> TaskSpec {
         self.0.limit_key = Some(key.into());

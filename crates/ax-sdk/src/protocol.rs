@@ -46,6 +46,11 @@ pub struct SubmitRequest {
     /// the task message and record into every attempt's logs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub traceparent: Option<String>,
+    /// The business id the task works for (an order number, a batch id: 1..=256 printable
+    /// characters), carried in the task message and record into every attempt's logs, and
+    /// by a flow run into each of its step tasks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub business_id: Option<String>,
     /// Attempts in all, including the first (default 5).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_attempts: Option<i64>,

@@ -161,6 +161,9 @@ pub struct TaskRecord {
     /// W3C trace context of the submit (`traceparent`), carried into every attempt.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub traceparent: Option<String>,
+    /// The business id the task works for (`business_id` of the submit).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub business_id: Option<String>,
     /// Why the task has not started yet, while a limit holds it back.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub waiting: Option<Waiting>,

@@ -66,6 +66,8 @@ pub mod header {
     pub const RETRY_OF: &str = "Ax-Retry-Of";
     /// W3C trace context of the submit (the standard header name).
     pub const TRACEPARENT: &str = "traceparent";
+    /// The business id the task works for (an order number, a batch id).
+    pub const BUSINESS_ID: &str = "Ax-Business-Id";
     /// `1` on a message whose submit stored no record: the worker that claims it creates
     /// the record (docs/PROTOCOL.md §3, "Unrecorded tasks"). Set only on immediate tasks
     /// without an idempotency key, which are published exactly once.
@@ -81,6 +83,12 @@ pub struct Lineage {
     pub source: String,
     /// The scheduled time of the fire.
     pub scheduled_at_ms: u64,
+}
+
+/// Checks a business id (`business_id` of a submit or a flow run): 1..=256 bytes, no
+/// control characters, no whitespace at either end (it travels in a header).
+pub fn check_business_id(id: &str) -> Result<(), WireError> {
+    check_header_text("business_id", id, 256)
 }
 
 /// A W3C `traceparent`: `<version>-<32 hex trace id>-<16 hex parent id>-<2 hex flags>`,
@@ -190,6 +198,8 @@ pub struct TaskMeta {
     pub limit_key: Option<String>,
     /// W3C trace context of the submit.
     pub traceparent: Option<String>,
+    /// The business id the task works for.
+    pub business_id: Option<String>,
     /// On an operator's retry: the revision of the `dead` record it retries.
     pub retry_of: Option<u64>,
     /// Set for tasks a trigger created.
@@ -351,6 +361,7 @@ impl TaskMeta {
             cancel_requested_at_ms: None,
             op: None,
             traceparent: self.traceparent.clone(),
+            business_id: self.business_id.clone(),
             waiting: None,
             extra: Default::default(),
         }
@@ -472,6 +483,9 @@ impl TaskMeta {
                 ));
             }
         }
+        if let Some(id) = &req.business_id {
+            check_business_id(id)?;
+        }
         let meta = TaskMeta {
             id: names::new_task_id(queue),
             queue: queue.to_string(),
@@ -488,6 +502,7 @@ impl TaskMeta {
             idempotency_key: req.idempotency_key,
             limit_key: req.limit_key,
             traceparent: req.traceparent,
+            business_id: req.business_id,
             retry_of: None,
             lineage: None,
             defaulted,
@@ -539,6 +554,9 @@ impl TaskMeta {
         }
         if let Some(t) = &self.traceparent {
             h.insert(header::TRACEPARENT, t.as_str());
+        }
+        if let Some(id) = &self.business_id {
+            h.insert(header::BUSINESS_ID, id.as_str());
         }
         if let Some(r) = self.retry_of {
             h.insert(header::RETRY_OF, r.to_string().as_str());
@@ -658,6 +676,7 @@ impl TaskMeta {
                 .get(header::TRACEPARENT)
                 .map(|v| v.as_str().to_string())
                 .filter(|t| valid_traceparent(t)),
+            business_id: h.get(header::BUSINESS_ID).map(|v| v.as_str().to_string()),
             retry_of: h
                 .get(header::RETRY_OF)
                 .and_then(|v| v.as_str().parse().ok()),

@@ -25,10 +25,17 @@ impl Client {
 
     /// Starts a run of flow `name` with `input`; returns the run id.
     pub async fn run_flow(&self, name: &str, input: Value) -> Result<String, ClientError> {
-        let start = FlowStart {
+        self.start_flow(FlowStart {
             flow: name.to_string(),
             input,
-        };
+            business_id: None,
+        })
+        .await
+    }
+
+    /// Starts a run as `start` says (its input, the business id its step tasks carry);
+    /// returns the run id.
+    pub async fn start_flow(&self, start: FlowStart) -> Result<String, ClientError> {
         let ok = self.call(&FlowRequest::Run(start)).await?;
         Ok(ok["run"].as_str().unwrap_or_default().to_string())
     }

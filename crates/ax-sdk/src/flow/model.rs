@@ -125,6 +125,10 @@ pub struct FlowRun {
     /// Set by `cancel`; the engine ends the run `cancelled`.
     #[serde(default)]
     pub cancel_requested: bool,
+    /// The business id the run works for (`business_id` of its start): every step task
+    /// is submitted with it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub business_id: Option<String>,
     /// The trigger whose fire started the run.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trigger: Option<String>,

@@ -54,6 +54,10 @@ pub struct FlowStart {
     /// The run's input (default `null`).
     #[serde(default)]
     pub input: Value,
+    /// The business id the run works for (an order number): every step task carries it
+    /// (`business_id` of their submits).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub business_id: Option<String>,
 }
 
 /// Names one run: `{"run"}`.

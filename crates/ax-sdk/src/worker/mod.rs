@@ -112,6 +112,8 @@ pub struct Task {
     pub run_at_ms: Option<u64>,
     /// The W3C trace context the task was submitted with, if any.
     pub traceparent: Option<String>,
+    /// The business id the task works for, if the producer (or its flow run) gave one.
+    pub business_id: Option<String>,
     pub(crate) fence: Arc<fence::Fence>,
     pub(crate) cancel: tokio_util::sync::CancellationToken,
     pub(crate) beats: Arc<beat::Beats>,

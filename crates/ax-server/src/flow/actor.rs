@@ -122,6 +122,8 @@ pub(crate) struct Run {
     refusals: u32,
     /// The run's input as JSON text, if the budget had room.
     pub(super) input: Option<(Reserved, Box<[u8]>)>,
+    /// The business id its step tasks carry.
+    pub(super) business_id: Option<Box<str>>,
     pub(super) steps: Box<[Tracked]>,
     pub(super) held: Vec<Held>,
     /// (step, item) of tasks of running steps without a record (a crash between the step
@@ -156,6 +158,7 @@ impl Run {
             parked: false,
             refusals: 0,
             input: None,
+            business_id: None,
             steps: Box::default(),
             held: Vec::new(),
             resubmit: Vec::new(),
@@ -377,8 +380,10 @@ impl Run {
             flow,
             def,
             cancel_requested,
+            business_id,
             ..
         } = run;
+        self.business_id = business_id.map(String::into_boxed_str);
         let shape = match sh.shapes.get(&flow, def, &sh.ctx.limits) {
             Ok(shape) => shape,
             Err(e) => {

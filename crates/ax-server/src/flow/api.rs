@@ -93,15 +93,22 @@ impl FlowApi {
                 self.store.delete_def(&name).await.map_err(unavailable)?;
                 Ok(json!({"name": name}))
             }
-            FlowRequest::Run(FlowStart { flow, input }) => {
+            FlowRequest::Run(FlowStart {
+                flow,
+                input,
+                business_id,
+            }) => {
                 flow_name(&flow, "flow")?;
+                if let Some(id) = &business_id {
+                    ax_sdk::task::check_business_id(id)?;
+                }
                 let def = self
                     .store
                     .def(&flow)
                     .await
                     .map_err(unavailable)?
                     .ok_or_else(|| not_found(format!("no flow {flow:?}")))?;
-                self.start(def, input, None).await
+                self.start(def, input, None, business_id).await
             }
             FlowRequest::Get(RunRef { run }) => {
                 let (run, steps) = self.load(&run).await?;
@@ -135,9 +142,11 @@ impl FlowApi {
         def: FlowDef,
         input: Value,
         rerun_of: Option<String>,
+        business_id: Option<String>,
     ) -> Result<Value, WireError> {
         let start = Start {
             rerun_of,
+            business_id,
             ..Start::default()
         };
         let (id, flow) = start_run(&self.store, &self.ctx.limits, def, input, start).await?;
@@ -200,7 +209,9 @@ impl FlowApi {
         if req.mode == RerunMode::Whole {
             let (run, _) = self.load(&req.run).await?;
             let input = req.input.unwrap_or(run.input);
-            return self.start(run.def, input, Some(run.id)).await;
+            return self
+                .start(run.def, input, Some(run.id), run.business_id)
+                .await;
         }
         if req.input.is_some() {
             return Err(WireError::field(
@@ -291,6 +302,8 @@ pub(crate) struct Start {
     pub(crate) rerun_of: Option<String>,
     /// The trigger, its source and scheduled time.
     pub(crate) trigger: Option<(String, String, u64)>,
+    /// The business id every step task carries.
+    pub(crate) business_id: Option<String>,
 }
 
 /// Stores a new run of `def` (`running`); the engine's leader starts its root steps.
@@ -326,6 +339,7 @@ pub(crate) async fn start_run(
         trigger,
         trigger_source,
         scheduled_at_ms,
+        business_id: start.business_id,
         extra: Default::default(),
     };
     match store.put_run(&run, None).await {
@@ -369,7 +383,7 @@ fn summary(run: &FlowRun) -> Value {
         "created_at_ms": run.created_at_ms, "finished_at_ms": run.finished_at_ms,
         "rerun_of": run.rerun_of, "reruns": run.reruns,
         "trigger": run.trigger, "trigger_source": run.trigger_source,
-        "scheduled_at_ms": run.scheduled_at_ms,
+        "scheduled_at_ms": run.scheduled_at_ms, "business_id": run.business_id,
     })
 }
 

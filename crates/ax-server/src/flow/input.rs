@@ -264,6 +264,7 @@ impl Run {
             }
             let mut req = template.clone();
             req.payload = Some(payload);
+            req.business_id = self.business_id.as_deref().map(str::to_string);
             let (mut meta, body) = TaskMeta::from_request(&queue, req, limits).map_err(|e| {
                 let class = match (e.code, e.field.as_deref()) {
                     (ErrorCode::PayloadTooLarge, _) | (_, Some("payload")) => "input_too_large",

@@ -59,6 +59,7 @@ pub(super) async fn run(
         created_at_ms: meta.created_at_ms,
         run_at_ms: meta.run_at_ms,
         traceparent: meta.traceparent.clone(),
+        business_id: meta.business_id.clone(),
         cancel: slot.cancel.clone(),
         beats: Default::default(),
     };
@@ -74,6 +75,7 @@ pub(super) async fn run(
         idempotency_key = tracing::field::Empty,
         trigger = tracing::field::Empty,
         trace_id = tracing::field::Empty,
+        business_id = tracing::field::Empty,
     );
     if let Some(key) = &meta.idempotency_key {
         span.record("idempotency_key", tracing::field::display(key));
@@ -83,6 +85,9 @@ pub(super) async fn run(
     }
     if let Some(t) = &meta.traceparent {
         span.record("trace_id", tracing::field::display(trace_id(t)));
+    }
+    if let Some(id) = &meta.business_id {
+        span.record("business_id", tracing::field::display(id));
     }
     let input_bytes = msg.payload.len();
     let started = Instant::now();
