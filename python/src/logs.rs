@@ -54,7 +54,8 @@ impl Visit for Fields {
         if field.name() == "message" {
             self.message = value.to_string();
         } else {
-            self.fields.insert(field.name().to_string(), value.to_string());
+            self.fields
+                .insert(field.name().to_string(), value.to_string());
         }
     }
     fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
@@ -87,7 +88,12 @@ where
         }
     }
 
-    fn on_record(&self, id: &tracing::span::Id, values: &tracing::span::Record<'_>, ctx: Context<'_, S>) {
+    fn on_record(
+        &self,
+        id: &tracing::span::Id,
+        values: &tracing::span::Record<'_>,
+        ctx: Context<'_, S>,
+    ) {
         let mut fields = Fields::default();
         values.record(&mut fields);
         if let Some(span) = ctx.span(id) {
@@ -165,7 +171,7 @@ impl LogRelay {
         &self,
         py: Python<'_>,
         timeout: f64,
-    ) -> PyResult<Option<(u8, String, String, BTreeMap<String, String>)>> {
+    ) -> PyResult<Option<Record>> {
         let limit = seconds(timeout, "timeout")?;
         Ok(py.detach(|| {
             let rx = relay().rx.lock().expect("not poisoned");
