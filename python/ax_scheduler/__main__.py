@@ -1,8 +1,13 @@
 """``python -m ax_scheduler``: the Python runtime's pieces from the command line.
 
     python -m ax_scheduler worker  MODULE... [--url URL] [--concurrency N] [--executor E] [--config F]
-    python -m ax_scheduler server  [--url URL] [--queue Q]... [--console HOST:PORT]
+                                   [--metrics-addr HOST:PORT]
+    python -m ax_scheduler server  [--url URL] [--queue Q]... [--capacity H,N,L] [--console HOST:PORT]
+                                   [--metrics-addr HOST:PORT]
     python -m ax_scheduler local   [MODULE...]   # embedded: nats-server + ax server (+ workers)
+
+The rest of ax's command line (``ax task get``, ``ax flow get``, ``ax streams apply``, …)
+is the ``ax`` command the package installs.
 
 MODULE is an importable module (``myapp.tasks``) or a file (``tasks.py``) whose
 ``@ax.task`` / ``@ax.flow`` functions are served. SIGTERM or ctrl-c stops gracefully.
@@ -20,7 +25,7 @@ import sys
 import threading
 from pathlib import Path
 
-from . import _core
+from . import _core, _logs
 from ._runtime import Runtime
 
 
@@ -34,6 +39,15 @@ def _load(spec: str) -> None:
         importlib.import_module(spec)
 
 
+def _capacity(text: str) -> tuple[int, int, int]:
+    """``--capacity high,normal,low``."""
+    parts = text.split(",")
+    if len(parts) != 3 or not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: three numbers of at least 1, high,normal,low")
+    high, normal, low = (int(p) for p in parts)
+    return high, normal, low
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ax_scheduler", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -45,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--console", help="serve the console on HOST:PORT")
     s.add_argument("--console-token", default=os.environ.get("AX_CONSOLE_TOKEN"))
     s.add_argument("--ack-wait", type=float, help="seconds (default 30)")
+    for sp in (s,):
+        sp.add_argument("--capacity", type=_capacity, metavar="H,N,L",
+                        help="tasks each new queue holds ready: high,normal,low (default 1000,5000,10000; "
+                             "existing queues: ax streams apply --capacity)")
     loc = sub.add_parser("local", help="the embedded runtime: nats-server, ax server and workers")
     loc.add_argument("modules", nargs="*")
     loc.add_argument("--data-dir", default=".ax")
@@ -52,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     for sp in (w, s):
         sp.add_argument("--url", default=os.environ.get("AX_URL", "nats://127.0.0.1:4222"))
         sp.add_argument("--creds", default=os.environ.get("AX_CREDS"))
+    loc.add_argument("--capacity", type=_capacity, metavar="H,N,L",
+                     help="tasks each new queue holds ready: high,normal,low (default 1000,5000,10000)")
+    for sp in (w, s, loc):
+        sp.add_argument("--metrics-addr", metavar="HOST:PORT", help="serve Prometheus metrics at /metrics")
     for sp in (w, loc):
         sp.add_argument("--concurrency", type=int, default=10)
         sp.add_argument("--executor", default="threadpool", choices=["threadpool", "process", "asyncio"])
@@ -62,9 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if a.cmd == "server":
-        _core.init_logging(os.environ.get("AX_LOG", "info"))
+        _logs.relay_core_logs(os.environ.get("AX_LOG", "info"))
+        if a.metrics_addr:
+            _core.serve_metrics(a.metrics_addr)
         conn = _core.Connection.connect(a.url, "ax-python-server", 5.0, a.creds, None, 30.0)
-        server = _core.serve(conn, a.queues or ["default"], a.console, a.console_token, a.ack_wait)
+        server = _core.serve(conn, a.queues or ["default"], a.console, a.console_token, a.ack_wait, True,
+                             a.capacity)
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
@@ -76,10 +101,11 @@ def main(argv: list[str] | None = None) -> int:
         _load(m)
     if a.cmd == "worker":
         rt = Runtime(a.url, max_concurrency=a.concurrency, executor=a.executor, creds=a.creds,
-                     shutdown_grace=a.shutdown_grace, worker_id=a.id, config=a.config)
+                     shutdown_grace=a.shutdown_grace, worker_id=a.id, config=a.config, metrics_addr=a.metrics_addr)
     else:
         rt = Runtime(None, max_concurrency=a.concurrency, executor=a.executor, data_dir=a.data_dir,
-                     console=a.console, shutdown_grace=a.shutdown_grace, worker_id=a.id, config=a.config)
+                     console=a.console, shutdown_grace=a.shutdown_grace, worker_id=a.id, config=a.config,
+                     capacity=a.capacity, metrics_addr=a.metrics_addr)
     rt.run()
     return 0
 

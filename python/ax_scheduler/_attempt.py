@@ -30,6 +30,7 @@ class Delivered(Protocol):
     created_at_ms: int
     run_at_ms: int | None
     traceparent: str | None
+    business_id: str | None
 
 
 def prepare(td: TaskDef, task: Delivered, core: Any) -> tuple[list[Any], dict[str, Any], TaskContext]:
@@ -45,7 +46,7 @@ def prepare(td: TaskDef, task: Delivered, core: Any) -> tuple[list[Any], dict[st
         args, kwargs = td.arguments(payload)
     ctx = TaskContext(task.id, task.name, task.queue, task.priority, task.attempt, task.max_attempts,
                       task.idempotency_key, task.created_at_ms, task.run_at_ms, task.traceparent,
-                      flow, run, step, index, core)
+                      flow, run, step, index, core, task.business_id)
     return args, kwargs, ctx
 
 

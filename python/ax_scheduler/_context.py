@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextvars
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,16 @@ class TaskContext:
     step: str | None
     item_index: int | None
     _core: Any
+    business_id: str | None = None
+    """The business id the task works for (its submit's or its flow run's ``business_id``)."""
+
+    @property
+    def logger(self) -> "logging.LoggerAdapter[logging.Logger]":
+        """The logger ``ax_scheduler.task.<name>`` with this attempt's ids (task id, name,
+        attempt, flow run, step, business id) in each record's ``extra``."""
+        from ._logs import task_logger
+
+        return task_logger(self)
 
     @property
     def cancelled(self) -> bool:

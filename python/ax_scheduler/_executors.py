@@ -20,11 +20,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from typing import Any, Callable, Coroutine
 
 from . import _core
 from ._attempt import encode, failure, prepare
-from ._context import _current
+from ._context import TaskContext, _current
+from ._otel import attempt_span
 from ._processes import ProcessPool
 from ._task import TaskDef
 from .errors import InvalidInput
@@ -96,9 +98,10 @@ class Executors:
         self._closing.set()
         with self._lock:
             threads = list(self._threads.values())
+        deadline = time.monotonic() + 5  # one deadline for all: they end together
         for thread in [*threads, self._keeper]:
             if thread is not None:
-                thread.join(5 if thread is self._keeper else 2)
+                thread.join(max(0.0, deadline - time.monotonic()))
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
             if self._loop_thread is not None:
@@ -194,38 +197,55 @@ class Executors:
                 self._busy[id(threading.current_thread())] = core
             self._run_sync(td, core)
 
-    def _ok(self, td: TaskDef, core: Any, result: Any) -> None:
+    def _ok(self, td: TaskDef, core: Any, result: Any, ctx: TaskContext | None, started: float) -> None:
         try:
             data, is_json = encode(td, result)
         except InvalidInput as e:
-            core.fail("bad_output", str(e), True, None)
+            self._fail(td, core, e, ctx, started, ("bad_output", True, str(e), None))
             return
         if not core.ok(data, is_json):
             log.info("ax: task %s: late result refused (the attempt had timed out or was cancelled)", core.id)
+        elif ctx is not None:
+            ctx.logger.info("task %s %s succeeded in %.0f ms (attempt %d)", td.name, core.id,
+                            (time.monotonic() - started) * 1000, core.attempt)
 
-    def _fail(self, td: TaskDef, core: Any, error: BaseException) -> None:
-        cls, permanent, message, detail = failure(td, error)
+    def _fail(self, td: TaskDef, core: Any, error: BaseException | None, ctx: TaskContext | None, started: float,
+              known: tuple[str, bool, str, str | None] | None = None) -> None:
+        cls, permanent, message, detail = known if known is not None else failure(td, error)  # type: ignore[arg-type]
         if not core.fail(cls, message, permanent, detail):
             log.info("ax: task %s: late failure refused", core.id)
+            return
+        if ctx is None:
+            return
+        took = (time.monotonic() - started) * 1000
+        if permanent or core.attempt >= core.max_attempts:
+            ctx.logger.error("task %s %s failed for good (%s: %s) after %.0f ms, attempt %d of %d", td.name,
+                             core.id, cls, message, took, core.attempt, core.max_attempts)
+        else:
+            ctx.logger.warning("task %s %s failed (%s: %s) after %.0f ms, attempt %d of %d: it will be retried",
+                               td.name, core.id, cls, message, took, core.attempt, core.max_attempts)
 
     def _run_sync(self, td: TaskDef, core: Any) -> None:
+        started, ctx = time.monotonic(), None
         try:
             args, kwargs, ctx = prepare(td, core, core)
             token = _current.set(ctx)
             try:
-                result = td.fn(*args, **kwargs)
+                with attempt_span(ctx):
+                    result = td.fn(*args, **kwargs)
             finally:
                 _current.reset(token)
         except BaseException as e:  # the attempt's failure, SystemExit included
-            self._fail(td, core, e)
+            self._fail(td, core, e, ctx, started)
             return
-        self._ok(td, core, result)
+        self._ok(td, core, result, ctx, started)
 
     async def _run_async(self, td: TaskDef, core: Any) -> None:
+        started, ctx = time.monotonic(), None
         try:
             args, kwargs, ctx = prepare(td, core, core)
             _current.set(ctx)
-            job = asyncio.ensure_future(_guarded(td.fn, args, kwargs))
+            job = asyncio.ensure_future(_guarded(td.fn, args, kwargs, ctx))
             while not job.done():
                 await asyncio.wait({job}, timeout=0.1)
                 if not job.done() and core.cancelled():
@@ -235,12 +255,12 @@ class Executors:
         except asyncio.CancelledError:
             return
         except BaseException as e:
-            self._fail(td, core, e)
+            self._fail(td, core, e, ctx, started)
             return
         if ok:
-            self._ok(td, core, value)
+            self._ok(td, core, value, ctx, started)
         else:
-            self._fail(td, core, value)
+            self._fail(td, core, value, ctx, started)
 
     # -- the event loop -------------------------------------------------------------------
 
@@ -260,13 +280,14 @@ class Executors:
             return  # stopped by stop()
 
 
-async def _guarded(fn: Callable[..., Coroutine[Any, Any, Any]], args: list[Any],
-                   kwargs: dict[str, Any]) -> tuple[bool, Any]:
-    """Runs the task's coroutine and hands back ``(True, result)`` or ``(False, error)``:
-    an exception never leaves the coroutine, so a ``SystemExit`` cannot stop the loop.
-    A cancel (the attempt's hard timeout) still cancels it."""
+async def _guarded(fn: Callable[..., Coroutine[Any, Any, Any]], args: list[Any], kwargs: dict[str, Any],
+                   ctx: TaskContext) -> tuple[bool, Any]:
+    """Runs the task's coroutine in its attempt's span and hands back ``(True, result)`` or
+    ``(False, error)``: an exception never leaves the coroutine, so a ``SystemExit`` cannot
+    stop the loop. A cancel (the attempt's hard timeout) still cancels it."""
     try:
-        return True, await fn(*args, **kwargs)
+        with attempt_span(ctx):
+            return True, await fn(*args, **kwargs)
     except asyncio.CancelledError:
         raise
     except BaseException as e:

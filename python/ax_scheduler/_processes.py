@@ -34,6 +34,7 @@ from typing import Any
 
 from ._attempt import encode, failure, prepare
 from ._context import _current
+from ._otel import attempt_span
 from ._task import REGISTRY, TaskDef
 from .errors import AxError, InvalidInput
 
@@ -58,6 +59,7 @@ class Attempt:
     created_at_ms: int
     run_at_ms: int | None
     traceparent: str | None
+    business_id: str | None
 
     @staticmethod
     def of(core: Any) -> "Attempt":
@@ -310,7 +312,8 @@ def _child_attempt(attempt: Attempt, limits: tuple[int | None, float | None], co
         args, kwargs, ctx = prepare(td, attempt, core)
         token = _current.set(ctx)
         try:
-            result = td.fn(*args, **kwargs)
+            with attempt_span(ctx):
+                result = td.fn(*args, **kwargs)
         finally:
             _current.reset(token)
             restore()

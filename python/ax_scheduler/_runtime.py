@@ -8,18 +8,33 @@ import signal
 import threading
 from typing import Any, Iterable
 
-from . import _core, _events, _json, _schedule
+from . import _core, _events, _json, _logs, _schedule
 from ._client import Client
 from ._embedded import LocalNats, listening, local_port, reclaim, storage_target
 from ._executors import Executors
 from ._processes import ProcessPool
 from ._flow import FLOWS
 from ._task import REGISTRY, TaskDef
-from .errors import AxError, InvalidInput
+from .errors import AxError, Conflict, InvalidInput
 
 log = logging.getLogger("ax_scheduler")
 _EXECUTORS = ("threadpool", "process", "asyncio")
 _running: "Runtime | None" = None
+
+
+_metrics_at: str | None = None
+
+
+def _serve_metrics(addr: str) -> None:
+    """Serves ``/metrics`` on ``addr`` (once per process: the exporter is process-wide)."""
+    global _metrics_at
+    if _metrics_at is not None:
+        if _metrics_at != addr:
+            log.warning("ax: metrics are served on %s already (one exporter per process); not on %s",
+                        _metrics_at, addr)
+        return
+    _metrics_at = _core.serve_metrics(addr)
+    log.info("ax: Prometheus metrics on http://%s/metrics", _metrics_at)
 
 
 def current() -> "Runtime | None":
@@ -44,6 +59,14 @@ class Runtime:
     ``storage``: instead of ``url`` / ``data_dir``, a NATS URL or a directory (a path,
     ``file:///path`` or ``sqlite:///path``: a directory holding JetStream's store).
 
+    ``capacity``: ``(high, normal, low)`` tasks each queue holds ready, for the queues the
+    in-process server creates (default 1,000 / 5,000 / 10,000; a submit beyond it is
+    refused ``busy``; ``ax streams apply --capacity`` changes existing queues).
+    ``metrics_addr``: serve Prometheus metrics on ``HOST:PORT`` (``/metrics``: the
+    worker's ``ax_worker_busy_rate``, ``ax_task_timeout_rate``, … and the runtime's
+    ``ax_python_*``; once per process). ``log_level``: the Rust core's records that reach
+    ``logging`` (logger ``ax_scheduler.core``; default ``$AX_LOG`` or ``warn``).
+
     ``config``: a settings file (``runtime.yaml``: retries, timeouts, concurrency, alert
     group per task, in the decorator's words) stored when the runtime starts, before its
     workers take tasks; every worker of those queues, Python or Rust, applies it, and
@@ -57,7 +80,8 @@ class Runtime:
                  console_token: str | None = None, shutdown_grace: float = 30.0, creds: str | None = None,
                  token: str | None = None, log_level: str | None = None, worker_id: str | None = None,
                  ack_wait: float | None = None, config: "str | os.PathLike | dict[str, Any] | None" = None,
-                 storage: str | os.PathLike[str] | None = None):
+                 storage: str | os.PathLike[str] | None = None, capacity: tuple[int, int, int] | None = None,
+                 metrics_addr: str | None = None):
         if executor not in _EXECUTORS:
             raise InvalidInput(f"executor must be one of {_EXECUTORS}, not {executor!r}", field="executor")
         if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or not 1 <= max_concurrency <= 10_000:
@@ -84,6 +108,8 @@ class Runtime:
         self.worker_id = worker_id
         self.ack_wait = ack_wait
         self.config = config
+        self.capacity = capacity
+        self.metrics_addr = metrics_addr
         self._only = list(tasks) if tasks is not None else None
         self.connection: Any = None
         self._nats: LocalNats | None = None
@@ -100,7 +126,10 @@ class Runtime:
 
     def start(self) -> "Runtime":
         """Connects (or starts the embedded broker and server), stores the flows and
-        schedules of its tasks, and starts the workers. On failure, stops what it started."""
+        schedules of its tasks, and starts the workers. On failure, stops what it started.
+        A runtime starts once (``Conflict`` after that; make another)."""
+        if self.connection is not None or self._executors is not None:
+            raise Conflict("this runtime is running already: stop() it first, or make another Runtime")
         try:
             return self._start()
         except BaseException:
@@ -109,7 +138,9 @@ class Runtime:
 
     def _start(self) -> "Runtime":
         global _running
-        _core.init_logging(self.log_level)
+        _logs.relay_core_logs(self.log_level)
+        if self.metrics_addr is not None:
+            _serve_metrics(self.metrics_addr)
         tasks = self._only if self._only is not None else list(REGISTRY.values())
         self._tasks = {t.name: t for t in tasks}
         queues = sorted({t.options.queue for t in tasks} | set(self.extra_queues) | {"default"})
@@ -128,7 +159,8 @@ class Runtime:
                 url, embedded = self._nats.url, True
         self.connection = _core.Connection.connect(url, "ax-python-runtime", 5.0, self.creds, self.token, 30.0)
         if self.server or (self.server is None and embedded):
-            self._server = _core.serve(self.connection, queues, self.console, self.console_token, self.ack_wait)
+            self._server = _core.serve(self.connection, queues, self.console, self.console_token, self.ack_wait,
+                                       True, self.capacity)
         if embedded:
             log.warning("ax: embedded local runtime: nats-server with JetStream on %s (data in %s) and an ax "
                         "server in this process", url, os.path.abspath(self.data_dir))
@@ -198,6 +230,8 @@ class Runtime:
         are handed back; then the embedded server and broker stop."""
         global _running
         errors: list[AxError] = []
+        for w in self._workers:
+            w.request_stop()  # every grace runs at once
         for w in self._workers:
             try:
                 w.stop()

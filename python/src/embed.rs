@@ -29,10 +29,13 @@ impl ServerHandle {
 /// Starts an ax server on `conn` declaring `queues` (the defaults of `ax server`
 /// otherwise), with the console on `console` (`host:port`) if given, guarded by
 /// `console_token` for its writes; `ack_wait` (seconds) is the ready consumers' ack wait when
-/// this server creates them (default 30 s). `task_index` (default on, unlike `ax server`)
+/// this server creates them (default 30 s), `capacity` the high / normal / low capacity
+/// of each queue it creates (default 1,000 / 5,000 / 10,000; `ax streams apply
+/// --capacity` changes existing ones). `task_index` (default on, unlike `ax server`)
 /// keeps the index that lists and finds tasks (`list`, `queues`, `series`; PROTOCOL §8).
 #[pyfunction]
-#[pyo3(signature = (conn, queues, console = None, console_token = None, ack_wait = None, task_index = true))]
+#[pyo3(signature = (conn, queues, console = None, console_token = None, ack_wait = None, task_index = true, capacity = None))]
+#[allow(clippy::too_many_arguments)]
 pub fn serve(
     conn: &Connection,
     queues: Vec<String>,
@@ -40,10 +43,19 @@ pub fn serve(
     console_token: Option<String>,
     ack_wait: Option<f64>,
     task_index: bool,
+    capacity: Option<(i64, i64, i64)>,
 ) -> PyResult<ServerHandle> {
     let mut builder = Server::builder().queues(queues).task_index(task_index);
     if let Some(secs) = ack_wait {
         builder = builder.ack_wait(crate::conn::seconds(secs, "ack_wait")?);
+    }
+    if let Some((high, normal, low)) = capacity {
+        if high < 1 || normal < 1 || low < 1 {
+            return Err(errors::invalid(format!(
+                "capacity must be three numbers of at least 1 (high, normal, low), not ({high}, {normal}, {low})"
+            )));
+        }
+        builder = builder.capacity([high, normal, low]);
     }
     if let Some(addr) = console {
         let addr = addr

@@ -29,6 +29,12 @@ impl<E: std::fmt::Display + Send + 'static> Running<E> {
     }
 
     /// True once it has ended (stopped, or failed).
+    /// Asks it to stop, without waiting (`stop` then waits): many parts asked first end
+    /// together.
+    pub(crate) fn request_stop(&self) {
+        self.shutdown.cancel();
+    }
+
     pub(crate) fn finished(&self) -> bool {
         let join = self.join.lock().expect("not poisoned");
         join.as_ref().is_none_or(|j| j.is_finished())

@@ -183,6 +183,11 @@ impl WorkerHandle {
     fn queue(&self) -> &str {
         &self.queue
     }
+    /// Stops pulling without waiting: `stop` then waits. A runtime asks every worker first,
+    /// so their graces run at once, not one after another.
+    fn request_stop(&self) {
+        self.running.request_stop();
+    }
     /// Stops pulling and waits until running attempts end (the grace given at start, then
     /// they are handed back). Raises the worker's error if it failed.
     fn stop(&self, py: Python<'_>) -> PyResult<()> {

@@ -74,7 +74,11 @@ fn refusal(subject: &str, e: &PublishError) -> WireError {
     if is_full(e) {
         WireError::new(
             ErrorCode::Busy,
-            format!("{subject} is at capacity; retry later"),
+            format!(
+                "{subject} is at capacity; retry later, or raise the queue's capacity: \
+                 `ax streams apply --capacity high,normal,low` (the capacities a new queue \
+                 gets: `ax server --capacity`)"
+            ),
         )
     } else {
         WireError::new(ErrorCode::Unavailable, format!("{subject}: {e}"))
