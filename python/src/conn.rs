@@ -70,6 +70,16 @@ impl Connection {
         Ok(PyBytes::new(py, &wait(py, fut)?.map_err(Failed::raise)?))
     }
 
+    /// Sends one submit and returns at once, without its answer: [`PendingSubmit::result`]
+    /// gives it (the accepted reply as JSON, or the refusal raised). Many may be in flight
+    /// from one thread (a producer that pipelines its submits).
+    fn submit_nowait(&self, queue: String, request: &[u8]) -> PyResult<PendingSubmit> {
+        let fut = ops::submit(&self.client, queue, request)?;
+        Ok(PendingSubmit(std::sync::Mutex::new(Some(
+            crate::runtime().spawn(fut),
+        ))))
+    }
+
     /// Submits many tasks to `queue` in batches; one `(accepted, reply JSON)` per task, in
     /// order (a refusal's JSON is the wire error).
     fn submit_many<'py>(
@@ -169,6 +179,65 @@ impl Connection {
     fn server(&self) -> String {
         let info = self.nats.server_info();
         format!("nats://{}:{}", info.host, info.port)
+    }
+}
+
+/// The answer to a submit on its way: the accepted reply's JSON, or why not.
+type Answer = tokio::task::JoinHandle<Result<Vec<u8>, Failed>>;
+
+/// A submit sent and not yet answered (or answered and not yet taken).
+#[pyclass(frozen, module = "ax_scheduler._core")]
+pub struct PendingSubmit(std::sync::Mutex<Option<Answer>>);
+
+#[pymethods]
+impl PendingSubmit {
+    /// The accepted reply as JSON, waiting for it at most `timeout` seconds (None: until
+    /// it comes; `TimedOut` then, and it may still come); a refusal or no answer raised
+    /// as its typed exception. Once taken, a second call raises `InvalidInput`.
+    #[pyo3(signature = (timeout = None))]
+    fn result<'py>(&self, py: Python<'py>, timeout: Option<f64>) -> PyResult<Bound<'py, PyBytes>> {
+        let limit = timeout.map(|t| seconds(t, "timeout")).transpose()?;
+        let Some(mut join) = self.0.lock().expect("not poisoned").take() else {
+            return Err(errors::invalid("this submit's answer was taken already"));
+        };
+        let waited = wait(py, async move {
+            let done = match limit {
+                None => Some((&mut join).await),
+                Some(limit) => tokio::time::timeout(limit, &mut join).await.ok(),
+            };
+            (done, join)
+        });
+        let (done, join) = waited?;
+        match done {
+            Some(Ok(answer)) => Ok(PyBytes::new(py, &answer.map_err(Failed::raise)?)),
+            Some(Err(e)) => Err(errors::raise(
+                ErrorKind::Unavailable,
+                format!("the submit ended: {e}"),
+                None,
+                None,
+            )),
+            None => {
+                *self.0.lock().expect("not poisoned") = Some(join);
+                Err(errors::raise(
+                    ErrorKind::TimedOut,
+                    format!(
+                        "no answer to the submit within {} s",
+                        timeout.unwrap_or_default()
+                    ),
+                    None,
+                    None,
+                ))
+            }
+        }
+    }
+
+    /// True once the answer has come.
+    fn done(&self) -> bool {
+        self.0
+            .lock()
+            .expect("not poisoned")
+            .as_ref()
+            .is_none_or(tokio::task::JoinHandle::is_finished)
     }
 }
 

@@ -96,6 +96,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cli, m)?)?;
     m.add_class::<conn::Connection>()?;
     m.add_class::<conn::Subscription>()?;
+    m.add_class::<conn::PendingSubmit>()?;
     m.add_class::<aio::AsyncConnection>()?;
     m.add_class::<worker::WorkerHandle>()?;
     m.add_class::<worker::TaskContext>()?;
