@@ -489,3 +489,57 @@ async fn healthz_tells_a_stranger_no_causes_and_refuses_a_forged_host() {
         assert_eq!(shown, cause, "{auth:?}: {v}");
     }
 }
+
+/// Issue 44: connections that send a request line and one header, then nothing, must not
+/// lock operators out. At the bound (256 by default) the connection that has waited
+/// longest for the rest of its headers is closed for the newcomer, so a real request is
+/// answered at once however many stalled ones an attacker keeps opening.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn half_open_connections_cannot_lock_operators_out() {
+    within(
+        Duration::from_secs(90),
+        "console: half-open connections",
+        async {
+            let port = free_port();
+            let _env = Env::start(
+                Env::server().console(
+                    console(port)
+                        .token(ADMIN)
+                        .request_timeout(Duration::from_secs(10)),
+                ),
+            )
+            .await;
+            let host = format!("127.0.0.1:{port}");
+            let mut stalled = Vec::new();
+            for _ in 0..1_100 {
+                let mut tcp = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+                // A refused connection may be closed before this write lands: never mind.
+                let _ = tcp
+                    .write_all(format!("GET / HTTP/1.1\r\nhost: {host}\r\n").as_bytes())
+                    .await;
+                stalled.push(tcp);
+            }
+            // Every fresh request is answered within a second, while the stalled ones are held.
+            for _ in 0..5 {
+                let started = Instant::now();
+                let page = tokio::time::timeout(
+                    Duration::from_secs(1),
+                    send(port, "GET", "/", &[("host", &host)], ""),
+                )
+                .await
+                .expect("a fresh request answered within 1 s");
+                assert_eq!(page.status, 200);
+                assert!(started.elapsed() < Duration::from_secs(1));
+                // The attacker opens more meanwhile.
+                for _ in 0..30 {
+                    let mut tcp = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+                    let _ = tcp
+                        .write_all(format!("GET / HTTP/1.1\r\nhost: {host}\r\n").as_bytes())
+                        .await;
+                    stalled.push(tcp);
+                }
+            }
+        },
+    )
+    .await
+}

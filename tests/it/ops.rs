@@ -1319,3 +1319,58 @@ async fn finished_tasks_are_purged_with_their_outputs_unless_a_key_still_names_t
     })
     .await
 }
+
+/// Issue 44: a record the protocol accepts with its queue written with JSON escapes (a
+/// worker's encoder may escape any character: `"\u0071"` is `q`) is found by its queue,
+/// state and id like any other.
+#[tokio::test]
+async fn a_record_whose_queue_is_escaped_is_in_the_index() {
+    within(Duration::from_secs(60), "escaped queue", async {
+        let env = Env::start(Env::server().task_index(true)).await;
+        let id = "q.EscapedQueue0000000001";
+        let record = r#"{"id":"q.EscapedQueue0000000001","queue":"\u0071","name":"w\u006frk","priority":"normal","state":"dead","attempt":1,"max_attempts":1,"created_at_ms":1000,"updated_at_ms":2000,"finished_at_ms":2000,"last_error":{"class":"b\u006fom","message":"m"}}"#;
+        let store = env.store().await;
+        let kv = env.js.get_key_value("AX_TASKS").await.unwrap();
+        kv.create(id, record.into()).await.unwrap();
+        // The protocol's own reader takes it.
+        let (rec, _) = store.get(id).await.unwrap().unwrap();
+        assert_eq!((rec.queue.as_str(), rec.name.as_str()), ("q", "work"));
+        let by = |q: TaskQuery| {
+            let ax = env.ax.clone();
+            async move {
+                let r = ax
+                    .find_tasks(&ListRequest {
+                        query: q,
+                        ..Default::default()
+                    })
+                    .await
+                    .ok()?;
+                (r.total == Some(1)).then_some(r)
+            }
+        };
+        let found = eventually(Duration::from_secs(20), "the record by its queue", || {
+            by(TaskQuery {
+                queue: Some("q".into()),
+                state: Some(TaskState::Dead),
+                ..Default::default()
+            })
+        })
+        .await;
+        assert_eq!(found.tasks[0].id, id);
+        assert_eq!(found.tasks[0].name, "work");
+        let queues = env
+            .ax
+            .call(&ax_sdk::ops::TaskRequest::Queues {})
+            .await
+            .unwrap();
+        let q = queues["queues"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|q| q["queue"] == "q")
+            .cloned()
+            .unwrap();
+        assert_eq!(q["tasks"]["dead"], 1, "{q}");
+    })
+    .await
+}

@@ -95,8 +95,10 @@ pub const LIMIT_RATE: &str = "ax_limit_rate";
 /// Counter, worker `{queue, limit}`: reports of pressure (a handler failed with a class
 /// the adaptive limit listens to); `lowered="true"` for the ones that lowered the rate.
 pub const LIMIT_PRESSURE: &str = "ax_limit_pressure_total";
-/// Counter, server: console connections closed at once because the console had its
-/// most connections open (`ConsoleConfig::max_connections`).
+/// Counter, server `{which}`: console connections closed because the console had its
+/// most connections open (`ConsoleConfig::max_connections`): `which="idle"` the one that
+/// had waited longest between requests, closed to make room for a new one; `which="new"`
+/// the new one, when every open connection was in a request.
 pub const CONSOLE_CONNECTIONS_REFUSED: &str = "ax_console_connections_refused_total";
 /// Counter, server (the flow engine's leader) `{queue}`: step task submits refused for now
 /// (a full ready queue, the broker away) and retried with backoff; one summary line every
@@ -220,7 +222,7 @@ pub fn describe() {
     );
     describe_counter!(
         CONSOLE_CONNECTIONS_REFUSED,
-        "Console connections closed at once: too many were open"
+        "Console connections closed at the bound: the longest idle (idle) or the new one (new)"
     );
     describe_gauge!(FLOW_RUNS_ACTIVE, "Flow runs the engine's leader drives now");
     describe_histogram!(

@@ -1,6 +1,7 @@
 //! The console's HTTP side: bounded connections with timeouts, the guard, static assets,
 //! the API bridge, login and logout, live updates.
 
+use super::conns::{Admitted, Busy, Conns};
 use super::guard::{harden, Guard};
 use super::session::{same, Sessions};
 use super::{read_only, ConsoleConfig, Role};
@@ -18,7 +19,6 @@ use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
@@ -68,6 +68,37 @@ fn error(status: StatusCode, code: &str, message: &str) -> Response<Body> {
     )
 }
 
+/// An answer's body holding its request's [`Busy`] until the body is sent to its end (or
+/// dropped): a streamed answer (live updates) keeps its connection busy, not evictable.
+fn held(body: Body, busy: Busy) -> Body {
+    Held { body, _busy: busy }.boxed()
+}
+
+struct Held {
+    body: Body,
+    _busy: Busy,
+}
+
+impl hyper::body::Body for Held {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        std::pin::Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.body.size_hint()
+    }
+}
+
 fn with_cookie(mut r: Response<Body>, cookie: String) -> Response<Body> {
     if let Ok(v) = HeaderValue::from_str(&cookie) {
         r.headers_mut().insert(header::SET_COOKIE, v);
@@ -81,7 +112,7 @@ pub(crate) async fn serve(
     shutdown: CancellationToken,
 ) {
     let connections = tokio_util::task::TaskTracker::new();
-    let slots = Arc::new(Semaphore::new(state.config.max_connections));
+    let open = Arc::new(Conns::new(state.config.max_connections));
     let mut refused_logged = Instant::now() - Duration::from_secs(60);
     loop {
         let (stream, peer) = tokio::select! {
@@ -95,36 +126,56 @@ pub(crate) async fn serve(
                 }
             },
         };
-        // At the bound, a new connection is closed at once: slow or idle clients cannot
-        // take every file descriptor of the process (the metrics endpoint and NATS need
-        // theirs); the ones holding slots time out.
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
-            metrics::counter!(ax_sdk::metrics::CONSOLE_CONNECTIONS_REFUSED).increment(1);
-            if refused_logged.elapsed() > Duration::from_secs(10) {
-                refused_logged = Instant::now();
-                warn!(
-                    max = state.config.max_connections,
-                    "console: too many connections open; closing new ones"
-                );
+        // Bounded (conns.rs): slow or idle clients cannot take every file descriptor of the
+        // process (the metrics endpoint and NATS need theirs), and at the bound the
+        // connection that has waited longest between requests is closed for the newcomer;
+        // only when every one is in a request is the newcomer refused.
+        let conn = match open.admit() {
+            Admitted::Room(conn) => conn,
+            Admitted::Evicted(conn) => {
+                metrics::counter!(ax_sdk::metrics::CONSOLE_CONNECTIONS_REFUSED, "which" => "idle")
+                    .increment(1);
+                conn
             }
-            drop(stream);
-            continue;
+            Admitted::Full => {
+                metrics::counter!(ax_sdk::metrics::CONSOLE_CONNECTIONS_REFUSED, "which" => "new")
+                    .increment(1);
+                if refused_logged.elapsed() > Duration::from_secs(10) {
+                    refused_logged = Instant::now();
+                    warn!(
+                        max = state.config.max_connections,
+                        "console: every connection is in a request; closing new ones"
+                    );
+                }
+                drop(stream);
+                continue;
+            }
         };
-        let (state, stop) = (state.clone(), shutdown.clone());
+        let (state, stop, open) = (state.clone(), shutdown.clone(), open.clone());
         let timeout = state.config.request_timeout;
         connections.spawn(async move {
-            let service = hyper::service::service_fn(move |req| {
-                let (state, stop) = (state.clone(), stop.clone());
-                async move { Ok::<_, Infallible>(answer(&state, req, peer, stop).await) }
+            let service = hyper::service::service_fn({
+                let (open, conn) = (open.clone(), conn.clone());
+                move |req| {
+                    let (state, stop) = (state.clone(), stop.clone());
+                    let busy = open.busy(&conn);
+                    async move {
+                        let answer = answer(&state, req, peer, stop).await;
+                        Ok::<_, Infallible>(answer.map(|body| held(body, busy)))
+                    }
+                }
             });
             let mut builder = hyper::server::conn::http1::Builder::new();
             builder
                 .timer(TokioTimer::new())
                 .header_read_timeout(timeout)
                 .max_buf_size(64 * 1024);
-            let conn = builder.serve_connection(TokioIo::new(stream), service);
-            let _ = conn.await;
-            drop(slot);
+            let served = builder.serve_connection(TokioIo::new(stream), service);
+            tokio::select! {
+                _ = served => {}
+                _ = conn.close.cancelled() => {} // made room for a newer connection
+            }
+            open.closed(&conn);
         });
     }
     connections.close();

@@ -12,6 +12,7 @@
 //! origin with a JSON body (cross-site request forgery). The threat model is in
 //! docs/ARCHITECTURE.md, "The console".
 
+mod conns;
 mod guard;
 mod http;
 mod session;

@@ -569,3 +569,90 @@ fn the_series_counts_each_move_into_an_end_state_once_in_its_minute() {
         .sum();
     assert_eq!(sum, 0);
 }
+
+/// Issue 44: a worker may escape any character of the queue too (`"\u0071"` is `q`).
+#[test]
+fn a_record_whose_queue_is_escaped_is_indexed_under_its_queue() {
+    let mut ix = Index::default();
+    let json = r#"{"queue":"\u0071","name":"work","state":"pending","attempt":0,"created_at_ms":1,"updated_at_ms":2}"#;
+    put(&mut ix, "q.escq", 3, json);
+    assert_eq!(ix.state_of("q.escq"), Some(TaskState::Pending));
+    let q = TaskQuery {
+        queue: Some("q".into()),
+        ..Default::default()
+    };
+    let (rows, total) = ix.find(&q, 10, None, 100);
+    assert_eq!((ids(&rows), total), (vec!["q.escq"], Some(1)));
+}
+
+/// Every string of a full record — keys and values, the queue among them — written as
+/// `\uXXXX` escapes (what a worker's JSON encoder is free to do): the protocol's own reader
+/// takes it, and so does the index, with the same values.
+#[test]
+fn a_record_written_wholly_in_escapes_is_indexed_as_the_protocol_reads_it() {
+    fn escape_all(v: &serde_json::Value, out: &mut String) {
+        let text = |s: &str, out: &mut String| {
+            out.push('"');
+            for unit in s.encode_utf16() {
+                out.push_str(&format!("\\u{unit:04x}"));
+            }
+            out.push('"');
+        };
+        match v {
+            serde_json::Value::String(s) => text(s, out),
+            serde_json::Value::Array(items) => {
+                out.push('[');
+                for (i, item) in items.iter().enumerate() {
+                    if i > 0 {
+                        out.push(',');
+                    }
+                    escape_all(item, out);
+                }
+                out.push(']');
+            }
+            serde_json::Value::Object(fields) => {
+                out.push('{');
+                for (i, (k, item)) in fields.iter().enumerate() {
+                    if i > 0 {
+                        out.push(',');
+                    }
+                    text(k, out);
+                    out.push(':');
+                    escape_all(item, out);
+                }
+                out.push('}');
+            }
+            other => out.push_str(&other.to_string()),
+        }
+    }
+    let plain = serde_json::json!({
+        "id": "orders-eu.T1", "queue": "orders-eu", "name": "charge_card", "priority": "high",
+        "state": "dead", "attempt": 3, "max_attempts": 3, "created_at_ms": 1, "updated_at_ms": 9,
+        "finished_at_ms": 9, "started_at_ms": 5, "run_at_ms": 2, "worker": "w-1",
+        "idempotency_key": "order:42", "trigger": "nightly", "trigger_source": "schedule",
+        "scheduled_at_ms": 2, "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        "business_id": "order-42", "op": {"op": "retry", "by": "ops@example.com", "at_ms": 3},
+        "last_error": {"class": "card_declined", "message": "déclinée \"twice\"\n", "detail": "trace"}
+    });
+    let mut escaped = String::new();
+    escape_all(&plain, &mut escaped);
+    assert!(
+        escaped.contains(r#""\u0071\u0075\u0065\u0075\u0065":"\u006f"#),
+        "{escaped}"
+    );
+    let record: ax_sdk::TaskRecord = serde_json::from_str(&escaped).expect("the protocol reads it");
+    assert_eq!(record.queue, "orders-eu");
+    let mut ix = Index::default();
+    put(&mut ix, "orders-eu.T1", 7, &escaped);
+    let q = TaskQuery {
+        queue: Some("orders-eu".into()),
+        name: Some("charge_card".into()),
+        state: Some(TaskState::Dead),
+        error_class: Some("card_declined".into()),
+        trigger: Some("nightly".into()),
+        idempotency_key: Some("order:42".into()),
+        ..Default::default()
+    };
+    let (rows, total) = ix.find(&q, 10, None, 100);
+    assert_eq!((ids(&rows), total), (vec!["orders-eu.T1"], Some(1)));
+}
