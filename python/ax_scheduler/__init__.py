@@ -5,25 +5,30 @@
     import ax_scheduler as ax
 
     @ax.task(retries=3, timeout=60)
-    def create_invoice(payment: dict) -> dict: ...
+    def create_invoice(payment: Payment) -> Invoice: ...
 
     with ax.Runtime():                     # embedded nats-server + ax server if none runs
-        print(create_invoice.submit({"payment_id": "pay_001"}).result(timeout=30))
+        invoice = create_invoice.submit(Payment("pay_001", 42.0)).result(timeout=30)   # an Invoice
+        # async code: await create_invoice.submit_async(...), await handle.result_async()
 
 The worker loop, claim, fencing, heartbeats, limits and retries are ax's Rust SDK (the
 native module ``ax_scheduler._core``); Python runs your functions. Guide:
 docs/guides/python.md.
 """
 
+from __future__ import annotations
+
 from . import errors
+from ._aio import AsyncClient
 from ._client import Client
 from ._context import TaskContext, context, heartbeat
 from ._core import __version__
 from ._events import Event, events, on_event
-from ._flow import FlowDef, flow
+from ._flow import FlowDef, FlowStarter, flow
 from ._runtime import Runtime
 from ._schedule import schedule
-from ._task import Handle, TaskDef, task
+from ._handle import Handle, Submitter
+from ._task import TaskDef, task
 from .errors import (
     AxError,
     Conflict,
@@ -37,9 +42,10 @@ from .errors import (
     TimedOut,
     Unavailable,
 )
+from . import testing as testing  # ax.testing: the test mode, and a local ax for integration tests
 
 
-def register(*items: "TaskDef | FlowDef", client: "Client | None" = None) -> None:
+def register(*items: TaskDef | FlowDef, client: Client | None = None) -> None:
     """Stores the definitions of these flows, and every ``ax.schedule`` made so far, now
     (the runtime stores those of its tasks when it starts)."""
     from ._schedule import SCHEDULES
@@ -48,16 +54,15 @@ def register(*items: "TaskDef | FlowDef", client: "Client | None" = None) -> Non
     for item in items:
         if isinstance(item, FlowDef):
             c.put_flow(item)
-        elif not isinstance(item, TaskDef):
+        elif not isinstance(item, TaskDef):  # pyright: ignore[reportUnnecessaryIsInstance] (untyped callers)
             raise InvalidInput(f"register() takes @ax.task and @ax.flow objects, not {item!r}")
     for definition in SCHEDULES.values():
         c.call("trigger", "put", definition)
 
 
 __all__ = [
-    "AxError", "Client", "Conflict", "Event", "FlowDef", "FlowDefinitionError", "FlowFailed", "Handle", "InvalidInput",
-    "NonRetryable", "NotFound", "PermissionDenied", "Runtime", "TaskContext", "TaskDef", "TaskFailed",
-    "TimedOut", "Unavailable", "__version__", "context", "errors", "events", "flow", "heartbeat", "on_event",
-    "register",
-    "schedule", "task",
+    "AsyncClient", "AxError", "Client", "Conflict", "Event", "FlowDef", "FlowDefinitionError", "FlowFailed",
+    "FlowStarter", "Handle", "InvalidInput", "NonRetryable", "NotFound", "PermissionDenied", "Runtime", "Submitter",
+    "TaskContext", "TaskDef", "TaskFailed", "TimedOut", "Unavailable", "__version__", "context", "errors", "events",
+    "flow", "heartbeat", "on_event", "register", "schedule", "task",
 ]

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import logging
 import os
 import signal
@@ -92,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                              a.capacity)
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
+            signal.signal(sig, lambda *_: stop.set())  # pyright: ignore[reportUnknownLambdaType, reportUnknownArgumentType]
         while not stop.wait(0.2) and not server.finished():
             pass
         server.stop()

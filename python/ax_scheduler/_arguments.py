@@ -12,7 +12,7 @@ take their defaults. A ``**kwargs`` entry named like a positional-only parameter
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, cast
 
 from . import _json
 from .errors import InvalidInput
@@ -80,12 +80,12 @@ class Arguments:
                 if not isinstance(payload, list):
                     raise self._bad(f"takes *{p.name}: its payload must be a list of them, not "
                                     f"{type(payload).__name__}", code)
-                return [self._typed(p.name, v, typed) for v in payload], {}
+                return [self._typed(p.name, v, typed) for v in cast(list[Any], payload)], {}
             if p.kind is P.VAR_KEYWORD:
                 if not isinstance(payload, dict):
                     raise self._bad(f"takes **{p.name}: its payload must be an object of them, not "
                                     f"{type(payload).__name__}", code)
-                return [], {k: self._typed(p.name, v, typed) for k, v in payload.items()}
+                return [], {k: self._typed(p.name, v, typed) for k, v in cast(dict[str, Any], payload).items()}
             value = self._typed(p.name, payload, typed)
             return ([], {p.name: value}) if p.kind is P.KEYWORD_ONLY else ([value], {})
         if not self.params:
@@ -93,7 +93,7 @@ class Arguments:
         if not isinstance(payload, dict):
             raise self._bad(f"takes {len(self.params)} parameters: its payload must be an object of "
                             f"arguments by name, not {type(payload).__name__}", code)
-        return self.call_by_name(payload, typed, code)
+        return self.call_by_name(cast(dict[str, Any], payload), typed, code)
 
     def call_by_name(self, named: dict[str, Any], typed: bool = True,
                      code: str = "bad_payload") -> tuple[list[Any], dict[str, Any]]:
@@ -114,7 +114,7 @@ class Arguments:
                 extra = rest.pop(p.name, [])
                 if not isinstance(extra, list):
                     raise self._bad(f"*{p.name} must be a list, not {type(extra).__name__}", code)
-                args.extend(self._typed(p.name, v, typed) for v in extra)
+                args.extend(self._typed(p.name, v, typed) for v in cast(list[Any], extra))
             elif p.kind is P.KEYWORD_ONLY and p.name in rest:
                 kwargs[p.name] = self._typed(p.name, rest.pop(p.name), typed)
         if rest and self.var_kwargs is None:

@@ -4,8 +4,10 @@ its failure as recorded."""
 
 from __future__ import annotations
 
+import dataclasses
 import traceback
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol, cast
 
 from . import _json
 from ._context import TaskContext
@@ -15,8 +17,41 @@ from .errors import InvalidInput
 
 
 class Delivered(Protocol):
-    """What an attempt knows of its task: the native ``TaskContext``, or the copy a
-    process-executor child gets."""
+    """What an attempt knows of its task (read only): the native ``TaskContext``, or the
+    copy a process-executor child gets."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def queue(self) -> str: ...
+    @property
+    def priority(self) -> str: ...
+    @property
+    def attempt(self) -> int: ...
+    @property
+    def max_attempts(self) -> int: ...
+    @property
+    def payload(self) -> bytes: ...
+    @property
+    def is_json(self) -> bool: ...
+    @property
+    def idempotency_key(self) -> str | None: ...
+    @property
+    def created_at_ms(self) -> int: ...
+    @property
+    def run_at_ms(self) -> int | None: ...
+    @property
+    def traceparent(self) -> str | None: ...
+    @property
+    def business_id(self) -> str | None: ...
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """A copy of a delivered task (the fields of the native ``TaskContext``): what a
+    process-executor child gets, and what the test mode makes."""
 
     id: str
     name: str
@@ -32,16 +67,37 @@ class Delivered(Protocol):
     traceparent: str | None
     business_id: str | None
 
+    @staticmethod
+    def of(core: Any) -> "Delivery":
+        return Delivery(*(getattr(core, f.name) for f in dataclasses.fields(Delivery)))
+
+
+
+def _step(payload: Any) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """``(payload, ax_args)`` of a flow step's task payload (PROTOCOL.md §6); None for
+    any other payload."""
+    if not isinstance(payload, dict):
+        return None
+    step = cast(dict[str, Any], payload)
+    spec = step.get("args")
+    if not isinstance(spec, dict) or "ax_args" not in spec or "run" not in step:
+        return None
+    return step, cast(dict[str, Any], cast(dict[str, Any], spec)["ax_args"])
+
 
 def prepare(td: TaskDef, task: Delivered, core: Any) -> tuple[list[Any], dict[str, Any], TaskContext]:
     """The function's arguments from the payload (a flow step's ``ax_args``, or the call's
     JSON), and the context ``ax.context()`` answers with (``core`` reaches the worker)."""
-    payload = _json.loads(task.payload) if task.is_json else bytes(task.payload)
-    flow = run = step = index = None
-    args_spec = payload.get("args") if isinstance(payload, dict) else None
-    if isinstance(args_spec, dict) and "ax_args" in args_spec and "run" in payload:
-        flow, run, step, index = payload.get("flow"), payload.get("run"), payload.get("step"), payload.get("index")
-        args, kwargs = td.call_arguments(resolve(payload, args_spec["ax_args"]))
+    payload: Any = _json.loads(task.payload) if task.is_json else bytes(task.payload)
+    flow: str | None = None
+    run: str | None = None
+    step: str | None = None
+    index: int | None = None
+    found = _step(payload)
+    if found is not None:
+        body, sources = found
+        flow, run, step, index = body.get("flow"), body.get("run"), body.get("step"), body.get("index")
+        args, kwargs = td.call_arguments(resolve(body, sources))
     else:
         args, kwargs = td.arguments(payload)
     ctx = TaskContext(task.id, task.name, task.queue, task.priority, task.attempt, task.max_attempts,

@@ -12,11 +12,17 @@ from __future__ import annotations
 
 import contextvars
 import inspect
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Generic, Protocol, cast, overload
 
 from . import _json
 from ._task import claim_name
+from ._typing import P
 from .errors import FlowDefinitionError, InvalidInput
+
+if TYPE_CHECKING:
+    from ._aio import AsyncClient
+    from ._client import Client
 
 FLOWS: dict[str, "FlowDef"] = {}
 _tracer: contextvars.ContextVar["_Builder | None"] = contextvars.ContextVar("ax_flow", default=None)
@@ -40,7 +46,7 @@ class Value:
 
     __slots__ = ("_flow", "_source", "_path")
 
-    def __init__(self, flow: str, source: tuple[str, str | None], path: tuple = ()):
+    def __init__(self, flow: str, source: tuple[str, str | None], path: tuple[str | int, ...] = ()):
         self._flow = flow
         self._source = source
         self._path = path
@@ -86,9 +92,9 @@ def _has_value(obj: Any) -> bool:
     if isinstance(obj, Value):
         return True
     if isinstance(obj, dict):
-        return any(_has_value(v) for v in obj.values())
+        return any(_has_value(v) for v in cast(dict[Any, Any], obj).values())
     if isinstance(obj, (list, tuple)):
-        return any(_has_value(v) for v in obj)
+        return any(_has_value(v) for v in cast(list[Any], obj))
     return False
 
 
@@ -124,11 +130,11 @@ class _Builder:
                     raise FlowDefinitionError(
                         f"flow {self.flow}: {td.name}.map() fans out over a task's list output "
                         f"(the whole result of a call), not {value!r}")
-                for_each = value._source[1]
+                for_each = cast(str, value._source[1])  # a step's output names its step
                 needs.append(for_each)
                 sources[param] = {"from": "item"}
             elif param == var_args and _has_value(value):  # *args: each item its own source
-                sources[param] = {"list": [self._source(td, param, v, needs) for v in value]}
+                sources[param] = {"list": [self._source(td, param, v, needs) for v in cast(list[Any], value)]}
             else:
                 sources[param] = self._source(td, param, value, needs)
         o = td.options
@@ -149,8 +155,9 @@ class _Builder:
     def _source(self, td: Any, param: str, value: Any, needs: list[str]) -> dict[str, Any]:
         """Where an argument comes from: a run value (its step becomes a need) or a constant."""
         if isinstance(value, Value):
-            if value._source[0] == "step" and value._source[1] not in needs:
-                needs.append(value._source[1])
+            step = value._source[1]
+            if value._source[0] == "step" and step is not None and step not in needs:
+                needs.append(step)
             return value._spec()
         if _has_value(value):
             raise FlowDefinitionError(
@@ -160,12 +167,13 @@ class _Builder:
         return {"value": value}
 
 
-class FlowDef:
+class FlowDef(Generic[P]):
     """A function registered with ``@ax.flow``: ``definition()`` is the ax flow it
-    describes; ``trigger(payload)`` starts a run."""
+    describes; ``trigger(input)`` starts a run (``P``: the body's parameter, the run's
+    input, or none)."""
 
-    def __init__(self, fn: Callable[..., Any], name: str, failure: str):
-        self.fn = fn
+    def __init__(self, fn: Callable[P, Any], name: str, failure: str):
+        self.fn: Callable[P, Any] = fn
         self.name = name
         self.failure = failure
         self._definition: dict[str, Any] | None = None
@@ -179,14 +187,12 @@ class FlowDef:
         """The flow definition (PROTOCOL.md §6), built once by running the body with
         placeholders; ``FlowDefinitionError`` when the body does what a flow cannot."""
         if self._definition is None:
-            params = [p for p in inspect.signature(self.fn).parameters.values()
-                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-            if len(params) > 1:
+            if len(self._inputs()) > 1:
                 raise FlowDefinitionError(f"flow {self.name}: the body takes the run's input as its one argument")
             builder = _Builder(self.name)
             token = _tracer.set(builder)
             try:
-                self.fn(*([Value(self.name, ("input", None))] if params else []))
+                cast(Callable[..., Any], self.fn)(*([Value(self.name, ("input", None))] if self._inputs() else []))
             finally:
                 _tracer.reset(token)
             if not builder.steps:
@@ -194,21 +200,82 @@ class FlowDef:
             self._definition = {"name": self.name, "failure": self.failure, "steps": builder.steps}
         return self._definition
 
-    def trigger(self, payload: Any = None, client: Any = None) -> str:
-        """Starts a run with ``payload`` as its input; returns the run id."""
+    def with_options(self, *, client: Client | AsyncClient | None = None) -> FlowStarter[P]:
+        """This flow's runs started through ``client``: ``flow.with_options(client=c).trigger(x)``."""
+        return FlowStarter(self, client)
+
+    def trigger(self, *args: P.args, **kwargs: P.kwargs) -> str:
+        """Starts a run with the body's argument as its input (None for a body of no
+        parameter); returns the run id once ax has stored it. ``trigger(x, client=c)``
+        (the older spelling of ``with_options(client=c).trigger(x)``) still works."""
+        return self._options_in(kwargs).trigger(*args, **kwargs)
+
+    async def trigger_async(self, *args: P.args, **kwargs: P.kwargs) -> str:
+        """``trigger`` as an awaitable."""
+        return await self._options_in(kwargs).trigger_async(*args, **kwargs)
+
+    def _inputs(self) -> list[inspect.Parameter]:
+        return [p for p in inspect.signature(self.fn).parameters.values()
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+    def _options_in(self, kwargs: dict[str, Any]) -> FlowStarter[P]:
+        """``client=`` among ``trigger``'s keywords unless the body has a parameter so named."""
+        if "client" in kwargs and all(p.name != "client" for p in self._inputs()):
+            return self.with_options(client=kwargs.pop("client"))
+        return self.with_options()
+
+    def input(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The run's input of a ``trigger`` call: its one argument (by position, by the
+        body's parameter's name or, the older spelling, as ``payload=``), else None."""
+        names = {p.name for p in self._inputs()} | {"payload"}
+        given = [*args, *kwargs.values()]
+        if len(given) > 1 or any(k not in names for k in kwargs):
+            raise InvalidInput(f"flow {self.name}: trigger takes one argument, the run's input, not "
+                               f"{len(args)} and the keywords {sorted(kwargs)}", field="input")
+        return given[0] if given else None
+
+
+@dataclass(frozen=True)
+class FlowStarter(Generic[P]):
+    """``flow.with_options(...)``: runs of ``flow`` started through ``client``."""
+
+    flow: FlowDef[P]
+    client: Client | AsyncClient | None = field(default=None, repr=False)
+
+    def trigger(self, *args: P.args, **kwargs: P.kwargs) -> str:
+        """Starts a run with the body's argument as its input; returns the run id."""
         from ._client import Client
 
-        return (client or Client.default()).trigger_flow(self, payload)
+        return Client.of(self.client).trigger_flow(self.flow, self.flow.input(args, kwargs))
+
+    async def trigger_async(self, *args: P.args, **kwargs: P.kwargs) -> str:
+        """``trigger`` as an awaitable."""
+        from ._aio import AsyncClient
+
+        payload = self.flow.input(args, kwargs)
+        return await (await AsyncClient.of(self.client)).trigger_flow(self.flow, payload)
 
 
-def flow(fn: Callable[..., Any] | None = None, *, name: str | None = None, failure: str = "fail_fast") -> Any:
+class FlowDecorator(Protocol):
+    """What ``@ax.flow(...)`` with options gives: the decorator of a flow body."""
+
+    def __call__(self, fn: Callable[P, Any], /) -> FlowDef[P]: ...
+
+
+@overload
+def flow(fn: Callable[P, Any], /) -> FlowDef[P]: ...
+@overload
+def flow(*, name: str | None = None, failure: str = "fail_fast") -> FlowDecorator: ...
+
+
+def flow(fn: Callable[..., Any] | None = None, /, *, name: str | None = None, failure: str = "fail_fast") -> Any:
     """Registers a flow: its body, run once with placeholders, calls ``@ax.task``
     functions. ``failure`` is ``fail_fast`` (default) or ``continue``."""
 
     def register(f: Callable[..., Any]) -> FlowDef:
         if failure not in ("fail_fast", "continue"):
             raise InvalidInput(f"failure must be fail_fast or continue, not {failure!r}", field="failure")
-        fd = FlowDef(f, name or f.__name__, failure)
+        fd: FlowDef = FlowDef(f, name or f.__name__, failure)
         claim_name(FLOWS, "flow", fd.name, f)
         FLOWS[fd.name] = fd
         return fd
@@ -237,7 +304,8 @@ def _resolve(payload: dict[str, Any], param: str, spec: dict[str, Any]) -> Any:
     if kind == "input":
         value = payload.get("input")
     elif kind == "step":
-        value = (payload.get("parents") or {}).get(spec.get("step"))
+        parents: dict[str, Any] = payload.get("parents") or {}
+        value = parents.get(spec.get("step") or "")
     elif kind == "item":
         value = payload.get("item")
     else:

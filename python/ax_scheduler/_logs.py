@@ -15,6 +15,7 @@ for good).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 from typing import Any
@@ -28,6 +29,7 @@ _FIELDS = {"task_id": "ax_task_id", "name": "ax_task_name", "queue": "ax_queue",
            "business_id": "ax_business_id", "trace_id": "ax_trace_id", "class": "ax_error_class"}
 _started = threading.Lock()
 _relay: threading.Thread | None = None
+_stopping = threading.Event()
 
 
 def relay_core_logs(level: str) -> None:
@@ -43,12 +45,23 @@ def relay_core_logs(level: str) -> None:
             return
         _relay = threading.Thread(target=_drain, args=(_core.LogRelay(),), name="ax-logs", daemon=True)
         _relay.start()
+        atexit.register(_stop_relay)
+
+
+def _stop_relay() -> None:
+    """At exit, before the interpreter finalizes: the relay thread waits in the core with
+    the GIL released, and a thread that comes back for the GIL during finalization is
+    ended by CPython in a way the Rust frames under it cannot unwind through (the
+    process aborts: "exception not rethrown"). So it is stopped and joined first."""
+    _stopping.set()
+    if _relay is not None:
+        _relay.join(2)
 
 
 def _drain(relay: Any) -> None:
     dropped = 0
-    while True:
-        record = relay.next(1.0)
+    while not _stopping.is_set():
+        record = relay.next(0.2)
         if record is None:
             now = relay.dropped()
             if now > dropped:

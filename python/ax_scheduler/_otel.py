@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-from typing import Any, Iterator
+from typing import Any, Generator
 
 from ._context import TaskContext
 
@@ -28,7 +28,7 @@ def traceparent() -> str | None:
 
 
 @contextlib.contextmanager
-def attempt_span(ctx: TaskContext) -> Iterator[Any]:
+def attempt_span(ctx: TaskContext) -> Generator[Any, None, None]:
     """The span an attempt runs in (a no-op without OpenTelemetry): its parent is the
     task's ``traceparent``; its attributes the task's identity. An exception out of the
     attempt is recorded on it and marks it failed."""

@@ -17,7 +17,6 @@ attempt fails with class ``memory_limit`` or ``cpu_limit``, not retried.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import logging
 import math
@@ -29,10 +28,9 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
-from ._attempt import encode, failure, prepare
+from ._attempt import Delivery, encode, failure, prepare
 from ._context import _current
 from ._otel import attempt_span
 from ._task import REGISTRY, TaskDef
@@ -41,29 +39,6 @@ from .errors import AxError, InvalidInput
 log = logging.getLogger("ax_scheduler")
 READY_WAIT = 120.0  # how long a child may take to start and import the task modules
 _MAIN = ("__main__", "__mp_main__")
-
-
-@dataclass(frozen=True)
-class Attempt:
-    """The delivered task as a child gets it (the fields of the native ``TaskContext``)."""
-
-    id: str
-    name: str
-    queue: str
-    priority: str
-    attempt: int
-    max_attempts: int
-    payload: bytes
-    is_json: bool
-    idempotency_key: str | None
-    created_at_ms: int
-    run_at_ms: int | None
-    traceparent: str | None
-    business_id: str | None
-
-    @staticmethod
-    def of(core: Any) -> "Attempt":
-        return Attempt(*(getattr(core, f.name) for f in dataclasses.fields(Attempt)))
 
 
 class _Child:
@@ -186,11 +161,13 @@ class ProcessPool:
             return
         limits = (td.options.max_memory_mb, td.options.max_cpu_seconds)
         try:
-            child.conn.send(("run", Attempt.of(core), limits))
+            child.conn.send(("run", Delivery.of(core), limits))
         except OSError as e:
             self._replace(child)
             core.fail("process_died", f"the task's process is gone: {e}", False, None)
             return
+        kind: str
+        value: Any = None
         while True:
             if child.conn.poll(0.1):
                 try:
@@ -300,7 +277,7 @@ def _child_main(conn: Any, url: str, creds: str | None, token: str | None, modul
             conn.send(out)
 
 
-def _child_attempt(attempt: Attempt, limits: tuple[int | None, float | None], core: _ChildCore) -> tuple[str, Any]:
+def _child_attempt(attempt: Delivery, limits: tuple[int | None, float | None], core: _ChildCore) -> tuple[str, Any]:
     td = REGISTRY.get(attempt.name)
     if td is None:
         loaded = ", ".join(sorted(REGISTRY)) or "none"

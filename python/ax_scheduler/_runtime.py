@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import signal
@@ -35,6 +36,11 @@ def _serve_metrics(addr: str) -> None:
         return
     _metrics_at = _core.serve_metrics(addr)
     log.info("ax: Prometheus metrics on http://%s/metrics", _metrics_at)
+
+
+def _count(value: object, top: int) -> bool:
+    """An integer 1..top (not a bool: a caller without types may pass anything)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= top
 
 
 def current() -> "Runtime | None":
@@ -79,12 +85,12 @@ class Runtime:
                  server: bool | None = None, queues: Iterable[str] = (), console: str | None = None,
                  console_token: str | None = None, shutdown_grace: float = 30.0, creds: str | None = None,
                  token: str | None = None, log_level: str | None = None, worker_id: str | None = None,
-                 ack_wait: float | None = None, config: "str | os.PathLike | dict[str, Any] | None" = None,
+                 ack_wait: float | None = None, config: "str | os.PathLike[str] | dict[str, Any] | None" = None,
                  storage: str | os.PathLike[str] | None = None, capacity: tuple[int, int, int] | None = None,
                  metrics_addr: str | None = None):
         if executor not in _EXECUTORS:
             raise InvalidInput(f"executor must be one of {_EXECUTORS}, not {executor!r}", field="executor")
-        if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or not 1 <= max_concurrency <= 10_000:
+        if not _count(max_concurrency, 10_000):
             raise InvalidInput(f"max_concurrency must be an integer 1..10000, not {max_concurrency!r}",
                                field="max_concurrency")
         if storage is not None:
@@ -139,6 +145,10 @@ class Runtime:
     def _start(self) -> "Runtime":
         global _running
         _logs.relay_core_logs(self.log_level)
+        # A process that exits with the runtime still running stops it first: its threads
+        # wait in the core with the GIL released, and must not be there when the
+        # interpreter finalizes (see _logs._stop_relay).
+        atexit.register(self.stop)
         if self.metrics_addr is not None:
             _serve_metrics(self.metrics_addr)
         tasks = self._only if self._only is not None else list(REGISTRY.values())
@@ -229,6 +239,7 @@ class Runtime:
         """Stops pulling; running attempts get ``shutdown_grace`` seconds to finish, then
         are handed back; then the embedded server and broker stop."""
         global _running
+        atexit.unregister(self.stop)
         errors: list[AxError] = []
         for w in self._workers:
             w.request_stop()  # every grace runs at once
@@ -272,7 +283,7 @@ class Runtime:
             self.start()
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, lambda *_: self._stop.set())
+                signal.signal(sig, self._on_signal)
         log.warning("ax: serving %s", ", ".join(sorted(self._tasks)) or "no tasks")
         try:
             while not self._stop.wait(0.2):
@@ -280,6 +291,9 @@ class Runtime:
         finally:
             log.warning("ax: stopping: running tasks finish (grace %s s)", self.shutdown_grace)
             self.stop()
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self._stop.set()
 
     def __enter__(self) -> "Runtime":
         return self.start()

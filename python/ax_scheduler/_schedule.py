@@ -29,7 +29,7 @@ def rate(value: Any) -> float:
 
 
 def trigger(name: str, *, cron: str | None, tz: str | None, every: float | None,
-            tasks: list | None = None, flows: list | None = None) -> dict[str, Any]:
+            tasks: list[dict[str, Any]] | None = None, flows: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """A trigger definition firing ``tasks`` and ``flows`` on ``cron`` (in ``tz``) or
     ``every`` seconds."""
     if (cron is None) == (every is None):
@@ -50,9 +50,10 @@ def schedule(target: Any, *, cron: str | None = None, tz: str | None = None, eve
     when the runtime starts (or now, through ``ax.register``). ``every`` in seconds or a
     timedelta; ``payload`` is the flow's input or the task's payload."""
     from ._flow import FlowDef
-    from ._task import TaskDef, _seconds
+    from ._options import seconds
+    from ._task import TaskDef
 
-    secs = _seconds(every, "every")
+    secs = seconds(every, "every")
     if isinstance(target, FlowDef):
         t = trigger(name or f"{target.name}-schedule", cron=cron, tz=tz, every=secs,
                     flows=[{"flow": target.name, "input": payload}])

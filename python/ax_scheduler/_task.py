@@ -1,128 +1,31 @@
-"""``@ax.task``: a function ax runs as a task, its options, and how its arguments and
-result travel as JSON."""
+"""``@ax.task``: a function ax runs as a task, typed by its signature: ``TaskDef[P, R]``,
+whose ``submit`` takes the function's arguments (``P``) and gives a ``Handle[R]``."""
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
 import inspect
-import re
+import logging
 import typing
-from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Coroutine, Generic, Protocol, cast, overload
 
-from . import _json, _schedule
+from . import _options
 from ._arguments import Arguments
+from ._handle import Handle, Submitter
+from ._options import TaskOptions
+from ._typing import P, R
 from .errors import InvalidInput, NonRetryable
 
+if TYPE_CHECKING:
+    from ._aio import AsyncClient
+    from ._client import Client
+
+log = logging.getLogger("ax_scheduler")
 REGISTRY: dict[str, "TaskDef"] = {}
-
-_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-_PRIORITIES = ("high", "normal", "low")
-_ON_FAILURE = ("fail", "notify_only")
-
-
-def _seconds(value: Any, what: str) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, timedelta):
-        value = value.total_seconds()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidInput(f"{what} must be a number of seconds, not {value!r}", field=what)
-    if value != value or value in (float("inf"), float("-inf")) or value < 0:
-        raise InvalidInput(f"{what} must be a finite number of seconds ≥ 0, not {value!r}", field=what)
-    return float(value)
-
-
-def _classes(value: Any, what: str) -> tuple[type[BaseException], ...]:
-    if value is None:
-        return ()
-    if isinstance(value, type):
-        value = (value,)
-    value = tuple(value)
-    for c in value:
-        if not (isinstance(c, type) and issubclass(c, BaseException)):
-            raise InvalidInput(f"{what} must be exception classes, not {c!r}", field=what)
-    return value
-
-
-@dataclass
-class TaskOptions:
-    """The options of ``@ax.task`` (seconds for times). Unset ones take the server's
-    defaults: 5 attempts, 30 s timeout, backoff 1 s doubling to 10 min with 20 % jitter."""
-
-    queue: str = "default"
-    priority: str = "normal"
-    timeout: float | None = None
-    heartbeat_timeout: float | None = None
-    retries: int | None = None
-    retry_backoff: float | None = None
-    retry_backoff_max: float | None = None
-    retry_jitter: float | None = None
-    retry_on_exception: tuple[type[BaseException], ...] = ()
-    no_retry_on_exception: tuple[type[BaseException], ...] = ()
-    on_failure: str = "fail"
-    concurrency: int | None = None
-    idempotency_key: Callable[..., str] | None = None
-    cron: str | None = None
-    tz: str | None = None
-    every: float | None = None
-    schedule_payload: Any = None
-    rate_limit: float | None = None
-    max_memory_mb: int | None = None
-    max_cpu_seconds: float | None = None
-
-    def check(self, name: str) -> None:
-        if not _NAME.match(name):
-            raise InvalidInput(f"task name {name!r}: 1-64 of A-Z a-z 0-9 _ -", field="name")
-        if not _NAME.match(self.queue):
-            raise InvalidInput(f"queue {self.queue!r}: 1-64 of A-Z a-z 0-9 _ -", field="queue")
-        if self.priority not in _PRIORITIES:
-            raise InvalidInput(f"priority must be one of {_PRIORITIES}, not {self.priority!r}", field="priority")
-        if self.on_failure not in _ON_FAILURE:
-            raise InvalidInput(f"on_failure must be one of {_ON_FAILURE}, not {self.on_failure!r}", field="on_failure")
-        for what, top in (("retries", 999), ("concurrency", 100_000), ("max_memory_mb", 1 << 30)):
-            v = getattr(self, what)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0 or v > top):
-                raise InvalidInput(f"{what} must be an integer 0..{top}, not {v!r}", field=what)
-        if self.concurrency == 0:
-            raise InvalidInput("concurrency must be at least 1", field="concurrency")
-        if self.max_memory_mb == 0:
-            raise InvalidInput("max_memory_mb must be at least 1", field="max_memory_mb")
-        if self.max_cpu_seconds is not None and not 0 < self.max_cpu_seconds <= 86_400:
-            raise InvalidInput(f"max_cpu_seconds must be more than 0 and at most 24 h, not {self.max_cpu_seconds!r}",
-                               field="max_cpu_seconds")
-        if self.retry_jitter is not None and not 0.0 <= self.retry_jitter <= 1.0:
-            raise InvalidInput(f"retry_jitter must be within 0..1, not {self.retry_jitter!r}", field="retry_jitter")
-        for what in ("timeout", "heartbeat_timeout"):
-            v = getattr(self, what)
-            if v is not None and not 0 < v <= 86_400:
-                raise InvalidInput(f"{what} must be more than 0 seconds and at most 24 h, not {v!r}", field=what)
-        if self.cron is not None and self.every is not None:
-            raise InvalidInput("give cron or every, not both", field="cron")
-        if self.idempotency_key is not None and not callable(self.idempotency_key):
-            raise InvalidInput("idempotency_key must be a function of the task's arguments", field="idempotency_key")
-
-    def worker_options(self) -> dict[str, Any]:
-        """What the Rust worker applies where the submit left an option unset."""
-        out: dict[str, Any] = {}
-        if self.retries is not None:
-            out["max_attempts"] = self.retries + 1
-        if self.timeout is not None:
-            out["timeout_ms"] = max(1, round(self.timeout * 1000))
-        if self.heartbeat_timeout is not None:
-            out["heartbeat_timeout_ms"] = max(1, round(self.heartbeat_timeout * 1000))
-        if self.retry_backoff is not None or self.retry_backoff_max is not None or self.retry_jitter is not None:
-            base = self.retry_backoff if self.retry_backoff is not None else 1.0
-            top = self.retry_backoff_max if self.retry_backoff_max is not None else max(600.0, base)
-            out["backoff"] = {
-                "base_ms": round(base * 1000),
-                "max_ms": round(max(top, base) * 1000),
-                "jitter": 0.2 if self.retry_jitter is None else self.retry_jitter,
-            }
-        if self.concurrency is not None:
-            out["concurrency"] = self.concurrency
-        return out
+# The options ``submit`` reads from its keywords (``submit(x, delay=30)``, the older
+# spelling of ``with_options(delay=30).submit(x)``) unless the function has a parameter so named.
+SUBMIT_OPTIONS = ("delay", "run_at", "key", "priority", "client")
 
 
 def definition_of(fn: Callable[..., Any]) -> str:
@@ -146,12 +49,14 @@ def claim_name(registry: dict[str, Any], kind: str, name: str, fn: Callable[...,
                        f"(@ax.{kind}(name=...))", field="name")
 
 
-class TaskDef:
-    """A function registered with ``@ax.task``. Call it as a function (it runs here, or,
-    inside an ``@ax.flow`` body, becomes a step); ``.submit(...)`` runs it through ax."""
+class TaskDef(Generic[P, R]):
+    """A function registered with ``@ax.task``: ``P`` its parameters, ``R`` its result
+    (for an ``async def``, what it returns when awaited). Call it as a function (it runs
+    here, or, inside an ``@ax.flow`` body, becomes a step whose output stands for an
+    ``R``); ``.submit(...)`` runs it through ax."""
 
-    def __init__(self, fn: Callable[..., Any], name: str, options: TaskOptions):
-        self.fn = fn
+    def __init__(self, fn: Callable[P, Any], name: str, options: TaskOptions):
+        self.fn: Callable[P, Any] = fn
         self.name = name
         self.options = options
         self.is_async = inspect.iscoroutinefunction(fn)
@@ -161,7 +66,9 @@ class TaskDef:
             raise InvalidInput(f"task {name}: its signature cannot be read ({e}): wrap it in a def") from None
         try:
             self.hints = typing.get_type_hints(fn)
-        except Exception:  # unresolvable forward references: no typing back
+        except Exception as e:  # an unresolvable forward reference: no typing back
+            log.warning("ax: task %s: its annotations cannot be resolved (%s): its arguments and result "
+                        "come as decoded JSON", name, e)
             self.hints = {}
         self._arguments = Arguments(name, self.signature, self.hints)
         self.params = self._arguments.params
@@ -172,23 +79,27 @@ class TaskDef:
     def __repr__(self) -> str:
         return f"<ax task {self.name!r} on queue {self.options.queue!r}>"
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        """The function's result, run here; in a flow body, the step's output (typed as
+        the result it will be). An ``async def`` task's call gives its coroutine at run
+        time, typed ``R`` for flow bodies: ``await task.fn(...)`` runs it here."""
         from . import _flow
 
         builder = _flow.tracing()
         if builder is not None:
-            return builder.call(self, args, kwargs, fan_out=False)
-        return self.fn(*args, **kwargs)
+            return cast(R, builder.call(self, args, kwargs, fan_out=False))
+        return cast(R, self.fn(*args, **kwargs))
 
-    def map(self, items: Any, *args: Any, **kwargs: Any) -> Any:
+    def map(self, items: Any, *args: Any, **kwargs: Any) -> list[R]:
         """Inside a flow: one task per item of ``items`` (a task's list output), given as
         the first argument; the result is the list of their outputs, in item order."""
         from . import _flow
 
         builder = _flow.tracing()
         if builder is None:
-            return [self.fn(item, *args, **kwargs) for item in items]
-        return builder.call(self, (items, *args), kwargs, fan_out=True)
+            fn = cast(Callable[..., R], self.fn)
+            return [fn(item, *args, **kwargs) for item in items]
+        return cast(list[R], builder.call(self, (items, *args), kwargs, fan_out=True))
 
     # -- arguments as JSON ------------------------------------------------------------
 
@@ -243,104 +154,84 @@ class TaskDef:
     def request(self, payload: Any, *, delay: Any = None, run_at: Any = None, key: str | None = None,
                 priority: str | None = None) -> dict[str, Any]:
         """The submit request (PROTOCOL.md §2) for ``payload``."""
-        req: dict[str, Any] = {"name": self.name, "payload": payload}
-        prio = priority or self.options.priority
-        if prio != "normal":
-            req["priority"] = prio
-        d = _seconds(delay, "delay")
-        if d is not None:
-            req["delay_ms"] = round(d * 1000)
-        if run_at is not None:
-            if isinstance(run_at, datetime):
-                if run_at.tzinfo is None:
-                    raise InvalidInput("run_at must be timezone-aware", field="run_at")
-                run_at = run_at.isoformat()
-            req["run_at"] = run_at
-        if key is not None:
-            req["idempotency_key"] = key
-        return req
+        return _options.request(self.name, self.options, payload, delay=delay, run_at=run_at, key=key,
+                                priority=priority)
 
-    def submit(self, *args: Any, delay: Any = None, run_at: Any = None, key: str | None = None,
-               priority: str | None = None, client: Any = None, **kwargs: Any) -> "Handle":
-        """Submits one run of this task with these arguments (``delay`` in seconds or a
-        timedelta, ``run_at`` an aware datetime or RFC 3339 text, ``key`` an idempotency
-        key, else ``idempotency_key(...)`` of the arguments when the task declares one);
-        returns its handle once ax has stored it."""
-        from ._client import Client
+    def with_options(self, *, delay: float | timedelta | None = None, run_at: datetime | str | None = None,
+                     key: str | None = None, priority: str | None = None,
+                     client: Client | AsyncClient | None = None) -> Submitter[P, R]:
+        """This task's submits with these options (``delay`` in seconds or a timedelta,
+        ``run_at`` an aware datetime or RFC 3339 text, ``key`` an idempotency key, else
+        ``idempotency_key(...)`` of the arguments when the task declares one,
+        ``priority``, ``client``): ``task.with_options(key=k).submit(...)``. Its
+        ``submit`` gives every keyword to the function."""
+        return Submitter(self, delay=delay, run_at=run_at, key=key, priority=priority, client=client)
 
-        payload = self.payload(args, kwargs)
-        if key is None and self.options.idempotency_key is not None:
-            key = str(self.options.idempotency_key(*args, **kwargs))
-        c = client or Client.default()
-        return c.submit_request(self.options.queue, self.request(payload, delay=delay, run_at=run_at, key=key,
-                                                                   priority=priority), task=self)
+    def submit(self, *args: P.args, **kwargs: P.kwargs) -> Handle[R]:
+        """Submits one run of this task with these arguments, checked against the
+        function's signature; returns its handle once ax has stored it. Options go
+        through ``with_options``; ``submit(x, delay=30, client=c)`` (the older spelling)
+        still works for an option the function has no parameter of its name for."""
+        return self._options_in(kwargs).submit(*args, **kwargs)
 
+    async def submit_async(self, *args: P.args, **kwargs: P.kwargs) -> Handle[R]:
+        """``submit`` as an awaitable (on the ``AsyncClient`` of the client)."""
+        return await self._options_in(kwargs).submit_async(*args, **kwargs)
 
-@dataclass
-class Handle:
-    """A submitted task: ``id``, and ``wait`` / ``result`` / ``get`` / ``cancel``."""
-
-    id: str
-    duplicate: bool
-    state: str
-    client: Any = field(repr=False)
-    task: TaskDef | None = field(default=None, repr=False)
-
-    def get(self) -> dict[str, Any] | None:
-        """The task's current record, or None before it has one."""
-        return self.client.get(self.id)
-
-    def wait(self, timeout: float | None = None) -> dict[str, Any]:
-        """Waits until the task is finished and returns its final record (``TimedOut``
-        after ``timeout`` seconds)."""
-        return self.client.wait(self.id, timeout=timeout)
-
-    def result(self, timeout: float | None = None) -> Any:
-        """The task's output once it succeeded, typed by the function's return
-        annotation; ``TaskFailed`` if it ended otherwise."""
-        hint = self.task.output_type() if self.task else None
-        return _json.typed(self.client.result(self.id, timeout=timeout), hint)
-
-    def cancel(self) -> dict[str, Any]:
-        return self.client.cancel(self.id)
+    def _options_in(self, kwargs: dict[str, Any]) -> Submitter[P, R]:
+        """The submit options among ``submit``'s keywords, taken out of ``kwargs``:
+        those named like no parameter the function takes by keyword."""
+        named = {p.name for p in self.params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        given = {k: kwargs.pop(k) for k in SUBMIT_OPTIONS if k in kwargs and k not in named}
+        return self.with_options(**given)
 
 
-def task(fn: Callable[..., Any] | None = None, *, name: str | None = None, queue: str = "default",
-         priority: str = "normal", timeout: Any = None, heartbeat_timeout: Any = None,
-         retries: int | None = None,
-         retry_backoff: Any = None, retry_backoff_max: Any = None, retry_jitter: float | None = None,
-         retry_on_exception: Any = None, no_retry_on_exception: Any = None, on_failure: str = "fail",
-         concurrency: int | None = None, idempotency_key: Callable[..., str] | None = None,
-         cron: str | None = None, tz: str | None = None, every: Any = None,
-         schedule_payload: Any = None, rate_limit: Any = None, max_memory_mb: int | None = None,
-         max_cpu_seconds: Any = None) -> Any:
-    """Registers a function (sync or ``async def``) as an ax task. See the Python guide
-    for each option; times are seconds (or timedeltas). An unknown option is a
-    ``TypeError``; a bad value an ``InvalidInput`` naming it."""
+class TaskDecorator(Protocol):
+    """What ``@ax.task(...)`` with options gives: the decorator of a function."""
+
+    @overload
+    def __call__(self, fn: Callable[P, Coroutine[Any, Any, R]], /) -> TaskDef[P, R]: ...
+    @overload
+    def __call__(self, fn: Callable[P, R], /) -> TaskDef[P, R]: ...
+
+
+@overload
+def task(fn: Callable[P, Coroutine[Any, Any, R]], /) -> TaskDef[P, R]: ...
+@overload
+def task(fn: Callable[P, R], /) -> TaskDef[P, R]: ...
+@overload
+def task(*, name: str | None = None, queue: str = "default", priority: str = "normal",
+         timeout: float | timedelta | None = None, heartbeat_timeout: float | timedelta | None = None,
+         retries: int | None = None, retry_backoff: float | timedelta | None = None,
+         retry_backoff_max: float | timedelta | None = None, retry_jitter: float | None = None,
+         retry_on_exception: type[BaseException] | typing.Iterable[type[BaseException]] | None = None,
+         no_retry_on_exception: type[BaseException] | typing.Iterable[type[BaseException]] | None = None,
+         on_failure: str = "fail", concurrency: int | None = None, idempotency_key: Callable[..., str] | None = None,
+         cron: str | None = None, tz: str | None = None, every: float | timedelta | None = None,
+         schedule_payload: Any = None, rate_limit: str | float | None = None, max_memory_mb: int | None = None,
+         max_cpu_seconds: float | timedelta | None = None) -> TaskDecorator: ...
+
+
+def task(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
+    """Registers a function (sync or ``async def``) as an ax task: ``@ax.task`` or
+    ``@ax.task(retries=3, ...)``. See the Python guide for each option; times are seconds
+    (or timedeltas). An unknown option is a ``TypeError``; a bad value an
+    ``InvalidInput`` naming it."""
+    task_name, given = _options.read(options)
 
     def register(f: Callable[..., Any]) -> TaskDef:
+        opts = dataclasses.replace(given)  # each function its own
         if isinstance(f, TaskDef):
             raise InvalidInput(f"{f.name} is already an ax task")
         if not callable(f):
             raise InvalidInput(f"@ax.task needs a function, not {f!r}")
-        opts = TaskOptions(
-            queue=queue, priority=priority, timeout=_seconds(timeout, "timeout"),
-            heartbeat_timeout=_seconds(heartbeat_timeout, "heartbeat_timeout"), retries=retries,
-            retry_backoff=_seconds(retry_backoff, "retry_backoff"),
-            retry_backoff_max=_seconds(retry_backoff_max, "retry_backoff_max"), retry_jitter=retry_jitter,
-            retry_on_exception=_classes(retry_on_exception, "retry_on_exception"),
-            no_retry_on_exception=_classes(no_retry_on_exception, "no_retry_on_exception"),
-            on_failure=on_failure, concurrency=concurrency, idempotency_key=idempotency_key,
-            cron=cron, tz=tz, every=_seconds(every, "every"), schedule_payload=schedule_payload,
-            rate_limit=None if rate_limit is None else _schedule.rate(rate_limit),
-            max_memory_mb=max_memory_mb, max_cpu_seconds=_seconds(max_cpu_seconds, "max_cpu_seconds"))
-        task_name = name or f.__name__
-        opts.check(task_name)
-        if asyncio.iscoroutinefunction(f) is False and inspect.isasyncgenfunction(f):
-            raise InvalidInput(f"task {task_name}: an async generator cannot be a task")
-        td = TaskDef(f, task_name, opts)
-        claim_name(REGISTRY, "task", task_name, f)
-        REGISTRY[task_name] = td
+        name = task_name or f.__name__
+        opts.check(name)
+        if inspect.isasyncgenfunction(f):
+            raise InvalidInput(f"task {name}: an async generator cannot be a task")
+        td: TaskDef = TaskDef(f, name, opts)
+        claim_name(REGISTRY, "task", name, f)
+        REGISTRY[name] = td
         return td
 
     return register(fn) if fn is not None else register

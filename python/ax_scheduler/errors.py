@@ -57,7 +57,7 @@ class TaskFailed(AxError):
     """The task ended without success (``dead`` or ``cancelled``); ``record`` is its record."""
 
     def __init__(self, message: str, record: dict[str, Any] | None = None):
-        error = (record or {}).get("last_error") or {}
+        error: dict[str, Any] = (record or {}).get("last_error") or {}
         super().__init__(message, code=error.get("class"))
         self.record = record or {}
         self.error_class: str | None = error.get("class")

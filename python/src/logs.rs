@@ -167,11 +167,7 @@ impl LogRelay {
 
     /// The next record `(level, target, message, fields)`, or None after `timeout`
     /// seconds. Waits with the GIL released. One thread should drain it.
-    fn next(
-        &self,
-        py: Python<'_>,
-        timeout: f64,
-    ) -> PyResult<Option<Record>> {
+    fn next(&self, py: Python<'_>, timeout: f64) -> PyResult<Option<Record>> {
         let limit = seconds(timeout, "timeout")?;
         Ok(py.detach(|| {
             let rx = relay().rx.lock().expect("not poisoned");

@@ -68,6 +68,7 @@ def test_map_fans_out_and_a_later_call_fans_in(runtime, client):
     run = fan.trigger({"n": 5, "offset": 1}, client=client)
     outputs = client.flow_result(run, timeout=30)
     assert outputs["total"] == {"sum": sum(x * x + 1 for x in range(5))}
+    assert outputs["square"] == [x * x + 1 for x in range(5)], "a fan-out's output is its items', in order"
     steps = {s["name"]: s for s in client.flow_run(run)["steps"]}
     assert steps["square"]["items"] == 5
 

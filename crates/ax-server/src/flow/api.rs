@@ -405,6 +405,9 @@ fn view(run: &FlowRun, steps: &[StepRun]) -> Value {
             v["needs"] = json!(def.needs);
             v["trigger"] = json!(def.trigger);
             v["task"] = json!(def.task.name);
+            if let Some(over) = &def.for_each {
+                v["for_each"] = json!(over);
+            }
             if s.items.is_some() {
                 v["task_id"] = json!(super::model::step_task_id(
                     queue, &run.id, &def.name, s.epoch, 0

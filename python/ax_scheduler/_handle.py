@@ -1,0 +1,97 @@
+"""A submitted task (``Handle[R]``) and submits with options (``Submitter[P, R]``), in
+both forms: blocking calls, and the same with ``_async`` as awaitables."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any, Generic, cast
+
+from . import _json
+from ._typing import P, R
+
+if TYPE_CHECKING:
+    from ._aio import AsyncClient
+    from ._client import Client
+    from ._task import TaskDef
+
+
+@dataclass
+class Handle(Generic[R]):
+    """A submitted task: ``id``, and ``wait`` / ``result`` / ``get`` / ``cancel``, each
+    also awaitable (``await handle.result_async()``). ``result`` is an ``R``: the
+    function's return annotation types the output back."""
+
+    id: str
+    duplicate: bool
+    state: str
+    client: Client = field(repr=False)
+    task: TaskDef[..., R] | None = field(default=None, repr=False)
+
+    def get(self) -> dict[str, Any] | None:
+        """The task's current record, or None before it has one."""
+        return self.client.get(self.id)
+
+    def wait(self, timeout: float | None = None) -> dict[str, Any]:
+        """Waits until the task is finished and returns its final record (``TimedOut``
+        after ``timeout`` seconds)."""
+        return self.client.wait(self.id, timeout=timeout)
+
+    def result(self, timeout: float | None = None) -> R:
+        """The task's output once it succeeded, typed by the function's return
+        annotation; ``TaskFailed`` if it ended otherwise."""
+        return self._typed(self.client.result(self.id, timeout=timeout))
+
+    def cancel(self) -> dict[str, Any]:
+        return self.client.cancel(self.id)
+
+    async def get_async(self) -> dict[str, Any] | None:
+        return await self.client.aio.get(self.id)
+
+    async def wait_async(self, timeout: float | None = None) -> dict[str, Any]:
+        return await self.client.aio.wait(self.id, timeout=timeout)
+
+    async def result_async(self, timeout: float | None = None) -> R:
+        return self._typed(await self.client.aio.result(self.id, timeout=timeout))
+
+    async def cancel_async(self) -> dict[str, Any]:
+        return await self.client.aio.cancel(self.id)
+
+    def _typed(self, output: Any) -> R:
+        return cast(R, _json.typed(output, self.task.output_type() if self.task else None))
+
+
+@dataclass(frozen=True)
+class Submitter(Generic[P, R]):
+    """``task.with_options(...)``: submits of ``task`` with these options. ``submit``
+    takes the function's arguments, every keyword included (none is read as an option)."""
+
+    task: TaskDef[P, R]
+    delay: float | timedelta | None = None
+    run_at: datetime | str | None = None
+    key: str | None = None
+    priority: str | None = None
+    client: Client | AsyncClient | None = field(default=None, repr=False)
+
+    def submit(self, *args: P.args, **kwargs: P.kwargs) -> Handle[R]:
+        """Submits one run of the task with these arguments; its handle once ax has
+        stored it."""
+        from ._client import Client
+
+        return Client.of(self.client).submit_request(self.task.options.queue, self._request(args, kwargs), self.task)
+
+    async def submit_async(self, *args: P.args, **kwargs: P.kwargs) -> Handle[R]:
+        """``submit`` as an awaitable."""
+        from ._aio import AsyncClient
+
+        request = self._request(args, kwargs)
+        client = await AsyncClient.of(self.client)
+        return await client.submit_request(self.task.options.queue, request, self.task)
+
+    def _request(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        td = self.task
+        payload = td.payload(args, kwargs)
+        key = self.key
+        if key is None and td.options.idempotency_key is not None:
+            key = str(td.options.idempotency_key(*args, **kwargs))
+        return td.request(payload, delay=self.delay, run_at=self.run_at, key=key, priority=self.priority)

@@ -1,0 +1,175 @@
+"""The options of ``@ax.task``: read, checked and turned into what the Rust worker
+applies."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, Callable
+
+from . import _otel, _schedule
+from .errors import InvalidInput
+
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_PRIORITIES = ("high", "normal", "low")
+_ON_FAILURE = ("fail", "notify_only")
+
+
+def seconds(value: Any, what: str) -> float | None:
+    """``value`` (a number or a timedelta) as seconds; None for None; ``InvalidInput``
+    naming ``what`` for anything else, NaN, infinity or less than 0."""
+    if value is None:
+        return None
+    if isinstance(value, timedelta):
+        value = value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidInput(f"{what} must be a number of seconds, not {value!r}", field=what)
+    if value != value or value in (float("inf"), float("-inf")) or value < 0:
+        raise InvalidInput(f"{what} must be a finite number of seconds ≥ 0, not {value!r}", field=what)
+    return float(value)
+
+
+def classes(value: Any, what: str) -> tuple[type[BaseException], ...]:
+    """An exception class or classes as a tuple; ``InvalidInput`` naming ``what`` else."""
+    if value is None:
+        return ()
+    if isinstance(value, type):
+        value = (value,)
+    value = tuple(value)
+    for c in value:
+        if not (isinstance(c, type) and issubclass(c, BaseException)):
+            raise InvalidInput(f"{what} must be exception classes, not {c!r}", field=what)
+    return value
+
+
+@dataclass
+class TaskOptions:
+    """The options of ``@ax.task`` (seconds for times). Unset ones take the server's
+    defaults: 5 attempts, 30 s timeout, backoff 1 s doubling to 10 min with 20 % jitter."""
+
+    queue: str = "default"
+    priority: str = "normal"
+    timeout: float | None = None
+    heartbeat_timeout: float | None = None
+    retries: int | None = None
+    retry_backoff: float | None = None
+    retry_backoff_max: float | None = None
+    retry_jitter: float | None = None
+    retry_on_exception: tuple[type[BaseException], ...] = ()
+    no_retry_on_exception: tuple[type[BaseException], ...] = ()
+    on_failure: str = "fail"
+    concurrency: int | None = None
+    idempotency_key: Callable[..., str] | None = None
+    cron: str | None = None
+    tz: str | None = None
+    every: float | None = None
+    schedule_payload: Any = None
+    rate_limit: float | None = None
+    max_memory_mb: int | None = None
+    max_cpu_seconds: float | None = None
+
+    def check(self, name: str) -> None:
+        if not _NAME.match(name):
+            raise InvalidInput(f"task name {name!r}: 1-64 of A-Z a-z 0-9 _ -", field="name")
+        if not _NAME.match(self.queue):
+            raise InvalidInput(f"queue {self.queue!r}: 1-64 of A-Z a-z 0-9 _ -", field="queue")
+        if self.priority not in _PRIORITIES:
+            raise InvalidInput(f"priority must be one of {_PRIORITIES}, not {self.priority!r}", field="priority")
+        if self.on_failure not in _ON_FAILURE:
+            raise InvalidInput(f"on_failure must be one of {_ON_FAILURE}, not {self.on_failure!r}", field="on_failure")
+        for what, top in (("retries", 999), ("concurrency", 100_000), ("max_memory_mb", 1 << 30)):
+            v = getattr(self, what)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0 or v > top):
+                raise InvalidInput(f"{what} must be an integer 0..{top}, not {v!r}", field=what)
+        if self.concurrency == 0:
+            raise InvalidInput("concurrency must be at least 1", field="concurrency")
+        if self.max_memory_mb == 0:
+            raise InvalidInput("max_memory_mb must be at least 1", field="max_memory_mb")
+        if self.max_cpu_seconds is not None and not 0 < self.max_cpu_seconds <= 86_400:
+            raise InvalidInput(f"max_cpu_seconds must be more than 0 and at most 24 h, not {self.max_cpu_seconds!r}",
+                               field="max_cpu_seconds")
+        if self.retry_jitter is not None and not 0.0 <= self.retry_jitter <= 1.0:
+            raise InvalidInput(f"retry_jitter must be within 0..1, not {self.retry_jitter!r}", field="retry_jitter")
+        for what in ("timeout", "heartbeat_timeout"):
+            v = getattr(self, what)
+            if v is not None and not 0 < v <= 86_400:
+                raise InvalidInput(f"{what} must be more than 0 seconds and at most 24 h, not {v!r}", field=what)
+        if self.cron is not None and self.every is not None:
+            raise InvalidInput("give cron or every, not both", field="cron")
+        if self.idempotency_key is not None and not callable(self.idempotency_key):
+            raise InvalidInput("idempotency_key must be a function of the task's arguments", field="idempotency_key")
+
+    def worker_options(self) -> dict[str, Any]:
+        """What the Rust worker applies where the submit left an option unset."""
+        out: dict[str, Any] = {}
+        if self.retries is not None:
+            out["max_attempts"] = self.retries + 1
+        if self.timeout is not None:
+            out["timeout_ms"] = max(1, round(self.timeout * 1000))
+        if self.heartbeat_timeout is not None:
+            out["heartbeat_timeout_ms"] = max(1, round(self.heartbeat_timeout * 1000))
+        if self.retry_backoff is not None or self.retry_backoff_max is not None or self.retry_jitter is not None:
+            base = self.retry_backoff if self.retry_backoff is not None else 1.0
+            top = self.retry_backoff_max if self.retry_backoff_max is not None else max(600.0, base)
+            out["backoff"] = {
+                "base_ms": round(base * 1000),
+                "max_ms": round(max(top, base) * 1000),
+                "jitter": 0.2 if self.retry_jitter is None else self.retry_jitter,
+            }
+        if self.concurrency is not None:
+            out["concurrency"] = self.concurrency
+        return out
+
+
+_SECONDS = ("timeout", "heartbeat_timeout", "retry_backoff", "retry_backoff_max", "every", "max_cpu_seconds")
+_CLASSES = ("retry_on_exception", "no_retry_on_exception")
+_FIELDS = frozenset(f.name for f in dataclasses.fields(TaskOptions))
+
+
+def read(given: dict[str, Any]) -> tuple[str | None, TaskOptions]:
+    """The ``name`` and the options of ``@ax.task(**given)``: times as seconds (or
+    timedeltas), exception classes, a rate. An unknown option is a ``TypeError``, as for
+    any function; a bad value an ``InvalidInput`` naming it."""
+    values = dict(given)
+    name = values.pop("name", None)
+    for key in values:
+        if key not in _FIELDS:
+            raise TypeError(f"task() got an unexpected keyword argument {key!r}")
+    for key in _SECONDS:
+        if key in values:
+            values[key] = seconds(values[key], key)
+    for key in _CLASSES:
+        if key in values:
+            values[key] = classes(values[key], key)
+    if values.get("rate_limit") is not None:
+        values["rate_limit"] = _schedule.rate(values["rate_limit"])
+    return name, TaskOptions(**values)
+
+
+def request(name: str, options: TaskOptions, payload: Any, *, delay: Any = None, run_at: Any = None,
+            key: str | None = None, priority: str | None = None) -> dict[str, Any]:
+    """The submit request (PROTOCOL.md §2) of task ``name`` for ``payload``: ``delay`` in
+    seconds or a timedelta, ``run_at`` an aware datetime or RFC 3339 text, ``key`` an
+    idempotency key, ``priority`` else the task's; ``traceparent`` the current span's
+    (OpenTelemetry)."""
+    req: dict[str, Any] = {"name": name, "payload": payload}
+    prio = priority or options.priority
+    if prio != "normal":
+        req["priority"] = prio
+    d = seconds(delay, "delay")
+    if d is not None:
+        req["delay_ms"] = round(d * 1000)
+    if run_at is not None:
+        if isinstance(run_at, datetime):
+            if run_at.tzinfo is None:
+                raise InvalidInput("run_at must be timezone-aware", field="run_at")
+            run_at = run_at.isoformat()
+        req["run_at"] = run_at
+    if key is not None:
+        req["idempotency_key"] = key
+    trace = _otel.traceparent()  # a submit inside a span carries it (OpenTelemetry, when installed)
+    if trace is not None:
+        req["traceparent"] = trace
+    return req
