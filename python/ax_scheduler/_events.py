@@ -109,6 +109,9 @@ def on_event(fn: Callable[[Event], Any] | None = None, *, every_replica: bool = 
             raise InvalidInput(f"@ax.on_event needs a function, not {f!r}")
         # The same function again (a re-import, importlib.reload) replaces itself.
         HANDLERS[:] = [h for h in HANDLERS if definition_of(h.fn) != definition_of(f)]
+        from ._task import refuse_late
+
+        refuse_late(f"event handler {getattr(f, '__qualname__', f)!r}", every=False)
         HANDLERS.append(Handler(f, None if every_replica else group or default_group(f)))
         return f
 

@@ -15,7 +15,7 @@ from ._embedded import LocalNats, listening, local_port, reclaim, storage_target
 from ._executors import Executors
 from ._processes import ProcessPool
 from ._flow import FLOWS
-from ._task import REGISTRY, TaskDef
+from ._task import REGISTRY, RUNNING, SERVING_EVERY_TASK, TaskDef
 from .errors import AxError, Conflict, InvalidInput
 
 log = logging.getLogger("ax_scheduler")
@@ -152,6 +152,9 @@ class Runtime:
         if self.metrics_addr is not None:
             _serve_metrics(self.metrics_addr)
         tasks = self._only if self._only is not None else list(REGISTRY.values())
+        RUNNING.add(id(self))
+        if self._only is None:
+            SERVING_EVERY_TASK.add(id(self))
         self._tasks = {t.name: t for t in tasks}
         queues = sorted({t.options.queue for t in tasks} | set(self.extra_queues) | {"default"})
         url, embedded = self.url, False
@@ -240,6 +243,8 @@ class Runtime:
         are handed back; then the embedded server and broker stop."""
         global _running
         atexit.unregister(self.stop)
+        SERVING_EVERY_TASK.discard(id(self))
+        RUNNING.discard(id(self))
         errors: list[AxError] = []
         for w in self._workers:
             w.request_stop()  # every grace runs at once

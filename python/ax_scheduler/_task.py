@@ -23,6 +23,22 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ax_scheduler")
 REGISTRY: dict[str, "TaskDef"] = {}
+# Runtimes running (by id), and those of them that serve "every registered task"
+# (`Runtime(tasks=None)`): they took the tasks and the event handlers registered when they
+# started, so one registered now would not be served.
+RUNNING: set[int] = set()
+SERVING_EVERY_TASK: set[int] = set()
+
+
+def refuse_late(what: str, every: bool = True) -> None:
+    """``InvalidInput`` if a runtime that would not serve ``what`` runs: one serving every
+    registered task (``every``, for a task), or any runtime (for an event handler, which
+    every runtime takes at its start)."""
+    if SERVING_EVERY_TASK if every else RUNNING:
+        raise InvalidInput(
+            f"{what} registered after Runtime.start(): the running runtime took the tasks and handlers "
+            "registered when it started and would not serve this one. Register it before start() (import "
+            "its module first), or start the runtime with tasks=[...] naming what it serves")
 # The options ``submit`` reads from its keywords (``submit(x, delay=30)``, the older
 # spelling of ``with_options(delay=30).submit(x)``) unless the function has a parameter so named.
 SUBMIT_OPTIONS = ("delay", "run_at", "key", "priority", "client")
@@ -231,6 +247,8 @@ def task(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
             raise InvalidInput(f"task {name}: an async generator cannot be a task")
         td: TaskDef = TaskDef(f, name, opts)
         claim_name(REGISTRY, "task", name, f)
+        if name not in REGISTRY:
+            refuse_late(f"task {name}")
         REGISTRY[name] = td
         return td
 

@@ -126,3 +126,38 @@ def test_the_ax_command_comes_with_the_package(url, server):
                          capture_output=True, text=True, cwd=HERE, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "py_tasks" in out.stdout
+
+
+def test_a_task_or_handler_registered_after_start_is_refused_not_ignored(url, server):
+    from ax_scheduler import _schedule, _task
+
+    # A runtime serving "every registered task" of this test alone: the suite's other
+    # modules registered tasks and flows of queues this server does not declare.
+    saved = [(registry, dict(registry)) for registry in (_task.REGISTRY, _schedule.SCHEDULES)]
+    for registry, _ in saved:
+        registry.clear()
+    try:
+        rt = ax.Runtime(url, shutdown_grace=1)  # serves every task registered when it starts
+        rt.start()
+        try:
+            with pytest.raises(ax.InvalidInput, match="after Runtime.start"):
+                @ax.task(queue=Q)
+                def too_late(x: int) -> int:
+                    return x
+            with pytest.raises(ax.InvalidInput, match="after Runtime.start"):
+                @ax.on_event
+                def late_handler(event: ax.Event) -> None:
+                    pass
+        finally:
+            rt.stop()
+
+        # Stopped: registering works again (the next runtime takes it).
+        @ax.task(queue=Q, name="registered_after_stop")
+        def fine(x: int) -> int:
+            return x
+
+        assert fine.name == "registered_after_stop"
+    finally:
+        for registry, before in saved:
+            registry.clear()
+            registry.update(before)
