@@ -27,7 +27,7 @@ from ._events import Event, events, on_event
 from ._flow import FlowDef, FlowStarter, flow
 from ._runtime import Runtime
 from ._schedule import schedule
-from ._handle import Handle, Submitter
+from ._handle import Handle, Submitter, Submitting
 from ._task import TaskDef, task
 from .errors import (
     AxError,
@@ -62,7 +62,7 @@ def register(*items: TaskDef | FlowDef, client: Client | None = None) -> None:
 
 __all__ = [
     "AsyncClient", "AxError", "Client", "Conflict", "Event", "FlowDef", "FlowDefinitionError", "FlowFailed",
-    "FlowStarter", "Handle", "InvalidInput", "NonRetryable", "NotFound", "PermissionDenied", "Runtime", "Submitter",
+    "FlowStarter", "Handle", "InvalidInput", "NonRetryable", "NotFound", "PermissionDenied", "Runtime", "Submitter", "Submitting",
     "TaskContext", "TaskDef", "TaskFailed", "TimedOut", "Unavailable", "__version__", "context", "errors", "events",
     "flow", "heartbeat", "on_event", "register", "schedule", "task",
 ]

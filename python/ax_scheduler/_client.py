@@ -11,8 +11,8 @@ import threading
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
-from . import _core, _ops
-from ._handle import Handle
+from . import _core, _json, _ops
+from ._handle import Handle, Submitting
 from ._task import TaskDef
 from ._typing import R, T
 from .errors import AxError, TimedOut
@@ -106,6 +106,13 @@ class Client:
         refused."""
         return self._run(_ops.submit(self, task, payload, queue, delay=delay, run_at=run_at, key=key,
                                      priority=priority))
+
+    def submit_request_nowait(self, queue: str, request: dict[str, Any],
+                              task: TaskDef[Any, R] | None = None) -> Submitting[R]:
+        """Sends a raw submit request (PROTOCOL.md §2) to ``queue`` without waiting for
+        its answer: ``.handle()`` gives the ``Handle`` once stored."""
+        pending = self._conn.submit_nowait(queue, _json.dumps(request, "the task's payload"))
+        return Submitting(pending, self, task)
 
     def submit_request(self, queue: str, request: dict[str, Any], task: TaskDef[Any, R] | None = None) -> Handle[R]:
         """Submits a raw submit request (PROTOCOL.md §2) to ``queue``."""

@@ -3,6 +3,7 @@ both forms: blocking calls, and the same with ``_async`` as awaitables."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Generic, cast
@@ -61,6 +62,31 @@ class Handle(Generic[R]):
         return cast(R, _json.typed(output, self.task.output_type() if self.task else None))
 
 
+class Submitting(Generic[R]):
+    """A submit sent and not yet known to be stored: ``submit_nowait`` returns at once, so
+    one thread keeps many submits in flight (a producer's pipeline). ``handle()`` waits for
+    ax's answer and is the task's ``Handle`` only once ax has stored it; a refusal raises
+    there, typed as ``submit`` raises it. Until then the task may not exist."""
+
+    def __init__(self, pending: Any, client: Client, task: TaskDef[..., R] | None):
+        self._pending = pending
+        self._client = client
+        self._task = task
+        self._handle: Handle[R] | None = None
+
+    def done(self) -> bool:
+        """True once ax has answered (``handle()`` then returns or raises at once)."""
+        return self._handle is not None or bool(self._pending.done())
+
+    def handle(self, timeout: float | None = None) -> Handle[R]:
+        """The task's handle once ax has stored it (``TimedOut`` after ``timeout``
+        seconds without an answer; the answer may still come: call again)."""
+        if self._handle is None:
+            reply = json.loads(self._pending.result(timeout))
+            self._handle = Handle(reply["id"], reply["duplicate"], reply["state"], self._client, self._task)
+        return self._handle
+
+
 @dataclass(frozen=True)
 class Submitter(Generic[P, R]):
     """``task.with_options(...)``: submits of ``task`` with these options. ``submit``
@@ -79,6 +105,13 @@ class Submitter(Generic[P, R]):
         from ._client import Client
 
         return Client.of(self.client).submit_request(self.task.options.queue, self._request(args, kwargs), self.task)
+
+    def submit_nowait(self, *args: P.args, **kwargs: P.kwargs) -> Submitting[R]:
+        """``submit`` without waiting for ax's answer: see ``Submitting``."""
+        from ._client import Client
+
+        client = Client.of(self.client)
+        return client.submit_request_nowait(self.task.options.queue, self._request(args, kwargs), self.task)
 
     async def submit_async(self, *args: P.args, **kwargs: P.kwargs) -> Handle[R]:
         """``submit`` as an awaitable."""

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Coroutine, Generic, Protocol, c
 
 from . import _options
 from ._arguments import Arguments
-from ._handle import Handle, Submitter
+from ._handle import Handle, Submitter, Submitting
 from ._options import TaskOptions
 from ._typing import P, R
 from .errors import InvalidInput, NonRetryable
@@ -189,6 +189,12 @@ class TaskDef(Generic[P, R]):
         through ``with_options``; ``submit(x, delay=30, client=c)`` (the older spelling)
         still works for an option the function has no parameter of its name for."""
         return self._options_in(kwargs).submit(*args, **kwargs)
+
+    def submit_nowait(self, *args: P.args, **kwargs: P.kwargs) -> Submitting[R]:
+        """``submit`` without waiting for ax's answer: many submits in flight from one
+        thread; ``.handle()`` of each gives its ``Handle`` once stored (or raises the
+        refusal). The Python guide, "Producing"."""
+        return self._options_in(kwargs).submit_nowait(*args, **kwargs)
 
     async def submit_async(self, *args: P.args, **kwargs: P.kwargs) -> Handle[R]:
         """``submit`` as an awaitable (on the ``AsyncClient`` of the client)."""

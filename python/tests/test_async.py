@@ -172,3 +172,23 @@ def test_every_client_call_has_an_awaitable_form(runtime, url):
     handle = double.submit(21, client=client)  # a sync handle awaits too
     assert asyncio.run(handle.result_async(timeout=30)) == 42
     client.close()
+
+
+def test_one_thread_keeps_many_submits_in_flight_and_each_handle_is_a_stored_task(runtime, client):
+    runtime(echo_nowait)
+    started = time.monotonic()
+    pending = [echo_nowait.with_options(client=client).submit_nowait(i) for i in range(2_000)]
+    sent = time.monotonic() - started
+    handles = [p.handle(timeout=30) for p in pending]
+    assert all(p.done() for p in pending)
+    assert len({h.id for h in handles}) == 2_000
+    assert [h.result(timeout=30) for h in handles[:50]] == list(range(50))
+    print(f"2,000 submits sent in {sent:.2f} s from one thread, all stored after {time.monotonic() - started:.2f} s")
+    refused = client.submit_request_nowait(QUEUE, {"name": "echo_nowait", "payload": 1, "priority": "urgent"})
+    with pytest.raises(ax.InvalidInput):
+        refused.handle(timeout=10)
+
+
+@ax.task(queue=QUEUE)
+def echo_nowait(x: int) -> int:
+    return x
