@@ -14,6 +14,7 @@ def noop(i: int) -> None:
 
 @ax.task(queue=Q, retries=2, retry_backoff=0.1, retry_backoff_max=0.1, retry_jitter=0.0)
 def flaky(i: int) -> None:
+    common.attempt()
     if ax.context().attempt < 3:
         raise RuntimeError("fails twice")
     common.done()

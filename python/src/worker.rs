@@ -100,10 +100,11 @@ impl TaskContext {
     }
 
     /// True once the worker stopped waiting for this attempt (hard timeout, cancel,
-    /// shutdown past its grace): its slot is free and its result will be refused. A
-    /// cooperative cancel alone (the task told to stop) does not make it abandoned.
+    /// shutdown past its grace) before Python ended it: its slot is free and its result
+    /// will be refused. A cooperative cancel alone (the task told to stop) does not make
+    /// it abandoned, nor does the attempt's own end (the worker stops waiting then too).
     fn abandoned(&self) -> bool {
-        self.abandoned.is_cancelled()
+        self.abandoned.is_cancelled() && self.done.lock().expect("not poisoned").is_some()
     }
 
     /// Says the task still makes progress (its soft timeout, `heartbeat_timeout`, starts

@@ -6,6 +6,7 @@ so later attempts start at once; a task raising ``SystemExit`` (or another
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 
@@ -90,3 +91,28 @@ def test_a_base_exception_in_an_async_task_leaves_the_event_loop_running(runtime
     started = time.monotonic()
     assert [quick_async.submit(i, client=client).result(timeout=10) for i in range(5)] == list(range(5))
     assert time.monotonic() - started < 4, "later async attempts ran at once, not after their timeouts"
+
+
+class _SlowHandler(logging.Handler):
+    """A slow log handler (a remote sink): the attempt's end line takes 120 ms."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        time.sleep(0.12)
+
+
+def test_attempts_that_end_normally_replace_no_thread(runtime, client):
+    # Between an attempt's end (the worker stops waiting then) and its thread taking the
+    # next one, the runtime logs the end: a slow handler there must not make the thread
+    # look stuck in an abandoned attempt.
+    logger = logging.getLogger("ax_scheduler.task.quick")
+    slow, level = _SlowHandler(), logger.level
+    logger.addHandler(slow)
+    logger.setLevel(logging.INFO)
+    try:
+        rt = runtime(quick, max_concurrency=4)
+        handles = client.submit_many(quick, range(40))
+        assert [h.result(timeout=60) for h in handles if isinstance(h, ax.Handle)] == list(range(40))
+    finally:
+        logger.removeHandler(slow)
+        logger.setLevel(level)
+    assert rt._executors.threads_replaced == 0, "a thread was taken for stuck after its attempt ended"
