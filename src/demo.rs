@@ -26,6 +26,7 @@ pub(crate) struct DemoArgs {
 }
 
 pub(crate) async fn run(args: DemoArgs, conn: &Conn) -> Result<()> {
+    println!("• ax demo: the server, a worker and a producer in this process (their logs: warnings only; RUST_LOG=info for all)");
     let local = if args.external_nats {
         None
     } else {

@@ -192,11 +192,16 @@ where
 }
 
 async fn run(cli: Cli) -> Result<()> {
-    // A host that set up logging already (the Python package) keeps its own.
+    // A host that set up logging already (the Python package) keeps its own. The demo
+    // prints its own story: the parts it runs log warnings only (RUST_LOG overrides).
+    let default_filter = match cli.command {
+        Command::Demo(_) => "warn",
+        _ => "info,async_nats=warn",
+    };
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "info,async_nats=warn".into()),
+                .unwrap_or_else(|_| default_filter.into()),
         )
         .with_writer(std::io::stderr)
         .try_init();

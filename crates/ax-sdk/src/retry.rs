@@ -1,5 +1,5 @@
 //! Waiting for what a process needs (NATS, the topology, a queue) with backoff and one
-//! clear log line, so servers, workers and producers can start in any order (principle 7).
+//! clear log line, so servers, workers and producers can start in any order.
 
 use rand::Rng;
 use std::fmt::Display;

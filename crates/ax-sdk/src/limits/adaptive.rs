@@ -1,4 +1,4 @@
-//! Adaptive rates (seed 002: "rates adapt to reported pressure"): a limit
+//! Adaptive rates (rates adapt to reported pressure): a limit
 //! with `adaptive` lowers its rate multiplicatively when a handler reports pressure (its
 //! error class is one of `on`: the downstream answered 429, a database is slow) and raises
 //! it additively while calm, between `min` and the limit's `rate` — AIMD, as TCP does.

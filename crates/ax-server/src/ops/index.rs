@@ -1,6 +1,6 @@
 //! The task index: every task record's searchable fields, kept in memory by each server
 //! from the task-state feed (`KV_AX_TASKS`, last value per key, then every change) and
-//! rebuilt from it on start. It is a cache of the bucket (principle 1): a lost index is
+//! rebuilt from it on start. It is a cache of the bucket (the broker is the truth): a lost index is
 //! read again, nothing is written from it.
 //!
 //! Each filterable field has postings (value → set of `(updated_at_ms, slot)`), so a

@@ -1,4 +1,4 @@
-//! Triggers: one place for every "run this at that time" (seed 000).
+//! Triggers: one place for every "run this at that time".
 //!
 //! | module | concept |
 //! |---|---|
