@@ -2,13 +2,12 @@
 //! for it, call a request API, follow a subject. JSON crosses the boundary as bytes; the
 //! Python side decodes it.
 
-use crate::errors;
+use crate::errors::{self, seconds};
 use crate::ops::{self, Failed};
-use crate::wait;
+use crate::runtime::wait;
 use ax_sdk::{Client, ErrorKind};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
-use std::time::Duration;
 
 /// A connection to NATS, with the ax producer client over it. Cheap to share between
 /// threads.
@@ -76,7 +75,7 @@ impl Connection {
     fn submit_nowait(&self, queue: String, request: &[u8]) -> PyResult<PendingSubmit> {
         let fut = ops::submit(&self.client, queue, request)?;
         Ok(PendingSubmit(std::sync::Mutex::new(Some(
-            crate::runtime().spawn(fut),
+            crate::runtime::runtime().spawn(fut),
         ))))
     }
 
@@ -263,13 +262,4 @@ impl Subscription {
         })?;
         Ok(msg.map(|m| (m.subject.to_string(), PyBytes::new(py, &m.payload))))
     }
-}
-
-/// Seconds from Python: finite and not negative.
-pub(crate) fn seconds(value: f64, what: &str) -> PyResult<Duration> {
-    Duration::try_from_secs_f64(value).map_err(|_| {
-        errors::invalid(format!(
-            "{what} must be a finite number of seconds ≥ 0, not {value}"
-        ))
-    })
 }

@@ -47,7 +47,7 @@ pub fn serve(
 ) -> PyResult<ServerHandle> {
     let mut builder = Server::builder().queues(queues).task_index(task_index);
     if let Some(secs) = ack_wait {
-        builder = builder.ack_wait(crate::conn::seconds(secs, "ack_wait")?);
+        builder = builder.ack_wait(crate::errors::seconds(secs, "ack_wait")?);
     }
     if let Some((high, normal, low)) = capacity {
         if high < 1 || normal < 1 || low < 1 {

@@ -3,6 +3,7 @@
 
 use ax_sdk::ErrorKind;
 use pyo3::prelude::*;
+use std::time::Duration;
 
 /// The `ax_scheduler.errors` class of a kind.
 fn class(kind: ErrorKind) -> &'static str {
@@ -62,4 +63,13 @@ pub(crate) fn invalid(message: impl ToString) -> PyErr {
         Some("bad_request"),
         None,
     )
+}
+
+/// Seconds from Python: finite and not negative.
+pub(crate) fn seconds(value: f64, what: &str) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(value).map_err(|_| {
+        invalid(format!(
+            "{what} must be a finite number of seconds ≥ 0, not {value}"
+        ))
+    })
 }

@@ -4,7 +4,7 @@
 //! (waiting with the GIL released) and logs them. No Rust thread ever waits for the GIL,
 //! and a Python side that falls behind loses records (counted), never stalls a worker.
 
-use crate::conn::seconds;
+use crate::errors::seconds;
 use pyo3::prelude::*;
 use std::collections::BTreeMap;
 use std::fmt::Write;

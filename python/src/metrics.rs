@@ -17,7 +17,7 @@ pub fn serve_metrics(addr: &str) -> PyResult<String> {
     let buckets = [
         0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
     ];
-    let _entered = crate::runtime().enter();
+    let _entered = crate::runtime::runtime().enter();
     metrics_exporter_prometheus::PrometheusBuilder::new()
         .with_http_listener(addr)
         .set_buckets(&buckets)

@@ -4,8 +4,8 @@
 //! exists (a `PyErr` at once); the future's own failure is a [`Failed`], raised as the
 //! typed exception by whichever form awaited it.
 
-use crate::conn::seconds;
 use crate::errors;
+use crate::errors::seconds;
 use ax_sdk::api::{Api, Request};
 use ax_sdk::protocol::SubmitRequest;
 use ax_sdk::{Client, ClientError, ErrorKind, TaskSpec};

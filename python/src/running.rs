@@ -1,7 +1,8 @@
 //! A Rust part running on the core runtime that Python can stop and wait for: a worker or
 //! a server.
 
-use crate::{errors, wait};
+use crate::errors;
+use crate::runtime::wait;
 use ax_sdk::ErrorKind;
 use pyo3::prelude::*;
 use std::future::Future;
@@ -21,7 +22,7 @@ impl<E: std::fmt::Display + Send + 'static> Running<E> {
         F: Future<Output = Result<(), E>> + Send + 'static,
     {
         let shutdown = CancellationToken::new();
-        let join = crate::runtime().spawn(run(shutdown.clone()));
+        let join = crate::runtime::runtime().spawn(run(shutdown.clone()));
         Running {
             shutdown,
             join: Mutex::new(Some(join)),

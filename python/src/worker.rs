@@ -6,9 +6,11 @@
 //! holds it cannot stall heartbeats, and an attempt costs no thread hand-off to reach
 //! Python.
 
-use crate::conn::{seconds, Connection};
+use crate::conn::Connection;
+use crate::errors;
+use crate::errors::seconds;
 use crate::running::Running;
-use crate::{errors, wait};
+use crate::runtime::wait;
 use ax_sdk::settings::TaskSettings;
 use ax_sdk::worker::{Task, TaskError, TaskOptions, Worker, WorkerError, WorkerStatus};
 use ax_sdk::{ErrorKind, Output};

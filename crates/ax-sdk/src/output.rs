@@ -8,37 +8,15 @@
 //! [`MAX_OUTPUT_BYTES`] fails the attempt for good with class `output_too_large`.
 
 use crate::names::RESULTS_BUCKET;
-use base64::Engine;
+use crate::wire::output::JSON;
+pub use crate::wire::output::{StoredOutput, TaskOutput, INLINE_OUTPUT_BYTES, MAX_OUTPUT_BYTES};
+use crate::worker::TaskError;
 use bytes::Bytes;
-use serde::{Deserialize, Serialize};
-
-/// Outputs up to this size are stored in the task record (1 KiB).
-pub const INLINE_OUTPUT_BYTES: usize = 1024;
-/// The largest output a task may return (512 KiB, half of NATS' default `max_payload`).
-pub const MAX_OUTPUT_BYTES: usize = 512 * 1024;
-
-const JSON: &str = "application/json";
-const BYTES: &str = "application/octet-stream";
+use serde::Serialize;
 
 /// What a handler returns on success: nothing, JSON, or bytes.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Output(pub(crate) Option<TaskOutput>);
-
-/// A stored output, as read back.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TaskOutput {
-    /// The output bytes (JSON text when `is_json`).
-    pub bytes: Bytes,
-    /// True if the output is JSON.
-    pub is_json: bool,
-}
-
-impl TaskOutput {
-    /// Decodes a JSON output.
-    pub fn json<T: serde::de::DeserializeOwned>(&self) -> Result<T, serde_json::Error> {
-        serde_json::from_slice(&self.bytes)
-    }
-}
 
 impl Output {
     /// No output.
@@ -46,10 +24,9 @@ impl Output {
         Output(None)
     }
     /// A JSON output.
-    pub fn json<T: Serialize>(value: &T) -> Result<Output, crate::worker::TaskError> {
-        let bytes = serde_json::to_vec(value).map_err(|e| {
-            crate::worker::TaskError::permanent("bad_output", format!("not JSON: {e}"))
-        })?;
+    pub fn json<T: Serialize>(value: &T) -> Result<Output, TaskError> {
+        let bytes = serde_json::to_vec(value)
+            .map_err(|e| TaskError::permanent("bad_output", format!("not JSON: {e}")))?;
         Ok(Output(Some(TaskOutput {
             bytes: bytes.into(),
             is_json: true,
@@ -57,11 +34,10 @@ impl Output {
     }
     /// A JSON output already serialized (by another language's binding): checked to be
     /// JSON text, stored as is; text that is not JSON is a non-retryable `bad_output`.
-    pub fn json_text(text: impl Into<Bytes>) -> Result<Output, crate::worker::TaskError> {
+    pub fn json_text(text: impl Into<Bytes>) -> Result<Output, TaskError> {
         let bytes = text.into();
-        serde_json::from_slice::<serde::de::IgnoredAny>(&bytes).map_err(|e| {
-            crate::worker::TaskError::permanent("bad_output", format!("not JSON: {e}"))
-        })?;
+        serde_json::from_slice::<serde::de::IgnoredAny>(&bytes)
+            .map_err(|e| TaskError::permanent("bad_output", format!("not JSON: {e}")))?;
         Ok(Output(Some(TaskOutput {
             bytes,
             is_json: true,
@@ -102,75 +78,6 @@ impl IntoOutput for serde_json::Value {
                 .into(),
             is_json: true,
         }))
-    }
-}
-
-/// The `output` field of a task record.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct StoredOutput {
-    /// `application/json` or `application/octet-stream`.
-    pub content_type: String,
-    /// Size of the output in bytes.
-    pub size: usize,
-    /// An inline JSON output: the value itself.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub json: Option<serde_json::Value>,
-    /// An inline binary output: standard base64.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub base64: Option<String>,
-    /// A larger output: its key in the `AX_RESULTS` bucket.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub key: Option<String>,
-}
-
-impl StoredOutput {
-    /// The inline form of `out` if it is small enough, else a reference to `key`.
-    pub(crate) fn of(out: &TaskOutput, key: &str) -> StoredOutput {
-        let content_type = if out.is_json { JSON } else { BYTES }.to_string();
-        let mut stored = StoredOutput {
-            content_type,
-            size: out.bytes.len(),
-            json: None,
-            base64: None,
-            key: None,
-        };
-        let value = out
-            .is_json
-            .then(|| serde_json::from_slice::<serde_json::Value>(&out.bytes).ok())
-            .flatten();
-        match value {
-            _ if out.bytes.len() > INLINE_OUTPUT_BYTES => stored.key = Some(key.to_string()),
-            Some(value) => stored.json = Some(value),
-            None => {
-                stored.base64 = Some(base64::engine::general_purpose::STANDARD.encode(&out.bytes))
-            }
-        }
-        stored
-    }
-
-    /// True if the bytes live in `AX_RESULTS`.
-    pub fn is_external(&self) -> bool {
-        self.key.is_some()
-    }
-
-    /// The inline output, if it is inline.
-    pub fn inline(&self) -> Option<TaskOutput> {
-        let is_json = self.content_type == JSON;
-        if let Some(value) = &self.json {
-            return Some(TaskOutput {
-                bytes: serde_json::to_vec(value)
-                    .expect("a JSON value serializes")
-                    .into(),
-                is_json,
-            });
-        }
-        let bytes = base64::engine::general_purpose::STANDARD
-            .decode(self.base64.as_deref()?)
-            .ok()?;
-        Some(TaskOutput {
-            bytes: bytes.into(),
-            is_json,
-        })
     }
 }
 

@@ -127,7 +127,7 @@ pub async fn put<T: Serialize>(
     };
     match revision {
         None => kv.create(key, body).await.map_err(|e| {
-            if crate::state::create_lost(&e) {
+            if create_lost(&e) {
                 KvError::Stale(key.to_string())
             } else {
                 too_large(&e).unwrap_or_else(|| broker(key, "create", e))
@@ -219,4 +219,12 @@ pub async fn scan<T: DeserializeOwned>(
         }
     }
     Ok(out.into_iter().collect())
+}
+
+/// True if a KV create failed because the key exists. A create racing another create of
+/// the same key can also come back as a "wrong last sequence" error (JetStream 10071 or
+/// 10164) instead of `AlreadyExists`; both mean another writer created it first.
+pub fn create_lost(e: &kv::CreateError) -> bool {
+    e.kind() == kv::CreateErrorKind::AlreadyExists
+        || crate::error::ErrorKind::of(e) == crate::error::ErrorKind::Conflict
 }

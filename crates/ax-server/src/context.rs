@@ -3,7 +3,7 @@
 //! task) and hands to every request handler and service. The submit path, the trigger
 //! fires, the flow engine, the APIs and the console all work over one `Context`.
 
-use crate::submit::Queues;
+use crate::queues::Queues;
 use async_nats::jetstream::{self, kv};
 use ax_sdk::names::IDEMPOTENCY_BUCKET;
 use ax_sdk::state::{StateError, TaskStore};

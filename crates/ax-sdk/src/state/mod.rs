@@ -7,14 +7,12 @@
 mod error;
 
 use crate::names::TASKS_BUCKET;
-use crate::typed_kv::{self, KvError};
 pub use crate::typed_kv::create_lost;
-pub use error::StateError;
+use crate::typed_kv::{self, KvError};
 pub use crate::wire::record::{ErrorInfo, OpNote, TaskRecord, TaskState, Waiting};
 use async_nats::jetstream::{self, kv};
+pub use error::StateError;
 use futures::StreamExt;
-use serde::{Deserialize, Serialize};
-use std::fmt;
 
 /// The `AX_TASKS` bucket.
 #[derive(Clone, Debug)]

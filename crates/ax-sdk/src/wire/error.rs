@@ -75,6 +75,12 @@ impl WireError {
         }
     }
 
+    /// An `unavailable` error (retryable): the broker failed or could not be reached;
+    /// the message is the cause's text.
+    pub fn unavailable(cause: impl std::fmt::Display) -> Self {
+        WireError::new(ErrorCode::Unavailable, cause.to_string())
+    }
+
     /// An `invalid_field` error.
     pub fn field(field: &str, message: impl Into<String>) -> Self {
         WireError {

@@ -89,8 +89,8 @@ pub(crate) fn decide(found: Option<&TaskRecord>, meta: &TaskMeta, d: Delivery<'_
         }
         // A `running` record names the message its attempt was claimed from: any other
         // message of the task is a stray copy. (A `pending` record's `ready_seq`, set at
-        // submit, is not used this way: retiring other copies of a pending task lost
-        // trigger tasks in the R3 fault campaign, seed 8032832471246822446.)
+        // submit, is not used this way: a pending task's other copies may be the ones its
+        // trigger or flow stands behind, and retiring them lost tasks.)
         TaskState::Running if rec.ready_seq.is_some() && rec.ready_seq != Some(d.seq) => {
             return Decision::RetireStray
         }

@@ -7,7 +7,7 @@
 //! after its write succeeded, so every token is the revision of a `running` record and is
 //! larger than any earlier attempt's, even if the broker lost track of deliveries.
 
-use super::TaskError;
+use super::error::TaskError;
 use crate::state::{StateError, TaskRecord, TaskStore};
 use crate::time::now_ms;
 use std::fmt;

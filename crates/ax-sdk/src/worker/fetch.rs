@@ -13,8 +13,9 @@
 //! first task to arrive starts at once and the worker returns to batch fetching.
 
 use super::attempt::{self, Shared};
+use super::config::Config;
+use super::error::WorkerError;
 use super::rate::TimeoutRate;
-use super::{Worker, WorkerError};
 use crate::names::Priority;
 use crate::output::ResultStore;
 use crate::state::TaskStore;
@@ -76,7 +77,7 @@ impl Picker {
 }
 
 pub(super) async fn run(
-    mut worker: Worker,
+    mut worker: Config,
     js: jetstream::Context,
     (tasks, results): (TaskStore, ResultStore),
     consumers: Vec<PullConsumer>,

@@ -60,8 +60,11 @@
 mod attempt;
 mod beat;
 mod claim;
+mod config;
+mod error;
 mod fence;
 pub mod fetch;
+mod handler;
 mod inflight;
 mod labels;
 pub(crate) mod options;
@@ -70,232 +73,46 @@ mod settle;
 mod slots;
 pub(crate) mod status;
 
+pub use error::{TaskError, WorkerError};
+pub use handler::Task;
 pub use options::TaskOptions;
 pub use status::WorkerStatus;
 
 use crate::names::{self, Priority};
-use crate::output::{IntoOutput, Output, ResultStore};
+use crate::output::{IntoOutput, ResultStore};
 use crate::state::TaskStore;
-use crate::task::ContentType;
 use async_nats::jetstream::{self, consumer::PullConsumer};
-use bytes::Bytes;
-use futures::future::BoxFuture;
+use config::Config;
+use handler::boxed;
 use std::future::Future;
-use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
-/// A task as the handler sees it.
-#[derive(Debug, Clone)]
-pub struct Task {
-    /// Task id.
-    pub id: String,
-    /// Task name.
-    pub name: String,
-    /// Queue.
-    pub queue: String,
-    /// Priority.
-    pub priority: Priority,
-    /// The payload bytes (JSON text unless submitted as `payload_base64`).
-    pub payload: Bytes,
-    /// True if the payload is JSON.
-    pub is_json: bool,
-    /// This attempt, 1-based.
-    pub attempt: u32,
-    /// Attempts allowed in all.
-    pub max_attempts: u32,
-    /// Business idempotency key, if the producer gave one.
-    pub idempotency_key: Option<String>,
-    /// When the task was accepted, ms since the Unix epoch.
-    pub created_at_ms: u64,
-    /// Due time of a delayed task, ms since the Unix epoch.
-    pub run_at_ms: Option<u64>,
-    /// The W3C trace context the task was submitted with, if any.
-    pub traceparent: Option<String>,
-    /// The business id the task works for, if the producer (or its flow run) gave one.
-    pub business_id: Option<String>,
-    pub(crate) fence: Arc<fence::Fence>,
-    pub(crate) cancel: tokio_util::sync::CancellationToken,
-    pub(crate) beats: Arc<beat::Beats>,
-}
-
-impl Task {
-    /// The fencing token of this attempt: the revision of its `running` record,
-    /// strictly greater than any earlier attempt's token for this task. Pass it to systems
-    /// you write to, and have them refuse writes with a smaller token.
-    ///
-    /// A task's first attempt starts without its `running` write (docs/PROTOCOL.md §3);
-    /// asking for the token makes that write now (one round trip), so only handlers that
-    /// use fencing pay for it. Errors: `overtaken` (another attempt took the task over:
-    /// stop, this attempt's result will be refused) or `unavailable` (JetStream could not
-    /// be reached; retryable).
-    pub async fn fencing_token(&self) -> Result<u64, TaskError> {
-        self.fence.token().await
-    }
-
-    /// Cancelled when an operator cancels this task while the attempt runs. The worker
-    /// then drops the handler's future (as on a timeout) and records the task
-    /// `cancelled`; work the handler spawned elsewhere can watch this token to stop too.
-    pub fn cancellation(&self) -> tokio_util::sync::CancellationToken {
-        self.cancel.clone()
-    }
-
-    /// Says the handler still makes progress. A name with a soft timeout
-    /// ([`TaskOptions::heartbeat_timeout`], or the stored setting `heartbeat_timeout_ms`)
-    /// must call this at least that often, or the attempt is stopped and failed with class
-    /// `heartbeat_timeout`; without one it costs an atomic add. The broker's ack-wait
-    /// heartbeat is separate and automatic.
-    pub fn heartbeat(&self) {
-        self.beats.beat();
-    }
-
-    /// Decodes the JSON payload; a decode error is a non-retryable `bad_payload`.
-    pub fn json<T: serde::de::DeserializeOwned>(&self) -> Result<T, TaskError> {
-        serde_json::from_slice(&self.payload)
-            .map_err(|e| TaskError::permanent("bad_payload", e.to_string()))
-    }
-}
-
-/// A handler's failure.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{class}: {message}")]
-pub struct TaskError {
-    /// Error class, matched against the task's `retry_on` / `no_retry_on`.
-    pub class: String,
-    /// Message, stored as the task's last error.
-    pub message: String,
-    /// Never retry, whatever the task's lists say.
-    pub permanent: bool,
-    /// More than the message (a stack trace, a response body), kept in the record's
-    /// `last_error.detail` up to 8 KiB and shown on the console's task page.
-    pub detail: Option<String>,
-}
-
-impl TaskError {
-    /// A failure that is retried unless the task's lists refuse its class.
-    pub fn new(class: impl Into<String>, message: impl Into<String>) -> Self {
-        TaskError {
-            class: class.into(),
-            message: message.into(),
-            permanent: false,
-            detail: None,
-        }
-    }
-
-    /// Adds a detail (a stack trace, a response body) to the error.
-    pub fn with_detail(mut self, detail: impl Into<String>) -> Self {
-        self.detail = Some(detail.into());
-        self
-    }
-
-    /// The downstream pushes back (an HTTP 429, a slow database): a retried failure of
-    /// class `pressure`, which lowers the rate of an adaptive limit that applies to the
-    /// task (docs/PROTOCOL.md §7, "Adaptive rates").
-    pub fn pressure(message: impl Into<String>) -> Self {
-        TaskError::new(crate::limits::model::PRESSURE_CLASS, message)
-    }
-
-    /// A failure that is never retried.
-    pub fn permanent(class: impl Into<String>, message: impl Into<String>) -> Self {
-        TaskError {
-            permanent: true,
-            ..TaskError::new(class, message)
-        }
-    }
-}
-
-type Handler = Arc<dyn Fn(Task) -> BoxFuture<'static, Result<Output, TaskError>> + Send + Sync>;
-
-fn boxed<F, Fut, O>(f: F) -> Handler
-where
-    F: Fn(Task) -> Fut + Send + Sync + 'static,
-    Fut: Future<Output = Result<O, TaskError>> + Send + 'static,
-    O: IntoOutput + 'static,
-{
-    Arc::new(move |task| {
-        let run = f(task);
-        Box::pin(async move { run.await.map(IntoOutput::into_output) })
-    })
-}
-
-/// Errors that stop a worker.
-#[derive(Debug, thiserror::Error)]
-pub enum WorkerError {
-    /// No handler was set.
-    #[error("worker for queue {0}: no handler set")]
-    NoHandler(String),
-    /// The queue name is invalid.
-    #[error("invalid queue name {0:?}")]
-    InvalidQueue(String),
-    /// The queue's consumers do not exist.
-    #[error("queue {queue} is not declared (run `ax streams apply --queue {queue}`): {source}")]
-    QueueNotDeclared {
-        /// Queue.
-        queue: String,
-        /// Lookup error.
-        source: async_nats::Error,
-    },
-    /// Opening the task bucket failed.
-    #[error(transparent)]
-    State(#[from] crate::state::StateError),
-    /// The broker failed.
-    #[error("worker {op}: {source}")]
-    Broker {
-        /// Operation.
-        op: &'static str,
-        /// Underlying error.
-        source: async_nats::Error,
-    },
-}
-
-impl WorkerError {
-    /// What kind of failure this is.
-    pub fn kind(&self) -> crate::error::ErrorKind {
-        use crate::error::ErrorKind;
-        match self {
-            WorkerError::NoHandler(_) | WorkerError::InvalidQueue(_) => ErrorKind::Invalid,
-            WorkerError::QueueNotDeclared { .. } => ErrorKind::NotFound,
-            WorkerError::State(e) => e.kind(),
-            WorkerError::Broker { source, .. } => ErrorKind::of(source.as_ref()),
-        }
-    }
-}
-
 /// A worker for one queue. Build with [`Worker::builder`].
 pub struct Worker {
-    queue: String,
-    concurrency: usize,
-    routes: options::Routes,
-    id: String,
-    shutdown_grace: Duration,
-    idle_poll: Duration,
-    max_batch: usize,
-    weights: [u32; 3],
-    lean_first_attempt: bool,
-    group_commit: crate::atomic::GroupCommit,
-    flags: status::Flags,
+    config: Config,
 }
 
 impl std::fmt::Debug for Worker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Worker")
-            .field("queue", &self.queue)
-            .field("concurrency", &self.concurrency)
-            .field("id", &self.id)
+            .field("queue", &self.config.queue)
+            .field("concurrency", &self.config.concurrency)
+            .field("id", &self.config.id)
             .finish_non_exhaustive()
     }
 }
 
 /// Builder for [`Worker`].
 pub struct WorkerBuilder {
-    worker: Worker,
+    config: Config,
 }
 
 impl Worker {
     /// A builder for a worker of `queue` with the documented defaults.
     pub fn builder(queue: impl Into<String>) -> WorkerBuilder {
         WorkerBuilder {
-            worker: Worker {
+            config: Config {
                 queue: queue.into(),
                 concurrency: 16,
                 routes: Default::default(),
@@ -314,7 +131,7 @@ impl Worker {
     /// A handle on what this worker knows of its queue (ready, paused), for a health
     /// check: take it before [`run`](Self::run).
     pub fn status(&self) -> WorkerStatus {
-        self.flags.status()
+        self.config.flags.status()
     }
 
     /// Pulls and runs tasks until `shutdown` is cancelled, then drains (see module docs).
@@ -330,10 +147,10 @@ impl Worker {
         let js = jetstream::new(client);
         let what = format!(
             "queue {q} to be declared (by an ax server, or `ax streams apply --queue {q}`)",
-            q = self.queue
+            q = self.config.queue
         );
-        let queue = self.queue.clone();
-        let group_commit = self.group_commit;
+        let queue = self.config.queue.clone();
+        let group_commit = self.config.group_commit;
         let ready = crate::retry::until_ok(&what, &shutdown, || {
             let (js, queue) = (js.clone(), queue.clone());
             async move {
@@ -365,18 +182,26 @@ impl Worker {
             return Ok(()); // shut down while waiting
         };
         let ack_wait = consumers[0].cached_info().config.ack_wait;
-        fetch::run(self, js, (tasks, results), consumers, ack_wait, shutdown).await
+        fetch::run(
+            self.config,
+            js,
+            (tasks, results),
+            consumers,
+            ack_wait,
+            shutdown,
+        )
+        .await
     }
 }
 
 impl WorkerBuilder {
     /// Most tasks run at once by this worker (default 16).
     pub fn concurrency(mut self, n: usize) -> Self {
-        self.worker.concurrency = n.max(1);
+        self.config.concurrency = n.max(1);
         self
     }
     /// The catch-all handler: runs every task whose name has no handler of its own
-    /// ([`WorkerBuilder::task`]), once per attempt. It returns `()` or an output ([`Output`],
+    /// ([`WorkerBuilder::task`]), once per attempt. It returns `()` or an output ([`Output`](crate::Output),
     /// or a `serde_json::Value`), stored with the task's `succeeded` write (see
     /// [`crate::output`]).
     pub fn handler<F, Fut, O>(mut self, f: F) -> Self
@@ -385,7 +210,7 @@ impl WorkerBuilder {
         Fut: Future<Output = Result<O, TaskError>> + Send + 'static,
         O: IntoOutput + 'static,
     {
-        self.worker.routes.fallback = Some(boxed(f));
+        self.config.routes.fallback = Some(boxed(f));
         self
     }
     /// The handler of tasks named `name`. Without a catch-all [`WorkerBuilder::handler`],
@@ -413,30 +238,30 @@ impl WorkerBuilder {
         Fut: Future<Output = Result<O, TaskError>> + Send + 'static,
         O: IntoOutput + 'static,
     {
-        self.worker.routes.add(name.into(), options, boxed(f));
+        self.config.routes.add(name.into(), options, boxed(f));
         self
     }
     /// Worker id stored in task records (default `<pid>-<nuid>`).
     pub fn id(mut self, id: impl Into<String>) -> Self {
-        self.worker.id = id.into();
+        self.config.id = id.into();
         self
     }
     /// How long running handlers may finish after shutdown before they are aborted and
     /// handed back (default 30 s).
     pub fn shutdown_grace(mut self, d: Duration) -> Self {
-        self.worker.shutdown_grace = d;
+        self.config.shutdown_grace = d;
         self
     }
     /// Expiry of the long-poll pull used when every priority is empty (default 500 ms).
     /// A task arriving while idle is delivered at once; this only bounds how stale an idle
     /// worker's view of its concurrency can get.
     pub fn idle_poll(mut self, d: Duration) -> Self {
-        self.worker.idle_poll = d.max(Duration::from_millis(10));
+        self.config.idle_poll = d.max(Duration::from_millis(10));
         self
     }
     /// Most messages per pull request (default 256).
     pub fn max_batch(mut self, n: usize) -> Self {
-        self.worker.max_batch = n.max(1);
+        self.config.max_batch = n.max(1);
         self
     }
     /// Start an immediate task's first attempt without its `running` write (default
@@ -447,7 +272,7 @@ impl WorkerBuilder {
     /// written `running` would have kept it from starting; on this machine it bought no
     /// measurable throughput (docs/PERFORMANCE.md), so it is off unless asked for.
     pub fn lean_first_attempt(mut self, on: bool) -> Self {
-        self.worker.lean_first_attempt = on;
+        self.config.lean_first_attempt = on;
         self
     }
     /// Write the records of attempts that end at the same moment as one atomic batch:
@@ -456,26 +281,24 @@ impl WorkerBuilder {
     /// batches while the broker answers them faster than single writes (it fsyncs each
     /// write), single writes while not. `true` / `false` are `Always` / `Never`.
     pub fn group_commit(mut self, mode: impl Into<crate::atomic::GroupCommit>) -> Self {
-        self.worker.group_commit = mode.into();
+        self.config.group_commit = mode.into();
         self
     }
     /// Pick weights of high, normal and low (default 6 / 3 / 1), see [`fetch`].
     pub fn weights(mut self, weights: [u32; 3]) -> Self {
-        self.worker.weights = weights;
+        self.config.weights = weights;
         self
     }
     /// Finishes the builder.
     pub fn build(self) -> Result<Worker, WorkerError> {
-        if !names::valid_queue(&self.worker.queue) {
-            return Err(WorkerError::InvalidQueue(self.worker.queue));
+        if !names::valid_queue(&self.config.queue) {
+            return Err(WorkerError::InvalidQueue(self.config.queue));
         }
-        if self.worker.routes.is_empty() {
-            return Err(WorkerError::NoHandler(self.worker.queue));
+        if self.config.routes.is_empty() {
+            return Err(WorkerError::NoHandler(self.config.queue));
         }
-        Ok(self.worker)
+        Ok(Worker {
+            config: self.config,
+        })
     }
-}
-
-pub(crate) fn is_json(ct: ContentType) -> bool {
-    ct == ContentType::Json
 }

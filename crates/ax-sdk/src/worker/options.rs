@@ -6,8 +6,8 @@
 //! serve (and no catch-all handler) is handed back, not failed: nak with a delay, counted in
 //! `ax_worker_unserved_total`.
 
+use super::handler::Handler;
 use super::slots::Slots;
-use super::Handler;
 use crate::backoff::Backoff;
 use crate::protocol::BackoffRequest;
 use crate::settings::{self, TaskSettings};

@@ -15,7 +15,7 @@
 //! - **JSON only**: the API takes `application/json` bodies, which a cross-site form or a
 //!   `no-cors` fetch cannot send without a CORS preflight (which is never granted).
 
-use super::ConsoleConfig;
+use super::config::{url_host, ConsoleConfig};
 use http::header::{self, HeaderMap, HeaderValue};
 use http::{Method, Request};
 use std::net::{IpAddr, SocketAddr};
@@ -61,16 +61,6 @@ impl Refusal {
 pub(crate) struct Guard {
     bound: IpAddr,
     url_host: Option<String>,
-}
-
-/// The host of an `http(s)://host[:port][/path]` URL, lowercased.
-pub(crate) fn url_host(url: &str) -> Option<String> {
-    let uri: http::Uri = url.parse().ok()?;
-    if !matches!(uri.scheme_str(), Some("http" | "https")) {
-        return None;
-    }
-    let host = uri.host()?.trim_start_matches('[').trim_end_matches(']');
-    (!host.is_empty()).then(|| host.to_ascii_lowercase())
 }
 
 /// The host part of a `Host` value (`name`, `name:port`, `[v6]:port`), lowercased.

@@ -1,10 +1,10 @@
 //! The console's HTTP side: bounded connections with timeouts, the guard, static assets,
 //! the API bridge, login and logout, live updates.
 
+use super::config::{read_only, ConsoleConfig, Role};
 use super::conns::{Admitted, Busy, Conns};
 use super::guard::{harden, Guard};
 use super::session::{same, Sessions};
-use super::{read_only, ConsoleConfig, Role};
 use crate::ops::feed::TaskIndex;
 use crate::server::handle::Apis;
 use bytes::Bytes;

@@ -7,7 +7,7 @@
 //! Tokens are compared in constant time. Failed logins are throttled per client address
 //! and in all.
 
-use super::Role;
+use super::config::Role;
 use base64::Engine;
 use cookie::{Cookie, SameSite};
 use std::collections::HashMap;

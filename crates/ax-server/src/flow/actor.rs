@@ -13,7 +13,6 @@
 //! read back from the task records when that step starts; so is the run's input.
 
 use super::advance::{advance, Tracked};
-use super::input::Built;
 use super::model::{step_task_id, FlowRun, RunState, StepRun, StepState};
 use super::shared::{Budget, Reserved, Shape, Shared};
 use super::store::FlowStoreError;
@@ -21,7 +20,9 @@ use ax_sdk::metrics as m;
 use ax_sdk::output::{StoredOutput, TaskOutput};
 use ax_sdk::protocol::{ErrorCode, WireError};
 use ax_sdk::state::{ErrorInfo, TaskRecord, TaskState};
+use ax_sdk::task::TaskMeta;
 use ax_sdk::time::now_ms;
+use bytes::Bytes;
 use futures::StreamExt;
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -99,6 +100,9 @@ pub(super) struct Held {
     reserved: Reserved,
     pub(super) outputs: Vec<(u32, Option<TaskOutput>)>,
 }
+
+/// A step task ready to submit: item index, headers, payload.
+pub(super) type Built = (u32, TaskMeta, Bytes);
 
 /// One running run, as the leader holds it between turns.
 pub(crate) struct Run {

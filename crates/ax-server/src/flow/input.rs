@@ -13,7 +13,7 @@
 //! A run builds its steps' tasks here: parents' outputs held for it, or read back from
 //! the tasks' records (and `AX_RESULTS`); its input held, or read back from the run key.
 
-use super::actor::{Run, CONCURRENCY};
+use super::actor::{Built, Run, CONCURRENCY};
 use super::def::MAX_FAN_OUT;
 use super::model::StepState;
 use super::shared::Shared;
@@ -21,7 +21,6 @@ use ax_sdk::output::TaskOutput;
 use ax_sdk::protocol::ErrorCode;
 use ax_sdk::state::ErrorInfo;
 use ax_sdk::task::TaskMeta;
-use bytes::Bytes;
 use futures::StreamExt;
 use serde_json::{json, Map, Value};
 
@@ -282,9 +281,6 @@ impl Run {
         Ok(built)
     }
 }
-
-/// A step task ready to submit: item index, headers, payload.
-pub(super) type Built = (u32, TaskMeta, Bytes);
 
 fn kind(v: &Value) -> &'static str {
     match v {

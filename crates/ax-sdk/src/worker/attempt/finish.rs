@@ -1,6 +1,18 @@
 //! After the handler: the attempt's log line, failures and dead letters.
 
-use super::*;
+use crate::metrics as m;
+use crate::names;
+use crate::output::Output;
+use crate::state::{ErrorInfo, TaskRecord};
+use crate::task::{header, TaskMeta};
+use crate::time::now_ms;
+use crate::worker::error::TaskError;
+use crate::worker::inflight::{Held, Slot};
+use crate::worker::settle::{settle, After, End};
+use async_nats::jetstream::{self, AckKind};
+use tracing::{debug, error, info, warn};
+
+use super::shared::*;
 
 /// The trace id of a W3C `traceparent` (its second field).
 pub(super) fn trace_id(traceparent: &str) -> &str {

@@ -5,85 +5,28 @@
 //! task went to another worker) has its result refused and does not ack. What the claim
 //! does is decided by the pure [`claim::decide`](super::claim::decide).
 
-use super::claim::{decide, Decision, Delivery};
-use super::fence::Fence;
-use super::inflight::{Held, InFlight, Slot};
-use super::labels::Labels;
-use super::options::Routes;
-use super::rate::TimeoutRate;
-use super::settle::{settle, After, End};
-use super::{is_json, Handler, Task, TaskError};
-use crate::idempotency::Verdict;
-use crate::limits::gate::{Admit, Gate, Reason};
+use super::inflight::Slot;
+use crate::limits::gate::Admit;
 use crate::metrics as m;
-use crate::names;
-use crate::output::{Output, ResultStore, StoredOutput, MAX_OUTPUT_BYTES};
-use crate::state::{ErrorInfo, StateError, TaskRecord, TaskState, TaskStore};
-use crate::task::{header, TaskMeta};
-use crate::time::now_ms;
+use crate::task::TaskMeta;
 use async_nats::jetstream::{self, AckKind};
 use futures::FutureExt;
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
-use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
-use tracing::{debug, error, info, warn};
+use tokio::sync::OwnedSemaphorePermit;
+use tracing::{debug, error, warn};
 
 mod finish;
 mod run;
+mod shared;
 mod start;
 
-use finish::*;
-use run::*;
-use start::*;
-
-/// State shared by all attempts of one worker.
-pub(crate) struct Shared {
-    /// Rate limits and concurrency caps, checked before a claim.
-    pub(crate) gate: Arc<crate::limits::gate::Gate>,
-    pub(crate) js: jetstream::Context,
-    pub(crate) tasks: TaskStore,
-    /// Idempotency keys, read by the claim of a keyed task that has no record.
-    pub(crate) keys: crate::idempotency::Keys,
-    pub(crate) results: ResultStore,
-    pub(crate) queue: String,
-    pub(crate) worker_id: String,
-    /// The handlers and options by task name.
-    pub(crate) routes: Routes,
-    pub(crate) slots: Arc<Semaphore>,
-    pub(crate) concurrency: usize,
-    /// Handlers running now (slots held by the fetcher for a pull are not busy).
-    pub(crate) running: AtomicUsize,
-    pub(crate) heartbeat: Duration,
-    pub(crate) ack_wait: Duration,
-    pub(crate) shutdown: CancellationToken,
-    pub(crate) hard_stop: CancellationToken,
-    pub(crate) rate: TimeoutRate,
-    pub(crate) tracker: TaskTracker,
-    pub(crate) labels: Labels,
-    /// See [`WorkerBuilder::lean_first_attempt`](super::WorkerBuilder::lean_first_attempt).
-    pub(crate) lean_first_attempt: bool,
-    /// The tasks held here now: one attempt of a task at a time.
-    pub(crate) inflight: Arc<InFlight>,
-    /// Failed attempts in a row per task name (`ax_task_consecutive_failures`).
-    pub(crate) streaks: std::sync::Mutex<std::collections::HashMap<String, u64>>,
-}
-
-/// Deliveries of an operator's retry that wait for its record write (200 ms apart).
-const RETRY_WAITS: i64 = 25;
-
-/// An attempt that would start without its `running` write more than this long after its
-/// claim read the record writes it first. Shorter than the wait of an operator's cancel
-/// for the holder's answer (`ax-server`'s `ops::holder::HOLDER_WAIT`, 500 ms): a cancel
-/// answered without one was made more than this before any such start, so the write
-/// sees it.
-pub(crate) const LATE_START: Duration = Duration::from_millis(250);
-
-/// Retry pause when the broker cannot be reached for a state read or write.
-const BROKER_RETRY: Duration = Duration::from_secs(1);
+use finish::reject_malformed;
+use run::run;
+use shared::{heartbeat, reply, Lost, Route, BROKER_RETRY};
+pub(crate) use shared::{Shared, LATE_START};
+use start::{claim, late_start, note_waiting, start_when_due, Claim};
 
 /// Runs one delivery in the worker's tracker; `permit` is its handler slot if already taken.
 pub(crate) fn spawn(
@@ -132,14 +75,6 @@ pub(crate) fn spawn(
     });
 }
 
-/// The handler a delivery runs, its name's own slots if the name has a limit, and its
-/// soft timeout if it has one.
-struct Route<'a> {
-    handler: &'a Handler,
-    name_slots: Option<Arc<super::slots::Slots>>,
-    heartbeat_timeout: Option<Duration>,
-}
-
 /// How long a task of a name this worker does not serve waits before it is offered again:
 /// one second per delivery so far, at most [`UNSERVED_MAX_DELAY`] (a worker that serves it
 /// may be starting; an unserved backlog must not keep the workers busy handing it back).
@@ -161,60 +96,6 @@ async fn unserved(sh: &Shared, msg: &jetstream::Message, meta: &TaskMeta) {
     }
     let delivered = msg.info().map_or(1, |i| i.delivered);
     reply(msg, AckKind::Nak(Some(unserved_delay(delivered)))).await;
-}
-
-/// Sends `+WPI` (AckProgress) every `every` for as long as the delivery is held, asking
-/// the broker to confirm each.
-async fn heartbeat(msg: &jetstream::Message, every: Duration, held: &Held) {
-    loop {
-        tokio::time::sleep(every).await;
-        match msg.double_ack_with(AckKind::Progress).await {
-            Ok(()) => held.confirmed(),
-            Err(e) => debug!(cause = %e, "heartbeat not confirmed"),
-        }
-    }
-}
-
-async fn reply(msg: &jetstream::Message, kind: AckKind) {
-    if let Err(e) = msg.ack_with(kind).await {
-        warn!(cause = %e, ?kind, "could not answer the delivery; it will be redelivered");
-    }
-}
-
-/// Counts a running handler in `ax_worker_busy_rate` for as long as it lives, whatever
-/// way the handler ends (a panic included).
-struct Busy<'a>(&'a Shared);
-
-impl<'a> Busy<'a> {
-    fn start(sh: &'a Shared) -> Busy<'a> {
-        let busy = sh.running.fetch_add(1, Ordering::Relaxed) + 1;
-        set_busy(sh, busy);
-        Busy(sh)
-    }
-}
-
-impl Drop for Busy<'_> {
-    fn drop(&mut self) {
-        let busy = self.0.running.fetch_sub(1, Ordering::Relaxed) - 1;
-        set_busy(self.0, busy);
-    }
-}
-
-fn set_busy(sh: &Shared, busy: usize) {
-    metrics::gauge!(m::WORKER_BUSY_RATE, "queue" => sh.queue.clone())
-        .set(busy as f64 / sh.concurrency as f64);
-}
-
-/// Header values may not hold line breaks; keep error text readable and bounded: control
-/// characters become spaces, surrounding whitespace is trimmed (header values are trimmed
-/// on the wire), at most 1024 characters.
-pub(crate) fn header_safe(text: &str) -> String {
-    let clean: String = text
-        .chars()
-        .map(|c| if c.is_control() { ' ' } else { c })
-        .take(1024)
-        .collect();
-    clean.trim().to_string()
 }
 
 async fn process(

@@ -1,25 +1,26 @@
 //! The handler's run under the attempt's fencing token: heartbeats, timeout, cancel, the
 //! writes of its outcome.
 
-use super::*;
+use crate::metrics as m;
+use crate::output::{Output, StoredOutput, MAX_OUTPUT_BYTES};
+use crate::state::TaskRecord;
+use crate::task::TaskMeta;
+use crate::time::now_ms;
+use crate::worker::error::TaskError;
+use crate::worker::fence::Fence;
+use crate::worker::handler::{is_json, Task};
+use crate::worker::inflight::Slot;
+use crate::worker::settle::{settle, End};
+use async_nats::jetstream::{self};
+use futures::FutureExt;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tracing::{info, warn};
 
-/// The concurrency slots an attempt holds: lost if any is found lost.
-#[derive(Clone, Copy)]
-pub(super) struct Lost<'a>(pub(super) &'a [crate::limits::gate::Slot]);
-
-impl Lost<'_> {
-    /// Waits until a slot is found lost (forever if none is held).
-    pub(super) async fn wait(self) {
-        if self.0.is_empty() {
-            return std::future::pending().await;
-        }
-        futures::future::select_all(self.0.iter().map(|s| Box::pin(s.lost().cancelled()))).await;
-    }
-
-    pub(super) fn is_lost(self) -> bool {
-        self.0.iter().any(|s| s.lost().is_cancelled())
-    }
-}
+use super::finish::{ack_kind, fail, log_attempt, put_output, streak, trace_id};
+use super::shared::*;
+use super::start::FIRST_WRITE_AFTER;
 
 /// The error class of an attempt stopped by its soft timeout.
 pub(crate) const STALLED: &str = "heartbeat_timeout";
@@ -246,58 +247,5 @@ pub(super) async fn run(
                 reply(msg, ack_kind(after)).await;
             }
         }
-    }
-}
-
-/// Runs `op` (a write for task `id`), retrying errors that `retry` accepts with backoff
-/// (100 ms doubling to 1 s) for as long as the delivery is still ours: until an ack wait
-/// (less one heartbeat) has passed since the broker last confirmed it, so a broker outage
-/// shorter than that does not run a finished task again. Returns the last error otherwise.
-pub(super) async fn while_held<T, E, Fut>(
-    sh: &Shared,
-    held: &Held,
-    id: &str,
-    what: &str,
-    mut op: impl FnMut() -> Fut,
-    retry: impl Fn(&E) -> bool,
-) -> Result<T, E>
-where
-    E: std::fmt::Display,
-    Fut: std::future::Future<Output = Result<T, E>>,
-{
-    let keep_trying = sh.ack_wait.saturating_sub(sh.heartbeat);
-    let mut pause = Duration::from_millis(100);
-    loop {
-        match op().await {
-            Err(e) if retry(&e) && held.since() < keep_trying => {
-                warn!(task_id = %id, cause = %e, "{what} failed; retrying");
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(BROKER_RETRY);
-            }
-            Err(e) if retry(&e) => {
-                warn!(task_id = %id, cause = %e,
-                    "{what} failed for longer than the ack wait allows; the task will be redelivered");
-                return Err(e);
-            }
-            done => return done,
-        }
-    }
-}
-
-/// Writes `rec` under `token`, retrying broker failures while the delivery is ours (see
-/// [`while_held`]). False if the token is stale (another attempt took over: the result is
-/// refused) or the delivery was lost meanwhile (it will be redelivered).
-pub(super) async fn write(sh: &Shared, rec: &TaskRecord, token: u64, held: &Held) -> bool {
-    let stale = |e: &StateError| matches!(e, StateError::Stale { .. });
-    let cas = || sh.tasks.cas(rec, token);
-    match while_held(sh, held, &rec.id, "state write", cas, |e| !stale(e)).await {
-        Ok(_) => true,
-        Err(e) if stale(&e) => {
-            metrics::counter!(m::STALE_RESULTS, "queue" => sh.queue.clone()).increment(1);
-            warn!(task_id = %rec.id, attempt = rec.attempt, state = %rec.state,
-                "result refused: another attempt took over (stale fencing token)");
-            false
-        }
-        Err(_) => false,
     }
 }

@@ -1,7 +1,20 @@
 //! Before the handler: claim the attempt (a compare-and-set on the record), wait for its
 //! limits and its due time, note why it waits.
 
-use super::*;
+use crate::idempotency::Verdict;
+use crate::limits::gate::{Gate, Reason};
+use crate::metrics as m;
+use crate::state::{StateError, TaskRecord, TaskState};
+use crate::task::TaskMeta;
+use crate::time::now_ms;
+use crate::worker::claim::{decide, Decision, Delivery};
+use async_nats::jetstream::{self, AckKind};
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use super::finish::{dead_written, publish_dead_letter_and_term};
+use super::shared::*;
 
 /// Observes how long a task starting now waited for a limit (from its record's
 /// `waiting.since_ms`).

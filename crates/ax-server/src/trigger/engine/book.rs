@@ -3,7 +3,7 @@
 //! watches, the timer and the fire outcomes, calls these, and does the broker work they
 //! ask for (load, record, fire).
 
-use super::{tracks_every_fire, Held, Outcome, RECHECK, RETRY_MS};
+use super::held::{tracks_every_fire, Held, Outcome, RECHECK, RETRY_MS};
 use ax_sdk::state::TaskRecord;
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, HashSet, VecDeque};

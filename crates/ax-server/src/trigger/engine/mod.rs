@@ -23,11 +23,13 @@
 //! fires found as tasks but missing from it are written into it (`recover.rs`), and that
 //! write has succeeded. So a leader whose state writes fail fires a trigger at most once
 //! until the broker takes its writes again, and every fire it made is in the stored state
-//! before the next one (the fault campaign found a leader that kept firing, each fire
-//! unrecorded, and its state undercounted them: seed 4781888180537039789). A leader that
+//! before the next one (a leader that kept firing with each fire unrecorded would
+//! undercount them in its state). A leader that
 //! stops leading aborts the fires it still has in flight, as a crash would.
 
 mod book;
+mod error;
+mod held;
 mod recover;
 
 use super::clock::Clock;
@@ -43,8 +45,13 @@ use async_nats::jetstream::kv;
 use ax_sdk::names::LEASES_BUCKET;
 use ax_sdk::state::TaskRecord;
 use book::{Book, Rest, Seen};
+use error::broker;
+pub(crate) use error::EngineError;
 use futures::{FutureExt, StreamExt};
-use recover::merge_fire;
+use held::{
+    known_fire, merge_fire, tracks_every_fire, Held, Outcome, Recorded, MERGE_ATTEMPTS, RECHECK,
+    RETRY_MS,
+};
 use std::collections::HashSet;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
@@ -53,96 +60,8 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, warn};
 
-/// Errors that stop the engine.
-#[derive(Debug, thiserror::Error)]
-pub(crate) enum EngineError {
-    /// A bucket could not be opened or followed.
-    #[error("trigger engine: {0}")]
-    Store(#[from] TriggerStoreError),
-    /// The broker failed.
-    #[error("trigger engine: {op}: {source}")]
-    Broker {
-        /// Operation.
-        op: &'static str,
-        /// Underlying error.
-        source: async_nats::Error,
-    },
-}
-
-fn broker(op: &'static str) -> impl FnOnce(async_nats::Error) -> EngineError {
-    move |source| EngineError::Broker { op, source }
-}
-
-/// How many of the latest scheduled times a new leader checks for unrecorded fires.
-const REPAIR_WINDOW: usize = 128;
-
-/// How often, at most, a trigger waiting on unfinished tasks re-checks their records.
-const RECHECK: Duration = Duration::from_secs(3);
-
 /// Most triggers fired at once by the leader.
 const MAX_CONCURRENT_FIRES: usize = 512;
-
-/// Most attempts to record a fire into a state that keeps changing.
-const MERGE_ATTEMPTS: usize = 10;
-
-/// How soon a trigger whose state could not be read or written is looked at again, ms.
-const RETRY_MS: u64 = 1000;
-
-/// One trigger as the leader holds it.
-struct Held {
-    def: TriggerDef,
-    rec: Recurrence,
-    state: TriggerState,
-    revision: u64,
-    /// Task ids of its fires not yet seen finished.
-    active: HashSet<String>,
-    /// Completions seen while a fire was in flight, before its ids were known.
-    early_done: HashSet<String>,
-    /// When `active` was last checked against the records (`None`: it must be).
-    checked_at: Option<Instant>,
-    /// The stored state may lack fires a leader made but could not record (it died, or its
-    /// state write failed or went unanswered): find them and write them into the stored
-    /// state before planning anything (`recover::record_unrecorded`).
-    unsure: bool,
-    /// `state` and `revision` are the stored ones as last read or written (not after a
-    /// failed write, whose outcome is unknown).
-    fresh: bool,
-    /// `state` holds a change the store must get before anything is planned (a late fire
-    /// adopted from a previous leader).
-    unstored: bool,
-    /// `state` holds what the store does not have yet and no plan would write: the end
-    /// and results of its last fire's tasks (written with the next fire's state). A
-    /// trigger is held as its name alone only after that is written (`Book::rest`).
-    dirty: bool,
-    /// Scheduled times this leader fired, recorded from the tasks it found, or adopted:
-    /// the creation of their tasks, seen late through a lagging watch, is never adopted
-    /// again (it would count one fire twice). The latest [`KNOWN_FIRES`].
-    known: std::collections::VecDeque<u64>,
-}
-
-/// Notes in `known` ([`Held::known`]) that scheduled time `t` fired.
-fn known_fire(known: &mut std::collections::VecDeque<u64>, t: u64) {
-    if !known.contains(&t) {
-        if known.len() == KNOWN_FIRES {
-            known.pop_front();
-        }
-        known.push_back(t);
-    }
-}
-
-/// How many scheduled times a leader keeps in [`Held::known`] per trigger (the watch of
-/// task records lags by seconds at most; a trigger fires at most once a second).
-const KNOWN_FIRES: usize = 256;
-
-impl Held {
-    /// True if planning this trigger depends on whether its tasks still run.
-    fn waits_on_tasks(&self) -> bool {
-        !self.active.is_empty()
-            && (self.rec.is_fixed_delay()
-                || self.def.overlap != super::model::OverlapPolicy::Allow
-                || self.state.buffered_ms.is_some())
-    }
-}
 
 pub(crate) struct Engine {
     pub(crate) ctx: Arc<Context>,
@@ -509,22 +428,6 @@ impl Engine {
     }
 }
 
-/// Whether a trigger's planning waits on the tasks of every earlier fire (overlap `skip` or
-/// `buffer_one`, fixed-delay). With overlap `allow` nothing does, and only the latest fire's
-/// tasks are followed (for `last_completed_ms` / `last_result`), so `active` stays small
-/// however long its tasks take.
-fn tracks_every_fire(def: &TriggerDef) -> bool {
-    use super::model::{IntervalMode, Kind, OverlapPolicy};
-    def.overlap != OverlapPolicy::Allow
-        || matches!(
-            def.kind,
-            Kind::Interval {
-                mode: IntervalMode::FixedDelay,
-                ..
-            }
-        )
-}
-
 /// A planned trigger to fire and store.
 struct Job {
     name: String,
@@ -535,34 +438,6 @@ struct Job {
     active: Vec<String>,
     token: u64,
     now: u64,
-}
-
-/// What firing one trigger came to.
-enum Outcome {
-    Stored {
-        state: TriggerState,
-        revision: u64,
-        ids: Vec<String>,
-        next_wake_ms: Option<u64>,
-    },
-    /// A fire was refused (busy, unavailable: its task may be stored all the same), or made
-    /// and its state write failed, went unanswered or kept conflicting: the stored state
-    /// may lack it. Recorded before anything else is planned.
-    Unrecorded,
-    /// Nothing was fired and the state changed elsewhere: plan again from this state.
-    Reload(TriggerState, u64),
-    /// A newer leader wrote the state.
-    StepDown,
-}
-
-/// What recording a trigger's unrecorded fires came to.
-pub(super) enum Recorded {
-    /// The stored state has every fire found (or none was missing): plan as usual.
-    Yes,
-    /// The broker did not answer, or the state kept changing: fire nothing, try again.
-    Later,
-    /// A newer leader wrote the state.
-    StepDown,
 }
 
 /// Fires a planned trigger and stores its new state.

@@ -2,9 +2,10 @@
 //! died, its state write failed, or it lost the lease with a fire in flight), completion
 //! times only an old leader knew, and fires to merge into a state changed meanwhile.
 
-use super::{known_fire, tracks_every_fire, Engine, Held, Recorded, MERGE_ATTEMPTS, REPAIR_WINDOW};
+use super::held::{known_fire, tracks_every_fire, Held, Recorded, MERGE_ATTEMPTS, REPAIR_WINDOW};
+use super::Engine;
 use crate::trigger::fire::{scheduled_tag, tracked_ids, trigger_task_id, unfinished};
-use crate::trigger::plan::{Source, TriggerState};
+use crate::trigger::plan::Source;
 use crate::trigger::store::{TriggerStore, TriggerStoreError};
 use ax_sdk::state::TaskRecord;
 use tokio::time::Instant;
@@ -17,8 +18,8 @@ impl Engine {
     /// task runs, and overlap would not wait for it. Looks at the latest
     /// [`REPAIR_WINDOW`] scheduled times (and a buffered one), a read each. Returns
     /// whether it found any, or `None` if a read got no answer: then nothing is decided (a
-    /// fire whose task could not be read is not "not fired"; counting it skipped broke the
-    /// R3 fault campaign, seed 1501476970834158491) and the caller tries again before
+    /// fire whose task could not be read is not "not fired": counting it skipped would
+    /// let a fire go missing from the counts) and the caller tries again before
     /// planning. What it finds is only in `h`: [`Engine::record_unrecorded`] writes it.
     pub(super) async fn repair(&self, h: &mut Held) -> Option<bool> {
         let now = self.clock.now_ms();
@@ -234,43 +235,13 @@ impl Held {
     }
 }
 
-/// `ours` was planned from `base`; `current` is what is stored now. Applies our changes
-/// (scheduled times handled, counters, the buffered fire, our fire) to `current`.
-pub(super) fn merge_fire(
-    base: &TriggerState,
-    ours: &TriggerState,
-    mut current: TriggerState,
-    token: u64,
-) -> TriggerState {
-    current.last_scheduled_ms = current.last_scheduled_ms.max(ours.last_scheduled_ms);
-    current.skipped += ours.skipped.saturating_sub(base.skipped);
-    current.fires += ours.fires.saturating_sub(base.fires);
-    current.buffered_ms = ours.buffered_ms;
-    for id in &ours.active {
-        if !current.active.contains(id) {
-            current.active.push(id.clone());
-        }
-    }
-    if let Some(fire) = &ours.last_fire {
-        let newer = current
-            .last_fire
-            .as_ref()
-            .is_none_or(|f| f.fired_at_ms <= fire.fired_at_ms);
-        if newer {
-            current.last_fire = Some(fire.clone());
-            current.last_result.clear();
-            current.last_completed_ms = None;
-        }
-    }
-    current.leader = token;
-    current
-}
-
 #[cfg(test)]
 pub(super) mod tests {
     use super::*;
+    use crate::trigger::engine::held::merge_fire;
     use crate::trigger::model::TriggerDef;
     use crate::trigger::plan::FireRecord;
+    use crate::trigger::plan::TriggerState;
     use crate::trigger::Validate;
     use serde_json::json;
     use std::collections::HashSet;
