@@ -23,10 +23,6 @@ pub(crate) struct FlowApi {
     pub(crate) store: FlowStore,
 }
 
-fn unavailable(e: FlowStoreError) -> WireError {
-    WireError::new(ErrorCode::Unavailable, e.to_string())
-}
-
 /// A lost compare-and-set during a re-run: retryable.
 fn changed_meanwhile(e: FlowStoreError) -> WireError {
     match e {
@@ -34,7 +30,7 @@ fn changed_meanwhile(e: FlowStoreError) -> WireError {
             ErrorCode::Unavailable,
             "the run changed while re-running it; retry",
         ),
-        e => unavailable(e),
+        e => WireError::unavailable(e),
     }
 }
 
@@ -71,18 +67,26 @@ impl FlowApi {
                         });
                     }
                 }
-                self.store.put_def(&def).await.map_err(unavailable)?;
+                self.store
+                    .put_def(&def)
+                    .await
+                    .map_err(WireError::unavailable)?;
                 Ok(json!({"name": def.name, "steps": def.steps.len()}))
             }
             FlowRequest::Def(FlowName { name }) => {
                 flow_name(&name, "name")?;
-                match self.store.def(&name).await.map_err(unavailable)? {
+                match self
+                    .store
+                    .def(&name)
+                    .await
+                    .map_err(WireError::unavailable)?
+                {
                     Some(def) => Ok(serde_json::to_value(def).expect("serializes")),
                     None => Err(not_found(format!("no flow {name:?}"))),
                 }
             }
             FlowRequest::Defs {} => {
-                let defs = self.store.defs().await.map_err(unavailable)?;
+                let defs = self.store.defs().await.map_err(WireError::unavailable)?;
                 Ok(json!(defs
                     .iter()
                     .map(|d| json!({"name": d.name, "steps": d.steps.len(), "failure": d.failure}))
@@ -90,7 +94,10 @@ impl FlowApi {
             }
             FlowRequest::Delete(FlowName { name }) => {
                 flow_name(&name, "name")?;
-                self.store.delete_def(&name).await.map_err(unavailable)?;
+                self.store
+                    .delete_def(&name)
+                    .await
+                    .map_err(WireError::unavailable)?;
                 Ok(json!({"name": name}))
             }
             FlowRequest::Run(FlowStart {
@@ -106,7 +113,7 @@ impl FlowApi {
                     .store
                     .def(&flow)
                     .await
-                    .map_err(unavailable)?
+                    .map_err(WireError::unavailable)?
                     .ok_or_else(|| not_found(format!("no flow {flow:?}")))?;
                 self.start(def, input, None, business_id).await
             }
@@ -118,7 +125,7 @@ impl FlowApi {
                 if let Some(flow) = &req.flow {
                     flow_name(flow, "flow")?;
                 }
-                let mut runs = self.store.runs().await.map_err(unavailable)?;
+                let mut runs = self.store.runs().await.map_err(WireError::unavailable)?;
                 runs.retain(|r| {
                     req.flow.as_ref().is_none_or(|f| *f == r.flow)
                         && req.state.is_none_or(|s| s == r.state)
@@ -161,9 +168,13 @@ impl FlowApi {
             .store
             .run(id)
             .await
-            .map_err(unavailable)?
+            .map_err(WireError::unavailable)?
             .ok_or_else(|| not_found(format!("no run {id:?}")))?;
-        let steps = self.store.steps(&run).await.map_err(unavailable)?;
+        let steps = self
+            .store
+            .steps(&run)
+            .await
+            .map_err(WireError::unavailable)?;
         Ok((
             run,
             steps
@@ -182,7 +193,7 @@ impl FlowApi {
                 .store
                 .run(id)
                 .await
-                .map_err(unavailable)?
+                .map_err(WireError::unavailable)?
                 .ok_or_else(|| not_found(format!("no run {id:?}")))?;
             if run.state != RunState::Running || run.cancel_requested {
                 return Ok(
@@ -196,7 +207,7 @@ impl FlowApi {
                     return Ok(json!({"run": id, "state": run.state, "cancel_requested": true}))
                 }
                 Err(FlowStoreError::Stale(_)) => continue,
-                Err(e) => return Err(unavailable(e)),
+                Err(e) => return Err(WireError::unavailable(e)),
             }
         }
         Err(WireError::new(
@@ -226,7 +237,7 @@ impl FlowApi {
             .store
             .run(&req.run)
             .await
-            .map_err(unavailable)?
+            .map_err(WireError::unavailable)?
             .ok_or_else(|| not_found(format!("no run {:?}", req.run)))?;
         if run.state == RunState::Running {
             return Err(WireError::new(
@@ -235,7 +246,11 @@ impl FlowApi {
             ));
         }
         let plan = run.def.validate(&self.ctx.limits)?;
-        let stored = self.store.steps(&run).await.map_err(unavailable)?;
+        let stored = self
+            .store
+            .steps(&run)
+            .await
+            .map_err(WireError::unavailable)?;
         let states: Vec<StepState> = stored
             .iter()
             .map(|s| s.as_ref().map(|(s, _)| s.state).unwrap_or_default())
@@ -356,7 +371,7 @@ pub(crate) async fn start_run(
                 ),
             ))
         }
-        Err(e) => return Err(unavailable(e)),
+        Err(e) => return Err(WireError::unavailable(e)),
     }
     Ok((run.id, run.flow))
 }

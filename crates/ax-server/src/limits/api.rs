@@ -30,10 +30,6 @@ fn limit_key(queue: &str, name: &str) -> Result<String, WireError> {
     Ok(format!("{queue}.{name}"))
 }
 
-fn unavailable(e: impl std::fmt::Display) -> WireError {
-    WireError::new(ErrorCode::Unavailable, e.to_string())
-}
-
 impl LimitApi {
     pub(crate) async fn open(ctx: Arc<Context>) -> Result<LimitApi, async_nats::Error> {
         let defs = ctx.js.get_key_value(LIMITS_BUCKET).await?;
@@ -49,13 +45,13 @@ impl LimitApi {
                 self.defs
                     .put(def.key(), value.into())
                     .await
-                    .map_err(unavailable)?;
+                    .map_err(WireError::unavailable)?;
                 Ok(serde_json::to_value(&def).expect("serializes"))
             }
             LimitRequest::Get(LimitName { queue, name }) => {
                 let key = limit_key(&queue, &name)?;
-                match self.defs.get(&key).await.map_err(unavailable)? {
-                    Some(v) => serde_json::from_slice(&v).map_err(unavailable),
+                match self.defs.get(&key).await.map_err(WireError::unavailable)? {
+                    Some(v) => serde_json::from_slice(&v).map_err(WireError::unavailable),
                     None => Err(WireError::new(
                         ErrorCode::NotFound,
                         format!("no limit {name:?} on queue {queue:?}"),
@@ -94,24 +90,24 @@ impl LimitApi {
         let state = js
             .get_key_value(LIMIT_STATE_BUCKET)
             .await
-            .map_err(unavailable)?;
+            .map_err(WireError::unavailable)?;
         let slots = js
             .get_key_value(LIMIT_SLOTS_BUCKET)
             .await
-            .map_err(unavailable)?;
+            .map_err(WireError::unavailable)?;
         let mut held: Vec<(String, String)> = Vec::new();
         if slots
             .stream
             .get_info()
             .await
-            .map_err(unavailable)?
+            .map_err(WireError::unavailable)?
             .state
             .messages
             > 0
         {
-            let mut keys = slots.keys().await.map_err(unavailable)?;
+            let mut keys = slots.keys().await.map_err(WireError::unavailable)?;
             while let Some(key) = keys.next().await {
-                let key = key.map_err(unavailable)?;
+                let key = key.map_err(WireError::unavailable)?;
                 if let Ok(Some(v)) = slots.get(&key).await {
                     held.push((key, String::from_utf8_lossy(&v).to_string()));
                 }
@@ -160,7 +156,7 @@ impl LimitApi {
     /// read, so a put racing it is not lost unseen: read again), `false` if not.
     async fn delete(&self, key: &str) -> Result<bool, WireError> {
         for _ in 0..8 {
-            let entry = self.defs.entry(key).await.map_err(unavailable)?;
+            let entry = self.defs.entry(key).await.map_err(WireError::unavailable)?;
             let Some(entry) = entry.filter(|e| e.operation == kv::Operation::Put) else {
                 return Ok(false);
             };
@@ -171,26 +167,33 @@ impl LimitApi {
             {
                 Ok(()) => return Ok(true),
                 Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => continue,
-                Err(e) => return Err(unavailable(e)),
+                Err(e) => return Err(WireError::unavailable(e)),
             }
         }
-        Err(unavailable("the limit kept changing while being deleted"))
+        Err(WireError::unavailable(
+            "the limit kept changing while being deleted",
+        ))
     }
 
     async fn list(&self, filter: &str) -> Result<Vec<LimitDef>, WireError> {
-        let info = self.defs.stream.get_info().await.map_err(unavailable)?;
+        let info = self
+            .defs
+            .stream
+            .get_info()
+            .await
+            .map_err(WireError::unavailable)?;
         if info.state.messages == 0 {
             return Ok(Vec::new());
         }
-        let mut keys = self.defs.keys().await.map_err(unavailable)?;
+        let mut keys = self.defs.keys().await.map_err(WireError::unavailable)?;
         let mut out = Vec::new();
         while let Some(key) = keys.next().await {
-            let key = key.map_err(unavailable)?;
+            let key = key.map_err(WireError::unavailable)?;
             let matches = filter == ">" || key.starts_with(filter.trim_end_matches('>'));
             if !matches {
                 continue;
             }
-            if let Some(v) = self.defs.get(&key).await.map_err(unavailable)? {
+            if let Some(v) = self.defs.get(&key).await.map_err(WireError::unavailable)? {
                 if let Ok(def) = serde_json::from_slice::<LimitDef>(&v) {
                     out.push(def);
                 }

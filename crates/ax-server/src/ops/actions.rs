@@ -43,16 +43,12 @@ pub(crate) struct Ops {
     pub(crate) ctx: Arc<crate::context::Context>,
 }
 
-fn unavailable(e: impl std::fmt::Display) -> WireError {
-    WireError::new(ErrorCode::Unavailable, e.to_string())
-}
-
 fn conflict(msg: impl Into<String>) -> WireError {
     WireError::new(ErrorCode::Conflict, msg)
 }
 
 fn state_err(e: StateError) -> WireError {
-    unavailable(e)
+    WireError::unavailable(e)
 }
 
 fn note(op: &str, by: &str) -> Option<OpNote> {
@@ -430,9 +426,12 @@ impl Ops {
             self.limits
                 .put(&key, value.to_string().into())
                 .await
-                .map_err(unavailable)?;
+                .map_err(WireError::unavailable)?;
         } else {
-            self.limits.delete(&key).await.map_err(unavailable)?;
+            self.limits
+                .delete(&key)
+                .await
+                .map_err(WireError::unavailable)?;
         }
         info!(
             queue,
@@ -448,15 +447,25 @@ impl Ops {
     pub(crate) async fn paused(&self) -> Result<Vec<(String, Value)>, WireError> {
         use futures::StreamExt;
         let mut out = Vec::new();
-        let info = self.limits.stream.get_info().await.map_err(unavailable)?;
+        let info = self
+            .limits
+            .stream
+            .get_info()
+            .await
+            .map_err(WireError::unavailable)?;
         if info.state.messages == 0 {
             return Ok(out);
         }
-        let mut keys = self.limits.keys().await.map_err(unavailable)?;
+        let mut keys = self.limits.keys().await.map_err(WireError::unavailable)?;
         while let Some(key) = keys.next().await {
-            let key = key.map_err(unavailable)?;
+            let key = key.map_err(WireError::unavailable)?;
             if let Some(queue) = key.strip_suffix(".=paused") {
-                if let Some(v) = self.limits.get(&key).await.map_err(unavailable)? {
+                if let Some(v) = self
+                    .limits
+                    .get(&key)
+                    .await
+                    .map_err(WireError::unavailable)?
+                {
                     out.push((
                         queue.to_string(),
                         serde_json::from_slice(&v).unwrap_or(Value::Null),
@@ -510,13 +519,13 @@ impl Ops {
                 }
                 return Ok((out, false));
             }
-            Err(e) => return Err(unavailable(e)),
+            Err(e) => return Err(WireError::unavailable(e)),
         };
         let subject = format!("$KV.{}.{id}", names::TASKS_BUCKET);
         let mut info = stream
             .info_with_subjects(subject.clone())
             .await
-            .map_err(unavailable)?;
+            .map_err(WireError::unavailable)?;
         let mut stored = 0u64;
         while let Some(Ok((_, n))) = info.next().await {
             stored += n as u64;
@@ -532,15 +541,15 @@ impl Ops {
                 ..Default::default()
             })
             .await
-            .map_err(unavailable)?
+            .map_err(WireError::unavailable)?
             .messages()
             .await
-            .map_err(unavailable)?;
+            .map_err(WireError::unavailable)?;
         let mut before: Option<TaskRecord> = None;
         for _ in 0..stored {
             let msg = tokio::time::timeout(Duration::from_secs(5), messages.next())
                 .await
-                .map_err(|_| unavailable("the event history did not arrive in time"))?;
+                .map_err(|_| WireError::unavailable("the event history did not arrive in time"))?;
             let Some(Ok(msg)) = msg else { break };
             let Ok(rec) = serde_json::from_slice::<TaskRecord>(&msg.payload) else {
                 out.push(json!({"event": "removed"}));
@@ -561,7 +570,7 @@ impl Ops {
             .js
             .get_stream(names::DEAD_STREAM)
             .await
-            .map_err(unavailable)?;
+            .map_err(WireError::unavailable)?;
         match stream
             .get_last_raw_message_by_subject(&names::task_dead_subject(id))
             .await
@@ -573,7 +582,7 @@ impl Ops {
                      were stored per queue): its payload is gone"
                 )))
             }
-            Err(e) => Err(unavailable(e)),
+            Err(e) => Err(WireError::unavailable(e)),
         }
     }
 
@@ -582,7 +591,11 @@ impl Ops {
         stream: &str,
         seq: u64,
     ) -> Result<(async_nats::HeaderMap, Bytes), WireError> {
-        let stream = self.js.get_stream(stream).await.map_err(unavailable)?;
+        let stream = self
+            .js
+            .get_stream(stream)
+            .await
+            .map_err(WireError::unavailable)?;
         match stream.get_raw_message(seq).await {
             Ok(msg) => Ok((msg.headers, msg.payload)),
             Err(e) if e.kind() == jetstream::stream::LastRawMessageErrorKind::NoMessageFound => {
@@ -591,7 +604,7 @@ impl Ops {
                     format!("message {seq} is gone"),
                 ))
             }
-            Err(e) => Err(unavailable(e)),
+            Err(e) => Err(WireError::unavailable(e)),
         }
     }
 

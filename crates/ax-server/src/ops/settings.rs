@@ -10,10 +10,6 @@ use futures::StreamExt;
 use serde_json::{json, Value};
 use tracing::info;
 
-fn unavailable(e: impl std::fmt::Display) -> WireError {
-    WireError::new(ErrorCode::Unavailable, e.to_string())
-}
-
 impl Ops {
     /// Stores one name's settings (checked; the queue must be declared).
     pub(crate) async fn put_settings(&self, s: StoredSettings) -> Result<Value, WireError> {
@@ -24,7 +20,7 @@ impl Ops {
         self.limits
             .put(&key, value.into())
             .await
-            .map_err(unavailable)?;
+            .map_err(WireError::unavailable)?;
         info!(queue = %s.queue, task = %s.name, settings = %serde_json::to_string(&s.settings).unwrap_or_default(),
             "task settings stored");
         Ok(serde_json::to_value(&s).expect("serializes"))
@@ -33,7 +29,12 @@ impl Ops {
     /// One name's stored settings, `not_found` if none.
     pub(crate) async fn get_settings(&self, n: SettingsName) -> Result<Value, WireError> {
         let key = settings::key(&n.queue, &n.name)?;
-        let Some(v) = self.limits.get(&key).await.map_err(unavailable)? else {
+        let Some(v) = self
+            .limits
+            .get(&key)
+            .await
+            .map_err(WireError::unavailable)?
+        else {
             return Err(WireError::new(
                 ErrorCode::NotFound,
                 format!(
@@ -42,7 +43,7 @@ impl Ops {
                 ),
             ));
         };
-        let settings: TaskSettings = serde_json::from_slice(&v).map_err(unavailable)?;
+        let settings: TaskSettings = serde_json::from_slice(&v).map_err(WireError::unavailable)?;
         let stored = StoredSettings {
             queue: n.queue,
             name: n.name,
@@ -60,11 +61,16 @@ impl Ops {
             }
         }
         let mut out: Vec<StoredSettings> = Vec::new();
-        let info = self.limits.stream.get_info().await.map_err(unavailable)?;
+        let info = self
+            .limits
+            .stream
+            .get_info()
+            .await
+            .map_err(WireError::unavailable)?;
         if info.state.messages > 0 {
-            let mut keys = self.limits.keys().await.map_err(unavailable)?;
+            let mut keys = self.limits.keys().await.map_err(WireError::unavailable)?;
             while let Some(key) = keys.next().await {
-                let key = key.map_err(unavailable)?;
+                let key = key.map_err(WireError::unavailable)?;
                 let Some((queue, rest)) = key.split_once('.') else {
                     continue;
                 };
@@ -74,7 +80,12 @@ impl Ops {
                 if f.queue.as_deref().is_some_and(|q| q != queue) {
                     continue;
                 }
-                if let Some(v) = self.limits.get(&key).await.map_err(unavailable)? {
+                if let Some(v) = self
+                    .limits
+                    .get(&key)
+                    .await
+                    .map_err(WireError::unavailable)?
+                {
                     if let Ok(settings) = serde_json::from_slice(&v) {
                         out.push(StoredSettings {
                             queue: queue.to_string(),
@@ -92,10 +103,17 @@ impl Ops {
     /// Deletes one name's stored settings: `deleted` says if there were some.
     pub(crate) async fn delete_settings(&self, n: SettingsName) -> Result<Value, WireError> {
         let key = settings::key(&n.queue, &n.name)?;
-        let entry = self.limits.entry(&key).await.map_err(unavailable)?;
+        let entry = self
+            .limits
+            .entry(&key)
+            .await
+            .map_err(WireError::unavailable)?;
         let existed = entry.is_some_and(|e| e.operation == kv::Operation::Put);
         if existed {
-            self.limits.delete(&key).await.map_err(unavailable)?;
+            self.limits
+                .delete(&key)
+                .await
+                .map_err(WireError::unavailable)?;
             info!(queue = %n.queue, task = %n.name, "task settings deleted");
         }
         Ok(json!({"queue": n.queue, "name": n.name, "deleted": existed}))

@@ -24,10 +24,6 @@ pub(crate) struct TriggerApi {
     pub(crate) clock: Arc<dyn Clock>,
 }
 
-pub(super) fn unavailable(e: TriggerStoreError) -> WireError {
-    WireError::new(ErrorCode::Unavailable, e.to_string())
-}
-
 fn rfc3339(ms: u64) -> String {
     ax_sdk::time::format_rfc3339_ms(ms)
 }
@@ -97,7 +93,7 @@ impl TriggerApi {
             TriggerRequest::List {} => {
                 let now = self.clock.now_ms();
                 let mut out = Vec::new();
-                for def in self.store.all().await.map_err(unavailable)? {
+                for def in self.store.all().await.map_err(WireError::unavailable)? {
                     let state = self.state_of(&def.name).await?.0;
                     let next = def
                         .validate()
@@ -117,7 +113,10 @@ impl TriggerApi {
             TriggerRequest::Resume(r) => self.set_enabled(&r.name, true).await,
             TriggerRequest::Delete(r) => {
                 self.def_of(&r.name).await?;
-                self.store.delete(&r.name).await.map_err(unavailable)?;
+                self.store
+                    .delete(&r.name)
+                    .await
+                    .map_err(WireError::unavailable)?;
                 Ok(json!({ "name": r.name, "deleted": true }))
             }
             TriggerRequest::Run(r) => self.run(&r.name, r.force).await,
@@ -140,15 +139,22 @@ impl TriggerApi {
         self.store
             .def(name)
             .await
-            .map_err(unavailable)?
+            .map_err(WireError::unavailable)?
             .ok_or_else(|| WireError::new(ErrorCode::NotFound, format!("no trigger {name:?}")))
     }
 
     async fn state_of(&self, name: &str) -> Result<(TriggerState, Option<u64>), WireError> {
-        Ok(match self.store.state(name).await.map_err(unavailable)? {
-            Some((s, rev)) => (s, Some(rev)),
-            None => (self.new_state(), None),
-        })
+        Ok(
+            match self
+                .store
+                .state(name)
+                .await
+                .map_err(WireError::unavailable)?
+            {
+                Some((s, rev)) => (s, Some(rev)),
+                None => (self.new_state(), None),
+            },
+        )
     }
 
     /// The state of a trigger created now.
@@ -172,7 +178,7 @@ impl TriggerApi {
             match self.store.put_state(name, &state, rev).await {
                 Ok(_) => return Ok(()),
                 Err(TriggerStoreError::Stale(_)) => continue,
-                Err(e) => return Err(unavailable(e)),
+                Err(e) => return Err(WireError::unavailable(e)),
             }
         }
         Err(WireError::new(
@@ -234,10 +240,14 @@ impl TriggerApi {
             match self.store.put_def(&def, None).await {
                 Ok(_) => return Ok("created"),
                 Err(TriggerStoreError::Stale(_)) => {}
-                Err(e) => return Err(unavailable(e)),
+                Err(e) => return Err(WireError::unavailable(e)),
             }
         }
-        let existing = self.store.def(&def.name).await.map_err(unavailable)?;
+        let existing = self
+            .store
+            .def(&def.name)
+            .await
+            .map_err(WireError::unavailable)?;
         let outcome = match &existing {
             Some((old, _)) if *old == def => return Ok("unchanged"),
             Some(_) => "updated",
@@ -251,7 +261,7 @@ impl TriggerApi {
         if rev.is_none() {
             match self.store.put_state(&def.name, &state, None).await {
                 Ok(_) | Err(TriggerStoreError::Stale(_)) => {}
-                Err(e) => return Err(unavailable(e)),
+                Err(e) => return Err(WireError::unavailable(e)),
             }
         }
         self.store
@@ -262,7 +272,7 @@ impl TriggerApi {
                     ErrorCode::Unavailable,
                     format!("trigger {name} changed concurrently; retry"),
                 ),
-                e => unavailable(e),
+                e => WireError::unavailable(e),
             })?;
         Ok(outcome)
     }

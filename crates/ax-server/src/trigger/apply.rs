@@ -6,7 +6,7 @@
 //! definition anywhere changes nothing, then every part stored, then the names read a page
 //! at a time (`names`) and the ones the file does not have deleted.
 
-use super::api::{unavailable, TriggerApi};
+use super::api::TriggerApi;
 use super::model::TriggerDef;
 use ax_sdk::protocol::WireError;
 use ax_sdk::trigger::TriggerApply;
@@ -66,9 +66,12 @@ impl TriggerApi {
             report.push(json!({ "name": name, "outcome": outcome }));
         }
         if req.prune {
-            for name in self.store.names().await.map_err(unavailable)? {
+            for name in self.store.names().await.map_err(WireError::unavailable)? {
                 if !wanted.contains(&name) {
-                    self.store.delete(&name).await.map_err(unavailable)?;
+                    self.store
+                        .delete(&name)
+                        .await
+                        .map_err(WireError::unavailable)?;
                     report.push(json!({ "name": name, "outcome": "deleted" }));
                 }
             }
@@ -79,7 +82,7 @@ impl TriggerApi {
     /// The stored names after `after`, sorted, as many as fit in [`NAMES_PAGE_BYTES`]:
     /// `{"names", "more"}`.
     pub(super) async fn names(&self, after: Option<String>) -> Result<Value, WireError> {
-        let all = self.store.names().await.map_err(unavailable)?;
+        let all = self.store.names().await.map_err(WireError::unavailable)?;
         #[cfg(feature = "test-hooks")]
         let page_bytes = ax_sdk::hooks::names_page_bytes().unwrap_or(NAMES_PAGE_BYTES);
         #[cfg(not(feature = "test-hooks"))]
