@@ -7,8 +7,9 @@
 //!
 //! Shared state lives in KV, so every worker process and server counts against the same
 //! limits: a bucket's TAT in `AX_LIMIT_STATE` (compare-and-set), a slot as a key of
-//! `AX_LIMIT_SLOTS` (create-if-absent; the bucket's `max_age` is the ack wait, and the
-//! holder rewrites its key every heartbeat, so a dead holder's slot expires by itself).
+//! `AX_LIMIT_SLOTS` (create-if-absent with a per-message TTL of the queue's ack wait —
+//! the bucket's `max_age` where TTLs are refused — and the holder rewrites its key every
+//! heartbeat, so a dead holder's slot expires by itself).
 
 use super::adaptive::BucketState;
 use super::expiry;

@@ -23,8 +23,9 @@ pub enum TaskState {
     Succeeded,
     /// Failed for good (non-retryable error or attempts exhausted); in the dead-letter stream.
     Dead,
-    /// Cancelled before an attempt started (a flow run cancelled or failing fast); never
-    /// runs. A running attempt is never cancelled this way.
+    /// Cancelled by an operator or its flow run (cancelled or failing fast): an attempt
+    /// not started never runs; a running one is signalled, its handler dropped, and the
+    /// worker writes `cancelled`.
     Cancelled,
 }
 
