@@ -40,19 +40,21 @@ impl Connection {
                 .name(name.unwrap_or_else(|| "ax-python".into()))
                 .connection_timeout(timeout);
             if let Some(path) = creds {
+                // A credentials file that cannot be read or parsed is the caller's error.
                 opts = opts
-                    .credentials_file(path)
+                    .credentials_file(&path)
                     .await
-                    .map_err(|e| e.to_string())?;
+                    .map_err(|e| (ErrorKind::Invalid, format!("creds {path}: {e}")))?;
             }
             if let Some(token) = token {
                 opts = opts.token(token);
             }
+            // Classified by type: a refused login is `Permission`, a timeout `TimedOut`.
             opts.connect(url.as_str())
                 .await
-                .map_err(|e| format!("connect to {url}: {e}"))
+                .map_err(|e| (ErrorKind::of(&e), format!("connect to {url}: {e}")))
         })?
-        .map_err(|e| errors::raise(ErrorKind::Unavailable, e, None, None))?;
+        .map_err(|(kind, e)| errors::raise(kind, e, None, None))?;
         let client = Client::new(nats.clone()).wait_for_server(wait_for_server);
         Ok(Connection { nats, client })
     }

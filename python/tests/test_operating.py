@@ -161,3 +161,29 @@ def test_a_task_or_handler_registered_after_start_is_refused_not_ignored(url, se
         for registry, before in saved:
             registry.clear()
             registry.update(before)
+
+
+def test_connection_failures_are_typed_a_refused_login_is_permission_denied(procs, tmp_path):
+    """A broker that wants a token refuses a wrong one: `PermissionDenied` (was
+    `Unavailable`, which a caller would retry for ever); an unreadable credentials file is
+    the caller's `InvalidInput`; nobody listening is `Unavailable`."""
+    from ax_scheduler._embedded import binary
+
+    port = free_port()
+    procs([binary(), "-a", "127.0.0.1", "-p", str(port), "--auth", "s3cret-token"])
+    url = f"nats://127.0.0.1:{port}"
+
+    def listening() -> bool:
+        try:
+            ax.Client(url, token="s3cret-token", connect_timeout=1.0).close()
+            return True
+        except ax.Unavailable:
+            return False
+
+    eventually(listening, what="the token-protected nats-server")
+    with pytest.raises(ax.PermissionDenied):
+        ax.Client(url, token="wrong-token", connect_timeout=2.0)
+    with pytest.raises(ax.InvalidInput, match="creds"):
+        ax.Client(url, creds=str(tmp_path / "missing.creds"), connect_timeout=2.0)
+    with pytest.raises(ax.Unavailable):
+        ax.Client(f"nats://127.0.0.1:{free_port()}", connect_timeout=1.0)

@@ -52,22 +52,20 @@ impl Reconnects {
 }
 
 /// Opens an ordered consumer on `stream` with `config` (its pull expiry set to
-/// [`PULL_EXPIRES`]) and its message feed; the error as text, for a retry loop's log line.
+/// [`PULL_EXPIRES`]) and its message feed.
 pub async fn ordered(
     js: &async_nats::jetstream::Context,
     stream: &str,
     config: async_nats::jetstream::consumer::pull::OrderedConfig,
-) -> Result<async_nats::jetstream::consumer::pull::Ordered, String> {
+) -> Result<async_nats::jetstream::consumer::pull::Ordered, async_nats::Error> {
     js.get_stream(stream)
-        .await
-        .map_err(|e| e.to_string())?
+        .await?
         .create_consumer(async_nats::jetstream::consumer::pull::OrderedConfig {
             max_expires: PULL_EXPIRES,
             ..config
         })
-        .await
-        .map_err(|e| e.to_string())?
+        .await?
         .messages()
         .await
-        .map_err(|e| e.to_string())
+        .map_err(Into::into)
 }

@@ -239,7 +239,7 @@ impl Gate {
             client
                 .subscribe(filter.clone())
                 .await
-                .map_err(|e| e.to_string())
+                .map_err(async_nats::Error::from)
         })
         .await
         else {
@@ -281,33 +281,20 @@ impl Gate {
                 "the limit buckets (AX_LIMITS, AX_LIMIT_STATE, AX_LIMIT_SLOTS)",
                 &shutdown,
                 || async {
-                    let defs = js
-                        .get_key_value(LIMITS_BUCKET)
-                        .await
-                        .map_err(|e| e.to_string())?;
-                    let state = js
-                        .get_key_value(LIMIT_STATE_BUCKET)
-                        .await
-                        .map_err(|e| e.to_string())?;
-                    let slots = js
-                        .get_key_value(LIMIT_SLOTS_BUCKET)
-                        .await
-                        .map_err(|e| e.to_string())?;
+                    let defs = js.get_key_value(LIMITS_BUCKET).await?;
+                    let state = js.get_key_value(LIMIT_STATE_BUCKET).await?;
+                    let slots = js.get_key_value(LIMIT_SLOTS_BUCKET).await?;
                     let filter = format!("{}.>", self.queue);
-                    let watch = defs
-                        .watch_with_history(&filter)
-                        .await
-                        .map_err(|e| e.to_string())?;
+                    let watch = defs.watch_with_history(&filter).await?;
                     // Nothing stored for this queue: the watch will deliver nothing to
                     // wait for, so the gate is ready at once.
                     let mut stored = defs
                         .stream
                         .info_with_subjects(format!("$KV.{LIMITS_BUCKET}.{filter}"))
-                        .await
-                        .map_err(|e| e.to_string())?;
+                        .await?;
                     let none = stored.next().await.is_none();
                     let js = js.clone();
-                    Ok::<_, String>((
+                    Ok::<_, async_nats::Error>((
                         watch,
                         Buckets {
                             defs,

@@ -279,7 +279,7 @@ async fn cancel_signals(shared: Arc<Shared>, shutdown: CancellationToken) {
             client
                 .subscribe(subject.clone())
                 .await
-                .map_err(|e| e.to_string())
+                .map_err(async_nats::Error::from)
         })
         .await
         {

@@ -288,13 +288,10 @@ impl FlowEngine {
             "the flow buckets (AX_FLOWS, AX_FLOW_RUNS; `ax streams apply`)",
             &shutdown,
             || async {
-                let store = FlowStore::open(&js).await.map_err(|e| e.to_string())?;
-                let results = ResultStore::open(&js).await.map_err(|e| e.to_string())?;
-                let kv = js
-                    .get_key_value(LEASES_BUCKET)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                Ok::<_, String>((store, results, kv))
+                let store = FlowStore::open(&js).await?;
+                let results = ResultStore::open(&js).await?;
+                let kv = js.get_key_value(LEASES_BUCKET).await?;
+                Ok::<_, async_nats::Error>((store, results, kv))
             },
         )
         .await;

@@ -142,10 +142,7 @@ impl TaskIndex {
                 ax_sdk::retry::until_ok("the task-state feed (KV_AX_TASKS)", &shutdown, || {
                     let js = js.clone();
                     async move {
-                        let stream = js
-                            .get_stream(format!("KV_{TASKS_BUCKET}"))
-                            .await
-                            .map_err(|e| e.to_string())?;
+                        let stream = js.get_stream(format!("KV_{TASKS_BUCKET}")).await?;
                         let total = stream.cached_info().state.subjects_count;
                         let messages = stream
                             .create_consumer(consumer::pull::OrderedConfig {
@@ -154,12 +151,10 @@ impl TaskIndex {
                                 max_expires: ax_sdk::follow::PULL_EXPIRES,
                                 ..Default::default()
                             })
-                            .await
-                            .map_err(|e| e.to_string())?
+                            .await?
                             .messages()
-                            .await
-                            .map_err(|e| e.to_string())?;
-                        Ok::<_, String>((messages, total))
+                            .await?;
+                        Ok::<_, async_nats::Error>((messages, total))
                     }
                 })
                 .await;

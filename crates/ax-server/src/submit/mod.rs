@@ -303,8 +303,11 @@ impl Context {
     async fn retract(&self, meta: &TaskMeta, seq: u64) {
         let stream = meta.priority.ready_stream();
         let deleted = match self.js.get_stream_no_info(&stream).await {
-            Ok(stream) => stream.delete_message(seq).await.map_err(|e| e.to_string()),
-            Err(e) => Err(e.to_string()),
+            Ok(stream) => stream
+                .delete_message(seq)
+                .await
+                .map_err(async_nats::Error::from),
+            Err(e) => Err(e.into()),
         };
         if let Err(cause) = deleted {
             warn!(task_id = %meta.id, seq, %cause, "could not delete the message of a submit that lost its idempotency key; its claim retires it");
