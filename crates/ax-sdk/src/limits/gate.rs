@@ -12,6 +12,7 @@
 //! heartbeat, so a dead holder's slot expires by itself).
 
 use super::adaptive::BucketState;
+use super::decide::{batch_size, token_step, BucketRead, Hold, TokenStep, BATCH_LIFETIME};
 use super::expiry;
 use super::gcra;
 use super::model::{bucket_key, LimitDef};
@@ -36,9 +37,6 @@ use tracing::{debug, info, warn};
 
 /// Most compare-and-set tries for one token before the delivery is handed back.
 const CAS_TRIES: usize = 8;
-/// How long tokens a worker took in a batch stay usable (unused ones are dropped: never
-/// more starts than allowed, at most this much later than their token).
-const BATCH_LIFETIME: Duration = Duration::from_millis(2);
 
 /// How long before its token is due a held delivery is claimed (the *lead*): the claim
 /// happens in it and the handler starts at the token's due time, so handler starts follow
@@ -520,23 +518,8 @@ impl Gate {
 
     /// Decides whether a delivery of `meta` (its `delivered`-th) may start now.
     pub(crate) async fn admit(&self, meta: &TaskMeta, delivered: i64) -> Admit {
-        if self.paused() {
-            return hand_back_paused();
-        }
-        if !*self.ready.borrow() {
-            let mut ready = self.ready.subscribe();
-            let waited = tokio::time::timeout(Duration::from_secs(2), ready.wait_for(|r| *r)).await;
-            if !matches!(waited, Ok(Ok(_))) {
-                return Admit::Wait {
-                    delay: Duration::from_secs(1),
-                    reason: Reason::Unavailable,
-                    limit: String::new(),
-                };
-            }
-            // The pause flag is known only now.
-            if self.paused() {
-                return hand_back_paused();
-            }
+        if let Err(back) = self.ready_and_running().await {
+            return back;
         }
         let limits = self.applicable(meta);
         if limits.is_empty() {
@@ -546,52 +529,15 @@ impl Gate {
             };
         }
         let Some(buckets) = self.buckets.read().expect("not poisoned").clone() else {
-            return Admit::Wait {
-                delay: Duration::from_secs(1),
-                reason: Reason::Unavailable,
-                limit: String::new(),
-            };
+            return unavailable(String::new());
         };
         let key = meta.limit_key.as_deref();
         // A delivery held for a reserved token or a freed slot keeps this permit.
         let mut hold: Option<OwnedSemaphorePermit> = None;
-        let mut due_us: Option<u64> = None;
-        for def in limits.iter().filter(|d| d.rate.is_some()) {
-            match self.take_token(&buckets.state, def, key, &mut hold).await {
-                Ok(due) => due_us = due_us.max(Some(due)),
-                Err(delay) => {
-                    return Admit::Wait {
-                        delay,
-                        reason: Reason::RateLimit,
-                        limit: def.name.clone(),
-                    }
-                }
-            }
-        }
-        // A reserved token: hold the delivery until just before it is due (its slots are
-        // taken then, and the claim runs in the lead).
-        let start_at = due_us.map(instant_of);
-        if let Some(at) = start_at {
-            tokio::select! {
-                _ = tokio::time::sleep_until(at.checked_sub(self.lead()).unwrap_or(at)) => {}
-                _ = self.shutdown.cancelled() => return shutting_down(),
-            }
-            // Paused while held: hand it back (the token is given up).
-            if self.paused() {
-                return hand_back_paused();
-            }
-            // Woken far too late (the process stalled): starting now would bunch this
-            // start with the ones due after it. Give the token up and come back for
-            // another at once.
-            if tokio::time::Instant::now() > at + MAX_LATE {
-                debug!(task_id = %meta.id, "rate token missed (the worker ran late); handed back");
-                return Admit::Wait {
-                    delay: Duration::ZERO,
-                    reason: Reason::RateLimit,
-                    limit: String::new(),
-                };
-            }
-        }
+        let start_at = match self.tokens(&buckets, &limits, key, &mut hold, meta).await {
+            Ok(start_at) => start_at,
+            Err(back) => return back,
+        };
         let caps: Vec<&LimitDef> = limits.iter().filter(|d| d.concurrency.is_some()).collect();
         if self.paused() {
             return hand_back_paused(); // paused while the tokens were taken
@@ -602,11 +548,86 @@ impl Gate {
                 start_at,
             };
         }
+        match self.slots(&buckets, &caps, key, hold, delivered).await {
+            Ok(slots) => Admit::Go { slots, start_at },
+            Err(back) => back,
+        }
+    }
+
+    /// Waits (at most 2 s) for the gate to have read its limits; the delivery goes back
+    /// if it has not, or if the queue is paused.
+    async fn ready_and_running(&self) -> Result<(), Admit> {
+        if self.paused() {
+            return Err(hand_back_paused());
+        }
+        if !*self.ready.borrow() {
+            let mut ready = self.ready.subscribe();
+            let waited = tokio::time::timeout(Duration::from_secs(2), ready.wait_for(|r| *r)).await;
+            if !matches!(waited, Ok(Ok(_))) {
+                return Err(unavailable(String::new()));
+            }
+            // The pause flag is known only now.
+            if self.paused() {
+                return Err(hand_back_paused());
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes a token of every rate limit in `limits`; with one reserved, holds the
+    /// delivery until just before it is due (its slots are taken then, and the claim runs
+    /// in the lead) and answers that instant.
+    async fn tokens(
+        &self,
+        buckets: &Buckets,
+        limits: &[LimitDef],
+        key: Option<&str>,
+        hold: &mut Option<OwnedSemaphorePermit>,
+        meta: &TaskMeta,
+    ) -> Result<Option<tokio::time::Instant>, Admit> {
+        let mut due_us: Option<u64> = None;
+        for def in limits.iter().filter(|d| d.rate.is_some()) {
+            match self.take_token(&buckets.state, def, key, hold).await {
+                Ok(due) => due_us = due_us.max(Some(due)),
+                Err(delay) => return Err(wait(delay, Reason::RateLimit, def.name.clone())),
+            }
+        }
+        let Some(at) = due_us.map(instant_of) else {
+            return Ok(None);
+        };
+        tokio::select! {
+            _ = tokio::time::sleep_until(at.checked_sub(self.lead()).unwrap_or(at)) => {}
+            _ = self.shutdown.cancelled() => return Err(shutting_down()),
+        }
+        // Paused while held: hand it back (the token is given up).
+        if self.paused() {
+            return Err(hand_back_paused());
+        }
+        // Woken far too late (the process stalled): starting now would bunch this start
+        // with the ones due after it. Give the token up and come back for another at once.
+        if tokio::time::Instant::now() > at + MAX_LATE {
+            debug!(task_id = %meta.id, "rate token missed (the worker ran late); handed back");
+            return Err(wait(Duration::ZERO, Reason::RateLimit, String::new()));
+        }
+        Ok(Some(at))
+    }
+
+    /// Takes a slot of every cap in `caps`, all or none. When one is full the delivery
+    /// waits in the worker for a release of that cap (if it holds, or can take, a hold
+    /// permit; at most the slot hold), then tries every cap again; else it goes back.
+    async fn slots(
+        &self,
+        buckets: &Buckets,
+        caps: &[&LimitDef],
+        key: Option<&str>,
+        mut hold: Option<OwnedSemaphorePermit>,
+        delivered: i64,
+    ) -> Result<Vec<Slot>, Admit> {
         let deadline = tokio::time::Instant::now() + self.slot_hold;
         'all: loop {
             let mut held = Vec::new();
-            for def in &caps {
-                match self.take_slot(&buckets, def, key).await {
+            for def in caps {
+                match self.take_slot(buckets, def, key).await {
                     Ok(Some(slot)) => held.push(slot),
                     Ok(None) => {
                         drop(held); // never keep a slot while waiting
@@ -614,44 +635,29 @@ impl Gate {
                             hold = self.holds.clone().try_acquire_owned().ok();
                         }
                         if hold.is_some() && tokio::time::Instant::now() < deadline {
-                            // Wait for a release of this cap (or the hold's end), then try
-                            // every cap again.
                             let notify = self.freed_notify(&bucket_key(def, key));
                             tokio::select! {
                                 _ = notify.notified() => {
                                     // Paused while held: hand it back.
                                     if self.paused() {
-                                        return hand_back_paused();
+                                        return Err(hand_back_paused());
                                     }
                                     continue 'all;
                                 }
                                 _ = tokio::time::sleep_until(deadline) => {}
-                                _ = self.shutdown.cancelled() => return shutting_down(),
+                                _ = self.shutdown.cancelled() => return Err(shutting_down()),
                             }
                         }
-                        return Admit::Wait {
-                            delay: slot_delay(delivered),
-                            reason: Reason::Concurrency,
-                            limit: def.name.clone(),
-                        };
+                        let reason = Reason::Concurrency;
+                        return Err(wait(slot_delay(delivered), reason, def.name.clone()));
                     }
-                    Err(()) => {
-                        drop(held);
-                        return Admit::Wait {
-                            delay: Duration::from_secs(1),
-                            reason: Reason::Unavailable,
-                            limit: def.name.clone(),
-                        };
-                    }
+                    Err(()) => return Err(unavailable(def.name.clone())),
                 }
             }
             if self.paused() {
-                return hand_back_paused(); // paused while the slots were taken
+                return Err(hand_back_paused()); // paused while the slots were taken
             }
-            return Admit::Go {
-                slots: held,
-                start_at,
-            };
+            return Ok(held);
         }
     }
 
@@ -708,36 +714,44 @@ impl Gate {
                     .set(rate);
             }
             interval = gcra::interval_us(rate);
-            let want = ((rate * BATCH_LIFETIME.as_secs_f64()).ceil() as u32).clamp(1, 64);
-            let (got, next, due) = match gcra::take_up_to(tat, now, interval, burst, want) {
-                Ok((got, next)) => (got, next, now),
-                Err(wait) => {
-                    let reserved = match hold {
-                        Some(_) => true,
-                        None if wait <= horizon => {
-                            *hold = self.holds.clone().try_acquire_owned().ok();
-                            hold.is_some()
+            let read = BucketRead {
+                tat,
+                now_us: now,
+                interval_us: interval,
+                burst,
+                want: batch_size(rate),
+                horizon_us: horizon,
+            };
+            let mut step = token_step(
+                &read,
+                if hold.is_some() {
+                    Hold::Held
+                } else {
+                    Hold::MayTake
+                },
+            );
+            let (got, next, due) = loop {
+                match step {
+                    TokenStep::Take {
+                        got,
+                        next_tat,
+                        due_us,
+                    } => break (got, next_tat, due_us),
+                    TokenStep::TakeHold => {
+                        *hold = self.holds.clone().try_acquire_owned().ok();
+                        step =
+                            token_step(&read, if hold.is_some() { Hold::Held } else { Hold::No });
+                    }
+                    TokenStep::Back {
+                        after_us,
+                        spread_up_to_us,
+                    } => {
+                        if !def.per_key {
+                            metrics::gauge!(m::LIMIT_TOKENS, "queue" => def.queue.clone(), "limit" => def.name.clone())
+                                .set(0.0);
                         }
-                        None => false,
-                    };
-                    match gcra::reserve(tat, now, interval, burst, horizon)
-                        .ok()
-                        .filter(|_| reserved)
-                    {
-                        Some((due, next)) => (1, next, due),
-                        None => {
-                            if !def.per_key {
-                                metrics::gauge!(m::LIMIT_TOKENS, "queue" => def.queue.clone(), "limit" => def.name.clone())
-                                    .set(0.0);
-                            }
-                            // At most an hour: a longer wait is checked again then (the
-                            // broker takes no delay past an i64 of nanoseconds).
-                            // Back while the token is within the horizon (so it can be
-                            // reserved then), spread over half the horizon.
-                            let half = horizon / 2;
-                            let spread = rand::rng().random_range(0..=half.min(wait));
-                            return Err(gcra::wait_delay(wait.saturating_sub(half), spread));
-                        }
+                        let spread = rand::rng().random_range(0..=spread_up_to_us);
+                        return Err(gcra::wait_delay(after_us, spread));
                     }
                 }
             };
@@ -872,6 +886,20 @@ fn read_bucket(entry: Option<&kv::Entry>) -> (BucketState, Option<u64>) {
 /// The instant of a moment in µs since the epoch (now, if it has passed).
 fn instant_of(at_us: u64) -> tokio::time::Instant {
     tokio::time::Instant::now() + Duration::from_micros(at_us.saturating_sub(micros()))
+}
+
+/// Hand the delivery back for `delay`, over `limit` for `reason`.
+fn wait(delay: Duration, reason: Reason, limit: String) -> Admit {
+    Admit::Wait {
+        delay,
+        reason,
+        limit,
+    }
+}
+
+/// The limits (or `limit`'s buckets) cannot be read now: back in a second.
+fn unavailable(limit: String) -> Admit {
+    wait(Duration::from_secs(1), Reason::Unavailable, limit)
 }
 
 /// The queue is paused: hand the delivery back (the worker stops fetching meanwhile).

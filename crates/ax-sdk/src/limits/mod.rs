@@ -5,11 +5,13 @@
 //! - [`model`]: a limit's definition and its checks.
 //! - [`gcra`]: the token bucket as one number (GCRA), a pure function.
 //! - [`adaptive`]: rates that follow reported pressure (AIMD), pure functions.
+//! - `decide`: what one read of a rate bucket decides for a delivery, a pure function.
 //! - `gate`: the worker side (live definitions, tokens, slots).
 //! - the `ax.limit.<op>` API is served by `ax server` (the `ax-server` crate).
 
 pub mod adaptive;
 mod client;
+mod decide;
 mod expiry;
 pub(crate) mod gate;
 pub mod gcra;
