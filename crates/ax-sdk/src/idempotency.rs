@@ -135,7 +135,8 @@ impl Keys {
         // The common case, a key naming this task, from any replica (a direct get). An
         // absent key or one naming another task is read again from the stream's leader
         // before it decides anything: a replica catching up after a restart answers
-        // "absent" for keys written long ago (docs/ARCHITECTURE.md, `kv_read`).
+        // "absent" for keys written long ago (docs/ARCHITECTURE.md, "What JetStream does
+        // for us, and what we built").
         let direct = store
             .entry(&kv_key)
             .await

@@ -22,7 +22,7 @@ struct Job {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum GroupCommit {
     /// Measure both ways while running and use the one the broker answers faster
-    /// (docs/ARCHITECTURE.md, "Group commit"): batches where each stored write is
+    /// (docs/PERFORMANCE.md, "Group commit"): batches where each stored write is
     /// fsynced (`sync_interval: always`), single publishes where it is not.
     #[default]
     Auto,

@@ -205,8 +205,7 @@ impl TaskStore {
     /// state it ends in (`running` and finished states are left as they are), or `None`
     /// when there is no record. It does not signal a worker that may be starting an
     /// attempt without a `running` write (a retry, an unrecorded task's first attempt):
-    /// the server's cancels do (docs/ARCHITECTURE.md, "Cancelling an attempt that starts
-    /// unwritten").
+    /// the server's cancels do (docs/ARCHITECTURE.md, "The path of a task").
     pub async fn cancel_unstarted(
         &self,
         id: &str,

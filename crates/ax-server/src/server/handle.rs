@@ -49,7 +49,7 @@ pub(crate) async fn submit(ctx: &Context, req: Request) {
         .to_string();
     // Labels name declared queues only: a request to a made-up queue creates no series.
     // Each branch's future is boxed: inline, the two side by side made every submit in
-    // flight hold 14,504 B (docs/PERFORMANCE.md, W4); boxed, it holds the one it runs.
+    // flight hold 14,504 B (CHANGELOG.md, "Design history"); boxed, it holds the one it runs.
     let body = if crate::submit::is_batch(&msg.payload) {
         let result = guarded("submit", Box::pin(ctx.submit_batch(&queue, &msg.payload))).await;
         let label = ctx.queues.label(&queue);

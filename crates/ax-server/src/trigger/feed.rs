@@ -7,7 +7,7 @@
 //! leader loads each definition with a round trip (its state), so the replay of 100,000
 //! definitions waited in the client's buffers — and so did the state writes of 100,000
 //! triggers put through the API while the leader loaded their definitions (heaptrack,
-//! docs/PERFORMANCE.md "Triggers held lean"). Pulled, at most a batch waits in the client
+//! CHANGELOG.md "Design history"). Pulled, at most a batch waits in the client
 //! and the rest in the stream. Ordering and gap handling are the ordered consumer's, as
 //! for the watch.
 
