@@ -125,7 +125,9 @@ class Client:
         return self._run(_ops.submit_many(self, task, payloads, queue, priority))
 
     def get(self, task_id: str) -> dict[str, Any] | None:
-        """The task's current record (PROTOCOL.md §3), or None."""
+        """The task's current state as a record (PROTOCOL.md §4): its stored record, or,
+        before a worker has claimed it, the record its message stands for; None if no task
+        has this id."""
         return self._run(_ops.get(task_id))
 
     def wait(self, task_id: str, timeout: float | None = None) -> dict[str, Any]:

@@ -30,7 +30,9 @@ class Handle(Generic[R]):
     task: TaskDef[..., R] | None = field(default=None, repr=False)
 
     def get(self) -> dict[str, Any] | None:
-        """The task's current record, or None before it has one."""
+        """The task's current state as a record (PROTOCOL.md §4): its stored record, or,
+        before a worker has claimed it, the record its message stands for (``scheduled``
+        or ``pending``); None if no task has this id."""
         return self.client.get(self.id)
 
     def wait(self, timeout: float | None = None) -> dict[str, Any]:

@@ -272,7 +272,7 @@ impl Client {
         }
     }
 
-    /// Submits many tasks to `queue` in batch requests (docs/PROTOCOL.md §2.3) and returns
+    /// Submits many tasks to `queue` in batch requests (docs/PROTOCOL.md §2, "Many tasks in one request") and returns
     /// one answer per task, in order: each task is accepted or refused on its own.
     ///
     /// Tasks are sent in batches of at most [`MAX_BATCH`](crate::protocol::MAX_BATCH) that

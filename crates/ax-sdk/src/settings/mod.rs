@@ -1,4 +1,4 @@
-//! Per-task settings kept apart from code and changed live (PROTOCOL.md §5, "Task
+//! Per-task settings kept apart from code and changed live (PROTOCOL.md §8, "Task
 //! settings"): the JSON of one task name's options, as a worker declares them in code, as
 //! an operator stores them in KV (`ax tasks options set`, `ax apply -f runtime.yaml`), and
 //! as the Python decorator passes them to the Rust worker.

@@ -179,7 +179,6 @@ impl Engine {
         lease: &mut Lease,
         shutdown: &CancellationToken,
     ) -> Result<Stop, EngineError> {
-        let token = lease.token().unwrap_or_default();
         let watch = super::feed::definitions(&self.ctx.js).await?;
         tokio::pin!(watch);
         // Every write to a trigger task's record, delivered by an ordered consumer.
@@ -192,238 +191,291 @@ impl Engine {
         // State written by others (a manual run on another server) is taken in at once.
         let state_watch = super::feed::states(&self.ctx.js).await?;
         tokio::pin!(state_watch);
-        let mut book = Book::holding(self.hold);
         let mut renew = tokio::time::interval(self.lease_ttl / 3);
         // Fires run as tasks so the timer loop never waits on the broker; a trigger is not
         // planned again while its fire is in flight (the book remembers it was due).
         let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel::<(String, Outcome)>();
-        let fire_slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_FIRES));
         // Dropped when leading stops: fires still in flight are aborted, as a crash would,
         // instead of landing under whoever leads next.
         let mut firing = tokio::task::JoinSet::new();
-        // The counts `ax_triggers_held` last showed: set again only when they change.
-        let mut shown = None;
+        let mut term = Term {
+            engine: self,
+            store,
+            token: lease.token().unwrap_or_default(),
+            book: Book::holding(self.hold),
+            fire_slots: Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_FIRES)),
+            done: done_tx,
+            shown: None,
+        };
         loop {
-            let counts = (book.held.len(), book.dormant.len());
-            if shown != Some(counts) {
-                shown = Some(counts);
-                metrics::gauge!(ax_sdk::metrics::TRIGGERS_HELD, "how" => "whole")
-                    .set(counts.0 as f64);
-                metrics::gauge!(ax_sdk::metrics::TRIGGERS_HELD, "how" => "resting")
-                    .set(counts.1 as f64);
-            }
-            let now = self.clock.now_ms();
-            let next_wake = book.next_wake();
+            term.show_held();
+            let next_wake = term.book.next_wake();
             let sleep = next_wake.map_or(Duration::from_secs(3600), |at| {
-                Duration::from_millis(at.saturating_sub(now))
+                Duration::from_millis(at.saturating_sub(self.clock.now_ms()))
             });
             let mut due: Vec<String> = Vec::new();
-            tokio::select! {
-                _ = shutdown.cancelled() => return Ok(Stop::Shutdown),
-                _ = renew.tick() => {
-                    if !lease.hold().await {
-                        return Ok(Stop::StepDown("lease lost"));
+            let stop = tokio::select! {
+                _ = shutdown.cancelled() => Some(Stop::Shutdown),
+                _ = renew.tick() => (!lease.hold().await).then_some(Stop::StepDown("lease lost")),
+                write = watch.next() => match write {
+                    None => Some(Stop::StepDown("definition feed ended")),
+                    Some(write) => term.definition(write?, &mut due).await?,
+                },
+                write = state_watch.next() => match write {
+                    None => Some(Stop::StepDown("state feed ended")),
+                    Some(write) => term.state(write?, &mut due).await,
+                },
+                entry = completions.next() => match entry {
+                    None => Some(Stop::StepDown("task record watch ended")),
+                    Some(entry) => {
+                        let entry = entry.map_err(|e| broker("follow trigger task records")(e.into()))?;
+                        term.completion(&entry, &mut due);
+                        None
                     }
-                }
-                write = watch.next() => {
-                    let Some(write) = write else { return Ok(Stop::StepDown("definition feed ended")) };
-                    let super::feed::KvWrite { name, value, .. } = write?;
-                    let Some(value) = value else {
-                        book.held.remove(&name);
-                        book.dormant.remove(&name);
-                        continue;
-                    };
-                    let Ok(def) = serde_json::from_slice::<TriggerDef>(&value) else {
-                        warn!(trigger = %name, "stored definition does not decode; ignored");
-                        continue;
-                    };
-                    let Ok(rec) = def.validate() else {
-                        warn!(trigger = %name, "stored definition is invalid; ignored");
-                        continue;
-                    };
-                    let h = self.load(store, def, rec).await?;
-                    if h.state.leader > token {
-                        return Ok(Stop::StepDown("a newer leader wrote trigger state"));
-                    }
-                    book.dormant.remove(&name);
-                    book.held.insert(name.clone(), h);
-                    due.push(name);
-                }
-                write = state_watch.next() => {
-                    let Some(write) = write else { return Ok(Stop::StepDown("state feed ended")) };
-                    let super::feed::KvWrite { name, value, revision } = write?;
-                    // Our own writes are in flight until their outcome is applied.
-                    let Some(value) = value.filter(|_| !book.in_flight(&name)) else {
-                        continue;
-                    };
-                    let Some(h) = book.held.get_mut(&name) else {
-                        // Changed while held as its name alone: read back and planned.
-                        if book.dormant.contains_key(&name) {
-                            due.push(name);
-                        }
-                        continue;
-                    };
-                    if revision <= h.revision {
-                        continue;
-                    }
-                    let Ok(state) = serde_json::from_slice::<TriggerState>(&value) else { continue };
-                    if state.leader > token {
-                        return Ok(Stop::StepDown("a newer leader wrote trigger state"));
-                    }
-                    h.active = unfinished(&self.ctx, tracked_ids(&state)).await;
-                    h.checked_at = Some(Instant::now());
-                    h.state = state;
-                    h.revision = revision;
-                    h.fresh = true;
-                    h.dirty = false;
-                    self.settle(h);
-                    due.push(name);
-                }
-                entry = completions.next() => {
-                    let Some(entry) = entry else { return Ok(Stop::StepDown("task record watch ended")) };
-                    let entry = entry.map_err(|e| broker("follow trigger task records")(e.into()))?;
-                    let Some(name) = trigger_of_task(&entry.key) else { continue };
-                    if entry.operation != kv::Operation::Put {
-                        continue;
-                    }
-                    let Ok(rec) = serde_json::from_slice::<TaskRecord>(&entry.value) else { continue };
-                    match book.task_record(name, &entry.key, &rec, self.clock.now_ms()) {
-                        Seen::Nothing => {}
-                        Seen::Due(name) => due.push(name),
-                        Seen::Adopted(name, scheduled) => warn!(trigger = %name, scheduled,
-                            "a previous leader's fire landed after this leader had handled its time; recorded it as fired"),
-                    }
-                }
-                Some((name, outcome)) = done_rx.recv() => {
-                    let now = self.clock.now_ms();
-                    match book.fire_done(name, outcome, token, now, fire_slots.available_permits()) {
-                        Ok(mut again) => due.append(&mut again),
-                        Err(why) => return Ok(Stop::StepDown(why)),
-                    }
-                }
+                },
+                Some((name, outcome)) = done_rx.recv() => term.fire_done(name, outcome, &mut due),
                 // Reap finished fire tasks (their outcomes come through `done_rx`).
-                Some(_) = firing.join_next(), if !firing.is_empty() => {}
+                Some(_) = firing.join_next(), if !firing.is_empty() => None,
                 _ = tokio::time::sleep(sleep), if next_wake.is_some() => {
-                    book.take_woken(self.clock.now_ms(), &mut due);
+                    term.book.take_woken(self.clock.now_ms(), &mut due);
+                    None
                 }
+            };
+            if let Some(stop) = stop {
+                return Ok(stop);
             }
             if !lease.valid() {
                 return Ok(Stop::StepDown("lease not renewed within its TTL"));
             }
             // Plan each due trigger, then fire and store them concurrently.
             let mut jobs = Vec::new();
-            for name in book.plannable(due) {
-                if !book.held.contains_key(&name) && book.dormant.contains_key(&name) {
-                    match self.read_back(store, &name).await {
-                        Ok(Some(h)) if h.state.leader > token => {
-                            return Ok(Stop::StepDown("a newer leader wrote trigger state"))
-                        }
-                        Ok(Some(h)) => {
-                            book.dormant.remove(&name);
-                            book.held.insert(name.clone(), h);
-                        }
-                        Ok(None) => {
-                            book.dormant.remove(&name);
-                            continue;
-                        }
-                        Err(e) => {
-                            warn!(trigger = %name, cause = %e, "trigger not read back; trying again in 1 s");
-                            book.wake(self.clock.now_ms() + RETRY_MS, name);
-                            continue;
-                        }
-                    }
+            for name in term.book.plannable(due) {
+                if let Some(stop) = term.plan(name, &mut jobs).await {
+                    return Ok(stop);
                 }
-                let Some(h) = book.held.get_mut(&name) else {
-                    continue;
-                };
-                if h.unsure || h.unstored {
-                    match self.record_unrecorded(store, h, token).await {
-                        Recorded::Yes => {}
-                        Recorded::Later => {
-                            // The broker did not let it finish: fire nothing yet, look again.
-                            book.wake(self.clock.now_ms() + RETRY_MS, name);
-                            continue;
-                        }
-                        Recorded::StepDown => {
-                            return Ok(Stop::StepDown("a newer leader wrote trigger state"))
-                        }
-                    }
-                }
-                if h.waits_on_tasks() && h.checked_at.is_none_or(|at| at.elapsed() >= RECHECK) {
-                    // Recover completions no feed delivered (belt and braces).
-                    h.active = unfinished(&self.ctx, h.active.iter()).await;
-                    h.checked_at = Some(Instant::now());
-                    self.settle(h);
-                }
-                let now = self.clock.now_ms();
-                let p = plan(&h.def, &h.rec, &h.state, now, !h.active.is_empty());
-                if p.fires.is_empty() && p.state == h.state {
-                    let mut wake = p.next_wake_ms;
-                    if h.waits_on_tasks() {
-                        // Look at the records again in a while, whatever the feed says.
-                        let again = now + RECHECK.as_millis() as u64;
-                        wake = Some(wake.map_or(again, |w| w.min(again)));
-                    }
-                    match book.rest(&name, wake, now) {
-                        Rest::Rested => continue,
-                        Rest::StoreFirst => {
-                            // Its last fire's end goes to the store (a plan that fires
-                            // nothing), then it rests.
-                            let h = &book.held[&name];
-                            jobs.push(Job {
-                                name: name.clone(),
-                                def: h.def.clone(),
-                                revision: h.revision,
-                                active: Vec::new(),
-                                plan: p,
-                                token,
-                                now,
-                            });
-                            continue;
-                        }
-                        Rest::Kept => {}
-                    }
-                    if let Some(wake) = wake {
-                        book.wake(wake, name);
-                    }
-                    continue;
-                }
-                for &t in &p.fires {
-                    known_fire(&mut h.known, t);
-                }
-                jobs.push(Job {
-                    name,
-                    def: h.def.clone(),
-                    plan: p,
-                    revision: h.revision,
-                    active: h.active.iter().cloned().collect(),
-                    token,
-                    now,
-                });
             }
-            for job in jobs {
-                let Ok(permit) = fire_slots.clone().try_acquire_owned() else {
-                    // All fire slots busy: plan it again when one frees up.
-                    book.fire_starved(job.name);
-                    continue;
-                };
-                book.fire_started(&job.name);
-                let (ctx, store, done) = (self.ctx.clone(), store.clone(), done_tx.clone());
-                firing.spawn(async move {
-                    let name = job.name.clone();
-                    // A panic (a bug) still reports: the fire may have been made, so the
-                    // trigger's fires are recovered before it is planned again.
-                    let outcome = AssertUnwindSafe(execute(&ctx, &store, job))
-                        .catch_unwind()
-                        .await
-                        .unwrap_or_else(|_| {
-                            error!(trigger = %name, "fire job panicked (a bug); its fires are recovered before the next");
-                            Outcome::Unrecorded
-                        });
-                    drop(permit);
-                    let _ = done.send((name, outcome));
-                });
+            term.start(jobs, &mut firing);
+        }
+    }
+}
+
+/// One term as leader: what the leader holds and does between events. Each event's
+/// handler says whether leading must stop; the book (`book.rs`) decides, pure.
+struct Term<'a> {
+    engine: &'a Engine,
+    store: &'a TriggerStore,
+    /// The lease's revision: state written by a newer leader carries a greater one.
+    token: u64,
+    book: Book,
+    fire_slots: Arc<tokio::sync::Semaphore>,
+    done: tokio::sync::mpsc::UnboundedSender<(String, Outcome)>,
+    /// The counts `ax_triggers_held` last showed: set again only when they change.
+    shown: Option<(usize, usize)>,
+}
+
+const NEWER_LEADER: Stop = Stop::StepDown("a newer leader wrote trigger state");
+
+impl Term<'_> {
+    fn show_held(&mut self) {
+        let counts = (self.book.held.len(), self.book.dormant.len());
+        if self.shown != Some(counts) {
+            self.shown = Some(counts);
+            metrics::gauge!(ax_sdk::metrics::TRIGGERS_HELD, "how" => "whole").set(counts.0 as f64);
+            metrics::gauge!(ax_sdk::metrics::TRIGGERS_HELD, "how" => "resting")
+                .set(counts.1 as f64);
+        }
+    }
+
+    /// A definition was written or deleted.
+    async fn definition(
+        &mut self,
+        write: super::feed::KvWrite,
+        due: &mut Vec<String>,
+    ) -> Result<Option<Stop>, EngineError> {
+        let super::feed::KvWrite { name, value, .. } = write;
+        let Some(value) = value else {
+            self.book.held.remove(&name);
+            self.book.dormant.remove(&name);
+            return Ok(None);
+        };
+        let Ok(def) = serde_json::from_slice::<TriggerDef>(&value) else {
+            warn!(trigger = %name, "stored definition does not decode; ignored");
+            return Ok(None);
+        };
+        let Ok(rec) = def.validate() else {
+            warn!(trigger = %name, "stored definition is invalid; ignored");
+            return Ok(None);
+        };
+        let h = self.engine.load(self.store, def, rec).await?;
+        if h.state.leader > self.token {
+            return Ok(Some(NEWER_LEADER));
+        }
+        self.book.dormant.remove(&name);
+        self.book.held.insert(name.clone(), h);
+        due.push(name);
+        Ok(None)
+    }
+
+    /// A trigger's state was written (by anyone: our own writes are skipped while in flight).
+    async fn state(&mut self, write: super::feed::KvWrite, due: &mut Vec<String>) -> Option<Stop> {
+        let super::feed::KvWrite {
+            name,
+            value,
+            revision,
+        } = write;
+        let value = value.filter(|_| !self.book.in_flight(&name))?;
+        let Some(h) = self.book.held.get_mut(&name) else {
+            // Changed while held as its name alone: read back and planned.
+            if self.book.dormant.contains_key(&name) {
+                due.push(name);
             }
+            return None;
+        };
+        if revision <= h.revision {
+            return None;
+        }
+        let state = serde_json::from_slice::<TriggerState>(&value).ok()?;
+        if state.leader > self.token {
+            return Some(NEWER_LEADER);
+        }
+        self.engine.take_state(h, state, revision).await;
+        due.push(name);
+        None
+    }
+
+    /// A trigger task's record was written.
+    fn completion(&mut self, entry: &kv::Entry, due: &mut Vec<String>) {
+        let Some(name) = trigger_of_task(&entry.key) else {
+            return;
+        };
+        if entry.operation != kv::Operation::Put {
+            return;
+        }
+        let Ok(rec) = serde_json::from_slice::<TaskRecord>(&entry.value) else {
+            return;
+        };
+        match self
+            .book
+            .task_record(name, &entry.key, &rec, self.engine.clock.now_ms())
+        {
+            Seen::Nothing => {}
+            Seen::Due(name) => due.push(name),
+            Seen::Adopted(name, scheduled) => warn!(trigger = %name, scheduled,
+                "a previous leader's fire landed after this leader had handled its time; recorded it as fired"),
+        }
+    }
+
+    /// A fire job ended.
+    fn fire_done(&mut self, name: String, outcome: Outcome, due: &mut Vec<String>) -> Option<Stop> {
+        let now = self.engine.clock.now_ms();
+        let free = self.fire_slots.available_permits();
+        match self.book.fire_done(name, outcome, self.token, now, free) {
+            Ok(mut again) => {
+                due.append(&mut again);
+                None
+            }
+            Err(why) => Some(Stop::StepDown(why)),
+        }
+    }
+
+    /// Plans due trigger `name`: a job for `jobs` if it fires (or must store its state),
+    /// else it rests or waits for its next wake.
+    async fn plan(&mut self, name: String, jobs: &mut Vec<Job>) -> Option<Stop> {
+        let (engine, token) = (self.engine, self.token);
+        if !self.book.held.contains_key(&name) && self.book.dormant.contains_key(&name) {
+            match engine.read_back(self.store, &name).await {
+                Ok(Some(h)) if h.state.leader > token => return Some(NEWER_LEADER),
+                Ok(Some(h)) => {
+                    self.book.dormant.remove(&name);
+                    self.book.held.insert(name.clone(), h);
+                }
+                Ok(None) => {
+                    self.book.dormant.remove(&name);
+                    return None;
+                }
+                Err(e) => {
+                    warn!(trigger = %name, cause = %e, "trigger not read back; trying again in 1 s");
+                    self.book.wake(engine.clock.now_ms() + RETRY_MS, name);
+                    return None;
+                }
+            }
+        }
+        let h = self.book.held.get_mut(&name)?;
+        if h.unsure || h.unstored {
+            match engine.record_unrecorded(self.store, h, token).await {
+                Recorded::Yes => {}
+                Recorded::Later => {
+                    // The broker did not let it finish: fire nothing yet, look again.
+                    self.book.wake(engine.clock.now_ms() + RETRY_MS, name);
+                    return None;
+                }
+                Recorded::StepDown => return Some(NEWER_LEADER),
+            }
+        }
+        if h.waits_on_tasks() && h.checked_at.is_none_or(|at| at.elapsed() >= RECHECK) {
+            // Recover completions no feed delivered (belt and braces).
+            h.active = unfinished(&engine.ctx, h.active.iter()).await;
+            h.checked_at = Some(Instant::now());
+            engine.settle(h);
+        }
+        let now = engine.clock.now_ms();
+        let p = plan(&h.def, &h.rec, &h.state, now, !h.active.is_empty());
+        if !p.fires.is_empty() || p.state != h.state {
+            for &t in &p.fires {
+                known_fire(&mut h.known, t);
+            }
+            let active = h.active.iter().cloned().collect();
+            jobs.push(Job::of(name, h, p, active, token, now));
+            return None;
+        }
+        let mut wake = p.next_wake_ms;
+        if h.waits_on_tasks() {
+            // Look at the records again in a while, whatever the feed says.
+            let again = now + RECHECK.as_millis() as u64;
+            wake = Some(wake.map_or(again, |w| w.min(again)));
+        }
+        match self.book.rest(&name, wake, now) {
+            Rest::Rested => {}
+            // Its last fire's end goes to the store (a plan that fires nothing), then it
+            // rests.
+            Rest::StoreFirst => {
+                let h = &self.book.held[&name];
+                jobs.push(Job::of(name, h, p, Vec::new(), token, now));
+            }
+            Rest::Kept => {
+                if let Some(wake) = wake {
+                    self.book.wake(wake, name);
+                }
+            }
+        }
+        None
+    }
+
+    /// Starts the planned jobs, each in `firing` while a fire slot is free.
+    fn start(&mut self, jobs: Vec<Job>, firing: &mut tokio::task::JoinSet<()>) {
+        for job in jobs {
+            let Ok(permit) = self.fire_slots.clone().try_acquire_owned() else {
+                // All fire slots busy: plan it again when one frees up.
+                self.book.fire_starved(job.name);
+                continue;
+            };
+            self.book.fire_started(&job.name);
+            let (ctx, store) = (self.engine.ctx.clone(), self.store.clone());
+            let done = self.done.clone();
+            firing.spawn(async move {
+                let name = job.name.clone();
+                // A panic (a bug) still reports: the fire may have been made, so the
+                // trigger's fires are recovered before it is planned again.
+                let outcome = AssertUnwindSafe(execute(&ctx, &store, job))
+                    .catch_unwind()
+                    .await
+                    .unwrap_or_else(|_| {
+                        error!(trigger = %name, "fire job panicked (a bug); its fires are recovered before the next");
+                        Outcome::Unrecorded
+                    });
+                drop(permit);
+                let _ = done.send((name, outcome));
+            });
         }
     }
 }
@@ -438,6 +490,20 @@ struct Job {
     active: Vec<String>,
     token: u64,
     now: u64,
+}
+
+impl Job {
+    fn of(name: String, h: &Held, plan: Plan, active: Vec<String>, token: u64, now: u64) -> Job {
+        Job {
+            name,
+            def: h.def.clone(),
+            plan,
+            revision: h.revision,
+            active,
+            token,
+            now,
+        }
+    }
 }
 
 /// Fires a planned trigger and stores its new state.

@@ -5,7 +5,7 @@
 use super::held::{known_fire, tracks_every_fire, Held, Recorded, MERGE_ATTEMPTS, REPAIR_WINDOW};
 use super::Engine;
 use crate::trigger::fire::{scheduled_tag, tracked_ids, trigger_task_id, unfinished};
-use crate::trigger::plan::Source;
+use crate::trigger::plan::{Source, TriggerState};
 use crate::trigger::store::{TriggerStore, TriggerStoreError};
 use ax_sdk::state::TaskRecord;
 use tokio::time::Instant;
@@ -117,14 +117,8 @@ impl Engine {
                 if state.leader > token {
                     return Recorded::StepDown;
                 }
-                h.active = unfinished(&self.ctx, tracked_ids(&state)).await;
-                h.checked_at = Some(Instant::now());
-                h.state = state;
-                h.revision = revision;
-                h.fresh = true;
-                h.dirty = false;
                 h.unstored = false;
-                self.settle(h);
+                self.take_state(h, state, revision).await;
             }
             let Some(found) = self.repair(h).await else {
                 return Recorded::Later;
@@ -168,6 +162,18 @@ impl Engine {
     /// from that completion, never fired again after a leader change.
     pub(super) fn settle(&self, h: &mut Held) {
         h.settle(self.clock.now_ms());
+    }
+
+    /// Takes in `state` at `revision` as read from the store (a write seen on the state
+    /// feed, or a read before recording): its unfinished tasks looked up again, settled.
+    pub(super) async fn take_state(&self, h: &mut Held, state: TriggerState, revision: u64) {
+        h.active = unfinished(&self.ctx, tracked_ids(&state)).await;
+        h.checked_at = Some(Instant::now());
+        h.state = state;
+        h.revision = revision;
+        h.fresh = true;
+        h.dirty = false;
+        self.settle(h);
     }
 }
 
@@ -241,7 +247,6 @@ pub(super) mod tests {
     use crate::trigger::engine::held::merge_fire;
     use crate::trigger::model::TriggerDef;
     use crate::trigger::plan::FireRecord;
-    use crate::trigger::plan::TriggerState;
     use crate::trigger::Validate;
     use serde_json::json;
     use std::collections::HashSet;
