@@ -2,16 +2,16 @@
 
 use crate::metrics as m;
 use crate::names;
-use crate::output::Output;
 use crate::state::{ErrorInfo, TaskRecord};
 use crate::task::{header, TaskMeta};
 use crate::time::now_ms;
 use crate::worker::error::TaskError;
-use crate::worker::inflight::{Held, Slot};
+use crate::worker::inflight::Held;
 use crate::worker::settle::{settle, After, End};
 use async_nats::jetstream::{self, AckKind};
 use tracing::{debug, error, info, warn};
 
+use super::end::AttemptEnd;
 use super::shared::*;
 
 /// The trace id of a W3C `traceparent` (its second field).
@@ -19,33 +19,15 @@ pub(super) fn trace_id(traceparent: &str) -> &str {
     traceparent.split('-').nth(1).unwrap_or("")
 }
 
-type Outcome = Option<
-    Result<
-        Result<Result<Output, TaskError>, Box<dyn std::any::Any + Send>>,
-        tokio::time::error::Elapsed,
-    >,
->;
-
 /// One log line per finished attempt (target `ax_sdk::attempt`, in the task's span): outcome,
 /// error class, duration, input and output sizes.
 pub(super) fn log_attempt(
     span: &tracing::Span,
-    outcome: &Outcome,
-    (slot, lost): (&Slot, Lost<'_>),
+    end: &AttemptEnd,
     took: std::time::Duration,
     input_bytes: usize,
 ) {
-    let (result, class, output_bytes) = match outcome {
-        Some(Ok(Ok(Ok(Output(out))))) => {
-            ("succeeded", "", out.as_ref().map_or(0, |o| o.bytes.len()))
-        }
-        Some(Ok(Ok(Err(e)))) => ("failed", e.class.as_str(), 0),
-        Some(Ok(Err(_))) => ("failed", "panic", 0),
-        Some(Err(_)) => ("failed", "timeout", 0),
-        None if slot.cancel.is_cancelled() => ("cancelled", "", 0),
-        None if lost.is_lost() => ("stopped", "slot_lost", 0),
-        None => ("handed_back", "shutdown", 0),
-    };
+    let (result, class, output_bytes) = end.log_fields();
     info!(target: "ax_sdk::attempt", parent: span, outcome = result, class,
         duration_ms = took.as_millis() as u64, input_bytes, output_bytes, "attempt finished");
 }

@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::OwnedSemaphorePermit;
 use tracing::{debug, error, warn};
 
+mod end;
 mod finish;
 mod run;
 mod shared;
@@ -162,7 +163,7 @@ async fn process(
     for _ in 0..5 {
         let claiming = Instant::now();
         match claim(sh, meta, msg).await {
-            Claim::Started(rec, token, deferred) => {
+            Claim::Started(claimed) => {
                 #[cfg(feature = "test-hooks")]
                 crate::hooks::slow_claim().await;
                 // Under a rate: the handler starts when its token is due (the claim ran in
@@ -179,16 +180,16 @@ async fn process(
                 // record (a rate token, a stalled process) writes `running` first: an
                 // operator's cancel made meanwhile, whose signal this worker may have
                 // missed, must not be outrun (`LATE_START`).
-                let (rec, token, deferred) = match deferred && claiming.elapsed() > LATE_START {
-                    false => (rec, token, deferred),
-                    true => match late_start(sh, meta, msg, rec, token).await {
-                        Claim::Started(rec, token, deferred) => (rec, token, deferred),
+                let claimed = match claimed.deferred && claiming.elapsed() > LATE_START {
+                    false => claimed,
+                    true => match late_start(sh, meta, msg, claimed).await {
+                        Claim::Started(claimed) => claimed,
                         Claim::Again => continue,
                         Claim::Done => return,
                     },
                 };
                 let lost = Lost(&limit_slots);
-                return run(sh, meta, route, msg, *rec, token, deferred, slot, lost).await;
+                return run(sh, meta, route, msg, claimed, slot, lost).await;
             }
             Claim::Again => continue,
             Claim::Done => return,

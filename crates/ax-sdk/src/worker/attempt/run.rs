@@ -3,7 +3,6 @@
 
 use crate::metrics as m;
 use crate::output::{Output, StoredOutput, MAX_OUTPUT_BYTES};
-use crate::state::TaskRecord;
 use crate::task::TaskMeta;
 use crate::time::now_ms;
 use crate::worker::error::TaskError;
@@ -18,25 +17,29 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tracing::{info, warn};
 
+use super::end::{AttemptEnd, Stopped};
 use super::finish::{ack_kind, fail, log_attempt, put_output, streak, trace_id};
 use super::shared::*;
-use super::start::FIRST_WRITE_AFTER;
+use super::start::{Claimed, FIRST_WRITE_AFTER};
 
 /// The error class of an attempt stopped by its soft timeout.
 pub(crate) const STALLED: &str = "heartbeat_timeout";
 
-#[allow(clippy::too_many_arguments)]
 pub(super) async fn run(
     sh: &Shared,
     meta: &TaskMeta,
     route: &Route<'_>,
     msg: &jetstream::Message,
-    rec: TaskRecord,
-    token: u64,
-    deferred: bool,
+    claimed: Claimed,
     slot: &Slot,
     lost: Lost<'_>,
 ) {
+    let Claimed {
+        rec,
+        token,
+        deferred,
+    } = claimed;
+    let rec = *rec;
     let held = &slot.held;
     let queue = sh.queue.clone();
     let task_label = sh.labels.task(&meta.name);
@@ -148,19 +151,22 @@ pub(super) async fn run(
             attempt.await
         }
     };
-    log_attempt(
-        &span,
-        &outcome,
-        (slot, lost),
-        started.elapsed(),
-        input_bytes,
-    );
+    let end = AttemptEnd::of(outcome, || {
+        if slot.cancel.is_cancelled() {
+            Stopped::Cancelled
+        } else if lost.is_lost() {
+            Stopped::SlotLost
+        } else {
+            Stopped::Shutdown
+        }
+    });
+    log_attempt(&span, &end, started.elapsed(), input_bytes);
     // The revision the outcome is written against (the `running` write's, if made).
     let token = fence.revision().await;
     metrics::histogram!(m::RUN_DURATION, "queue" => queue.clone(), "task" => task_label.clone())
         .record(started.elapsed().as_secs_f64());
-    match outcome {
-        Some(Ok(Ok(Ok(Output(Some(out)))))) if out.bytes.len() > MAX_OUTPUT_BYTES => {
+    match end {
+        AttemptEnd::Returned(Output(Some(out))) if out.bytes.len() > MAX_OUTPUT_BYTES => {
             let e = TaskError::permanent(
                 "output_too_large",
                 format!(
@@ -170,7 +176,7 @@ pub(super) async fn run(
             );
             fail(sh, meta, msg, rec, token, e, false, held).await
         }
-        Some(Ok(Ok(Ok(output)))) => {
+        AttemptEnd::Returned(output) => {
             metrics::gauge!(m::TASK_TIMEOUT_RATE, "queue" => queue.clone())
                 .set(sh.rate.record(false));
             let mut stored = None;
@@ -193,18 +199,17 @@ pub(super) async fn run(
                 reply(msg, ack_kind(after)).await;
             }
         }
-        Some(Ok(Ok(Err(e)))) if e.class == STALLED && !e.permanent => {
+        AttemptEnd::Failed(e) if e.class == STALLED && !e.permanent => {
             metrics::counter!(m::TIMEOUTS, "queue" => queue, "kind" => "soft").increment(1);
             fail(sh, meta, msg, rec, token, e, true, held).await
         }
-        Some(Ok(Ok(Err(e)))) => fail(sh, meta, msg, rec, token, e, false, held).await,
-        Some(Ok(Err(panic))) => {
-            let what = crate::error::panic_text(panic.as_ref());
+        AttemptEnd::Failed(e) => fail(sh, meta, msg, rec, token, e, false, held).await,
+        AttemptEnd::Panicked(what) => {
             warn!(task_id = %meta.id, cause = %what, "handler panicked; the attempt failed");
             let e = TaskError::new("panic", what);
             fail(sh, meta, msg, rec, token, e, false, held).await;
         }
-        Some(Err(_elapsed)) => {
+        AttemptEnd::TimedOut => {
             metrics::counter!(m::TIMEOUTS, "queue" => queue, "kind" => "hard").increment(1);
             let e = TaskError::new(
                 "timeout",
@@ -220,7 +225,7 @@ pub(super) async fn run(
         // and may be held by another attempt: the handler was stopped so the cap holds, and
         // the task goes back unless another attempt took it over (then this write is stale
         // and refused); or the shutdown grace is over: handed back for another worker.
-        None => {
+        AttemptEnd::Stopped(why) => {
             let mut rec = rec;
             // An attempt that was to start unwritten and never started is not counted
             // (its claim counted it in the record it was going to write).
@@ -228,12 +233,10 @@ pub(super) async fn run(
                 rec.attempt = rec.attempt.saturating_sub(1);
             }
             let attempt = rec.attempt;
-            let end = if slot.cancel.is_cancelled() {
-                End::Cancelled
-            } else if lost.is_lost() {
-                End::SlotLost
-            } else {
-                End::Shutdown
+            let end = match why {
+                Stopped::Cancelled => End::Cancelled,
+                Stopped::SlotLost => End::SlotLost,
+                Stopped::Shutdown => End::Shutdown,
             };
             let (record, after) = settle(meta, rec, end.clone(), now_ms(), Duration::ZERO);
             if write(sh, &record, token, held).await {

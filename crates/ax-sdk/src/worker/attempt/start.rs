@@ -119,11 +119,29 @@ pub(super) async fn start_when_due(
 }
 
 pub(super) enum Claim {
-    /// Run the attempt of this record under this token; `true` if its `running` record is
-    /// not written yet (a first attempt on its first delivery: see [`first_delivery`]).
-    Started(Box<TaskRecord>, u64, bool),
+    /// Run this attempt.
+    Started(Claimed),
     Again,
     Done,
+}
+
+/// An attempt claimed: its record, the token its outcome is written under, and whether
+/// its `running` record is not written yet (a first attempt on its first delivery: see
+/// [`first_delivery`]).
+pub(super) struct Claimed {
+    pub(super) rec: Box<TaskRecord>,
+    pub(super) token: u64,
+    pub(super) deferred: bool,
+}
+
+impl Claim {
+    fn started(rec: Box<TaskRecord>, token: u64, deferred: bool) -> Claim {
+        Claim::Started(Claimed {
+            rec,
+            token,
+            deferred,
+        })
+    }
 }
 
 /// Reads the record and carries out [`decide`]'s decision.
@@ -250,25 +268,25 @@ pub(super) async fn claim(sh: &Shared, meta: &TaskMeta, msg: &jetstream::Message
         // the duplicate window), and the record naming this message is what retires the
         // other copy.
         Decision::Start { rec, lost: false } if found.is_none() && meta.run_at_ms.is_none() => {
-            Claim::Started(rec, 0, true)
+            Claim::started(rec, 0, true)
         }
         Decision::Start { rec, lost: false }
             if sh.lean_first_attempt
                 && first_delivery(found.as_ref().map(|(r, _)| r), msg, delivery.seq) =>
         {
-            Claim::Started(rec, revision, true)
+            Claim::started(rec, revision, true)
         }
         Decision::Start { rec, lost: false }
             if retry_delivery(found.as_ref().map(|(r, _)| r), delivery.seq) =>
         {
-            Claim::Started(rec, revision, true)
+            Claim::started(rec, revision, true)
         }
         Decision::Start { rec, lost } => match sh.tasks.cas(&rec, revision).await {
             Ok(token) => {
                 if lost {
                     count_lost_heartbeat(sh, None);
                 }
-                Claim::Started(rec, token, false)
+                Claim::started(rec, token, false)
             }
             Err(StateError::Stale { .. }) => Claim::Again,
             Err(e) => {
@@ -288,12 +306,12 @@ pub(super) async fn late_start(
     sh: &Shared,
     meta: &TaskMeta,
     msg: &jetstream::Message,
-    mut rec: Box<TaskRecord>,
-    token: u64,
+    claimed: Claimed,
 ) -> Claim {
+    let Claimed { mut rec, token, .. } = claimed;
     rec.updated_at_ms = now_ms();
     match sh.tasks.cas(&rec, token).await {
-        Ok(token) => Claim::Started(rec, token, false),
+        Ok(token) => Claim::started(rec, token, false),
         Err(StateError::Stale { .. }) => {
             debug!(task_id = %meta.id, "record moved before a late start; claiming again");
             Claim::Again
