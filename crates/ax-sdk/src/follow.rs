@@ -45,6 +45,13 @@ impl Reconnects {
         }
     }
 
+    /// True if a connection was made since this was created or last marked; marks it.
+    /// For a loop that checks between its own waits instead of awaiting [`changed`](Reconnects::changed).
+    pub fn take(&mut self) -> bool {
+        let now = self.stats.connects.load(Ordering::Relaxed);
+        std::mem::replace(&mut self.seen, now) != now
+    }
+
     /// Takes the connections made so far as seen (after following again).
     pub fn mark(&mut self) {
         self.seen = self.stats.connects.load(Ordering::Relaxed);

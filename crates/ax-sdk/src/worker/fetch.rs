@@ -23,10 +23,9 @@ use crate::supervisor::Supervisor;
 use async_nats::jetstream::{self, consumer::PullConsumer};
 use futures::{FutureExt, StreamExt};
 use std::convert::Infallible;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::{Notify, Semaphore};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -136,114 +135,27 @@ pub(super) async fn run(
     // Long polls by priority. A reconnect loses their pull requests on the server side:
     // then they are aborted and sent again rather than waited out.
     let mut polls: [Option<JoinHandle<()>>; 3] = Default::default();
-    let stats = shared.js.client().statistics();
-    let mut connects = stats.connects.load(Ordering::Relaxed);
+    let mut reconnects = crate::follow::Reconnects::new(&shared.js.client());
     metrics::gauge!(crate::metrics::WORKER_BUSY_RATE, "queue" => worker.queue.clone()).set(0.0);
     metrics::gauge!(crate::metrics::TASK_TIMEOUT_RATE, "queue" => worker.queue.clone()).set(0.0);
     info!(queue = %worker.queue, concurrency = worker.concurrency, "worker started");
 
-    'outer: loop {
-        // Nothing is fetched before the queue's limits and pause flag are read (a worker
-        // started during a pause must not take the paused queue's tasks), nor while the
-        // queue is paused (running attempts go on).
-        tokio::select! {
-            _ = shutdown.cancelled() => break,
-            _ = shared.gate.wait_ready() => {}
-        }
-        if shared.gate.paused() {
-            tokio::select! {
-                _ = shutdown.cancelled() => break,
-                _ = shared.gate.wait_unpaused() => {}
-            }
-        }
-        let first = tokio::select! {
-            _ = shutdown.cancelled() => break,
-            p = slots.clone().acquire_owned() => p.expect("never closed"),
+    loop {
+        let Some(permits) = free_slots(&shared, &slots, worker.max_batch, &shutdown).await else {
+            break;
         };
-        let mut permits = vec![first];
-        while permits.len() < worker.max_batch {
-            match slots.clone().try_acquire_owned() {
-                Ok(p) => permits.push(p),
-                Err(_) => break,
-            }
-        }
-        let mut fetched = 0usize;
-        for p in picker.order() {
-            if permits.is_empty() {
-                break;
-            }
-            // A pull request lost with a restarting server is never answered: bound the
-            // wait on the client side.
-            let fetch = async {
-                let mut batch = consumers[p.index()]
-                    .fetch()
-                    .max_messages(permits.len())
-                    .messages()
-                    .await?;
-                while let Some(msg) = batch.next().await {
-                    match msg {
-                        Ok(msg) => {
-                            fetched += 1;
-                            let permit = permits.pop();
-                            attempt::spawn(&shared, msg, permit);
-                        }
-                        Err(e) => warn!(cause = %e, priority = %p, "fetch error"),
-                    }
-                }
-                Ok::<(), async_nats::Error>(())
-            };
-            match tokio::time::timeout(FETCH_TIMEOUT, fetch).await {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => warn!(cause = %e, priority = %p, "fetch failed"),
-                Err(_) => warn!(priority = %p, "fetch unanswered; retrying"),
-            }
-        }
-        drop(permits);
-        if fetched > 0 {
+        if fetch_round(&shared, &consumers, picker.order(), permits).await > 0 {
             continue;
         }
         // Every priority is empty: long-poll all three, wake on the first arrival.
-        let now_connects = stats.connects.load(Ordering::Relaxed);
-        if now_connects != connects {
-            connects = now_connects;
+        if reconnects.take() {
             for poll in polls.iter_mut().filter_map(Option::take) {
                 poll.abort();
             }
         }
-        for p in Priority::ALL {
-            if polls[p.index()].as_ref().is_some_and(|h| !h.is_finished()) {
-                continue;
-            }
-            let (consumers, woken, shared) = (consumers.clone(), woken.clone(), shared.clone());
-            // Randomly 80–120 % of `idle_poll`: JetStream hands a message to the oldest
-            // waiting pull, so idle workers polling in a fixed phase would always give a
-            // redelivered message to the same one (a task handed back by a worker that does
-            // not serve its name would keep going back to it).
-            let expires = worker
-                .idle_poll
-                .mul_f64(rand::Rng::random_range(&mut rand::rng(), 0.8..1.2));
-            polls[p.index()] = Some(tokio::spawn(async move {
-                let poll = async {
-                    let batch = consumers[p.index()]
-                        .batch()
-                        .max_messages(1)
-                        .expires(expires)
-                        .messages()
-                        .await;
-                    if let Ok(mut batch) = batch {
-                        while let Some(msg) = batch.next().await {
-                            if let Ok(msg) = msg {
-                                attempt::spawn(&shared, msg, None);
-                                woken.notify_one();
-                            }
-                        }
-                    }
-                };
-                let _ = tokio::time::timeout(expires + FETCH_TIMEOUT, poll).await;
-            }));
-        }
+        long_poll(&mut polls, &consumers, &woken, &shared, worker.idle_poll);
         tokio::select! {
-            _ = shutdown.cancelled() => break 'outer,
+            _ = shutdown.cancelled() => break,
             _ = woken.notified() => {}
             _ = tokio::time::sleep(worker.idle_poll) => {}
         }
@@ -265,6 +177,123 @@ pub(super) async fn run(
     services.stop().await;
     info!(queue = %worker.queue, "worker stopped");
     Ok(())
+}
+
+/// Waits until the worker may fetch — the queue's limits and pause flag read (a worker
+/// started during a pause must not take the paused queue's tasks), the queue not paused
+/// (running attempts go on), a handler slot free — and takes every free slot, at most
+/// `max_batch`. `None` on shutdown.
+async fn free_slots(
+    shared: &Shared,
+    slots: &Arc<Semaphore>,
+    max_batch: usize,
+    shutdown: &CancellationToken,
+) -> Option<Vec<OwnedSemaphorePermit>> {
+    tokio::select! {
+        _ = shutdown.cancelled() => return None,
+        _ = shared.gate.wait_ready() => {}
+    }
+    if shared.gate.paused() {
+        tokio::select! {
+            _ = shutdown.cancelled() => return None,
+            _ = shared.gate.wait_unpaused() => {}
+        }
+    }
+    let first = tokio::select! {
+        _ = shutdown.cancelled() => return None,
+        p = slots.clone().acquire_owned() => p.expect("never closed"),
+    };
+    let mut permits = vec![first];
+    while permits.len() < max_batch {
+        match slots.clone().try_acquire_owned() {
+            Ok(p) => permits.push(p),
+            Err(_) => break,
+        }
+    }
+    Some(permits)
+}
+
+/// One fetch round: `no_wait` pulls in `order` until the permits are used, each delivery
+/// started with one. Answers how many were fetched (0: every priority is empty).
+async fn fetch_round(
+    shared: &Arc<Shared>,
+    consumers: &[PullConsumer],
+    order: [Priority; 3],
+    mut permits: Vec<OwnedSemaphorePermit>,
+) -> usize {
+    let mut fetched = 0usize;
+    for p in order {
+        if permits.is_empty() {
+            break;
+        }
+        // A pull request lost with a restarting server is never answered: bound the wait
+        // on the client side.
+        let fetch = async {
+            let mut batch = consumers[p.index()]
+                .fetch()
+                .max_messages(permits.len())
+                .messages()
+                .await?;
+            while let Some(msg) = batch.next().await {
+                match msg {
+                    Ok(msg) => {
+                        fetched += 1;
+                        let permit = permits.pop();
+                        attempt::spawn(shared, msg, permit);
+                    }
+                    Err(e) => warn!(cause = %e, priority = %p, "fetch error"),
+                }
+            }
+            Ok::<(), async_nats::Error>(())
+        };
+        match tokio::time::timeout(FETCH_TIMEOUT, fetch).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => warn!(cause = %e, priority = %p, "fetch failed"),
+            Err(_) => warn!(priority = %p, "fetch unanswered; retrying"),
+        }
+    }
+    fetched
+}
+
+/// Sends a long poll (one message, expiring after about `idle_poll`) on each priority that
+/// has none in flight; a message that arrives starts and wakes the worker.
+fn long_poll(
+    polls: &mut [Option<JoinHandle<()>>; 3],
+    consumers: &Arc<Vec<PullConsumer>>,
+    woken: &Arc<Notify>,
+    shared: &Arc<Shared>,
+    idle_poll: Duration,
+) {
+    for p in Priority::ALL {
+        if polls[p.index()].as_ref().is_some_and(|h| !h.is_finished()) {
+            continue;
+        }
+        let (consumers, woken, shared) = (consumers.clone(), woken.clone(), shared.clone());
+        // Randomly 80–120 % of `idle_poll`: JetStream hands a message to the oldest waiting
+        // pull, so idle workers polling in a fixed phase would always give a redelivered
+        // message to the same one (a task handed back by a worker that does not serve its
+        // name would keep going back to it).
+        let expires = idle_poll.mul_f64(rand::Rng::random_range(&mut rand::rng(), 0.8..1.2));
+        polls[p.index()] = Some(tokio::spawn(async move {
+            let poll = async {
+                let batch = consumers[p.index()]
+                    .batch()
+                    .max_messages(1)
+                    .expires(expires)
+                    .messages()
+                    .await;
+                if let Ok(mut batch) = batch {
+                    while let Some(msg) = batch.next().await {
+                        if let Ok(msg) = msg {
+                            attempt::spawn(&shared, msg, None);
+                            woken.notify_one();
+                        }
+                    }
+                }
+            };
+            let _ = tokio::time::timeout(expires + FETCH_TIMEOUT, poll).await;
+        }));
+    }
 }
 
 /// Answers operators' cancel signals (`ax.cancel.<queue>`, body = task id): the attempt
