@@ -44,12 +44,23 @@ _MAIN = ("__main__", "__mp_main__")
 class _Child:
     """One child process and the parent's end of its pipe."""
 
-    def __init__(self, ctx: Any, target: Any, args: tuple[Any, ...]):
-        self.conn, child_end = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=target, args=(child_end, *args), daemon=True, name="ax-task-process")
-        self.proc.start()
-        child_end.close()
+    def __init__(self, conn: Any, proc: Any):
+        self.conn = conn
+        self.proc = proc
         self.ready = False
+        # Killed once: the attempt's thread (its timeout) and the runtime's stop may both
+        # kill a child at the same moment, and a pipe closed twice at once closes a file
+        # descriptor that may already belong to something else.
+        self._kill_lock = threading.Lock()
+        self._killed = False
+
+    @classmethod
+    def spawn(cls, ctx: Any, target: Any, args: tuple[Any, ...]) -> _Child:
+        conn, child_end = ctx.Pipe(duplex=True)
+        proc = ctx.Process(target=target, args=(child_end, *args), daemon=True, name="ax-task-process")
+        proc.start()
+        child_end.close()
+        return cls(conn, proc)
 
     def wait_ready(self, timeout: float) -> None:
         try:
@@ -63,6 +74,12 @@ class _Child:
         self.ready = True
 
     def kill(self) -> None:
+        """Kills the child and closes its pipe, once: later calls, from any thread, return
+        at once."""
+        with self._kill_lock:
+            if self._killed:
+                return
+            self._killed = True
         if self.proc.is_alive():
             self.proc.kill()
         self.proc.join(2)
@@ -108,7 +125,7 @@ class ProcessPool:
 
     def _spawn(self) -> _Child:
         with self._lock:
-            child = _Child(self._ctx, _child_main, self._args)
+            child = _Child.spawn(self._ctx, _child_main, self._args)
             self._children.append(child)
         return child
 
@@ -122,10 +139,10 @@ class ProcessPool:
         return child
 
     def _drop(self, child: _Child) -> None:
-        child.kill()
         with self._lock:
             if child in self._children:
                 self._children.remove(child)
+        child.kill()
 
     def _take(self, core: Any) -> _Child:
         """An idle child, waiting (with heartbeats for the attempt) while the children

@@ -149,3 +149,48 @@ def test_per_task_memory_and_cpu_limits_fail_the_attempt_and_spare_the_runtime(r
     assert failed.value.error_class == "cpu_limit"
     assert spinning.submit(0.1, client=client).result(timeout=30) > 0, "the next attempt has its own second"
     assert in_a_child.submit(1, client=client).result(timeout=30)["x"] == 1
+
+
+def test_a_task_process_killed_from_two_threads_at_once_closes_its_pipe_once():
+    """The attempt's hard timeout and the runtime's stop may kill one child at the same
+    moment (seen once at stop as EBADF: its pipe closed twice at once, the second time a
+    file descriptor that may already belong to something else): it is closed once."""
+    import threading
+
+    from ax_scheduler._processes import _Child
+
+    class Pipe:
+        def __init__(self) -> None:
+            self.closes = 0
+
+        def close(self) -> None:
+            self.closes += 1
+            time.sleep(0.05)  # a close that takes a while, as under load
+            if self.closes > 1:
+                raise OSError(9, "Bad file descriptor")
+
+    class Proc:
+        def is_alive(self) -> bool:
+            return False
+
+        def join(self, timeout: float | None = None) -> None:
+            return None
+
+    pipe = Pipe()
+    child = _Child(pipe, Proc())
+    errors: list[OSError] = []
+    both = threading.Barrier(2)
+
+    def kill() -> None:
+        both.wait()
+        try:
+            child.kill()
+        except OSError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=kill) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert (pipe.closes, errors) == (1, [])
