@@ -160,7 +160,8 @@ pub(crate) async fn run(args: ServerArgs, conn: &Conn) -> Result<()> {
     let shutdown = crate::shutdown_on_signal();
     let topology = args.topology.topology()?;
     // Settings that cannot get better by waiting fail before NATS is awaited.
-    let mut builder = Server::builder();
+    // The fault tests' AX_TEST_* variables (none in production: see ax_sdk::faults).
+    let mut builder = Server::builder().faults(ax_sdk::faults::Faults::from_env());
     if let Some(addr) = args.console_addr {
         let mut console = ax_server::console::ConsoleConfig::new(addr)
             .request_timeout(args.console_request_timeout)

@@ -108,7 +108,10 @@ pub(crate) fn example_worker(
     id: Option<String>,
     journal: Option<Journal>,
 ) -> Result<Worker> {
-    let mut builder = Worker::builder(queue).concurrency(concurrency);
+    // The fault tests' AX_TEST_* variables (none in production: see ax_sdk::faults).
+    let mut builder = Worker::builder(queue)
+        .concurrency(concurrency)
+        .faults(ax_sdk::faults::Faults::from_env());
     let worker_id = id.unwrap_or_else(|| format!("{}-{}", std::process::id(), nuid::next()));
     builder = builder.id(worker_id.clone());
     Ok(builder

@@ -21,7 +21,8 @@ fn file(n: usize, every_ms: u64) -> Vec<Value> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_file_over_the_max_payload_is_applied_in_parts_all_or_nothing() {
-    let env = Env::start(Env::server()).await;
+    let faults = ax_sdk::faults::Faults::armed();
+    let env = Env::start(Env::server().faults(faults.clone())).await;
     let max = env.client.server_info().max_payload;
     let defs = file(3000, 3_600_000);
     let bytes: usize = defs.iter().map(|d| d.to_string().len()).sum();
@@ -36,7 +37,7 @@ async fn a_file_over_the_max_payload_is_applied_in_parts_all_or_nothing() {
             .unwrap();
     }
     // Names pages of 2 KiB: the 3,002 stored names take many, and "zz-old" is on the last.
-    ax_sdk::hooks::set_names_page_bytes(2048);
+    faults.names_page_bytes(2048);
 
     let mut seen: Vec<(ApplyStage, usize, usize)> = Vec::new();
     let report = env

@@ -37,15 +37,11 @@ async fn stored(js: &async_nats::jetstream::Context, stream: &str) -> u64 {
 enum Kill {
     One(usize),
     Both,
-    /// Restart server `i` with a fault hook that aborts it at a precise line.
+    /// Restart server `i` with a fault armed (`AX_TEST_*`) that aborts it at a precise line.
     Hook(usize, &'static str),
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[cfg_attr(
-    not(feature = "test-hooks"),
-    ignore = "needs the fault hooks: ./dev test (cargo test --features test-hooks)"
-)]
 async fn two_servers_killed_during_load_lose_nothing() {
     let nats = LocalNats::start().unwrap();
     let url = nats.url();
@@ -564,10 +560,6 @@ async fn store_list(client: &async_nats::Client) -> Vec<ax_sdk::TaskRecord> {
 /// recording it in the trigger state. The next leader finds the fire's task and records it,
 /// so the time is neither counted as skipped nor run over by the overlap policy.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[cfg_attr(
-    not(feature = "test-hooks"),
-    ignore = "needs the fault hooks: ./dev test (cargo test --features test-hooks)"
-)]
 async fn a_fire_the_leader_did_not_record_is_recorded_by_the_next() {
     let nats = LocalNats::start().unwrap();
     let url = nats.url();

@@ -46,7 +46,8 @@ fn console_env_server(port: u16) -> ax_server::ServerBuilder {
 async fn find_a_dead_task_by_error_class_retry_it_and_watch_it_succeed() {
     within(Duration::from_secs(120), "console: dead task", async {
         let port = free_port();
-        let env = Env::start(console_env_server(port).id("console-overview")).await;
+        let faults = ax_sdk::faults::Faults::armed();
+        let env = Env::start(console_env_server(port).faults(faults.clone())).await;
         let site = format!("http://127.0.0.1:{port}");
         let (w, fixed) = failing_until_fixed("charge", "card_declined");
         let _w = env.spawn_worker(w);
@@ -81,7 +82,7 @@ async fn find_a_dead_task_by_error_class_retry_it_and_watch_it_succeed() {
         b.until("every service up on the overview", 15,
             "const r = [...document.querySelectorAll('#services tr[data-service]')]; \
              return r.length === 8 && r.every((t) => t.querySelector('.up').textContent.trim() === 'up')").await;
-        ax_sdk::hooks::panic_service("console-overview", "alerts");
+        faults.panic_service("alerts");
         crate::support::eventually(Duration::from_secs(15), "the alerts service restarted", || async {
             env.ax.submit("q", TaskSpec::new("send").json(&98)).await.unwrap();
             b.script("const r = document.querySelector('#services tr[data-service=alerts]'); \

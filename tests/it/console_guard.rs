@@ -398,10 +398,12 @@ async fn page_status(port: u16) -> Option<u16> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_console_that_panics_comes_back_and_serves() {
     let port = free_port();
-    let _env = Env::start(Env::server().id("sup-console").console(console(port))).await;
+    let faults = ax_sdk::faults::Faults::armed();
+    let server = Env::server().faults(faults.clone()).console(console(port));
+    let _env = Env::start(server).await;
     assert_eq!(page_status(port).await, Some(200));
-    ax_sdk::hooks::panic_service("sup-console", "console");
-    // The hook is polled every 50 ms; the restart waits 100 ms.
+    faults.panic_service("console");
+    // The fault is polled every 50 ms; the restart waits 100 ms.
     tokio::time::sleep(Duration::from_millis(300)).await;
     crate::support::eventually(
         Duration::from_secs(10),
@@ -417,7 +419,9 @@ async fn a_console_that_panics_comes_back_and_serves() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn healthz_shows_each_service_and_its_restarts() {
     let port = free_port();
-    let _env = Env::start(Env::server().id("sup-health").console(console(port))).await;
+    let faults = ax_sdk::faults::Faults::armed();
+    let server = Env::server().faults(faults.clone()).console(console(port));
+    let _env = Env::start(server).await;
     let host = format!("127.0.0.1:{port}");
     let health = || async {
         let a = send(port, "GET", "/healthz", &[("host", &host)], "").await;
@@ -442,8 +446,8 @@ async fn healthz_shows_each_service_and_its_restarts() {
         (status == 200 && v["ok"] == true && up).then_some(())
     })
     .await;
-    ax_sdk::hooks::fail_service_starts("sup-health", "alerts", 2);
-    ax_sdk::hooks::panic_service("sup-health", "alerts");
+    faults.fail_service_starts("alerts", 2);
+    faults.panic_service("alerts");
     let v = crate::support::eventually(Duration::from_secs(15), "alerts restarted", || async {
         let (status, v) = health().await;
         let alerts = &v["services"]["alerts"];
@@ -461,16 +465,17 @@ async fn healthz_shows_each_service_and_its_restarts() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn healthz_tells_a_stranger_no_causes_and_refuses_a_forged_host() {
     let port = free_port();
+    let faults = ax_sdk::faults::Faults::armed();
     let _env = Env::start(
         Env::server()
-            .id("sup-health-auth")
+            .faults(faults.clone())
             .console(console(port).token(ADMIN).readonly_token(VIEWER)),
     )
     .await;
     let host = format!("127.0.0.1:{port}");
     let forged = send(port, "GET", "/healthz", &[("host", "evil.example")], "").await;
     assert_eq!(forged.status, 403, "{}", forged.body);
-    ax_sdk::hooks::panic_service("sup-health-auth", "alerts");
+    faults.panic_service("alerts");
     let bearer = format!("Bearer {ADMIN}");
     for (auth, cause) in [
         (None, false),

@@ -32,17 +32,19 @@ fn msg(subject: &str, header: (&str, &str)) -> Outgoing {
     }
 }
 
-/// A group commit that panics (a bug; here the test hook's subject) fails its own callers
+/// A group commit that panics (a bug; here an armed fault's subject) fails its own callers
 /// and its lane goes on: after more panics than there are lanes, publishes still work.
 #[tokio::test]
 async fn a_group_commit_that_panics_fails_its_callers_and_the_lanes_go_on() {
     let nats = LocalNats::start().unwrap();
     let js = stream(&nats).await;
-    let grouped = Grouped::start(js.clone(), GroupCommit::Always, "G");
+    let faults = ax_sdk::faults::Faults::armed();
+    faults.panic_group_commits();
+    let grouped = Grouped::start_with_faults(js.clone(), GroupCommit::Always, "G", faults);
     for i in 0..10 {
         let lost = grouped
             .publish(msg(
-                ax_sdk::hooks::PANIC_GROUP_SUBJECT,
+                ax_sdk::faults::PANIC_GROUP_SUBJECT,
                 ("Nats-Msg-Id", &format!("p{i}")),
             ))
             .await;

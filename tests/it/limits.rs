@@ -23,7 +23,7 @@ pub(crate) fn workers(url: &str, n: usize, concurrency: usize) -> Workers {
     workers_env(url, n, concurrency, &[])
 }
 
-/// [`workers`] with extra environment variables (a fault hook).
+/// [`workers`] with extra environment variables (an `AX_TEST_*` fault).
 pub(crate) fn workers_env(
     url: &str,
     n: usize,

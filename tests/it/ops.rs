@@ -869,8 +869,9 @@ async fn every_attempt_logs_in_a_span_with_the_task_and_its_trace() {
 
 #[tokio::test]
 async fn a_retry_delivered_before_its_record_moves_waits_for_it_and_runs() {
+    let faults = ax_sdk::faults::Faults::armed();
     within(Duration::from_secs(30), "retry race", async {
-        let env = Env::start(Env::server()).await;
+        let env = Env::start(Env::server().faults(faults.clone())).await;
         let fixed = Arc::new(AtomicBool::new(false));
         let (w, runs, _) = worker(fixed.clone());
         let _w = env.spawn_worker(w);
@@ -886,9 +887,9 @@ async fn a_retry_delivered_before_its_record_moves_waits_for_it_and_runs() {
         fixed.store(true, Ordering::SeqCst);
         // The retry's message reaches the idle worker long before its record says
         // `pending`: the worker must wait for that write, not dead-letter the task again.
-        ax_sdk::hooks::set_retry_gap_ms(800);
+        faults.retry_gap(Duration::from_millis(800));
         let retried = env.ax.retry_task(&id, false).await;
-        ax_sdk::hooks::set_retry_gap_ms(0);
+        faults.retry_gap(Duration::ZERO);
         assert_eq!(retried.unwrap().state, TaskState::Pending);
         let rec = env
             .wait_state(&id, TaskState::Succeeded, Duration::from_secs(10))

@@ -17,7 +17,7 @@ impl AxProc {
         Self::spawn_full(url, args, metrics, &[])
     }
 
-    /// With extra environment variables (e.g. a fault hook).
+    /// With extra environment variables (e.g. an `AX_TEST_*` fault).
     pub fn spawn_env(url: &str, args: &[&str], env: &[(&str, &str)]) -> AxProc {
         Self::spawn_full(url, args, "off", env)
     }

@@ -1,5 +1,5 @@
 //! The server's long-running parts are supervised: made to fail at start or to panic
-//! mid-run (test hooks), each comes back and does its work — cron keeps firing, a flow run
+//! mid-run (faults armed on a value the test hands the server), each comes back and does its work — cron keeps firing, a flow run
 //! that was mid-way finishes, the task index lists new tasks — and a fire job that panics
 //! does not stop its trigger, and a flow run whose turn panics still finishes.
 
@@ -36,13 +36,14 @@ async fn fires_beyond(env: &Env, trigger: &str, from: usize, n: usize, what: &st
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_trigger_engine_that_panics_comes_back_and_keeps_firing() {
-    let env = Env::start(Env::server().id("sup-trig")).await;
+    let faults = ax_sdk::faults::Faults::armed();
+    let env = Env::start(Env::server().faults(faults.clone())).await;
     let (stop, handle) = quick_worker(&env);
     let mut def = interval("beat", 1000);
     def["overlap"] = json!("allow");
     env.ax.trigger("put", &def).await.unwrap();
     let before = fires_beyond(&env, "beat", 0, 2, "two fires").await;
-    ax_sdk::hooks::panic_service("sup-trig", "trigger-engine");
+    faults.panic_service("trigger-engine");
     // The engine panics within 50 ms, is started again within a backoff of 100 ms, takes
     // its lease back (same holder) and fires on.
     fires_beyond(
@@ -61,8 +62,9 @@ async fn a_trigger_engine_that_panics_comes_back_and_keeps_firing() {
 async fn a_trigger_engine_that_fails_at_start_is_started_again_and_fires() {
     // Its first three starts fail at once (as when its buckets cannot be opened: it used
     // to stay stopped, cron silent until the process exited).
-    ax_sdk::hooks::fail_service_starts("sup-start", "trigger-engine", 3);
-    let env = Env::start(Env::server().id("sup-start")).await;
+    let faults = ax_sdk::faults::Faults::armed();
+    faults.fail_service_starts("trigger-engine", 3);
+    let env = Env::start(Env::server().faults(faults)).await;
     let (stop, handle) = quick_worker(&env);
     let mut def = interval("late", 1000);
     def["overlap"] = json!("allow");
@@ -74,9 +76,10 @@ async fn a_trigger_engine_that_fails_at_start_is_started_again_and_fires() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fire_job_that_panics_does_not_stop_its_trigger() {
-    let env = Env::start(Env::server().id("sup-fire")).await;
+    let faults = ax_sdk::faults::Faults::armed();
+    let env = Env::start(Env::server().faults(faults.clone())).await;
     let (stop, handle) = quick_worker(&env);
-    ax_sdk::hooks::panic_next_fire("jolt");
+    faults.panic_next_fire("jolt");
     let mut def = interval("jolt", 1000);
     def["overlap"] = json!("allow");
     env.ax.trigger("put", &def).await.unwrap();
@@ -94,7 +97,8 @@ async fn a_fire_job_that_panics_does_not_stop_its_trigger() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flow_engine_that_panics_comes_back_and_its_run_finishes() {
-    let env = Env::start(Env::server().id("sup-flow")).await;
+    let faults = ax_sdk::faults::Faults::armed();
+    let env = Env::start(Env::server().faults(faults.clone())).await;
     let calls = Calls::default();
     let (_stop, _w) = env.spawn_worker(flow_worker(calls.clone()));
     let def = slow_chain("mid");
@@ -106,7 +110,7 @@ async fn a_flow_engine_that_panics_comes_back_and_its_run_finishes() {
         (view["steps"][0]["state"] == "running").then_some(())
     })
     .await;
-    ax_sdk::hooks::panic_service("sup-flow", "flow-engine");
+    faults.panic_service("flow-engine");
     let ended = finish(&env.ax, &run).await;
     assert_eq!(ended.state, RunState::Succeeded, "{:?}", ended.reason);
     let once = calls.lock().unwrap().values().all(|&n| n == 1);
@@ -117,17 +121,18 @@ async fn a_flow_engine_that_panics_comes_back_and_its_run_finishes() {
 /// the run again: the run still finishes, each step once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flow_run_whose_turn_panics_still_finishes() {
-    let env = Env::start(Env::server()).await;
+    let faults = ax_sdk::faults::Faults::armed();
+    let env = Env::start(Env::server().faults(faults.clone())).await;
     let calls = Calls::default();
     let (_stop, _w) = env.spawn_worker(flow_worker(calls.clone()));
     env.ax.put_flow(&slow_chain("turn")).await.unwrap();
     let run = env.ax.run_flow("turn", json!({"x": 1})).await.unwrap();
     // Its next turn (when step a ends, to start b) panics.
-    ax_sdk::hooks::panic_next_turn(&run);
+    faults.panic_next_turn(&run);
     let ended = finish(&env.ax, &run).await;
     assert_eq!(ended.state, RunState::Succeeded, "{:?}", ended.reason);
     assert!(
-        !ax_sdk::hooks::take_turn_panic(&run),
+        !faults.turn_panics(&run),
         "no turn panicked: the test proved nothing"
     );
     let once = calls.lock().unwrap().values().all(|&n| n == 1);
@@ -136,7 +141,8 @@ async fn a_flow_run_whose_turn_panics_still_finishes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_task_index_that_panics_comes_back_and_lists_new_tasks() {
-    let env = Env::start(Env::server().id("sup-index").task_index(true)).await;
+    let faults = ax_sdk::faults::Faults::armed();
+    let env = Env::start(Env::server().faults(faults.clone()).task_index(true)).await;
     // Found through the index (`ax.task.list`), not by reading the bucket.
     let listed = |id: String| {
         let ax = env.ax.clone();
@@ -158,7 +164,7 @@ async fn a_task_index_that_panics_comes_back_and_lists_new_tasks() {
         listed(first.clone())
     })
     .await;
-    ax_sdk::hooks::panic_service("sup-index", "task-index");
+    faults.panic_service("task-index");
     tokio::time::sleep(Duration::from_millis(300)).await;
     let second = env.ax.submit("q", task()).await.unwrap().id;
     eventually(

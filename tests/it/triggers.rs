@@ -920,11 +920,11 @@ async fn more_triggers_due_at_once_than_fire_slots_all_keep_firing() {
 /// lost. Before the fix the leader stepped down and up again and fired anew about every
 /// second (5 fires in 5 s, none recorded), and a trigger paused meanwhile kept those fires
 /// only in the leader's memory (its stored state undercounted them for good).
-#[cfg(feature = "test-hooks")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_leader_whose_state_writes_fail_fires_nothing_unrecorded() {
-    use ax_sdk::hooks::{fail_trigger_state_writes, StateWriteFault};
-    let env = Env::start(Env::server()).await;
+    use ax_sdk::faults::StateWriteFault;
+    let faults = ax_sdk::faults::Faults::armed();
+    let env = Env::start(Env::server().faults(faults.clone())).await;
     let (stop, handle) = quick_worker(&env, Duration::from_millis(50));
     // (trigger, overlap, fault, paused while its writes fail)
     let cases = [
@@ -956,7 +956,7 @@ async fn a_leader_whose_state_writes_fail_fires_nothing_unrecorded() {
     .await;
     let from = ax_sdk::time::now_ms();
     for (name, _, fault, _) in cases {
-        fail_trigger_state_writes(name, Some(fault));
+        faults.fail_trigger_state_writes(name, Some(fault));
     }
     tokio::time::sleep(Duration::from_secs(4)).await;
     for (name, .., paused) in cases {
@@ -969,7 +969,7 @@ async fn a_leader_whose_state_writes_fail_fires_nothing_unrecorded() {
     }
     tokio::time::sleep(Duration::from_secs(1)).await;
     for (name, ..) in cases {
-        fail_trigger_state_writes(name, None);
+        faults.fail_trigger_state_writes(name, None);
     }
     let until = ax_sdk::time::now_ms();
     // Healed: the triggers fire (and record) again, then are paused.

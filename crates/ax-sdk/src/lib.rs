@@ -73,14 +73,14 @@
 pub mod api;
 pub mod atomic;
 pub mod client;
+/// Faults injected by tests, as a value held by a server or worker (not a stable API).
+#[doc(hidden)]
+pub mod faults;
 pub mod flow;
 /// Following a stream or bucket across broker restarts (shared with the server crate;
 /// not a stable API).
 #[doc(hidden)]
 pub mod follow;
-#[cfg(feature = "test-hooks")]
-#[doc(hidden)]
-pub mod hooks;
 pub mod idempotency;
 pub mod key_wait;
 pub mod kv_read;

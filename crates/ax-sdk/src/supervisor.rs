@@ -46,8 +46,10 @@ impl Ended {
 
 /// The services of one process (a server or a worker), stopped together.
 pub struct Supervisor {
-    /// Names this process among others in one test binary (the test hooks' scope).
+    /// Names this process in its logs.
     scope: String,
+    /// Faults a test armed: services that panic or fail to start.
+    faults: crate::faults::Faults,
     set: JoinSet<()>,
     shutdown: CancellationToken,
     health: Health,
@@ -90,10 +92,18 @@ impl Supervisor {
     pub fn new(scope: impl Into<String>, shutdown: CancellationToken) -> Supervisor {
         Supervisor {
             scope: scope.into(),
+            faults: crate::faults::Faults::default(),
             set: JoinSet::new(),
             shutdown: shutdown.child_token(),
             health: Health::default(),
         }
+    }
+
+    /// Services started from now on with the faults of `faults` (tests).
+    #[doc(hidden)]
+    pub fn faults(mut self, faults: crate::faults::Faults) -> Supervisor {
+        self.faults = faults;
+        self
     }
 
     /// The health of this supervisor's services (updated as they stop and start).
@@ -110,9 +120,9 @@ impl Supervisor {
         E: Display + Send + 'static,
     {
         let (scope, shutdown) = (self.scope.clone(), self.shutdown.clone());
-        let health = self.health.clone();
+        let (health, faults) = (self.health.clone(), self.faults.clone());
         self.set
-            .spawn(supervise(scope, name, start, shutdown, health));
+            .spawn(supervise(scope, name, start, shutdown, health, faults));
     }
 
     /// Stops every service and waits until each has returned.
@@ -134,6 +144,7 @@ async fn supervise<F, Fut, E>(
     mut start: F,
     shutdown: CancellationToken,
     health: Health,
+    faults: crate::faults::Faults,
 ) where
     F: FnMut(CancellationToken) -> Fut + Send + 'static,
     Fut: Future<Output = Result<(), E>> + Send + 'static,
@@ -145,20 +156,16 @@ async fn supervise<F, Fut, E>(
         health.update(name, |h| h.up = true);
         let began = Instant::now();
         let run = start(shutdown.child_token());
-        let run = async move { run.await.map_err(|e| e.to_string()) };
-        #[cfg(feature = "test-hooks")]
-        let run = {
-            let scope = scope.clone();
-            let fail = crate::hooks::take_start_failure(&scope, name);
-            async move {
-                if fail {
-                    return Err("test hook: failed at start".to_string());
-                }
-                tokio::select! {
-                    r = run => r,
-                    _ = crate::hooks::service_panic_requested(&scope, name) => {
-                        panic!("test hook: service {name} of {scope} made to panic")
-                    }
+        let fail = faults.start_fails(name);
+        let (faults, scope_of) = (faults.clone(), scope.clone());
+        let run = async move {
+            if fail {
+                return Err("injected fault: failed at start".to_string());
+            }
+            tokio::select! {
+                r = run => r.map_err(|e| e.to_string()),
+                () = faults.service_panic(name) => {
+                    panic!("injected fault: service {name} of {scope_of} made to panic")
                 }
             }
         };

@@ -23,6 +23,8 @@ pub(crate) struct Context {
     /// Group commit of unrecorded submits, one per ready stream (by priority index)
     /// and one for `AX_DELAYED` (a batch is stored by one stream); `None` when turned off.
     pub(crate) ready: Option<([ax_sdk::atomic::Grouped; 3], ax_sdk::atomic::Grouped)>,
+    /// Faults a test armed (`ax_sdk::faults`); none by default.
+    pub(crate) faults: ax_sdk::faults::Faults,
 }
 
 impl Context {
@@ -31,6 +33,7 @@ impl Context {
         limits: Limits,
         queues: &[String],
         group_commit: ax_sdk::atomic::GroupCommit,
+        faults: ax_sdk::faults::Faults,
     ) -> Result<Context, StateError> {
         let tasks = TaskStore::open(&js).await?;
         let idempotency =
@@ -49,8 +52,14 @@ impl Context {
                 source: e.into(),
             })?;
         let ready = (group_commit != ax_sdk::atomic::GroupCommit::Never).then(|| {
-            let start =
-                |stream: &str| ax_sdk::atomic::Grouped::start(js.clone(), group_commit, stream);
+            let start = |stream: &str| {
+                ax_sdk::atomic::Grouped::start_with_faults(
+                    js.clone(),
+                    group_commit,
+                    stream,
+                    faults.clone(),
+                )
+            };
             (
                 ax_sdk::names::Priority::ALL.map(|p| start(&p.ready_stream())),
                 start(ax_sdk::names::DELAYED_STREAM),
@@ -64,6 +73,7 @@ impl Context {
             limits,
             queues: Queues::new(queues),
             flows,
+            faults,
         })
     }
 }

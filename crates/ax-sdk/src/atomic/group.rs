@@ -1,5 +1,6 @@
 use super::choice::{Chooser, Way};
 use super::{publish, Outgoing};
+use crate::faults::Faults;
 use async_nats::jetstream;
 use std::time::Instant;
 
@@ -81,15 +82,32 @@ impl Grouped {
     /// Starts the lanes of the group commit of `stream` (its name labels the gauge); they
     /// end when every clone of the handle is dropped.
     pub fn start(js: jetstream::Context, mode: GroupCommit, stream: &str) -> Grouped {
-        Grouped::lanes(js, mode, stream, false)
+        Grouped::lanes(js, mode, stream, false, Faults::default())
+    }
+
+    /// Like [`Grouped::start`], with the faults a test armed (a group commit that panics).
+    #[doc(hidden)]
+    pub fn start_with_faults(
+        js: jetstream::Context,
+        mode: GroupCommit,
+        stream: &str,
+        faults: Faults,
+    ) -> Grouped {
+        Grouped::lanes(js, mode, stream, false, faults)
     }
 
     /// Like [`Grouped::start`], with at most one message per subject in a group.
     pub fn start_distinct(js: jetstream::Context, mode: GroupCommit, stream: &str) -> Grouped {
-        Grouped::lanes(js, mode, stream, true)
+        Grouped::lanes(js, mode, stream, true, Faults::default())
     }
 
-    fn lanes(js: jetstream::Context, mode: GroupCommit, stream: &str, distinct: bool) -> Grouped {
+    fn lanes(
+        js: jetstream::Context,
+        mode: GroupCommit,
+        stream: &str,
+        distinct: bool,
+        faults: Faults,
+    ) -> Grouped {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<Job>();
         let inbox = std::sync::Arc::new(tokio::sync::Mutex::new(Inbox {
             rx,
@@ -97,7 +115,7 @@ impl Grouped {
             distinct,
         }));
         for _ in 0..LANES {
-            tokio::spawn(lane(js.clone(), inbox.clone()));
+            tokio::spawn(lane(js.clone(), inbox.clone(), faults.clone()));
         }
         metrics::gauge!(crate::metrics::GROUP_COMMIT_GROUPING, "stream" => stream.to_string())
             .set(f64::from(u8::from(mode != GroupCommit::Never)));
@@ -214,10 +232,14 @@ async fn next_group(inbox: &tokio::sync::Mutex<Inbox>) -> Option<Vec<Job>> {
 /// One lane: commits groups until every handle is dropped. A commit that panics (a bug)
 /// is logged, counted in `ax_service_restarts_total{service="group_commit"}` and the lane
 /// goes on with the next group; the callers of the lost group get an error, not silence.
-async fn lane(js: jetstream::Context, inbox: std::sync::Arc<tokio::sync::Mutex<Inbox>>) {
+async fn lane(
+    js: jetstream::Context,
+    inbox: std::sync::Arc<tokio::sync::Mutex<Inbox>>,
+    faults: Faults,
+) {
     while let Some(group) = next_group(&inbox).await {
-        let js = js.clone();
-        if let Err(e) = tokio::spawn(async move { commit(&js, group).await }).await {
+        let (js, faults) = (js.clone(), faults.clone());
+        if let Err(e) = tokio::spawn(async move { commit(&js, group, &faults).await }).await {
             tracing::error!(cause = %e, "a group commit ended abnormally; its callers get an error, the lane goes on");
             metrics::counter!(crate::metrics::SERVICE_RESTARTS, "service" => "group_commit", "reason" => "panic")
                 .increment(1);
@@ -225,13 +247,9 @@ async fn lane(js: jetstream::Context, inbox: std::sync::Arc<tokio::sync::Mutex<I
     }
 }
 
-async fn commit(js: &jetstream::Context, group: Vec<Job>) {
-    #[cfg(feature = "test-hooks")]
-    if group
-        .iter()
-        .any(|j| j.msg.subject == crate::hooks::PANIC_GROUP_SUBJECT)
-    {
-        panic!("test hook: a group commit made to panic");
+async fn commit(js: &jetstream::Context, group: Vec<Job>, faults: &Faults) {
+    if group.iter().any(|j| faults.group_panics(&j.msg.subject)) {
+        panic!("injected fault: a group commit made to panic");
     }
     if group.len() > 1 {
         let msgs = group.iter().map(|j| j.msg.clone()).collect();

@@ -16,4 +16,6 @@ pub(crate) struct Config {
     pub(crate) lean_first_attempt: bool,
     pub(crate) group_commit: crate::atomic::GroupCommit,
     pub(crate) flags: status::Flags,
+    /// Faults a test armed (a slower claim, services that panic); none by default.
+    pub(crate) faults: crate::faults::Faults,
 }

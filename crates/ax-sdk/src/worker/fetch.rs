@@ -86,7 +86,8 @@ pub(super) async fn run(
     let slots = Arc::new(Semaphore::new(worker.concurrency));
     let heartbeat = (ack_wait / 3).max(Duration::from_millis(100));
     // The worker's long-running parts (limit watchers, cancel signals), supervised.
-    let mut services = Supervisor::new(worker.id.clone(), shutdown.clone());
+    let mut services =
+        Supervisor::new(worker.id.clone(), shutdown.clone()).faults(worker.faults.clone());
     let gate = crate::limits::gate::Gate::start(
         js.clone(),
         &worker.queue,
@@ -122,6 +123,7 @@ pub(super) async fn run(
         lean_first_attempt: worker.lean_first_attempt,
         inflight: Default::default(),
         streaks: Default::default(),
+        faults: worker.faults.clone(),
     });
     {
         let shared = shared.clone();

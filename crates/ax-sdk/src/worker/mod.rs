@@ -123,6 +123,7 @@ impl Worker {
                 weights: fetch::DEFAULT_WEIGHTS,
                 lean_first_attempt: false,
                 group_commit: crate::atomic::GroupCommit::Auto,
+                faults: Default::default(),
                 flags: Default::default(),
             },
         }
@@ -282,6 +283,12 @@ impl WorkerBuilder {
     /// write), single writes while not. `true` / `false` are `Always` / `Never`.
     pub fn group_commit(mut self, mode: impl Into<crate::atomic::GroupCommit>) -> Self {
         self.config.group_commit = mode.into();
+        self
+    }
+    /// Runs with the faults of `faults` (tests; default: none).
+    #[doc(hidden)]
+    pub fn faults(mut self, faults: crate::faults::Faults) -> Self {
+        self.config.faults = faults;
         self
     }
     /// Pick weights of high, normal and low (default 6 / 3 / 1), see [`fetch`].

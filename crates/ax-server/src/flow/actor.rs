@@ -232,9 +232,8 @@ impl Run {
 
     /// One turn: load if needed, then advance until nothing changes.
     pub(crate) async fn turn(&mut self, sh: &Shared) -> Outcome {
-        #[cfg(feature = "test-hooks")]
-        if ax_sdk::hooks::take_turn_panic(&self.id) {
-            panic!("test hook: a turn of flow run {} panicked", self.id);
+        if sh.ctx.faults.turn_panics(&self.id) {
+            panic!("injected fault: a turn of flow run {} panicked", self.id);
         }
         self.parked = false;
         if self.reload {

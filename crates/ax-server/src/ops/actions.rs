@@ -330,8 +330,7 @@ impl Ops {
         let ack = self
             .publish(subject, meta.to_headers(), &msg_id, letter.1)
             .await?;
-        #[cfg(feature = "test-hooks")]
-        ax_sdk::hooks::retry_published().await;
+        self.ctx.faults.retry_published().await;
         let mut again = rec.transition(TaskState::Pending);
         again.attempt = attempt;
         again.max_attempts = meta.max_attempts;

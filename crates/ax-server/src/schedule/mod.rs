@@ -18,6 +18,7 @@
 
 use crate::submit::publish_headers;
 use async_nats::jetstream::{self, consumer, stream};
+use ax_sdk::faults::Faults;
 use ax_sdk::follow::{Reconnects, PULL_EXPIRES};
 use ax_sdk::metrics as m;
 use ax_sdk::names::DELAYED_STREAM;
@@ -75,6 +76,8 @@ pub(crate) struct Scheduler {
     pub(crate) slot: usize,
     /// Gauge contributions of every scheduler of this process.
     pub(crate) totals: std::sync::Arc<Totals>,
+    /// Faults a test armed (an abort between a dispatch and its delete).
+    pub(crate) faults: ax_sdk::faults::Faults,
 }
 
 /// Per-scheduler counts behind the process-wide gauges `ax_pending_dispatch` and
@@ -180,11 +183,12 @@ impl Scheduler {
                 let rest = due.split_off(due.len().min(BATCH));
                 let batch = std::mem::replace(&mut due, rest);
                 let (js, stream, token) = (self.js.clone(), stream.clone(), shutdown.clone());
+                let faults = self.faults.clone();
                 dispatching.spawn(async move {
                     let n = batch.len();
                     tokio::select! {
                         _ = token.cancelled() => (0..n).map(|_| (None, Outcome::Gone)).collect(),
-                        out = dispatch_batch(&js, &stream, batch) => out,
+                        out = dispatch_batch(&js, &stream, batch, &faults) => out,
                     }
                 });
             }
@@ -364,6 +368,7 @@ async fn dispatch_batch(
     js: &jetstream::Context,
     stream: &stream::Stream,
     mut batch: Vec<Due>,
+    faults: &Faults,
 ) -> Vec<(Option<String>, Outcome)> {
     batch.sort_by_key(|d| d.due);
     let mut out = Vec::with_capacity(batch.len());
@@ -377,7 +382,7 @@ async fn dispatch_batch(
         }
         let round = ready.into_iter().map(|d| async move {
             let probe_of = d.probe_of.clone();
-            (probe_of, dispatch(js, stream, d).await)
+            (probe_of, dispatch(js, stream, d, faults).await)
         });
         out.extend(futures::future::join_all(round).await);
     }
@@ -385,7 +390,12 @@ async fn dispatch_batch(
 }
 
 /// Moves one delayed task to its ready subject (it is due).
-async fn dispatch(js: &jetstream::Context, stream: &stream::Stream, d: Due) -> Outcome {
+async fn dispatch(
+    js: &jetstream::Context,
+    stream: &stream::Stream,
+    d: Due,
+    faults: &Faults,
+) -> Outcome {
     let Due { due, seq, body, .. } = d;
     let (headers, payload) = match body {
         Some(body) => body,
@@ -428,8 +438,7 @@ async fn dispatch(js: &jetstream::Context, stream: &stream::Stream, d: Due) -> O
     }
     metrics::histogram!(m::DISPATCH_LAG).record(now_ms().saturating_sub(due) as f64 / 1000.0);
     metrics::counter!(m::DELAYED_DISPATCHED).increment(1);
-    #[cfg(feature = "test-hooks")]
-    ax_sdk::hooks::after_dispatch();
+    faults.pass(ax_sdk::faults::Abort::AfterDispatch);
     // Delete without the secure erase (overwriting the stored bytes) that
     // `Stream::delete_message` asks for: the task lives on in the ready stream anyway.
     let request = serde_json::json!({ "seq": seq, "no_erase": true });

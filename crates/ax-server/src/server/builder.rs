@@ -30,6 +30,7 @@ pub struct Server {
     pub(super) clock: Arc<dyn Clock>,
     pub(super) id: String,
     pub(super) group_commit: ax_sdk::atomic::GroupCommit,
+    pub(super) faults: ax_sdk::faults::Faults,
 }
 
 /// Builder for [`Server`].
@@ -68,6 +69,7 @@ impl Default for ServerBuilder {
             clock: Arc::new(SystemClock::default()),
             id: format!("{}-{}", std::process::id(), nuid::next()),
             group_commit: ax_sdk::atomic::GroupCommit::Auto,
+            faults: Default::default(),
         })
     }
 }
@@ -216,6 +218,12 @@ impl ServerBuilder {
     /// This server's id in leases (default `<pid>-<nuid>`).
     pub fn id(mut self, id: impl Into<String>) -> Self {
         self.0.id = id.into();
+        self
+    }
+    /// Runs with the faults of `faults` (tests; default: none — see `ax_sdk::faults`).
+    #[doc(hidden)]
+    pub fn faults(mut self, faults: ax_sdk::faults::Faults) -> Self {
+        self.0.faults = faults;
         self
     }
     /// Finishes the builder.

@@ -149,9 +149,8 @@ impl Apis {
     /// registry does not list before anything else. The callers guard it (a panic becomes
     /// an `unavailable` answer).
     async fn run(&self, api: Api, op: &str, body: &[u8]) -> Result<serde_json::Value, WireError> {
-        #[cfg(feature = "test-hooks")]
-        if ax_sdk::hooks::request_panics(body) {
-            panic!("test hook: request {}.{op} made to panic", api.name());
+        if self.tasks.ctx.faults.request_panics(body) {
+            panic!("injected fault: request {}.{op} made to panic", api.name());
         }
         match (api, &self.triggers) {
             (Api::Task, _) => self.tasks.handle(op, body).await,

@@ -118,6 +118,7 @@ impl Server {
                 self.limits.clone(),
                 &self.queues,
                 self.group_commit,
+                self.faults.clone(),
             )
             .await?,
         );
@@ -125,7 +126,7 @@ impl Server {
         let trigger_api = if self.triggers {
             Some(Arc::new(TriggerApi {
                 ctx: ctx.clone(),
-                store: TriggerStore::open(&js).await?,
+                store: TriggerStore::open(&js).await?.faults(ctx.faults.clone()),
                 clock: self.clock.clone(),
             }))
         } else {
@@ -151,7 +152,8 @@ impl Server {
             })?;
         // Every long-running part is a named service: one that stops while the server runs
         // is logged, counted and started again (`supervisor`).
-        let mut services = Supervisor::new(self.id.clone(), shutdown.clone());
+        let mut services =
+            Supervisor::new(self.id.clone(), shutdown.clone()).faults(self.faults.clone());
         {
             let alerts = alerts.clone();
             services.spawn("alerts", move |token| {
@@ -287,6 +289,7 @@ impl Server {
             filters: Vec::new(),
             slot: 0,
             totals: Arc::new(Totals::new(names::DELAYED_PARTITIONS as usize)),
+            faults: ctx.faults.clone(),
         };
         let (id, ttl) = (self.id.clone(), self.partition_ttl);
         services.spawn("delayed-dispatch", move |token| {

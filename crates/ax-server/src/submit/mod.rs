@@ -341,13 +341,11 @@ impl Context {
                 .publish(msg)
                 .await
                 .map_err(|e| refusal(&subject, &e))?;
-            #[cfg(feature = "test-hooks")]
-            ax_sdk::hooks::after_publish();
+            self.faults.pass(ax_sdk::faults::Abort::AfterPublish);
             return Ok(seq);
         }
         let ack = publish_task(&self.js, subject, meta, payload).await?;
-        #[cfg(feature = "test-hooks")]
-        ax_sdk::hooks::after_publish();
+        self.faults.pass(ax_sdk::faults::Abort::AfterPublish);
         if meta.unrecorded {
             return Ok(ack.sequence);
         }

@@ -83,10 +83,7 @@ impl TriggerApi {
     /// `{"names", "more"}`.
     pub(super) async fn names(&self, after: Option<String>) -> Result<Value, WireError> {
         let all = self.store.names().await.map_err(WireError::unavailable)?;
-        #[cfg(feature = "test-hooks")]
-        let page_bytes = ax_sdk::hooks::names_page_bytes().unwrap_or(NAMES_PAGE_BYTES);
-        #[cfg(not(feature = "test-hooks"))]
-        let page_bytes = NAMES_PAGE_BYTES;
+        let page_bytes = self.ctx.faults.page_bytes().unwrap_or(NAMES_PAGE_BYTES);
         let mut page = Vec::new();
         let mut bytes = 0;
         let mut more = false;

@@ -15,6 +15,8 @@ pub type TriggerStoreError = KvError;
 pub struct TriggerStore {
     defs: kv::Store,
     states: kv::Store,
+    /// Faults a test armed: state writes that fail.
+    faults: ax_sdk::faults::Faults,
 }
 
 impl TriggerStore {
@@ -28,7 +30,17 @@ impl TriggerStore {
             .get_key_value(TRIGGER_STATE_BUCKET)
             .await
             .map_err(|e| broker("*", "open", e))?;
-        Ok(TriggerStore { defs, states })
+        Ok(TriggerStore {
+            defs,
+            states,
+            faults: Default::default(),
+        })
+    }
+
+    /// This store with the faults of `faults` (tests).
+    pub(crate) fn faults(mut self, faults: ax_sdk::faults::Faults) -> TriggerStore {
+        self.faults = faults;
+        self
     }
 
     /// A definition and its revision.
@@ -60,25 +72,20 @@ impl TriggerStore {
         state: &TriggerState,
         revision: Option<u64>,
     ) -> Result<u64, TriggerStoreError> {
-        #[cfg(feature = "test-hooks")]
-        {
-            use ax_sdk::hooks::StateWriteFault;
-            let fault = ax_sdk::hooks::trigger_state_write_fault(name);
-            if fault == Some(StateWriteFault::Lost) {
-                return Err(broker(name, "update", "injected fault: broker unreachable"));
-            }
-            let written = write(&self.states, name, state, revision).await;
-            if fault == Some(StateWriteFault::AckLost) && written.is_ok() {
-                return Err(broker(
-                    name,
-                    "update",
-                    "injected fault: acknowledgement lost",
-                ));
-            }
-            written
+        use ax_sdk::faults::StateWriteFault;
+        let fault = self.faults.trigger_state_write(name);
+        if fault == Some(StateWriteFault::Lost) {
+            return Err(broker(name, "update", "injected fault: broker unreachable"));
         }
-        #[cfg(not(feature = "test-hooks"))]
-        write(&self.states, name, state, revision).await
+        let written = write(&self.states, name, state, revision).await;
+        if fault == Some(StateWriteFault::AckLost) && written.is_ok() {
+            return Err(broker(
+                name,
+                "update",
+                "injected fault: acknowledgement lost",
+            ));
+        }
+        written
     }
 
     /// Deletes a trigger's definition and state.

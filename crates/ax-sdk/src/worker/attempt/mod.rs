@@ -164,8 +164,7 @@ async fn process(
         let claiming = Instant::now();
         match claim(sh, meta, msg).await {
             Claim::Started(claimed) => {
-                #[cfg(feature = "test-hooks")]
-                crate::hooks::slow_claim().await;
+                sh.faults.claimed().await;
                 // Under a rate: the handler starts when its token is due (the claim ran in
                 // the gate's lead, which follows the claim times), so starts keep the
                 // tokens' spacing.

@@ -47,6 +47,8 @@ pub(crate) struct Shared {
     pub(crate) inflight: Arc<InFlight>,
     /// Failed attempts in a row per task name (`ax_task_consecutive_failures`).
     pub(crate) streaks: std::sync::Mutex<std::collections::HashMap<String, u64>>,
+    /// Faults a test armed (a slower claim); none by default.
+    pub(crate) faults: crate::faults::Faults,
 }
 
 /// Deliveries of an operator's retry that wait for its record write (200 ms apart).

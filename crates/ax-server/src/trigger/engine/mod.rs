@@ -94,7 +94,9 @@ impl Leader for Leading<'_> {
 impl Engine {
     pub(crate) async fn run(self, shutdown: CancellationToken) -> Result<(), EngineError> {
         let js = self.ctx.js.clone();
-        let store = TriggerStore::open(&js).await?;
+        let store = TriggerStore::open(&js)
+            .await?
+            .faults(self.ctx.faults.clone());
         let kv = js
             .get_key_value(LEASES_BUCKET)
             .await
@@ -517,9 +519,8 @@ async fn execute(ctx: &Context, store: &TriggerStore, job: Job) -> Outcome {
         token,
         now,
     } = job;
-    #[cfg(feature = "test-hooks")]
-    if !plan.fires.is_empty() && ax_sdk::hooks::take_fire_panic(&name) {
-        panic!("test hook: a fire job of trigger {name} panicked");
+    if !plan.fires.is_empty() && ctx.faults.fire_panics(&name) {
+        panic!("injected fault: a fire job of trigger {name} panicked");
     }
     let mut ids = Vec::new();
     for &scheduled in &plan.fires {
@@ -533,9 +534,8 @@ async fn execute(ctx: &Context, store: &TriggerStore, job: Job) -> Outcome {
             }
         }
     }
-    #[cfg(feature = "test-hooks")]
     if !plan.fires.is_empty() {
-        ax_sdk::hooks::after_fire();
+        ctx.faults.pass(ax_sdk::faults::Abort::AfterFire);
     }
     let mut state = plan.state.clone();
     state.leader = token;
