@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
 async fn submit_burst(ax: &Client, n: usize, due_ms: u64, tag: &str) -> f64 {
-    let at = ax_sdk::time::format_rfc3339_ms(due_ms);
+    let at = ax_core::time::format_rfc3339_ms(due_ms);
     let t = Instant::now();
     let mut submits = futures::stream::iter(0..n)
         .map(|_| {

@@ -222,7 +222,7 @@ async fn ax_end_to_end(
             for p in ax_sdk::Priority::ALL {
                 let stream = js.get_stream(p.ready_stream()).await.unwrap();
                 let mut consumer: async_nats::jetstream::consumer::PullConsumer = stream
-                    .get_consumer(&ax_sdk::names::consumer_name("bench", p))
+                    .get_consumer(&ax_core::names::consumer_name("bench", p))
                     .await
                     .unwrap();
                 let info = consumer.info().await.unwrap();
@@ -399,8 +399,8 @@ fn main() {
 
 /// `AX_BENCH_GROUP_COMMIT`: group commit in the bench's server and worker: `auto` (the
 /// default, as in ax), `1` (always) or `0` (never).
-fn group_commit() -> ax_sdk::atomic::GroupCommit {
-    use ax_sdk::atomic::GroupCommit;
+fn group_commit() -> ax_core::atomic::GroupCommit {
+    use ax_core::atomic::GroupCommit;
     match std::env::var("AX_BENCH_GROUP_COMMIT").as_deref() {
         Ok("0") | Ok("never") => GroupCommit::Never,
         Ok("1") | Ok("always") => GroupCommit::Always,

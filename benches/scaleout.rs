@@ -31,7 +31,7 @@ async fn left(js: &async_nats::jetstream::Context) -> Option<u64> {
     for p in ax_sdk::Priority::ALL {
         let stream = js.get_stream(p.ready_stream()).await.ok()?;
         let mut consumer: async_nats::jetstream::consumer::PullConsumer = stream
-            .get_consumer(&ax_sdk::names::consumer_name("so", p))
+            .get_consumer(&ax_core::names::consumer_name("so", p))
             .await
             .ok()?;
         let info = consumer.info().await.ok()?;

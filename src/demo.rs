@@ -3,7 +3,7 @@
 use crate::conn::Conn;
 use crate::worker::example_worker;
 use anyhow::{Context, Result};
-use ax_sdk::state::ListFilter;
+use ax_core::state::ListFilter;
 use ax_sdk::{Client, Priority, TaskSpec, TaskState};
 use ax_server::Server;
 use ax_testkit::LocalNats;

@@ -14,6 +14,6 @@ pub(crate) fn install_exporter(addr: SocketAddr) -> Result<()> {
         .set_buckets(&buckets)
         .and_then(|b| b.install())
         .with_context(|| format!("metrics exporter on {addr}"))?;
-    ax_sdk::metrics::describe();
+    ax_core::metrics::describe();
     Ok(())
 }

@@ -116,7 +116,7 @@ fn json_arg(text: &str) -> Result<Value> {
 
 fn ms(v: &Value) -> String {
     v.as_u64()
-        .map(|ms| ax_sdk::time::format_rfc3339_ms(ms)[11..23].to_string())
+        .map(|ms| ax_core::time::format_rfc3339_ms(ms)[11..23].to_string())
         .unwrap_or_else(|| "-".into())
 }
 
@@ -271,7 +271,7 @@ pub(crate) async fn run(command: FlowCommand, conn: &Conn, output: Output) -> Re
                     r["state"].as_str().unwrap_or("?"),
                     r["created_at_ms"]
                         .as_u64()
-                        .map(ax_sdk::time::format_rfc3339_ms)
+                        .map(ax_core::time::format_rfc3339_ms)
                         .unwrap_or_default(),
                     r["reason"].as_str().unwrap_or("")
                 );

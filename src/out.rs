@@ -43,7 +43,7 @@ pub(crate) fn table(header: &[&str], rows: &[Vec<String>]) {
 /// A time as "12s ago" / "in 3m" (ms since the epoch), or "-".
 pub(crate) fn ago(ms: Option<u64>) -> String {
     let Some(ms) = ms else { return "-".into() };
-    let now = ax_sdk::time::now_ms();
+    let now = ax_core::time::now_ms();
     let (d, future) = if ms > now {
         (ms - now, true)
     } else {
@@ -78,7 +78,7 @@ pub(crate) fn error_text(error: &anyhow::Error) -> String {
     for cause in error.chain() {
         let refusal = match cause.downcast_ref::<ax_sdk::ClientError>() {
             Some(ax_sdk::ClientError::Refused(w)) => Some(w),
-            _ => cause.downcast_ref::<ax_sdk::protocol::WireError>(),
+            _ => cause.downcast_ref::<ax_core::protocol::WireError>(),
         };
         if let Some(w) = refusal {
             parts.push(refusal_text(w));
@@ -90,7 +90,7 @@ pub(crate) fn error_text(error: &anyhow::Error) -> String {
 }
 
 /// A refusal: `invalid <field>: <why>`, or `<code>: <why>` (`not_found: no limit …`).
-pub(crate) fn refusal_text(w: &ax_sdk::protocol::WireError) -> String {
+pub(crate) fn refusal_text(w: &ax_core::protocol::WireError) -> String {
     match &w.field {
         Some(field) => format!("invalid {field}: {}", w.message),
         None => format!("{}: {}", w.code.as_str(), w.message),

@@ -92,7 +92,7 @@ fn status(q: &serde_json::Value) -> String {
     let p = &q["pause"];
     let mut s = format!("paused by {}", p["by"].as_str().unwrap_or("?"));
     if let Some(at) = p["paused_at_ms"].as_u64() {
-        let secs = ax_sdk::time::now_ms().saturating_sub(at) / 1000;
+        let secs = ax_core::time::now_ms().saturating_sub(at) / 1000;
         s.push_str(&format!(
             " {} ago",
             humantime::format_duration(std::time::Duration::from_secs(secs))

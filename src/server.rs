@@ -2,7 +2,7 @@
 
 use crate::conn::Conn;
 use anyhow::{bail, Result};
-use ax_sdk::atomic::GroupCommit;
+use ax_core::atomic::GroupCommit;
 use ax_server::streams::Topology;
 use ax_server::Server;
 use clap::Args;
@@ -51,7 +51,7 @@ impl TopologyArgs {
     }
 }
 
-/// `--group-commit`: see `ax_sdk::atomic::GroupCommit`.
+/// `--group-commit`: see `ax_core::atomic::GroupCommit`.
 #[derive(Clone, Copy, clap::ValueEnum)]
 enum GroupCommitArg {
     Auto,
@@ -160,8 +160,8 @@ pub(crate) async fn run(args: ServerArgs, conn: &Conn) -> Result<()> {
     let shutdown = crate::shutdown_on_signal();
     let topology = args.topology.topology()?;
     // Settings that cannot get better by waiting fail before NATS is awaited.
-    // The fault tests' AX_TEST_* variables (none in production: see ax_sdk::faults).
-    let mut builder = Server::builder().faults(ax_sdk::faults::Faults::from_env());
+    // The fault tests' AX_TEST_* variables (none in production: see ax_core::faults).
+    let mut builder = Server::builder().faults(ax_core::faults::Faults::from_env());
     if let Some(addr) = args.console_addr {
         let mut console = ax_server::console::ConsoleConfig::new(addr)
             .request_timeout(args.console_request_timeout)

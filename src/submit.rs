@@ -2,7 +2,7 @@
 
 use crate::conn::Conn;
 use anyhow::{bail, Context, Result};
-use ax_sdk::protocol::{SubmitRequest, WireError};
+use ax_core::protocol::{SubmitRequest, WireError};
 use ax_sdk::{Client, Priority, TaskSpec};
 use clap::Args;
 use std::collections::BTreeMap;
@@ -58,7 +58,7 @@ pub(crate) struct SubmitArgs {
 
 /// Checks the flag as the server will, so a typo fails before anything is sent.
 fn parse_time(text: &str) -> Result<String, String> {
-    ax_sdk::time::parse_rfc3339_ms(text)
+    ax_core::time::parse_rfc3339_ms(text)
         .map(|_| text.to_string())
         .map_err(|e| e.to_string())
 }
@@ -142,7 +142,7 @@ fn read_lines(file: &PathBuf) -> Result<Vec<Line>> {
         }
         lines.push(serde_json::from_str::<SubmitRequest>(&line).map_err(|e| {
             WireError::new(
-                ax_sdk::protocol::ErrorCode::BadRequest,
+                ax_core::protocol::ErrorCode::BadRequest,
                 format!("line {}: {e}", i + 1),
             )
         }));

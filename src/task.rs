@@ -3,8 +3,8 @@
 use crate::conn::Conn;
 use crate::out::{self, Output};
 use anyhow::{bail, Context, Result};
+use ax_core::state::TaskState;
 use ax_sdk::ops::{ListRequest, PageCursor, TaskQuery};
-use ax_sdk::state::TaskState;
 use ax_sdk::Client;
 use clap::{Args, Subcommand};
 use std::time::Duration;
@@ -90,7 +90,7 @@ pub(crate) struct Filters {
 
 impl Filters {
     fn query(self) -> TaskQuery {
-        let now = ax_sdk::time::now_ms();
+        let now = ax_core::time::now_ms();
         TaskQuery {
             state: self.state,
             queue: self.queue,

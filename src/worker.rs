@@ -93,7 +93,7 @@ impl Drop for Stopped {
         if !self.done {
             self.journal.line(serde_json::json!({
                 "event": "end", "id": self.id, "token": self.token, "attempt": self.attempt,
-                "worker": self.worker, "outcome": "stopped", "at_ms": ax_sdk::time::now_ms(),
+                "worker": self.worker, "outcome": "stopped", "at_ms": ax_core::time::now_ms(),
             }));
         }
     }
@@ -108,10 +108,10 @@ pub(crate) fn example_worker(
     id: Option<String>,
     journal: Option<Journal>,
 ) -> Result<Worker> {
-    // The fault tests' AX_TEST_* variables (none in production: see ax_sdk::faults).
+    // The fault tests' AX_TEST_* variables (none in production: see ax_core::faults).
     let mut builder = Worker::builder(queue)
         .concurrency(concurrency)
-        .faults(ax_sdk::faults::Faults::from_env());
+        .faults(ax_core::faults::Faults::from_env());
     let worker_id = id.unwrap_or_else(|| format!("{}-{}", std::process::id(), nuid::next()));
     builder = builder.id(worker_id.clone());
     Ok(builder
@@ -129,7 +129,7 @@ pub(crate) fn example_worker(
                     j.line(serde_json::json!({
                         "event": "start", "id": task.id, "attempt": task.attempt,
                         "token": token, "worker": worker_id, "name": task.name,
-                        "at_ms": ax_sdk::time::now_ms(),
+                        "at_ms": ax_core::time::now_ms(),
                     }));
                 }
                 let mut stopped = journal.as_ref().map(|j| Stopped {
@@ -151,7 +151,7 @@ pub(crate) fn example_worker(
                     };
                     j.line(serde_json::json!({
                         "event": "end", "id": task.id, "token": token, "attempt": task.attempt,
-                        "worker": worker_id, "outcome": outcome, "at_ms": ax_sdk::time::now_ms(),
+                        "worker": worker_id, "outcome": outcome, "at_ms": ax_core::time::now_ms(),
                     }));
                 }
                 result

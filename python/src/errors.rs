@@ -46,7 +46,7 @@ pub(crate) fn client(e: ax_sdk::ClientError) -> PyErr {
 }
 
 /// A refusal on the wire as its typed exception, with its code and field.
-pub(crate) fn wire(w: &ax_sdk::error::WireError) -> PyErr {
+pub(crate) fn wire(w: &ax_core::error::WireError) -> PyErr {
     raise(
         w.kind(),
         w.message.clone(),

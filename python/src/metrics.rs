@@ -1,7 +1,7 @@
 //! Prometheus metrics of a Python process: the exporter (the same one the `ax` binary
 //! serves, so the Rust worker's `ax_worker_busy_rate`, `ax_task_timeout_rate`, … appear
 //! as they do for a Rust worker), and the few metrics the Python runtime itself keeps
-//! (`ax_python_*`, named in `ax_sdk::metrics`).
+//! (`ax_python_*`, named in `ax_core::metrics`).
 
 use crate::errors;
 use pyo3::prelude::*;
@@ -30,7 +30,7 @@ pub fn serve_metrics(addr: &str) -> PyResult<String> {
                 None,
             )
         })?;
-    ax_sdk::metrics::describe();
+    ax_core::metrics::describe();
     Ok(addr.to_string())
 }
 
@@ -43,7 +43,7 @@ fn labels(pairs: Vec<(String, String)>) -> Vec<metrics::Label> {
 
 /// The names the Python runtime may set: its own, nothing else.
 fn checked(name: &str) -> PyResult<&'static str> {
-    use ax_sdk::metrics::{PYTHON_RESTARTS, PYTHON_STUCK_THREADS, PYTHON_THREADS_REPLACED};
+    use ax_core::metrics::{PYTHON_RESTARTS, PYTHON_STUCK_THREADS, PYTHON_THREADS_REPLACED};
     [
         PYTHON_STUCK_THREADS,
         PYTHON_THREADS_REPLACED,

@@ -6,8 +6,8 @@
 
 use crate::errors;
 use crate::errors::seconds;
+use ax_core::protocol::SubmitRequest;
 use ax_sdk::api::{Api, Request};
-use ax_sdk::protocol::SubmitRequest;
 use ax_sdk::{Client, ClientError, ErrorKind, TaskSpec};
 use pyo3::PyErr;
 use serde_json::json;
@@ -132,7 +132,7 @@ pub(crate) fn call(
         .into_iter()
         .find(|a| a.name() == api)
         .ok_or_else(|| errors::invalid(format!("no API {api:?} (task, flow, limit, trigger)")))?;
-    let bad = |e: ax_sdk::error::WireError| errors::wire(&e);
+    let bad = |e: ax_core::error::WireError| errors::wire(&e);
     enum Typed {
         Task(TaskRequest),
         Flow(FlowRequest),

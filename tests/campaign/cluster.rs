@@ -3,7 +3,7 @@
 //! a `SIGSTOP`ped worker's handlers cannot run, a killed worker's never end.
 
 use crate::procs::AxProc;
-use ax_sdk::time::now_ms;
+use ax_core::time::now_ms;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::path::PathBuf;

@@ -6,8 +6,8 @@
 //! an in-process library worker that journals like the example one.
 
 use crate::journal::Journal;
+use ax_core::time::now_ms;
 use ax_sdk::flow::model::parse_step_task;
-use ax_sdk::time::now_ms;
 use ax_sdk::worker::{Task, TaskError, Worker};
 use ax_sdk::{Client, ClientError};
 use rand::rngs::StdRng;

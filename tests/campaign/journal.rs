@@ -1,7 +1,7 @@
 //! Journal lines written by this process's own worker (the flow lister), in the format of
 //! `ax worker --example --journal` (one `write` per line, appended to the same file).
 
-use ax_sdk::time::now_ms;
+use ax_core::time::now_ms;
 use ax_sdk::worker::Task;
 use std::io::Write;
 use std::path::Path;

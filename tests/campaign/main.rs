@@ -44,7 +44,7 @@ mod seeds;
 use ax_testkit::env as support;
 mod verdict;
 
-use ax_sdk::time::now_ms;
+use ax_core::time::now_ms;
 use ax_sdk::{Client, ClientError, TaskRecord, TaskSpec};
 use checker::Histories;
 use cluster::{Kills, Nats, Procs, Timeline};
@@ -74,7 +74,7 @@ pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-type Answer = Result<ax_sdk::protocol::SubmitAccepted, ax_sdk::protocol::WireError>;
+type Answer = Result<ax_core::protocol::SubmitAccepted, ax_core::protocol::WireError>;
 
 /// Submits until answered (same idempotency key on every retry): the answer (`None` if no
 /// answer came within a minute), and whether every attempt before it was answered and not
@@ -91,7 +91,7 @@ pub async fn submit_until_answered(
         match ax.submit(queue, spec.clone()).await {
             Ok(a) => return (Some(Ok(a)), clean),
             Err(ClientError::Refused(e))
-                if e.code.is_retryable() && e.code != ax_sdk::protocol::ErrorCode::Busy =>
+                if e.code.is_retryable() && e.code != ax_core::protocol::ErrorCode::Busy =>
             {
                 clean = false;
                 log.lock().unwrap().unanswered_retries += 1;
@@ -170,7 +170,7 @@ async fn produce(ax: Client, log: Arc<Mutex<Log>>, seed: u64, until: Instant) {
                 if lane == 0 && Instant::now() >= next_burst {
                     // A burst at one due time beyond the 3 s horizon.
                     next_burst = Instant::now() + Duration::from_secs(8);
-                    let at = ax_sdk::time::format_rfc3339_ms(now_ms() + 5000);
+                    let at = ax_core::time::format_rfc3339_ms(now_ms() + 5000);
                     let burst: Vec<_> = (0..300)
                         .map(|b| {
                             let (ax, log, at) = (ax.clone(), log.clone(), at.clone());
@@ -192,7 +192,7 @@ async fn produce(ax: Client, log: Arc<Mutex<Log>>, seed: u64, until: Instant) {
                         Ok(v) => log.lock().unwrap().manual_answered.extend(
                             v["task_ids"].as_array().into_iter().flatten().filter_map(|i| i.as_str().map(String::from)),
                         ),
-                        Err(ClientError::Refused(e)) if e.code == ax_sdk::protocol::ErrorCode::Running => {
+                        Err(ClientError::Refused(e)) if e.code == ax_core::protocol::ErrorCode::Running => {
                             log.lock().unwrap().manual_refused += 1
                         }
                         Err(_) => log.lock().unwrap().manual_unanswered += 1,

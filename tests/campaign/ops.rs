@@ -3,7 +3,7 @@
 //! now" of scheduled and of retrying tasks, and pause / resume of the queue.
 
 use crate::{submit_until_answered, Log};
-use ax_sdk::time::now_ms;
+use ax_core::time::now_ms;
 use ax_sdk::{Client, ClientError, TaskSpec, TaskState};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};

@@ -21,7 +21,7 @@ fn file(n: usize, every_ms: u64) -> Vec<Value> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_file_over_the_max_payload_is_applied_in_parts_all_or_nothing() {
-    let faults = ax_sdk::faults::Faults::armed();
+    let faults = ax_core::faults::Faults::armed();
     let env = Env::start(Env::server().faults(faults.clone())).await;
     let max = env.client.server_info().max_payload;
     let defs = file(3000, 3_600_000);

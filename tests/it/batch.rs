@@ -1,7 +1,7 @@
 //! Batch submit: one request, many tasks, one answer per task in order.
 
 use crate::support::{counting_worker, eventually, Env};
-use ax_sdk::protocol::{ErrorCode, SubmitReply};
+use ax_core::protocol::{ErrorCode, SubmitReply};
 use ax_sdk::{Priority, TaskSpec, TaskState};
 use std::collections::HashSet;
 use std::time::Duration;

@@ -69,7 +69,7 @@ async fn an_unwritten_start_late_after_its_claim_meets_a_cancel_it_was_not_told_
         let id = env.ax.submit("q", TaskSpec::new("t")).await.unwrap().id;
         // Delivered (and so claimed: no record was read), then cancelled by writing the
         // record alone, as a cancel whose signal was lost leaves it.
-        let consumer = ax_sdk::names::consumer_name("q", ax_sdk::names::Priority::Normal);
+        let consumer = ax_core::names::consumer_name("q", ax_core::names::Priority::Normal);
         eventually(Duration::from_secs(10), "the delivery", || {
             let (js, consumer) = (env.js.clone(), consumer.clone());
             async move {

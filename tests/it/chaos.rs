@@ -2,7 +2,7 @@
 
 use crate::procs::{wait_ready, AxProc};
 use crate::support::{counting_worker, eventually, within};
-use ax_sdk::time::now_ms;
+use ax_core::time::now_ms;
 use ax_sdk::worker::{Task, Worker};
 use ax_sdk::{Client, TaskSpec, TaskState};
 use ax_testkit::LocalNats;
@@ -163,7 +163,7 @@ async fn two_servers_killed_during_load_lose_nothing() {
             "{hook}: exited cleanly instead of aborting"
         );
     }
-    let store = ax_sdk::state::TaskStore::open(&js).await.unwrap();
+    let store = ax_core::state::TaskStore::open(&js).await.unwrap();
     eventually(
         Duration::from_secs(90),
         "every accepted task to finish",
@@ -337,7 +337,7 @@ async fn r3_node_loss() {
     // Every task ran; a run whose result write met the election is recorded when its
     // redelivery is: wait for every record to say `succeeded` (lost: those that never do).
     phase("every task ran");
-    let store = ax_sdk::state::TaskStore::open(&js).await.unwrap();
+    let store = ax_core::state::TaskStore::open(&js).await.unwrap();
     let not_done = || async {
         let mut n = 0;
         for id in &ids {
@@ -371,7 +371,7 @@ async fn r3_node_loss() {
 /// Where tasks that never ran sit: their records' states and delays, and the streams'
 /// and consumers' counts (for a failure message).
 async fn where_are(js: &async_nats::jetstream::Context, ids: &[String]) -> String {
-    let store = ax_sdk::state::TaskStore::open(js).await.unwrap();
+    let store = ax_core::state::TaskStore::open(js).await.unwrap();
     let mut states: HashMap<String, usize> = HashMap::new();
     for id in ids.iter().take(50) {
         let state = match store.get(id).await {
@@ -475,7 +475,7 @@ async fn trigger_leader_killed_fires_each_scheduled_time_exactly_once() {
     let fires_until = now_ms();
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let records = ax
-        .list(&ax_sdk::state::ListFilter::default())
+        .list(&ax_core::state::ListFilter::default())
         .await
         .unwrap();
     let report: Vec<usize> = (0..triggers)
@@ -551,7 +551,7 @@ fn fired_once_each_second(
 
 async fn store_list(client: &async_nats::Client) -> Vec<ax_sdk::TaskRecord> {
     Client::new(client.clone())
-        .list(&ax_sdk::state::ListFilter::default())
+        .list(&ax_core::state::ListFilter::default())
         .await
         .unwrap()
 }

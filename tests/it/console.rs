@@ -46,7 +46,7 @@ fn console_env_server(port: u16) -> ax_server::ServerBuilder {
 async fn find_a_dead_task_by_error_class_retry_it_and_watch_it_succeed() {
     within(Duration::from_secs(120), "console: dead task", async {
         let port = free_port();
-        let faults = ax_sdk::faults::Faults::armed();
+        let faults = ax_core::faults::Faults::armed();
         let env = Env::start(console_env_server(port).faults(faults.clone())).await;
         let site = format!("http://127.0.0.1:{port}");
         let (w, fixed) = failing_until_fixed("charge", "card_declined");

@@ -398,7 +398,7 @@ async fn page_status(port: u16) -> Option<u16> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_console_that_panics_comes_back_and_serves() {
     let port = free_port();
-    let faults = ax_sdk::faults::Faults::armed();
+    let faults = ax_core::faults::Faults::armed();
     let server = Env::server().faults(faults.clone()).console(console(port));
     let _env = Env::start(server).await;
     assert_eq!(page_status(port).await, Some(200));
@@ -419,7 +419,7 @@ async fn a_console_that_panics_comes_back_and_serves() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn healthz_shows_each_service_and_its_restarts() {
     let port = free_port();
-    let faults = ax_sdk::faults::Faults::armed();
+    let faults = ax_core::faults::Faults::armed();
     let server = Env::server().faults(faults.clone()).console(console(port));
     let _env = Env::start(server).await;
     let host = format!("127.0.0.1:{port}");
@@ -465,7 +465,7 @@ async fn healthz_shows_each_service_and_its_restarts() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn healthz_tells_a_stranger_no_causes_and_refuses_a_forged_host() {
     let port = free_port();
-    let faults = ax_sdk::faults::Faults::armed();
+    let faults = ax_core::faults::Faults::armed();
     let _env = Env::start(
         Env::server()
             .faults(faults.clone())

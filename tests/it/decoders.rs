@@ -2,9 +2,9 @@
 //! error, never a panic; what decodes round-trips. Each test prints its execution count.
 
 use crate::support::Env;
-use ax_sdk::backoff::Backoff;
-use ax_sdk::protocol::ErrorCode;
-use ax_sdk::task::{decode_submit, Limits, TaskMeta};
+use ax_core::backoff::Backoff;
+use ax_core::protocol::ErrorCode;
+use ax_core::task::{decode_submit, Limits, TaskMeta};
 use ax_sdk::ClientError;
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;

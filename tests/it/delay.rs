@@ -1,7 +1,7 @@
 //! Delayed tasks: held durably, moved to ready once, survive a server restart.
 
 use crate::support::{eventually, Env};
-use ax_sdk::time::now_ms;
+use ax_core::time::now_ms;
 use ax_sdk::worker::{Task, Worker};
 use ax_sdk::{TaskSpec, TaskState};
 use std::sync::{Arc, Mutex};
@@ -191,7 +191,7 @@ async fn bursts_beyond_the_horizon_all_reach_ready() {
                 if let Some(id) = msg
                     .headers
                     .as_ref()
-                    .and_then(|h| h.get(ax_sdk::task::header::ID))
+                    .and_then(|h| h.get(ax_core::task::header::ID))
                 {
                     arrived.lock().unwrap().insert(id.to_string());
                 }
@@ -348,7 +348,7 @@ async fn a_second_ready_copy_of_an_unrecorded_delayed_task_does_not_run_it_again
 /// message id so the duplicate window does not drop the copy.
 async fn move_delayed(env: &Env, id: &str, subject: &str) {
     let stream = env.js.get_stream("AX_DELAYED").await.unwrap();
-    let now = ax_sdk::names::delayed_subject("q", ax_sdk::names::Priority::Normal, id);
+    let now = ax_core::names::delayed_subject("q", ax_core::names::Priority::Normal, id);
     let msg = stream.direct_get_last_for_subject(&now).await.unwrap();
     let mut headers = msg.headers.clone();
     headers.insert("Nats-Msg-Id", format!("{id}.moved").as_str());
@@ -371,7 +371,7 @@ async fn delayed_messages_of_older_subject_layouts_run_beside_new_ones() {
     }
     env.stop_server().await;
     // As stored before subjects named their task, and before partitions existed.
-    let p = ax_sdk::names::delayed_partition(&ids[0]);
+    let p = ax_core::names::delayed_partition(&ids[0]);
     move_delayed(&env, &ids[0], &format!("ax.delayed.q.normal.{p}")).await;
     move_delayed(&env, &ids[1], "ax.delayed.q.normal").await;
     assert_eq!(env.stream_len("AX_DELAYED").await, 3);

@@ -58,13 +58,13 @@ async fn submit(env: &Env, recorded: bool) -> (String, Vec<TaskState>) {
     if !recorded {
         return (id, vec![]);
     }
-    let (meta, seq) = ax_sdk::unclaimed::find_ready(&env.js, &id)
+    let (meta, seq) = ax_core::unclaimed::find_ready(&env.js, &id)
         .await
         .unwrap()
         .expect("the message is stored");
-    let tasks = ax_sdk::state::TaskStore::open(&env.js).await.unwrap();
+    let tasks = ax_core::state::TaskStore::open(&env.js).await.unwrap();
     tasks
-        .create(&ax_sdk::unclaimed::pending_record(&meta, seq))
+        .create(&ax_core::unclaimed::pending_record(&meta, seq))
         .await
         .unwrap();
     (id, vec![TaskState::Pending])
@@ -214,7 +214,7 @@ async fn stale_first_attempt(recorded: bool) {
     let mut consumer: async_nats::jetstream::consumer::PullConsumer = env
         .js
         .get_consumer_from_stream(
-            &ax_sdk::names::consumer_name("q", ax_sdk::Priority::Normal),
+            &ax_core::names::consumer_name("q", ax_sdk::Priority::Normal),
             "AX_READY_NORMAL",
         )
         .await

@@ -1,6 +1,6 @@
-//! The reconnect detector every follower checks beside its feed (`ax_sdk::follow`).
+//! The reconnect detector every follower checks beside its feed (`ax_core::follow`).
 
-use ax_sdk::follow::Reconnects;
+use ax_core::follow::Reconnects;
 use ax_testkit::LocalNats;
 use std::time::Duration;
 use tokio::time::timeout;

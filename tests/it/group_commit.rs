@@ -1,9 +1,9 @@
-//! `ax_sdk::atomic::Grouped`, the group commit, against a real stream: a commit that panics
+//! `ax_core::atomic::Grouped`, the group commit, against a real stream: a commit that panics
 //! fails only its own callers; with `GroupCommit::Auto` it changes between batches and
 //! single publishes while writes are in flight, and every write is stored once.
 
 use async_nats::jetstream;
-use ax_sdk::atomic::{GroupCommit, Grouped, Outgoing};
+use ax_core::atomic::{GroupCommit, Grouped, Outgoing};
 use ax_testkit::LocalNats;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -38,13 +38,13 @@ fn msg(subject: &str, header: (&str, &str)) -> Outgoing {
 async fn a_group_commit_that_panics_fails_its_callers_and_the_lanes_go_on() {
     let nats = LocalNats::start().unwrap();
     let js = stream(&nats).await;
-    let faults = ax_sdk::faults::Faults::armed();
+    let faults = ax_core::faults::Faults::armed();
     faults.panic_group_commits();
     let grouped = Grouped::start_with_faults(js.clone(), GroupCommit::Always, "G", faults);
     for i in 0..10 {
         let lost = grouped
             .publish(msg(
-                ax_sdk::faults::PANIC_GROUP_SUBJECT,
+                ax_core::faults::PANIC_GROUP_SUBJECT,
                 ("Nats-Msg-Id", &format!("p{i}")),
             ))
             .await;

@@ -4,7 +4,7 @@
 //! from its claim, so a later submit with the key finds it.
 
 use crate::support::{counting_worker, eventually, Env, Runs};
-use ax_sdk::task::header;
+use ax_core::task::header;
 use ax_sdk::TaskSpec;
 use std::time::Duration;
 
@@ -46,7 +46,7 @@ async fn a_copy_left_by_a_submit_that_lost_its_key_never_runs() {
     );
     // A second submit of the key that lost the race for it, and whose delete of its own
     // message was lost: its message, under its own id, carrying the same key.
-    let stray = ax_sdk::names::new_task_id("q");
+    let stray = ax_core::names::new_task_id("q");
     copy_ready(&env, &stray, |_| {}).await;
     assert_eq!(env.stream_len("AX_READY_NORMAL").await, 2);
 
@@ -74,7 +74,7 @@ async fn a_task_stored_before_its_key_gets_the_key_from_its_claim() {
     // A submit that stored its message and died before its key: made by hand from a
     // plain task's message, carrying a key nobody wrote.
     let plain = env.ax.submit("q", TaskSpec::new("t")).await.unwrap();
-    let orphan = ax_sdk::names::new_task_id("q");
+    let orphan = ax_core::names::new_task_id("q");
     copy_ready(&env, &orphan, |h| {
         h.insert(header::IDEMPOTENCY_KEY, "order-2");
     })

@@ -1,4 +1,4 @@
-//! `ax_sdk::kv_read::latest` on a three-node cluster: it sees every acknowledged write — a key
+//! `ax_core::kv_read::latest` on a three-node cluster: it sees every acknowledged write — a key
 //! created through one node and read at once through every node, in steady state and
 //! through a node that was down while the keys were written — and answers deletes and
 //! purges as `kv::Store::entry` does. A direct get (`entry`: any replica answers) has no
@@ -28,7 +28,7 @@ async fn round(writer: &kv::Store, readers: &[kv::Store], tag: &str, n: usize) -
         let key = format!("{tag}.{i}");
         writer.create(&key, "v".into()).await.expect("create");
         for r in readers {
-            let (d, l) = tokio::join!(r.entry(&key), ax_sdk::kv_read::latest(r, &key));
+            let (d, l) = tokio::join!(r.entry(&key), ax_core::kv_read::latest(r, &key));
             direct += usize::from(!matches!(d, Ok(Some(_))));
             leader += usize::from(!matches!(l, Ok(Some(ref e)) if e.revision > 0));
         }
@@ -99,7 +99,7 @@ async fn a_leader_read_sees_every_acknowledged_write_on_a_cluster() {
         // must find the key.
         let l = crate::support::eventually(Duration::from_secs(30), "a leader read", || {
             let (late, key) = (late.clone(), key.clone());
-            async move { ax_sdk::kv_read::latest(&late, &key).await.ok() }
+            async move { ax_core::kv_read::latest(&late, &key).await.ok() }
         })
         .await;
         leader += usize::from(l.is_none());
@@ -113,18 +113,20 @@ async fn a_leader_read_sees_every_acknowledged_write_on_a_cluster() {
     // What each kind of write reads as, both ways.
     let op = |e: Option<kv::Entry>| e.map(|e| (e.operation, e.value.len()));
     let rev = writer.put("gone", "value".into()).await.expect("put");
-    let put = ax_sdk::kv_read::latest(&late, "gone").await.expect("read");
+    let put = ax_core::kv_read::latest(&late, "gone").await.expect("read");
     assert_eq!(put.as_ref().map(|e| e.revision), Some(rev));
     assert_eq!(op(put), Some((kv::Operation::Put, 5)));
     writer.delete("gone").await.expect("delete");
-    let deleted = ax_sdk::kv_read::latest(&late, "gone").await.expect("read");
+    let deleted = ax_core::kv_read::latest(&late, "gone").await.expect("read");
     assert_eq!(op(deleted), Some((kv::Operation::Delete, 0)));
     writer.put("purged", "v".into()).await.expect("put");
     writer.purge("purged").await.expect("purge");
-    let purged = ax_sdk::kv_read::latest(&late, "purged")
+    let purged = ax_core::kv_read::latest(&late, "purged")
         .await
         .expect("read");
     assert_eq!(op(purged), Some((kv::Operation::Purge, 0)));
-    let never = ax_sdk::kv_read::latest(&late, "never").await.expect("read");
+    let never = ax_core::kv_read::latest(&late, "never")
+        .await
+        .expect("read");
     assert!(never.is_none(), "a key never written reads as none");
 }

@@ -492,14 +492,14 @@ async fn a_stalled_holder_stops_its_attempt_when_its_slot_is_lost() {
     // Worker a stalls (a GC pause, a frozen VM) past the ack wait (1 s here): its slots
     // expire and worker b takes the tasks over.
     a.signal("-STOP");
-    let stopped_at = ax_sdk::time::now_ms();
+    let stopped_at = ax_core::time::now_ms();
     let _b = spawn_worker(&env.nats.url(), &jb, 4, crate::procs::free_port(), &[]);
     crate::support::eventually(Duration::from_secs(15), "b to run both tasks", || async {
         (journaled(&jb).len() >= 2).then_some(())
     })
     .await;
     a.signal("-CONT");
-    let resumed_at = ax_sdk::time::now_ms();
+    let resumed_at = ax_core::time::now_ms();
     // Back, a finds its slots lost and stops both attempts at once: it never finishes them.
     crate::support::eventually(Duration::from_secs(5), "a to stop its attempts", || async {
         journaled(&ja).iter().all(|r| r.2.is_some()).then_some(())
@@ -540,7 +540,7 @@ async fn a_holder_cut_off_from_the_broker_stops_its_attempt_before_its_slot_can_
     // The broker stalls (frozen, so no rewrite is answered or refused) for longer than the
     // slot's TTL (the ack wait, 1 s): once it answers again, the slot may be anyone's.
     let nats = env.nats.pid().expect("nats-server runs") as i32;
-    let frozen_at = ax_sdk::time::now_ms();
+    let frozen_at = ax_core::time::now_ms();
     let signal = |sig: &str| {
         let ok = std::process::Command::new("kill")
             .args([sig, &nats.to_string()])
@@ -694,7 +694,7 @@ async fn the_api_refuses_rates_and_bursts_the_arithmetic_cannot_hold_and_says_wh
         def["queue"] = json!("q");
         match env.ax.limits("put", &def).await {
             Err(ax_sdk::ClientError::Refused(e)) => {
-                assert_eq!(e.code, ax_sdk::protocol::ErrorCode::InvalidField, "{def}");
+                assert_eq!(e.code, ax_core::protocol::ErrorCode::InvalidField, "{def}");
                 assert_eq!(e.field.as_deref(), Some(field), "{def}: {e:?}");
                 if field == "rate" {
                     assert!(

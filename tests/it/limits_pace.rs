@@ -133,9 +133,9 @@ async fn a_rated_delivery_claimed_before_a_pause_waits_it_out() {
     let ids = submit_keyed(&env, 30, "t", "x", 0).await;
     tokio::time::sleep(Duration::from_millis(1500)).await;
     env.ax.pause_queue("q", None).await.unwrap();
-    let paused = ax_sdk::time::now_ms();
+    let paused = ax_core::time::now_ms();
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let resumed = ax_sdk::time::now_ms();
+    let resumed = ax_core::time::now_ms();
     env.ax.resume_queue("q").await.unwrap();
     all_done(&env, &ids, Duration::from_secs(60)).await;
     let r = runs(&w.journals);

@@ -362,7 +362,7 @@ async fn run_now_starts_scheduled_and_retrying_tasks_at_once() {
         let rec = env
             .wait_state(&flaky, TaskState::Retrying, Duration::from_secs(10))
             .await;
-        assert!(rec.next_retry_at_ms.unwrap() > ax_sdk::time::now_ms() + 3_000_000);
+        assert!(rec.next_retry_at_ms.unwrap() > ax_core::time::now_ms() + 3_000_000);
         let stored = env
             .js
             .get_stream("AX_READY_NORMAL")
@@ -869,7 +869,7 @@ async fn every_attempt_logs_in_a_span_with_the_task_and_its_trace() {
 
 #[tokio::test]
 async fn a_retry_delivered_before_its_record_moves_waits_for_it_and_runs() {
-    let faults = ax_sdk::faults::Faults::armed();
+    let faults = ax_core::faults::Faults::armed();
     within(Duration::from_secs(30), "retry race", async {
         let env = Env::start(Env::server().faults(faults.clone())).await;
         let fixed = Arc::new(AtomicBool::new(false));
@@ -1074,7 +1074,7 @@ async fn records_with_json_escapes_are_found_in_their_final_state() {
         let record = |state: &str, name: &str, trigger: &str| {
             format!(
                 r#"{{"id":"{id}","queue":"q","name":"{name}","priority":"normal","state":"{state}","attempt":1,"max_attempts":3,"created_at_ms":1,"updated_at_ms":{},"trigger":"{trigger}"}}"#,
-                ax_sdk::time::now_ms()
+                ax_core::time::now_ms()
             )
         };
         kv.put(id, record("running", "charge", "nightly").into())

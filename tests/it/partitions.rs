@@ -4,7 +4,7 @@
 
 use crate::procs::{free_port, scrape, wait_ready, AxProc};
 use crate::support::eventually;
-use ax_sdk::names::DELAYED_PARTITIONS;
+use ax_core::names::DELAYED_PARTITIONS;
 use ax_sdk::worker::{Task, Worker};
 use ax_sdk::{Client, TaskSpec};
 use ax_testkit::LocalNats;

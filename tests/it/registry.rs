@@ -6,8 +6,8 @@
 use crate::console_guard::{console, send};
 use crate::procs::free_port;
 use crate::support::{within, Env};
+use ax_core::error::WireError;
 use ax_sdk::api::{operation, unknown_operation, Api, OPERATIONS};
-use ax_sdk::error::WireError;
 use serde_json::Value;
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -215,7 +215,7 @@ async fn a_panicking_management_handler_answers_unavailable_and_the_server_serve
             }
         };
         let unavailable = |reply: &Value| {
-            error_of(reply).map(|e| e.code) == Some(ax_sdk::protocol::ErrorCode::Unavailable)
+            error_of(reply).map(|e| e.code) == Some(ax_core::protocol::ErrorCode::Unavailable)
         };
         let reply = ask("get", r#"{"id": "boom-marker"}"#).await;
         assert!(unavailable(&reply), "{reply}");

@@ -1,7 +1,7 @@
 //! Retries with backoff, dead letters, hard timeouts.
 
 use crate::support::Env;
-use ax_sdk::task::header;
+use ax_core::task::header;
 use ax_sdk::worker::{Task, TaskError, Worker};
 use ax_sdk::{TaskSpec, TaskState};
 use futures::StreamExt;

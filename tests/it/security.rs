@@ -630,7 +630,7 @@ async fn transient_failures_get_retryable_codes_and_stored_tasks_are_accepted() 
     .await;
     match producer.submit("reports", TaskSpec::new("t")).await {
         Err(ax_sdk::ClientError::Refused(e)) => {
-            assert_eq!(e.code, ax_sdk::protocol::ErrorCode::Unavailable, "{e}")
+            assert_eq!(e.code, ax_core::protocol::ErrorCode::Unavailable, "{e}")
         }
         other => panic!("expected unavailable, got {other:?}"),
     }

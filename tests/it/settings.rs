@@ -5,7 +5,7 @@
 use crate::limits::ax_cli;
 use crate::support::Env;
 use crate::support::{eventually, within};
-use ax_sdk::error::ErrorCode;
+use ax_core::error::ErrorCode;
 use ax_sdk::settings::TaskSettings;
 use ax_sdk::worker::{Task, TaskError, TaskOptions, Worker};
 use ax_sdk::{ClientError, TaskSpec, TaskState};

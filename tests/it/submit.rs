@@ -1,15 +1,15 @@
 //! Submission: run and ack, bad input, idempotency, backpressure.
 
 use crate::support::Env;
-use ax_sdk::protocol::ErrorCode;
+use ax_core::protocol::ErrorCode;
 use ax_sdk::worker::{Task, Worker};
 use ax_sdk::{ClientError, Priority, TaskSpec, TaskState};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 fn refused(
-    result: Result<ax_sdk::protocol::SubmitAccepted, ClientError>,
-) -> ax_sdk::protocol::WireError {
+    result: Result<ax_core::protocol::SubmitAccepted, ClientError>,
+) -> ax_core::protocol::WireError {
     match result {
         Err(ClientError::Refused(e)) => e,
         other => panic!("expected a refusal, got {other:?}"),
@@ -68,7 +68,7 @@ async fn submitted_tasks_run_once_and_are_acked() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_gets_typed_errors_and_stores_nothing() {
-    let env = Env::start(Env::server().limits(ax_sdk::task::Limits {
+    let env = Env::start(Env::server().limits(ax_core::task::Limits {
         max_payload_bytes: 1024,
         ..Default::default()
     }))
@@ -136,7 +136,7 @@ async fn bad_input_gets_typed_errors_and_stores_nothing() {
         assert_eq!(err.code, code, "body {:?}", String::from_utf8_lossy(&body));
         assert_eq!(err.field.as_deref(), field);
     }
-    let tasks = ax_sdk::names::TASKS_BUCKET;
+    let tasks = ax_core::names::TASKS_BUCKET;
     assert_eq!(
         env.stream_len(&format!("KV_{tasks}")).await,
         0,
@@ -271,7 +271,7 @@ async fn control_characters_in_header_fields_are_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn run_at_with_offsets_is_exact_and_loose_forms_are_refused() {
     let env = Env::start(Env::server()).await;
-    let due_ms = (ax_sdk::time::now_ms() / 1000 + 3600) * 1000; // a whole second, 1 h ahead
+    let due_ms = (ax_core::time::now_ms() / 1000 + 3600) * 1000; // a whole second, 1 h ahead
     let utc = chrono_like(due_ms, 0, "");
     let cases = [
         (utc.clone(), due_ms),

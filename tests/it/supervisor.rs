@@ -36,7 +36,7 @@ async fn fires_beyond(env: &Env, trigger: &str, from: usize, n: usize, what: &st
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_trigger_engine_that_panics_comes_back_and_keeps_firing() {
-    let faults = ax_sdk::faults::Faults::armed();
+    let faults = ax_core::faults::Faults::armed();
     let env = Env::start(Env::server().faults(faults.clone())).await;
     let (stop, handle) = quick_worker(&env);
     let mut def = interval("beat", 1000);
@@ -62,7 +62,7 @@ async fn a_trigger_engine_that_panics_comes_back_and_keeps_firing() {
 async fn a_trigger_engine_that_fails_at_start_is_started_again_and_fires() {
     // Its first three starts fail at once (as when its buckets cannot be opened: it used
     // to stay stopped, cron silent until the process exited).
-    let faults = ax_sdk::faults::Faults::armed();
+    let faults = ax_core::faults::Faults::armed();
     faults.fail_service_starts("trigger-engine", 3);
     let env = Env::start(Env::server().faults(faults)).await;
     let (stop, handle) = quick_worker(&env);
@@ -76,7 +76,7 @@ async fn a_trigger_engine_that_fails_at_start_is_started_again_and_fires() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fire_job_that_panics_does_not_stop_its_trigger() {
-    let faults = ax_sdk::faults::Faults::armed();
+    let faults = ax_core::faults::Faults::armed();
     let env = Env::start(Env::server().faults(faults.clone())).await;
     let (stop, handle) = quick_worker(&env);
     faults.panic_next_fire("jolt");
@@ -97,7 +97,7 @@ async fn a_fire_job_that_panics_does_not_stop_its_trigger() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flow_engine_that_panics_comes_back_and_its_run_finishes() {
-    let faults = ax_sdk::faults::Faults::armed();
+    let faults = ax_core::faults::Faults::armed();
     let env = Env::start(Env::server().faults(faults.clone())).await;
     let calls = Calls::default();
     let (_stop, _w) = env.spawn_worker(flow_worker(calls.clone()));
@@ -121,7 +121,7 @@ async fn a_flow_engine_that_panics_comes_back_and_its_run_finishes() {
 /// the run again: the run still finishes, each step once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flow_run_whose_turn_panics_still_finishes() {
-    let faults = ax_sdk::faults::Faults::armed();
+    let faults = ax_core::faults::Faults::armed();
     let env = Env::start(Env::server().faults(faults.clone())).await;
     let calls = Calls::default();
     let (_stop, _w) = env.spawn_worker(flow_worker(calls.clone()));
@@ -141,7 +141,7 @@ async fn a_flow_run_whose_turn_panics_still_finishes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_task_index_that_panics_comes_back_and_lists_new_tasks() {
-    let faults = ax_sdk::faults::Faults::armed();
+    let faults = ax_core::faults::Faults::armed();
     let env = Env::start(Env::server().faults(faults.clone()).task_index(true)).await;
     // Found through the index (`ax.task.list`), not by reading the bucket.
     let listed = |id: String| {

@@ -1,8 +1,8 @@
 //! Triggers end to end against a real nats-server.
 
 use crate::support::{eventually, Env};
-use ax_sdk::protocol::ErrorCode;
-use ax_sdk::state::ListFilter;
+use ax_core::protocol::ErrorCode;
+use ax_core::state::ListFilter;
 use ax_sdk::worker::{Task, Worker};
 use ax_sdk::{ClientError, TaskRecord, TaskState};
 use serde_json::{json, Value};
@@ -48,7 +48,7 @@ fn quick_worker(
     env.spawn_worker(worker)
 }
 
-fn refused(r: Result<Value, ClientError>) -> ax_sdk::protocol::WireError {
+fn refused(r: Result<Value, ClientError>) -> ax_core::protocol::WireError {
     match r {
         Err(ClientError::Refused(e)) => e,
         other => panic!("expected a refusal, got {other:?}"),
@@ -311,7 +311,7 @@ async fn misfire_after_an_outage_fires_once() {
         .scheduled_at_ms
         .unwrap();
     tokio::time::sleep(Duration::from_millis(4200)).await;
-    let up_at = ax_sdk::time::now_ms();
+    let up_at = ax_core::time::now_ms();
     env.start_server(Env::server()).await;
     tokio::time::sleep(Duration::from_millis(600)).await;
     let recs = fired(&env, "nightly").await;
@@ -364,7 +364,7 @@ async fn pause_resume_and_apply_with_hot_reload() {
         .await
         .unwrap();
     let paused_at = fired(&env, "a").await.len();
-    let paused_ms = ax_sdk::time::now_ms();
+    let paused_ms = ax_core::time::now_ms();
     tokio::time::sleep(Duration::from_millis(2200)).await;
     assert!(
         fired(&env, "a").await.len() <= paused_at + 1,
@@ -375,7 +375,7 @@ async fn pause_resume_and_apply_with_hot_reload() {
         .trigger("resume", &json!({"name": "a"}))
         .await
         .unwrap();
-    let resumed_ms = ax_sdk::time::now_ms();
+    let resumed_ms = ax_core::time::now_ms();
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let during: Vec<u64> = fired(&env, "a")
         .await
@@ -685,7 +685,7 @@ async fn concurrent_manual_runs_fire_once_each() {
 async fn once_at_an_offset_time_fires_at_that_instant() {
     let env = Env::start(Env::server()).await;
     let (stop, handle) = quick_worker(&env, Duration::ZERO);
-    let at_ms = (ax_sdk::time::now_ms() / 1000 + 3) * 1000;
+    let at_ms = (ax_core::time::now_ms() / 1000 + 3) * 1000;
     let at = crate::submit::chrono_like(at_ms, 120, "");
     env.ax
         .trigger(
@@ -740,7 +740,7 @@ async fn every_overlap_policy_keeps_firing_on_a_busy_machine() {
     for def in &defs {
         env.ax.trigger("put", def).await.unwrap();
     }
-    let started = ax_sdk::time::now_ms();
+    let started = ax_core::time::now_ms();
     let need = 60;
     let result = tokio::time::timeout(Duration::from_secs(150), async {
         loop {
@@ -771,12 +771,12 @@ async fn every_overlap_policy_keeps_firing_on_a_busy_machine() {
         report.push(format!(
             "{name}: {} fires, last {} ms ago",
             recs.len(),
-            ax_sdk::time::now_ms().saturating_sub(last)
+            ax_core::time::now_ms().saturating_sub(last)
         ));
     }
     println!(
         "busy machine, {} s: {report:?}",
-        (ax_sdk::time::now_ms() - started) / 1000
+        (ax_core::time::now_ms() - started) / 1000
     );
     assert!(result.is_ok(), "a trigger stalled: {report:?}");
     stop.cancel();
@@ -877,9 +877,9 @@ async fn more_triggers_due_at_once_than_fire_slots_all_keep_firing() {
         .await
         .unwrap();
     // Every trigger exists from here on: each must fire every second of the window.
-    let from = ax_sdk::time::now_ms() + 1000;
+    let from = ax_core::time::now_ms() + 1000;
     tokio::time::sleep(Duration::from_secs(6)).await;
-    let until = ax_sdk::time::now_ms() - 1000;
+    let until = ax_core::time::now_ms() - 1000;
     env.ax
         .trigger("apply", &json!({"triggers": []}))
         .await
@@ -922,8 +922,8 @@ async fn more_triggers_due_at_once_than_fire_slots_all_keep_firing() {
 /// only in the leader's memory (its stored state undercounted them for good).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_leader_whose_state_writes_fail_fires_nothing_unrecorded() {
-    use ax_sdk::faults::StateWriteFault;
-    let faults = ax_sdk::faults::Faults::armed();
+    use ax_core::faults::StateWriteFault;
+    let faults = ax_core::faults::Faults::armed();
     let env = Env::start(Env::server().faults(faults.clone())).await;
     let (stop, handle) = quick_worker(&env, Duration::from_millis(50));
     // (trigger, overlap, fault, paused while its writes fail)
@@ -954,7 +954,7 @@ async fn a_leader_whose_state_writes_fail_fires_nothing_unrecorded() {
         Some(())
     })
     .await;
-    let from = ax_sdk::time::now_ms();
+    let from = ax_core::time::now_ms();
     for (name, _, fault, _) in cases {
         faults.fail_trigger_state_writes(name, Some(fault));
     }
@@ -971,7 +971,7 @@ async fn a_leader_whose_state_writes_fail_fires_nothing_unrecorded() {
     for (name, ..) in cases {
         faults.fail_trigger_state_writes(name, None);
     }
-    let until = ax_sdk::time::now_ms();
+    let until = ax_core::time::now_ms();
     // Healed: the triggers fire (and record) again, then are paused.
     tokio::time::sleep(Duration::from_secs(4)).await;
     for (name, .., paused) in cases {
@@ -1056,7 +1056,7 @@ async fn the_typed_trigger_calls_round_trip() {
     assert_eq!(env.ax.get_trigger("typed").await.unwrap(), None);
     let gone = env.ax.delete_trigger("typed").await.unwrap_err();
     assert!(
-        matches!(&gone, ax_sdk::ClientError::Refused(e) if e.code == ax_sdk::error::ErrorCode::NotFound),
+        matches!(&gone, ax_sdk::ClientError::Refused(e) if e.code == ax_core::error::ErrorCode::NotFound),
         "{gone:?}"
     );
     // Put again over the deleted definition and state: created, whole.

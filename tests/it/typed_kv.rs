@@ -1,12 +1,12 @@
-//! `ax_sdk::typed_kv`, the store the flow and trigger stores are built on, against a real
+//! `ax_core::typed_kv`, the store the flow and trigger stores are built on, against a real
 //! bucket: a create or a compare-and-set that lost its race is `Stale` (a conflict), a
 //! value that does not decode is `Corrupt`, one over the server's max payload is
 //! `TooLarge`, deletes read as absent, and a scan sees each key's latest value; `put_all`
 //! stores every one of its writes or none.
 
 use async_nats::jetstream::{self, kv};
-use ax_sdk::error::ErrorKind;
-use ax_sdk::typed_kv::{get, put, put_all, scan, KvError};
+use ax_core::error::ErrorKind;
+use ax_core::typed_kv::{get, put, put_all, scan, KvError};
 use ax_testkit::LocalNats;
 use serde::{Deserialize, Serialize};
 

@@ -4,7 +4,7 @@
 //! for ~30 s, and a thousand waits hit the consumer limit).
 
 use crate::support::{counting_worker, Env};
-use ax_sdk::names::TASKS_BUCKET;
+use ax_core::names::TASKS_BUCKET;
 use ax_sdk::{TaskSpec, TaskState};
 use std::time::Duration;
 

@@ -1,7 +1,7 @@
 //! Worker SDK: priority pick policy, heartbeats, redelivery, graceful shutdown.
 
 use crate::support::Env;
-use ax_sdk::names::{consumer_name, Priority};
+use ax_core::names::{consumer_name, Priority};
 use ax_sdk::worker::{Task, Worker};
 use ax_sdk::{TaskSpec, TaskState};
 use futures::StreamExt;
@@ -148,7 +148,7 @@ async fn lost_heartbeat_redelivers_and_counts_the_attempt() {
     let mut late = running.transition(TaskState::Succeeded);
     late.worker = Some("doomed".into());
     let lost = store.cas(&late, dead_token).await.unwrap_err();
-    assert!(matches!(lost, ax_sdk::state::StateError::Stale { .. }));
+    assert!(matches!(lost, ax_core::state::StateError::Stale { .. }));
     assert_eq!(lost.kind(), ax_sdk::ErrorKind::Conflict);
     stop.cancel();
     handle.await.unwrap();

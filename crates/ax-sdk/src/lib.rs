@@ -56,54 +56,34 @@
 //! Layers point down only (`.ci/layers` fails on an import cycle inside a crate, and on
 //! anything in `wire` naming a module outside it).
 //!
-//! | layer | module | concept |
-//! |---|---|---|
-//! | API | [`client`] | submit tasks, read their records and outputs, wait, call the APIs |
-//! | | [`worker`] | pull, claim, run and settle tasks (fencing, heartbeats, retries) |
-//! | | [`flow`], [`ops`], [`trigger`], [`limits`], [`settings`] | each area's models and its calls on a [`Client`]; `limits` also holds the gate every worker applies |
-//! | | [`api`] | the request APIs: one entry per operation (`ax.<api>.<op>`) |
-//! | stores | [`state`] | task records in the `AX_TASKS` KV bucket ([`unclaimed`]: a task with no record yet) |
-//! | | [`output`] | outputs: what a handler returns, and the `AX_RESULTS` bucket |
-//! | | [`idempotency`] | idempotency keys in `AX_IDEMPOTENCY` |
-//! | | [`typed_kv`], [`kv_read`], [`key_wait`], [`atomic`] | JSON in KV by create or compare-and-set; reads from the stream leader; waiting for a key; atomic batch publish (ADR-50) |
-//! | | [`metrics`] | Prometheus metric names (the process installs the exporter) |
-//! | wire | [`wire`] | what the protocol carries: [`names`], [`time`], [`error`] codes and [`ErrorKind`], the submit [`protocol`], a [`task`]'s message and headers, its [`record`](wire::record) and [`output`](wire::output), [`backoff`]; serde and pure functions, no I/O |
+//! | module | concept |
+//! |---|---|
+//! | [`client`] | submit tasks, read their records and outputs, wait, call the APIs |
+//! | [`worker`] | pull, claim, run and settle tasks (fencing, heartbeats, retries) |
+//! | [`flow`], [`ops`], [`trigger`], [`limits`], [`settings`] | each area's models and its calls on a [`Client`]; `limits` also holds the gate every worker applies |
+//! | [`api`] | the request APIs: one entry per operation (`ax.<api>.<op>`) |
+//! | [`output`] | what a handler returns |
+//!
+//! The stores, the wire layer (subjects, headers, the JSON of requests and records) and
+//! the JetStream idioms under them are the `ax-core` crate, which the server shares; the
+//! protocol's types a service meets are re-exported here.
 #![warn(missing_docs, unreachable_pub, rustdoc::broken_intra_doc_links)]
 
 pub mod api;
-pub mod atomic;
 pub mod client;
-/// Faults injected by tests, as a value held by a server or worker (not a stable API).
-#[doc(hidden)]
-pub mod faults;
 pub mod flow;
-/// Following a stream or bucket across broker restarts (shared with the server crate;
-/// not a stable API).
-#[doc(hidden)]
-pub mod follow;
-pub mod idempotency;
-pub mod key_wait;
-pub mod kv_read;
 pub mod limits;
-pub mod metrics;
 pub mod ops;
 pub mod output;
-/// Retrying a broker call with backoff (shared with the server crate; not a stable API).
-#[doc(hidden)]
-pub mod retry;
 pub mod settings;
-pub mod state;
-/// Named long-running services restarted with backoff (shared with the server crate; not a
-/// stable API).
-#[doc(hidden)]
-pub mod supervisor;
 pub mod trigger;
-pub mod typed_kv;
-pub mod unclaimed;
-pub mod wire;
 pub mod worker;
 
-pub use wire::{backoff, error, names, protocol, task, time};
+// The shared machinery, under the paths this crate's modules name it by.
+pub(crate) use ax_core::{
+    atomic, backoff, error, faults, follow, idempotency, key_wait, kv_read, metrics, names,
+    protocol, retry, state, supervisor, task, time, typed_kv, wire,
+};
 
 pub use client::{Client, ClientError, TaskSpec};
 pub use error::ErrorKind;
@@ -111,6 +91,58 @@ pub use names::Priority;
 pub use output::{Output, TaskOutput};
 pub use state::{TaskRecord, TaskState};
 pub use worker::{Task, TaskError, Worker, WorkerBuilder};
+
+// The protocol's types this crate's calls take or return (defined in ax-core).
+pub use ax_core::atomic::GroupCommit;
+pub use ax_core::state::ListFilter;
+pub use ax_core::wire::error::WireError;
+pub use ax_core::wire::protocol::{BackoffRequest, SubmitAccepted, SubmitRequest};
+pub use ax_core::wire::record::ErrorInfo;
+pub use ax_core::wire::task::Limits;
+
+#[cfg(test)]
+mod surface {
+    /// The SDK's public items (`pub fn`, `struct`, `enum`, `const`, `type`, `trait`,
+    /// `static`; each file up to its `#[cfg(test)]`), as docs/ARCHITECTURE.md counts them.
+    fn public_items(dir: &std::path::Path) -> usize {
+        let mut n = 0;
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                n += public_items(&path);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                let text = std::fs::read_to_string(&path).unwrap();
+                n += text
+                    .lines()
+                    .take_while(|l| !l.contains("#[cfg(test)]"))
+                    .filter(|l| {
+                        let l = l.trim_start().strip_prefix("pub ").unwrap_or("");
+                        let l = l.strip_prefix("async ").unwrap_or(l);
+                        [
+                            "fn ", "struct ", "enum ", "const ", "type ", "trait ", "static ",
+                        ]
+                        .iter()
+                        .any(|k| l.starts_with(k))
+                    })
+                    .count();
+            }
+        }
+        n
+    }
+
+    /// What a service uses stays small: the stores and machinery live in ax-core. A new
+    /// public item past the budget is a decision (raise it here and in ARCHITECTURE.md).
+    #[test]
+    fn the_public_surface_stays_within_its_budget() {
+        let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let n = public_items(&src);
+        assert!(n <= 300, "ax-sdk has {n} public items; the budget is 300");
+        assert!(
+            n >= 250,
+            "{n}: the count no longer sees the items (the budget means nothing)"
+        );
+    }
+}
 
 #[cfg(test)]
 mod readme {

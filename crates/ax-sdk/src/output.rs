@@ -7,10 +7,10 @@
 //! stored, and a stale attempt's output never overwrites the winner's. An output over
 //! [`MAX_OUTPUT_BYTES`] fails the attempt for good with class `output_too_large`.
 
-use crate::names::RESULTS_BUCKET;
-use crate::wire::output::JSON;
-pub use crate::wire::output::{StoredOutput, TaskOutput, INLINE_OUTPUT_BYTES, MAX_OUTPUT_BYTES};
+pub(crate) use crate::wire::output::StoredOutput;
+pub use crate::wire::output::{TaskOutput, INLINE_OUTPUT_BYTES, MAX_OUTPUT_BYTES};
 use crate::worker::TaskError;
+pub(crate) use ax_core::results::ResultStore;
 use bytes::Bytes;
 use serde::Serialize;
 
@@ -77,48 +77,6 @@ impl IntoOutput for serde_json::Value {
                 .expect("a JSON value serializes")
                 .into(),
             is_json: true,
-        }))
-    }
-}
-
-/// The `AX_RESULTS` bucket.
-#[derive(Clone)]
-pub struct ResultStore {
-    kv: async_nats::jetstream::kv::Store,
-}
-
-impl ResultStore {
-    /// Opens the bucket (it must exist: `ax streams apply` or the server creates it).
-    pub async fn open(
-        js: &async_nats::jetstream::Context,
-    ) -> Result<ResultStore, async_nats::Error> {
-        Ok(ResultStore {
-            kv: js.get_key_value(RESULTS_BUCKET).await?,
-        })
-    }
-
-    pub(crate) async fn put(&self, key: &str, bytes: Bytes) -> Result<(), async_nats::Error> {
-        self.kv.put(key, bytes).await?;
-        Ok(())
-    }
-
-    /// Removes an output (its task is purged).
-    pub async fn delete(&self, key: &str) -> Result<(), async_nats::Error> {
-        self.kv.purge(key).await?;
-        Ok(())
-    }
-
-    /// The bytes of an output kept here (`stored.key`); `None` if the entry is gone.
-    pub async fn read(
-        &self,
-        stored: &StoredOutput,
-    ) -> Result<Option<TaskOutput>, async_nats::Error> {
-        let Some(key) = &stored.key else {
-            return Ok(None);
-        };
-        Ok(self.kv.get(key).await?.map(|bytes| TaskOutput {
-            bytes,
-            is_json: stored.content_type == JSON,
         }))
     }
 }

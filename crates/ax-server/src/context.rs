@@ -5,9 +5,9 @@
 
 use crate::queues::Queues;
 use async_nats::jetstream::{self, kv};
-use ax_sdk::names::IDEMPOTENCY_BUCKET;
-use ax_sdk::state::{StateError, TaskStore};
-use ax_sdk::task::Limits;
+use ax_core::names::IDEMPOTENCY_BUCKET;
+use ax_core::state::{StateError, TaskStore};
+use ax_core::task::Limits;
 
 /// Every store and handle a server opens once at start, shared by its request handlers
 /// and its services. Admission (`submit`) is a set of functions over it, in `submit`.
@@ -22,9 +22,9 @@ pub(crate) struct Context {
     pub(crate) flows: crate::flow::store::FlowStore,
     /// Group commit of unrecorded submits, one per ready stream (by priority index)
     /// and one for `AX_DELAYED` (a batch is stored by one stream); `None` when turned off.
-    pub(crate) ready: Option<([ax_sdk::atomic::Grouped; 3], ax_sdk::atomic::Grouped)>,
-    /// Faults a test armed (`ax_sdk::faults`); none by default.
-    pub(crate) faults: ax_sdk::faults::Faults,
+    pub(crate) ready: Option<([ax_core::atomic::Grouped; 3], ax_core::atomic::Grouped)>,
+    /// Faults a test armed (`ax_core::faults`); none by default.
+    pub(crate) faults: ax_core::faults::Faults,
 }
 
 impl Context {
@@ -32,8 +32,8 @@ impl Context {
         js: jetstream::Context,
         limits: Limits,
         queues: &[String],
-        group_commit: ax_sdk::atomic::GroupCommit,
-        faults: ax_sdk::faults::Faults,
+        group_commit: ax_core::atomic::GroupCommit,
+        faults: ax_core::faults::Faults,
     ) -> Result<Context, StateError> {
         let tasks = TaskStore::open(&js).await?;
         let idempotency =
@@ -51,9 +51,9 @@ impl Context {
                 op: "open flow buckets",
                 source: e.into(),
             })?;
-        let ready = (group_commit != ax_sdk::atomic::GroupCommit::Never).then(|| {
+        let ready = (group_commit != ax_core::atomic::GroupCommit::Never).then(|| {
             let start = |stream: &str| {
-                ax_sdk::atomic::Grouped::start_with_faults(
+                ax_core::atomic::Grouped::start_with_faults(
                     js.clone(),
                     group_commit,
                     stream,
@@ -61,8 +61,8 @@ impl Context {
                 )
             };
             (
-                ax_sdk::names::Priority::ALL.map(|p| start(&p.ready_stream())),
-                start(ax_sdk::names::DELAYED_STREAM),
+                ax_core::names::Priority::ALL.map(|p| start(&p.ready_stream())),
+                start(ax_core::names::DELAYED_STREAM),
             )
         });
         Ok(Context {

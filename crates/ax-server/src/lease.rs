@@ -236,11 +236,11 @@ pub(crate) async fn run_as_leader<L: Leader + Sync>(
 pub(crate) async fn leader(
     js: &async_nats::jetstream::Context,
     key: &str,
-) -> Result<serde_json::Value, ax_sdk::protocol::WireError> {
+) -> Result<serde_json::Value, ax_core::protocol::WireError> {
     let unavailable =
-        |e: String| ax_sdk::protocol::WireError::new(ax_sdk::protocol::ErrorCode::Unavailable, e);
+        |e: String| ax_core::protocol::WireError::new(ax_core::protocol::ErrorCode::Unavailable, e);
     let leases = js
-        .get_key_value(ax_sdk::names::LEASES_BUCKET)
+        .get_key_value(ax_core::names::LEASES_BUCKET)
         .await
         .map_err(|e| unavailable(e.to_string()))?;
     let lease = leases

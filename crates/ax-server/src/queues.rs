@@ -2,8 +2,8 @@
 //! consumers do) and cached once seen.
 
 use async_nats::jetstream;
-use ax_sdk::names;
-use ax_sdk::protocol::{ErrorCode, WireError};
+use ax_core::names;
+use ax_core::protocol::{ErrorCode, WireError};
 use std::collections::HashSet;
 use std::sync::RwLock;
 

@@ -12,7 +12,7 @@
 //! that differs from the server's flags is reported ([`Outcome::Kept`]) and logged.
 
 use async_nats::jetstream::{self, consumer, stream};
-use ax_sdk::names::{self, Priority};
+use ax_core::names::{self, Priority};
 use serde_json::Value;
 use std::time::Duration;
 
@@ -173,8 +173,8 @@ pub enum StreamsError {
 
 impl StreamsError {
     /// What kind of failure this is.
-    pub fn kind(&self) -> ax_sdk::error::ErrorKind {
-        use ax_sdk::error::ErrorKind;
+    pub fn kind(&self) -> ax_core::error::ErrorKind {
+        use ax_core::error::ErrorKind;
         match self {
             StreamsError::Definition { .. } | StreamsError::InvalidQueue(_) => ErrorKind::Invalid,
             StreamsError::Incompatible { .. } => ErrorKind::Conflict,

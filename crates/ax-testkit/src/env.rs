@@ -2,7 +2,7 @@
 //! the test's process, helpers to run workers and to wait for what the system exposes.
 
 use crate::LocalNats;
-use ax_sdk::state::TaskStore;
+use ax_core::state::TaskStore;
 use ax_sdk::worker::{Task, Worker};
 use ax_sdk::{Client, TaskRecord, TaskState};
 use ax_server::ServerBuilder;

@@ -36,7 +36,7 @@ pub(crate) struct State {
     pub(crate) apis: Arc<Apis>,
     pub(crate) index: Arc<TaskIndex>,
     /// The server's services, as its supervisor sees them.
-    pub(crate) health: ax_sdk::supervisor::Health,
+    pub(crate) health: ax_core::supervisor::Health,
 }
 
 type Body = BoxBody<Bytes, Infallible>;
@@ -133,12 +133,12 @@ pub(crate) async fn serve(
         let conn = match open.admit() {
             Admitted::Room(conn) => conn,
             Admitted::Evicted(conn) => {
-                metrics::counter!(ax_sdk::metrics::CONSOLE_CONNECTIONS_REFUSED, "which" => "idle")
+                metrics::counter!(ax_core::metrics::CONSOLE_CONNECTIONS_REFUSED, "which" => "idle")
                     .increment(1);
                 conn
             }
             Admitted::Full => {
-                metrics::counter!(ax_sdk::metrics::CONSOLE_CONNECTIONS_REFUSED, "which" => "new")
+                metrics::counter!(ax_core::metrics::CONSOLE_CONNECTIONS_REFUSED, "which" => "new")
                     .increment(1);
                 if refused_logged.elapsed() > Duration::from_secs(10) {
                     refused_logged = Instant::now();

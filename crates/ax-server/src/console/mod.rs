@@ -29,7 +29,7 @@ pub(crate) async fn start(
     config: ConsoleConfig,
     apis: Arc<Apis>,
     index: Arc<TaskIndex>,
-    health: ax_sdk::supervisor::Health,
+    health: ax_core::supervisor::Health,
 ) -> Result<Console, ConsoleError> {
     config.check()?;
     let listener = tokio::net::TcpListener::bind(config.addr)

@@ -16,12 +16,12 @@ use super::advance::{advance, Tracked};
 use super::model::{step_task_id, FlowRun, RunState, StepRun, StepState};
 use super::shared::{Budget, Reserved, Shape, Shared};
 use super::store::FlowStoreError;
-use ax_sdk::metrics as m;
-use ax_sdk::output::{StoredOutput, TaskOutput};
-use ax_sdk::protocol::{ErrorCode, WireError};
-use ax_sdk::state::{ErrorInfo, TaskRecord, TaskState};
-use ax_sdk::task::TaskMeta;
-use ax_sdk::time::now_ms;
+use ax_core::metrics as m;
+use ax_core::protocol::{ErrorCode, WireError};
+use ax_core::state::{ErrorInfo, TaskRecord, TaskState};
+use ax_core::task::TaskMeta;
+use ax_core::time::now_ms;
+use ax_core::wire::output::{StoredOutput, TaskOutput};
 use bytes::Bytes;
 use futures::StreamExt;
 use std::collections::BTreeSet;
@@ -507,7 +507,7 @@ impl Run {
                     return Ok(Outcome::Done);
                 }
                 return Ok(match self.parked {
-                    true => Outcome::Retry(ax_sdk::retry::pause(self.refusals.min(7) - 1)),
+                    true => Outcome::Retry(ax_core::retry::pause(self.refusals.min(7) - 1)),
                     false => Outcome::Idle,
                 });
             }
@@ -790,7 +790,7 @@ pub(super) mod tests {
 
     /// A diamond flow's run whose step `a` runs two tasks (b and c wait on a, d on both).
     fn running_diamond() -> (Box<Run>, Budget) {
-        let limits = ax_sdk::task::Limits::default();
+        let limits = ax_core::task::Limits::default();
         let shape = Shapes::default()
             .get("diamond", diamond("q"), &limits)
             .expect("valid");

@@ -8,7 +8,7 @@
 
 use super::def::{FailurePolicy, FlowDef, OnFailure, TriggerRule};
 use super::model::{RunState, StepRun, StepState};
-use ax_sdk::state::{ErrorInfo, TaskState};
+use ax_core::state::{ErrorInfo, TaskState};
 
 /// How the tasks of one running step have ended so far (the engine counts them from the
 /// task records of the step's current epoch).
@@ -430,7 +430,7 @@ impl Bits {
 mod tests {
     use super::*;
     use crate::flow::def::Plan;
-    use ax_sdk::task::Limits;
+    use ax_core::task::Limits;
     use serde_json::json;
 
     fn flow(failure: &str, steps: &[(&str, &[&str], &str)]) -> (FlowDef, Plan) {

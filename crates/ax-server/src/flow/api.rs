@@ -7,11 +7,11 @@ use super::model::{valid_run_id, FlowRun, RunState, StepRun, StepState};
 use super::store::{FlowStore, FlowStoreError};
 use super::RerunMode;
 use crate::context::Context;
+use ax_core::metrics as m;
+use ax_core::protocol::{ErrorCode, WireError};
+use ax_core::time::now_ms;
 use ax_sdk::api::{unknown_operation, Api, Request};
 use ax_sdk::flow::{FlowName, FlowRequest, FlowRerun, FlowStart, RunRef};
-use ax_sdk::metrics as m;
-use ax_sdk::protocol::{ErrorCode, WireError};
-use ax_sdk::time::now_ms;
 use serde_json::{json, Value};
 use std::sync::Arc;
 
@@ -41,7 +41,7 @@ fn not_found(what: String) -> WireError {
 /// A flow name is checked before it is used as a KV key (an invalid key would be an
 /// `unavailable` broker error, not the caller's `invalid_field`).
 fn flow_name(name: &str, field: &str) -> Result<(), WireError> {
-    if ax_sdk::names::valid_token(name, 64) {
+    if ax_core::names::valid_token(name, 64) {
         Ok(())
     } else {
         Err(WireError::field(field, "must be 1..=64 of A-Z a-z 0-9 _ -"))
@@ -107,7 +107,7 @@ impl FlowApi {
             }) => {
                 flow_name(&flow, "flow")?;
                 if let Some(id) = &business_id {
-                    ax_sdk::task::check_business_id(id)?;
+                    ax_core::task::check_business_id(id)?;
                 }
                 let def = self
                     .store
@@ -326,7 +326,7 @@ pub(crate) struct Start {
 /// run id and flow name.
 pub(crate) async fn start_run(
     store: &FlowStore,
-    limits: &ax_sdk::task::Limits,
+    limits: &ax_core::task::Limits,
     def: FlowDef,
     input: Value,
     start: Start,
@@ -437,7 +437,7 @@ fn view(run: &FlowRun, steps: &[StepRun]) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ax_sdk::task::Limits;
+    use ax_core::task::Limits;
 
     #[test]
     fn a_rerun_chooses_failed_steps_and_optionally_what_ran_after_them() {

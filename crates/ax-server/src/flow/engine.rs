@@ -21,10 +21,10 @@ use super::store::{FlowStore, FlowStoreError};
 use crate::context::Context;
 use crate::lease::{run_as_leader, Leader, Lease, Stop};
 use async_nats::jetstream::kv;
-use ax_sdk::metrics as m;
-use ax_sdk::names::LEASES_BUCKET;
-use ax_sdk::output::ResultStore;
-use ax_sdk::state::TaskRecord;
+use ax_core::metrics as m;
+use ax_core::names::LEASES_BUCKET;
+use ax_core::results::ResultStore;
+use ax_core::state::TaskRecord;
 use futures::StreamExt;
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;
@@ -211,7 +211,7 @@ impl Runs {
             }
             Outcome::Failed => {
                 sched.failures += 1;
-                let pause = ax_sdk::retry::pause((sched.failures - 1).min(6));
+                let pause = ax_core::retry::pause((sched.failures - 1).min(6));
                 Some(Instant::now() + pause)
             }
         };
@@ -284,7 +284,7 @@ impl Leader for Leading<'_> {
 impl FlowEngine {
     pub(crate) async fn run(self, shutdown: CancellationToken) -> Result<(), FlowEngineError> {
         let js = self.ctx.js.clone();
-        let opened = ax_sdk::retry::until_ok(
+        let opened = ax_core::retry::until_ok(
             "the flow buckets (AX_FLOWS, AX_FLOW_RUNS; `ax streams apply`)",
             &shutdown,
             || async {
@@ -408,7 +408,7 @@ mod tests {
 
     #[test]
     fn a_waiting_diamond_run_holds_less_than_a_kibibyte() {
-        let limits = ax_sdk::task::Limits::default();
+        let limits = ax_core::task::Limits::default();
         let def = crate::flow::actor::tests::diamond("diamond");
         let shapes = Shapes::default();
         let budget = Budget::new(HELD_BYTES);

@@ -17,10 +17,10 @@ use super::actor::{Built, Run, CONCURRENCY};
 use super::def::MAX_FAN_OUT;
 use super::model::StepState;
 use super::shared::Shared;
+use ax_core::protocol::ErrorCode;
+use ax_core::state::ErrorInfo;
+use ax_core::task::TaskMeta;
 use ax_sdk::output::TaskOutput;
-use ax_sdk::protocol::ErrorCode;
-use ax_sdk::state::ErrorInfo;
-use ax_sdk::task::TaskMeta;
 use futures::StreamExt;
 use serde_json::{json, Map, Value};
 

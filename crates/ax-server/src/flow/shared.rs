@@ -4,9 +4,9 @@
 use super::def::{FlowDef, Plan};
 use super::store::FlowStore;
 use crate::context::Context;
-use ax_sdk::metrics as m;
-use ax_sdk::output::ResultStore;
-use ax_sdk::protocol::WireError;
+use ax_core::metrics as m;
+use ax_core::protocol::WireError;
+use ax_core::results::ResultStore;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -55,7 +55,7 @@ impl Shapes {
         &self,
         flow: &str,
         def: FlowDef,
-        limits: &ax_sdk::task::Limits,
+        limits: &ax_core::task::Limits,
     ) -> Result<Arc<Shape>, WireError> {
         let find = |map: &mut HashMap<String, Vec<Weak<Shape>>>, def: &FlowDef| {
             let list = map.get_mut(flow)?;

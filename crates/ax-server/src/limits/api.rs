@@ -8,10 +8,10 @@
 use super::model::LimitDef;
 use crate::context::Context;
 use async_nats::jetstream::kv;
+use ax_core::names::LIMITS_BUCKET;
+use ax_core::protocol::{ErrorCode, WireError};
 use ax_sdk::api::{unknown_operation, Api, Request};
 use ax_sdk::limits::{LimitFilter, LimitName, LimitRequest};
-use ax_sdk::names::LIMITS_BUCKET;
-use ax_sdk::protocol::{ErrorCode, WireError};
 use futures::StreamExt;
 use serde_json::{json, Value};
 use std::sync::Arc;
@@ -24,7 +24,7 @@ pub(crate) struct LimitApi {
 /// The key of limit `name` of `queue`, both checked first (an invalid key would be an
 /// `unavailable` broker error, not the caller's `invalid_field`).
 fn limit_key(queue: &str, name: &str) -> Result<String, WireError> {
-    if !ax_sdk::names::valid_queue(queue) || !ax_sdk::names::valid_token(name, 64) {
+    if !ax_core::names::valid_queue(queue) || !ax_core::names::valid_token(name, 64) {
         return Err(WireError::field("name", "not a limit name"));
     }
     Ok(format!("{queue}.{name}"))
@@ -74,7 +74,7 @@ impl LimitApi {
     /// The limits of `queue`, or of every queue.
     async fn list_of(&self, queue: Option<String>) -> Result<Vec<LimitDef>, WireError> {
         let filter = match &queue {
-            Some(q) if ax_sdk::names::valid_queue(q) => format!("{q}.>"),
+            Some(q) if ax_core::names::valid_queue(q) => format!("{q}.>"),
             Some(_) => return Err(WireError::field("queue", "not a queue name")),
             None => ">".to_string(),
         };
@@ -85,7 +85,7 @@ impl LimitApi {
     /// (per-key buckets are many: not listed), an adaptive limit's rate in force
     /// (`rate_now`), and the concurrency slots held, by whom.
     async fn status(&self, defs: Vec<LimitDef>) -> Result<Value, WireError> {
-        use ax_sdk::names::{LIMIT_SLOTS_BUCKET, LIMIT_STATE_BUCKET};
+        use ax_core::names::{LIMIT_SLOTS_BUCKET, LIMIT_STATE_BUCKET};
         let js = &self.ctx.js;
         let state = js
             .get_key_value(LIMIT_STATE_BUCKET)

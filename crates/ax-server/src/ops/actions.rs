@@ -6,11 +6,11 @@
 
 use super::feed::TaskIndex;
 use async_nats::jetstream::{self, kv};
-use ax_sdk::names::{self, Priority};
-use ax_sdk::protocol::{ErrorCode, WireError};
-use ax_sdk::state::{OpNote, StateError, TaskRecord, TaskState, TaskStore};
-use ax_sdk::task::TaskMeta;
-use ax_sdk::time::now_ms;
+use ax_core::names::{self, Priority};
+use ax_core::protocol::{ErrorCode, WireError};
+use ax_core::state::{OpNote, StateError, TaskRecord, TaskState, TaskStore};
+use ax_core::task::TaskMeta;
+use ax_core::time::now_ms;
 use bytes::Bytes;
 use serde_json::{json, Value};
 use std::sync::Arc;
@@ -618,7 +618,7 @@ impl Ops {
         // A copy of a task's message (a retry, a run now) is never an unrecorded task's
         // first delivery: its record exists (docs/PROTOCOL.md §3 step 1).
         let mut headers = headers;
-        headers.insert(ax_sdk::task::header::UNRECORDED, "0");
+        headers.insert(ax_core::task::header::UNRECORDED, "0");
         let ack =
             crate::submit::publish_headers(&self.js, subject, headers, msg_id, payload).await?;
         Ok(ack.sequence)

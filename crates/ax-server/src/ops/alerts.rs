@@ -11,9 +11,9 @@
 //! server killed between the two loses that alert (at most once, never twice).
 
 use async_nats::jetstream::kv;
-use ax_sdk::metrics as m;
-use ax_sdk::names::ALERTS_BUCKET;
-use ax_sdk::time::now_ms;
+use ax_core::metrics as m;
+use ax_core::names::ALERTS_BUCKET;
+use ax_core::time::now_ms;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use std::time::Duration;
@@ -109,7 +109,7 @@ impl Alerts {
     ) -> Result<Alerts, async_nats::Error> {
         Ok(Alerts {
             kv: js.get_key_value(ALERTS_BUCKET).await?,
-            settings: js.get_key_value(ax_sdk::names::LIMITS_BUCKET).await?,
+            settings: js.get_key_value(ax_core::names::LIMITS_BUCKET).await?,
             client: js.client(),
             config,
         })
@@ -268,7 +268,7 @@ impl Alerts {
     /// failure, its dead letter's sequence its revision.
     pub(crate) async fn follow(self, shutdown: tokio_util::sync::CancellationToken) {
         use async_nats::jetstream::consumer;
-        use ax_sdk::task::header;
+        use ax_core::task::header;
         use futures::StreamExt;
         let js = async_nats::jetstream::new(self.client.clone());
         loop {
@@ -276,7 +276,7 @@ impl Alerts {
             let start_time = async_nats::datetime::from_nanos(since_ns)
                 .unwrap_or_else(|_| async_nats::datetime::now());
             let opened =
-                ax_sdk::retry::until_ok("the dead-letter feed (AX_DEAD)", &shutdown, || {
+                ax_core::retry::until_ok("the dead-letter feed (AX_DEAD)", &shutdown, || {
                     let js = js.clone();
                     async move {
                         let config = consumer::pull::OrderedConfig {
@@ -284,7 +284,7 @@ impl Alerts {
                             headers_only: true,
                             ..Default::default()
                         };
-                        ax_sdk::follow::ordered(&js, ax_sdk::names::DEAD_STREAM, config).await
+                        ax_core::follow::ordered(&js, ax_core::names::DEAD_STREAM, config).await
                     }
                 })
                 .await;

@@ -2,11 +2,11 @@
 //! `{"ok": …}` or `{"error": …}` (docs/PROTOCOL.md §8).
 
 use super::actions::Ops;
+use ax_core::protocol::{ErrorCode, WireError};
+use ax_core::state::TaskState;
 use ax_sdk::api::{unknown_operation, Api, Request};
 use ax_sdk::ops::{ListReply, ListRequest, PageCursor, TaskQuery};
 use ax_sdk::ops::{QueuePause, SeriesFilter, TaskBulk, TaskRef, TaskRequest};
-use ax_sdk::protocol::{ErrorCode, WireError};
-use ax_sdk::state::TaskState;
 use serde_json::{json, Value};
 use std::time::Duration;
 
@@ -74,11 +74,11 @@ impl Ops {
             TaskRequest::Series(SeriesFilter { queue }) => {
                 let index = self.index()?;
                 let ix = index.index.read().expect("not poisoned");
-                Ok(ix.series.answer(queue.as_deref(), ax_sdk::time::now_ms()))
+                Ok(ix.series.answer(queue.as_deref(), ax_core::time::now_ms()))
             }
             TaskRequest::Purge(r) => {
                 check_by(&r.by)?;
-                self.purge(r, ax_sdk::time::now_ms()).await
+                self.purge(r, ax_core::time::now_ms()).await
             }
             TaskRequest::Payload(TaskRef { id, .. }) => self.payload(&id).await,
             TaskRequest::Events(TaskRef { id, .. }) => {
@@ -100,7 +100,7 @@ impl Ops {
     }
 
     async fn get(&self, id: &str) -> Result<(ax_sdk::TaskRecord, u64), WireError> {
-        if ax_sdk::names::queue_of_task_id(id).is_none() {
+        if ax_core::names::queue_of_task_id(id).is_none() {
             return Err(WireError::field("id", "not a task id"));
         }
         self.tasks
@@ -266,7 +266,7 @@ impl Ops {
             }));
         }
         // Throughput over the last minute, all queues: tasks that reached each end state.
-        let since = ax_sdk::time::now_ms().saturating_sub(60_000);
+        let since = ax_core::time::now_ms().saturating_sub(60_000);
         let ix = index.index.read().expect("not poisoned");
         let per_minute = |s: TaskState| {
             let q = TaskQuery {

@@ -5,7 +5,7 @@
 
 use super::index::{Index, Indexed};
 use async_nats::jetstream::{self, consumer};
-use ax_sdk::names::TASKS_BUCKET;
+use ax_core::names::TASKS_BUCKET;
 use futures::StreamExt;
 use std::sync::RwLock;
 use std::time::{Duration, Instant};
@@ -34,7 +34,7 @@ const UNREADABLE_LOG_EVERY: Duration = Duration::from_secs(10);
 
 impl Unreadable {
     fn note(&mut self, id: &str, revision: u64, e: &serde_json::Error) {
-        metrics::counter!(ax_sdk::metrics::INDEX_UNREADABLE).increment(1);
+        metrics::counter!(ax_core::metrics::INDEX_UNREADABLE).increment(1);
         if self
             .last_log
             .is_some_and(|t| t.elapsed() < UNREADABLE_LOG_EVERY)
@@ -86,7 +86,7 @@ impl TaskIndex {
     /// stops is started again and reads the feed anew into the same index).
     pub(crate) fn start(
         js: jetstream::Context,
-        services: &mut ax_sdk::supervisor::Supervisor,
+        services: &mut ax_core::supervisor::Supervisor,
     ) -> std::sync::Arc<TaskIndex> {
         let ix = std::sync::Arc::new(TaskIndex {
             index: RwLock::new(Index::default()),
@@ -139,7 +139,7 @@ impl TaskIndex {
         let prefix = format!("$KV.{TASKS_BUCKET}.");
         loop {
             let opened =
-                ax_sdk::retry::until_ok("the task-state feed (KV_AX_TASKS)", &shutdown, || {
+                ax_core::retry::until_ok("the task-state feed (KV_AX_TASKS)", &shutdown, || {
                     let js = js.clone();
                     async move {
                         let stream = js.get_stream(format!("KV_{TASKS_BUCKET}")).await?;
@@ -148,7 +148,7 @@ impl TaskIndex {
                             .create_consumer(consumer::pull::OrderedConfig {
                                 deliver_policy: consumer::DeliverPolicy::LastPerSubject,
                                 filter_subject: format!("$KV.{TASKS_BUCKET}.>"),
-                                max_expires: ax_sdk::follow::PULL_EXPIRES,
+                                max_expires: ax_core::follow::PULL_EXPIRES,
                                 ..Default::default()
                             })
                             .await?
@@ -238,7 +238,7 @@ impl TaskIndex {
     ) {
         loop {
             let opened =
-                ax_sdk::retry::until_ok("the delayed-task feed (AX_DELAYED)", &shutdown, || {
+                ax_core::retry::until_ok("the delayed-task feed (AX_DELAYED)", &shutdown, || {
                     let config = consumer::pull::OrderedConfig {
                         deliver_policy: consumer::DeliverPolicy::All,
                         headers_only: true,
@@ -246,7 +246,7 @@ impl TaskIndex {
                     };
                     let js = js.clone();
                     async move {
-                        ax_sdk::follow::ordered(&js, ax_sdk::names::DELAYED_STREAM, config).await
+                        ax_core::follow::ordered(&js, ax_core::names::DELAYED_STREAM, config).await
                     }
                 })
                 .await;
@@ -268,7 +268,7 @@ impl TaskIndex {
                 let meta = msg
                     .headers
                     .as_ref()
-                    .and_then(|h| ax_sdk::task::TaskMeta::from_headers(h).ok());
+                    .and_then(|h| ax_core::task::TaskMeta::from_headers(h).ok());
                 // Recorded tasks are indexed from their records.
                 let Some(meta) = meta.filter(|m| m.unrecorded) else {
                     continue;

@@ -13,8 +13,8 @@
 
 use super::actions::Ops;
 use async_nats::jetstream;
-use ax_sdk::names;
-use ax_sdk::state::{ErrorInfo, StateError, TaskRecord, TaskState, TaskStore};
+use ax_core::names;
+use ax_core::state::{ErrorInfo, StateError, TaskRecord, TaskState, TaskStore};
 use bytes::Bytes;
 use serde_json::Value;
 use std::time::Duration;

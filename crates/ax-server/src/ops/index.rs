@@ -8,8 +8,8 @@
 //! other filters on each entry: finding the 12 dead tasks of one error class among a
 //! million records reads 12 entries, not a million.
 
+use ax_core::state::TaskState;
 use ax_sdk::ops::{TaskQuery, TaskRow};
-use ax_sdk::state::TaskState;
 use serde::Deserialize;
 use std::borrow::Cow;
 use std::collections::{BTreeSet, BinaryHeap, HashMap, HashSet};
@@ -78,7 +78,7 @@ pub(crate) struct Indexed<'a> {
 impl<'a> Indexed<'a> {
     /// What the index keeps of a delayed task whose submit stored no record: the
     /// `scheduled` record its message stands for (docs/PROTOCOL.md §3, "Unrecorded tasks").
-    pub(crate) fn scheduled(meta: &'a ax_sdk::task::TaskMeta) -> Indexed<'a> {
+    pub(crate) fn scheduled(meta: &'a ax_core::task::TaskMeta) -> Indexed<'a> {
         Indexed {
             queue: Cow::Borrowed(&meta.queue),
             name: Cow::Borrowed(&meta.name),
@@ -308,7 +308,7 @@ impl Index {
     /// Indexes a record (`revision` is its KV revision); an older revision than the one
     /// held is ignored.
     pub(crate) fn put(&mut self, id: &str, revision: u64, rec: &Indexed<'_>) {
-        self.put_at(id, revision, rec, ax_sdk::time::now_ms());
+        self.put_at(id, revision, rec, ax_core::time::now_ms());
     }
 
     /// [`Index::put`] at `now_ms` (the series counts only the last hour's changes).

@@ -5,10 +5,10 @@
 //! not history).
 
 use super::actions::Ops;
-use ax_sdk::names;
-use ax_sdk::protocol::{ErrorCode, WireError};
-use ax_sdk::state::TaskState;
-use ax_sdk::task::{ContentType, TaskMeta};
+use ax_core::names;
+use ax_core::protocol::{ErrorCode, WireError};
+use ax_core::state::TaskState;
+use ax_core::task::{ContentType, TaskMeta};
 use base64::Engine;
 use bytes::Bytes;
 use serde_json::{json, Value};

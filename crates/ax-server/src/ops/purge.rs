@@ -8,9 +8,9 @@
 //! find the key and no task, and run the task again under its id.
 
 use super::actions::Ops;
+use ax_core::protocol::{ErrorCode, WireError};
+use ax_core::state::TaskState;
 use ax_sdk::ops::{TaskPurge, TaskQuery};
-use ax_sdk::protocol::{ErrorCode, WireError};
-use ax_sdk::state::TaskState;
 use serde_json::{json, Value};
 
 /// Most tasks one purge removes.
@@ -44,10 +44,10 @@ impl Ops {
             let ids: Vec<&str> = rows.iter().map(|t| t.id.as_str()).collect();
             return Ok(json!({"matched": total, "would_purge": ids.len(), "ids": ids}));
         }
-        let results = ax_sdk::output::ResultStore::open(&self.js).await.ok();
+        let results = ax_core::results::ResultStore::open(&self.js).await.ok();
         let keys = self
             .js
-            .get_key_value(ax_sdk::names::IDEMPOTENCY_BUCKET)
+            .get_key_value(ax_core::names::IDEMPOTENCY_BUCKET)
             .await
             .ok();
         let mut purged = 0usize;
@@ -74,11 +74,11 @@ impl Ops {
         &self,
         id: &str,
         revision: u64,
-        results: Option<&ax_sdk::output::ResultStore>,
+        results: Option<&ax_core::results::ResultStore>,
         keys: Option<&async_nats::jetstream::kv::Store>,
     ) -> Result<(), WireError> {
         let unavailable =
-            |e: ax_sdk::state::StateError| WireError::new(ErrorCode::Unavailable, e.to_string());
+            |e: ax_core::state::StateError| WireError::new(ErrorCode::Unavailable, e.to_string());
         let Some((rec, rev)) = self.tasks.get(id).await.map_err(unavailable)? else {
             return Ok(()); // gone already
         };
@@ -89,7 +89,7 @@ impl Ops {
             ));
         }
         if let Some(key) = &rec.idempotency_key {
-            let kv_key = ax_sdk::names::idempotency_kv_key(&rec.queue, key);
+            let kv_key = ax_core::names::idempotency_kv_key(&rec.queue, key);
             let keys = keys.ok_or_else(|| {
                 WireError::new(ErrorCode::Unavailable, "AX_IDEMPOTENCY could not be opened")
             })?;
@@ -97,7 +97,7 @@ impl Ops {
                 .get(&kv_key)
                 .await
                 .map_err(|e| WireError::new(ErrorCode::Unavailable, e.to_string()))?;
-            if named.is_some_and(|v| ax_sdk::idempotency::KeyValue::parse(&v).id == *id) {
+            if named.is_some_and(|v| ax_core::idempotency::KeyValue::parse(&v).id == *id) {
                 return Err(WireError::new(
                     ErrorCode::Conflict,
                     format!(
@@ -110,7 +110,7 @@ impl Ops {
         // The record first: a record never names an output that is gone. An output left
         // behind by a failure after it expires with the bucket's max age (90 days).
         self.tasks.purge(id, rev).await.map_err(|e| match e {
-            ax_sdk::state::StateError::Stale { .. } => WireError::new(
+            ax_core::state::StateError::Stale { .. } => WireError::new(
                 ErrorCode::Conflict,
                 format!("task {id} changed while it was purged: kept"),
             ),

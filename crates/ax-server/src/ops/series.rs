@@ -5,7 +5,7 @@
 //! a server start the series is rebuilt from each record's last value, so retries that
 //! were followed by another state before the start are not seen.
 
-use ax_sdk::state::TaskState;
+use ax_core::state::TaskState;
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashMap};
 

@@ -4,7 +4,7 @@
 
 use super::actions::Ops;
 use async_nats::jetstream::kv;
-use ax_sdk::protocol::{ErrorCode, WireError};
+use ax_core::protocol::{ErrorCode, WireError};
 use ax_sdk::settings::{self, SettingsFilter, SettingsName, StoredSettings, TaskSettings};
 use futures::StreamExt;
 use serde_json::{json, Value};
@@ -56,7 +56,7 @@ impl Ops {
     /// (values that do not decode, written by hand, are left out).
     pub(crate) async fn list_settings(&self, f: SettingsFilter) -> Result<Value, WireError> {
         if let Some(q) = &f.queue {
-            if !ax_sdk::names::valid_queue(q) {
+            if !ax_core::names::valid_queue(q) {
                 return Err(WireError::field("queue", "not a queue name"));
             }
         }

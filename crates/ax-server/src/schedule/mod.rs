@@ -18,12 +18,12 @@
 
 use crate::submit::publish_headers;
 use async_nats::jetstream::{self, consumer, stream};
-use ax_sdk::faults::Faults;
-use ax_sdk::follow::{Reconnects, PULL_EXPIRES};
-use ax_sdk::metrics as m;
-use ax_sdk::names::DELAYED_STREAM;
-use ax_sdk::task::{header, TaskMeta};
-use ax_sdk::time::now_ms;
+use ax_core::faults::Faults;
+use ax_core::follow::{Reconnects, PULL_EXPIRES};
+use ax_core::metrics as m;
+use ax_core::names::DELAYED_STREAM;
+use ax_core::task::{header, TaskMeta};
+use ax_core::time::now_ms;
 use futures::StreamExt;
 use index::{Body, Due, Index};
 use std::sync::atomic::Ordering;
@@ -46,8 +46,8 @@ pub struct ScheduleError {
 
 impl ScheduleError {
     /// What kind of failure this is.
-    pub fn kind(&self) -> ax_sdk::error::ErrorKind {
-        ax_sdk::error::ErrorKind::of(self.source.as_ref())
+    pub fn kind(&self) -> ax_core::error::ErrorKind {
+        ax_core::error::ErrorKind::of(self.source.as_ref())
     }
 }
 
@@ -77,7 +77,7 @@ pub(crate) struct Scheduler {
     /// Gauge contributions of every scheduler of this process.
     pub(crate) totals: std::sync::Arc<Totals>,
     /// Faults a test armed (an abort between a dispatch and its delete).
-    pub(crate) faults: ax_sdk::faults::Faults,
+    pub(crate) faults: ax_core::faults::Faults,
 }
 
 /// Per-scheduler counts behind the process-wide gauges `ax_pending_dispatch` and
@@ -142,7 +142,7 @@ impl Scheduler {
         // A cluster electing leaders (a node lost) answers nothing for a few seconds: wait
         // with backoff rather than end, which would stop the partition.
         let started =
-            ax_sdk::retry::until_ok("AX_DELAYED, to index delayed tasks", &shutdown, || async {
+            ax_core::retry::until_ok("AX_DELAYED, to index delayed tasks", &shutdown, || async {
                 let stream = self
                     .js
                     .get_stream(DELAYED_STREAM)
@@ -161,7 +161,7 @@ impl Scheduler {
             return Ok(()); // shut down while waiting
         };
         let mut last_seq = 0u64;
-        // Follows again within a quarter second of a reconnect (`ax_sdk::follow`).
+        // Follows again within a quarter second of a reconnect (`ax_core::follow`).
         let mut reconnects = Reconnects::new(&self.js.client());
         let horizon_ms = self.horizon.as_millis() as u64;
         let lookahead_ms = self.lookahead.as_millis() as u64;
@@ -438,7 +438,7 @@ async fn dispatch(
     }
     metrics::histogram!(m::DISPATCH_LAG).record(now_ms().saturating_sub(due) as f64 / 1000.0);
     metrics::counter!(m::DELAYED_DISPATCHED).increment(1);
-    faults.pass(ax_sdk::faults::Abort::AfterDispatch);
+    faults.pass(ax_core::faults::Abort::AfterDispatch);
     // Delete without the secure erase (overwriting the stored bytes) that
     // `Stream::delete_message` asks for: the task lives on in the ready stream anyway.
     let request = serde_json::json!({ "seq": seq, "no_erase": true });

@@ -20,8 +20,8 @@
 use super::{ScheduleError, Scheduler};
 use crate::lease::Lease;
 use async_nats::jetstream::kv;
-use ax_sdk::metrics as m;
-use ax_sdk::names::{delayed_filters, DELAYED_PARTITIONS, LEASES_BUCKET};
+use ax_core::metrics as m;
+use ax_core::names::{delayed_filters, DELAYED_PARTITIONS, LEASES_BUCKET};
 use futures::StreamExt;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
@@ -58,7 +58,7 @@ fn member_key(id: &str) -> String {
 impl Partitions {
     pub(crate) async fn run(self, shutdown: CancellationToken) -> Result<(), ScheduleError> {
         let js = self.scheduler.js.clone();
-        let kv = ax_sdk::retry::until_ok(
+        let kv = ax_core::retry::until_ok(
             "the AX_LEASES bucket, to share delayed tasks",
             &shutdown,
             || js.get_key_value(LEASES_BUCKET),
@@ -80,7 +80,7 @@ impl Partitions {
             })
             .collect();
         // Servers start looking at different partitions, so they rarely race for one.
-        let first = ax_sdk::names::delayed_partition(&self.id);
+        let first = ax_core::names::delayed_partition(&self.id);
         let order: Vec<u32> = (0..p_all).map(|i| (first + i) % p_all).collect();
         let mut running: Running = BTreeMap::new();
         // Renew and look every fifth of the TTL: a lease left unrenewed is seen unchanged for

@@ -2,7 +2,7 @@
 
 use crate::streams::Topology;
 use crate::trigger::clock::{Clock, SystemClock};
-use ax_sdk::task::Limits;
+use ax_core::task::Limits;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -29,8 +29,8 @@ pub struct Server {
     pub(super) partition_ttl: Duration,
     pub(super) clock: Arc<dyn Clock>,
     pub(super) id: String,
-    pub(super) group_commit: ax_sdk::atomic::GroupCommit,
-    pub(super) faults: ax_sdk::faults::Faults,
+    pub(super) group_commit: ax_core::atomic::GroupCommit,
+    pub(super) faults: ax_core::faults::Faults,
 }
 
 /// Builder for [`Server`].
@@ -68,7 +68,7 @@ impl Default for ServerBuilder {
             partition_ttl: Duration::from_millis(1500),
             clock: Arc::new(SystemClock::default()),
             id: format!("{}-{}", std::process::id(), nuid::next()),
-            group_commit: ax_sdk::atomic::GroupCommit::Auto,
+            group_commit: ax_core::atomic::GroupCommit::Auto,
             faults: Default::default(),
         })
     }
@@ -156,11 +156,11 @@ impl ServerBuilder {
     }
     /// Store the unrecorded submits of one moment as one atomic batch per ready stream:
     /// one stored write, one fsync under `sync_interval: always`, carries many tasks.
-    /// Default [`GroupCommit::Auto`](ax_sdk::atomic::GroupCommit): batches while the
+    /// Default [`GroupCommit::Auto`](ax_core::atomic::GroupCommit): batches while the
     /// broker answers them faster than single publishes (it fsyncs each write), single
     /// publishes while not (and where the streams refuse batches: `persist_mode: async`).
     /// `true` / `false` are `Always` / `Never`. docs/PERFORMANCE.md has all three measured.
-    pub fn group_commit(mut self, mode: impl Into<ax_sdk::atomic::GroupCommit>) -> Self {
+    pub fn group_commit(mut self, mode: impl Into<ax_core::atomic::GroupCommit>) -> Self {
         self.0.group_commit = mode.into();
         self
     }
@@ -220,9 +220,9 @@ impl ServerBuilder {
         self.0.id = id.into();
         self
     }
-    /// Runs with the faults of `faults` (tests; default: none — see `ax_sdk::faults`).
+    /// Runs with the faults of `faults` (tests; default: none — see `ax_core::faults`).
     #[doc(hidden)]
-    pub fn faults(mut self, faults: ax_sdk::faults::Faults) -> Self {
+    pub fn faults(mut self, faults: ax_core::faults::Faults) -> Self {
         self.0.faults = faults;
         self
     }

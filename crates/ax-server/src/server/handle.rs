@@ -4,9 +4,9 @@
 
 use crate::context::Context;
 use async_nats::service::Request;
+use ax_core::metrics as m;
+use ax_core::protocol::{ErrorCode, SubmitAccepted, SubmitReply, WireError};
 use ax_sdk::api::Api;
-use ax_sdk::metrics as m;
-use ax_sdk::protocol::{ErrorCode, SubmitAccepted, SubmitReply, WireError};
 use futures::FutureExt;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
@@ -20,7 +20,7 @@ pub(crate) async fn guarded<T>(
     match AssertUnwindSafe(work).catch_unwind().await {
         Ok(result) => result,
         Err(panic) => {
-            let what = ax_sdk::error::panic_text(panic.as_ref());
+            let what = ax_core::error::panic_text(panic.as_ref());
             error!(api, cause = %what, "request handler panicked (a bug); answered unavailable");
             metrics::counter!(m::REQUEST_PANICS, "api" => api).increment(1);
             Err(WireError::new(

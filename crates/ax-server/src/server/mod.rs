@@ -18,12 +18,12 @@ use crate::trigger::engine::Engine;
 use crate::trigger::events::EventRouter;
 use crate::trigger::store::TriggerStore;
 use async_nats::service::{endpoint::Endpoint, Service};
+use ax_core::metrics as m;
+use ax_core::names::{self, TRIGGER_API_PREFIX};
+use ax_core::retry;
+use ax_core::state::StateError;
+use ax_core::supervisor::Supervisor;
 use ax_sdk::api::Api;
-use ax_sdk::metrics as m;
-use ax_sdk::names::{self, TRIGGER_API_PREFIX};
-use ax_sdk::retry;
-use ax_sdk::state::StateError;
-use ax_sdk::supervisor::Supervisor;
 use futures::stream::SelectAll;
 use futures::{FutureExt, StreamExt};
 use std::convert::Infallible;
@@ -49,7 +49,7 @@ pub enum ServerError {
     State(#[from] StateError),
     /// Opening the trigger or flow buckets failed.
     #[error(transparent)]
-    Buckets(#[from] ax_sdk::typed_kv::KvError),
+    Buckets(#[from] ax_core::typed_kv::KvError),
     /// The console could not start.
     #[error(transparent)]
     Console(#[from] crate::console::ConsoleError),
@@ -73,8 +73,8 @@ pub enum ServerError {
 
 impl ServerError {
     /// What kind of failure this is.
-    pub fn kind(&self) -> ax_sdk::error::ErrorKind {
-        use ax_sdk::error::ErrorKind;
+    pub fn kind(&self) -> ax_core::error::ErrorKind {
+        use ax_core::error::ErrorKind;
         match self {
             ServerError::Streams(e) => e.kind(),
             ServerError::State(e) => e.kind(),
@@ -165,7 +165,7 @@ impl Server {
             .then(|| crate::ops::feed::TaskIndex::start(js.clone(), &mut services));
         let ops = crate::ops::actions::Ops {
             js: js.clone(),
-            tasks: ax_sdk::state::TaskStore::open(&js).await?,
+            tasks: ax_core::state::TaskStore::open(&js).await?,
             limits: limit_api.defs.clone(),
             index: task_index.clone(),
             ctx: ctx.clone(),

@@ -9,13 +9,13 @@
 //! duplicate of the first rather than a race with it.
 
 use crate::context::Context;
-use ax_sdk::protocol::{ErrorCode, SubmitAccepted, WireError};
-use ax_sdk::task::decode_submit;
+use ax_core::protocol::{ErrorCode, SubmitAccepted, WireError};
+use ax_core::task::decode_submit;
 use bytes::Bytes;
 use serde_json::value::RawValue;
 use std::collections::HashSet;
 
-pub use ax_sdk::protocol::MAX_BATCH;
+pub use ax_core::protocol::MAX_BATCH;
 
 /// One answer per task of a batch, in the request's order.
 pub type BatchAnswers = Vec<Result<SubmitAccepted, WireError>>;
@@ -62,7 +62,7 @@ impl Context {
                         .idempotency_key
                         .as_ref()
                         .is_some_and(|k| !keys.insert(k.clone()));
-                    let job: (usize, ax_sdk::task::TaskMeta, Bytes) =
+                    let job: (usize, ax_core::task::TaskMeta, Bytes) =
                         (i, super::unrecorded(meta), payload);
                     if again {
                         repeated.push(job);

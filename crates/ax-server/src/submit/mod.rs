@@ -11,11 +11,11 @@
 
 use crate::context::Context;
 use async_nats::jetstream::{self, context::PublishError};
-use ax_sdk::idempotency::KeyValue;
-use ax_sdk::names;
-use ax_sdk::protocol::{ErrorCode, SubmitAccepted, WireError};
-use ax_sdk::state::{StateError, TaskState};
-use ax_sdk::task::{decode_submit, TaskMeta};
+use ax_core::idempotency::KeyValue;
+use ax_core::names;
+use ax_core::protocol::{ErrorCode, SubmitAccepted, WireError};
+use ax_core::state::{StateError, TaskState};
+use ax_core::task::{decode_submit, TaskMeta};
 use bytes::Bytes;
 use tracing::warn;
 
@@ -55,7 +55,7 @@ pub(crate) async fn publish_headers(
 ) -> Result<jetstream::publish::PublishAck, WireError> {
     // A stored message copied (a retry, a run-now, a due delayed task) may carry the
     // headers of the atomic batch that stored it: not this publish's.
-    let mut headers = ax_sdk::atomic::without_batch_headers(headers);
+    let mut headers = ax_core::atomic::without_batch_headers(headers);
     headers.insert("Nats-Msg-Id", id);
     let publish = jetstream::message::PublishMessage::build()
         .headers(headers)
@@ -156,7 +156,7 @@ impl Context {
             };
             match self.idempotency.create(&kv_key, value.encode()).await {
                 Ok(revision) => claimed = Some((kv_key, revision)),
-                Err(e) if ax_sdk::state::create_lost(&e) => {
+                Err(e) if ax_core::state::create_lost(&e) => {
                     if let Some(first) = self.key_value(&kv_key).await? {
                         match self.named(queue, first).await? {
                             Named::Answer(accepted) => return Ok(accepted),
@@ -200,7 +200,7 @@ impl Context {
     /// naming it (`"<id> stored"`). A submit that loses the key to a concurrent one
     /// deletes its message and answers the winner's task; if that delete is lost, the
     /// claim retires the copy, since the key names another task
-    /// (`ax_sdk::idempotency::Keys::check`). If ax dies between the two writes (or the
+    /// (`ax_core::idempotency::Keys::check`). If ax dies between the two writes (or the
     /// key's write fails: `unavailable`), the claim writes the key. Three stored writes a
     /// task: message, key, outcome (a first attempt that ends within a second writes no
     /// `running`).
@@ -237,7 +237,7 @@ impl Context {
         };
         // Refused (a concurrent submit's key, or a worker's), or no answer: the stream's
         // leader says what the key holds (a replica may be behind and answer "absent").
-        let named = ax_sdk::kv_read::latest(&self.idempotency, &kv_key)
+        let named = ax_core::kv_read::latest(&self.idempotency, &kv_key)
             .await
             .map_err(|e| WireError::new(ErrorCode::Unavailable, e.to_string()))?
             .filter(|entry| entry.operation == async_nats::jetstream::kv::Operation::Put)
@@ -290,7 +290,7 @@ impl Context {
             None if first.stored => TaskState::Pending,
             None => return Ok(Named::Unstored(first.id)),
         };
-        metrics::counter!(ax_sdk::metrics::SUBMIT_DUPLICATES, "queue" => queue.to_string())
+        metrics::counter!(ax_core::metrics::SUBMIT_DUPLICATES, "queue" => queue.to_string())
             .increment(1);
         Ok(Named::Answer(SubmitAccepted {
             id: first.id,
@@ -327,7 +327,7 @@ impl Context {
             // the other submits of the moment, as one atomic batch (group commit).
             let mut headers = meta.to_headers();
             headers.insert("Nats-Msg-Id", meta.id.as_str());
-            let msg = ax_sdk::atomic::Outgoing {
+            let msg = ax_core::atomic::Outgoing {
                 subject,
                 headers,
                 payload,
@@ -341,11 +341,11 @@ impl Context {
                 .publish(msg)
                 .await
                 .map_err(|e| refusal(&subject, &e))?;
-            self.faults.pass(ax_sdk::faults::Abort::AfterPublish);
+            self.faults.pass(ax_core::faults::Abort::AfterPublish);
             return Ok(seq);
         }
         let ack = publish_task(&self.js, subject, meta, payload).await?;
-        self.faults.pass(ax_sdk::faults::Abort::AfterPublish);
+        self.faults.pass(ax_core::faults::Abort::AfterPublish);
         if meta.unrecorded {
             return Ok(ack.sequence);
         }
@@ -367,7 +367,7 @@ impl Context {
             // that claims it writes the record from the message headers.
             Err(e) => {
                 warn!(task_id = %meta.id, cause = %e, "task stored but its record not written; the worker will write it");
-                metrics::counter!(ax_sdk::metrics::RECORD_DEFERRED, "queue" => meta.queue.clone())
+                metrics::counter!(ax_core::metrics::RECORD_DEFERRED, "queue" => meta.queue.clone())
                     .increment(1);
                 Ok(ack.sequence)
             }

@@ -9,8 +9,8 @@ use super::recur::Recurrence;
 use super::store::{TriggerStore, TriggerStoreError};
 use crate::context::Context;
 use crate::trigger::Validate;
+use ax_core::protocol::{ErrorCode, WireError};
 use ax_sdk::api::{unknown_operation, Api, Request};
-use ax_sdk::protocol::{ErrorCode, WireError};
 use ax_sdk::trigger::TriggerRequest;
 use serde_json::{json, Value};
 use std::sync::Arc;
@@ -25,7 +25,7 @@ pub(crate) struct TriggerApi {
 }
 
 fn rfc3339(ms: u64) -> String {
-    ax_sdk::time::format_rfc3339_ms(ms)
+    ax_core::time::format_rfc3339_ms(ms)
 }
 
 /// The next `n` fire times from `now` (ignoring overlap, which depends on running tasks).
@@ -70,7 +70,7 @@ impl TriggerApi {
             | TriggerRequest::Resume(r)
             | TriggerRequest::Delete(r)
             | TriggerRequest::Run(r)
-                if !ax_sdk::names::valid_token(&r.name, 64) =>
+                if !ax_core::names::valid_token(&r.name, 64) =>
             {
                 return Err(WireError::field(
                     "name",

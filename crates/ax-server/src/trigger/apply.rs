@@ -8,7 +8,7 @@
 
 use super::api::TriggerApi;
 use super::model::TriggerDef;
-use ax_sdk::protocol::WireError;
+use ax_core::protocol::WireError;
 use ax_sdk::trigger::TriggerApply;
 use futures::{StreamExt, TryStreamExt};
 use serde_json::{json, Value};

@@ -24,7 +24,7 @@ impl SystemClock {
 
 impl Clock for SystemClock {
     fn now_ms(&self) -> u64 {
-        let now = ax_sdk::time::now_ms() as i64 + self.offset_ms.load(Ordering::SeqCst);
+        let now = ax_core::time::now_ms() as i64 + self.offset_ms.load(Ordering::SeqCst);
         now.max(0) as u64
     }
 }

@@ -12,7 +12,7 @@ use super::model::{Kind, TriggerDef};
 use super::plan::Source;
 use crate::context::Context;
 use crate::trigger::Validate;
-use ax_sdk::time::now_ms;
+use ax_core::time::now_ms;
 use futures::StreamExt;
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -13,7 +13,7 @@
 
 use super::engine::EngineError;
 use async_nats::jetstream::{self, consumer::pull::OrderedConfig, consumer::DeliverPolicy};
-use ax_sdk::names::{TRIGGERS_BUCKET, TRIGGER_STATE_BUCKET};
+use ax_core::names::{TRIGGERS_BUCKET, TRIGGER_STATE_BUCKET};
 use bytes::Bytes;
 use futures::{Stream, StreamExt};
 

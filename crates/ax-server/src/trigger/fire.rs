@@ -7,8 +7,8 @@ use super::plan::{Source, TriggerState};
 use crate::context::Context;
 use crate::flow::api::{start_run, Start};
 use crate::flow::model::trigger_run_id;
-use ax_sdk::protocol::{ErrorCode, WireError};
-use ax_sdk::task::{Lineage, TaskMeta};
+use ax_core::protocol::{ErrorCode, WireError};
+use ax_core::task::{Lineage, TaskMeta};
 use std::collections::HashSet;
 
 /// The task id of template `i` of a trigger's fire `tag`:

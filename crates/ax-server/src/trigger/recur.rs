@@ -6,7 +6,7 @@
 //! exists twice (fall back) fires once, at its first occurrence.
 
 use super::model::{IntervalMode, Kind, TriggerDef};
-use ax_sdk::protocol::WireError;
+use ax_core::protocol::WireError;
 use chrono::TimeZone;
 use std::str::FromStr;
 
@@ -73,7 +73,7 @@ fn schedule(expr: &str) -> Result<std::sync::Arc<cron::Schedule>, cron::error::E
 }
 
 fn rfc3339_ms(field: &str, text: &str) -> Result<u64, WireError> {
-    ax_sdk::time::parse_rfc3339_ms(text).map_err(|e| WireError::field(field, e.to_string()))
+    ax_core::time::parse_rfc3339_ms(text).map_err(|e| WireError::field(field, e.to_string()))
 }
 
 /// A definition checked whole: its fields ([`TriggerDef::check_fields`]) and its

@@ -3,8 +3,8 @@
 use super::model::TriggerDef;
 use super::plan::TriggerState;
 use async_nats::jetstream::{self, kv};
-use ax_sdk::names::{TRIGGERS_BUCKET, TRIGGER_STATE_BUCKET};
-use ax_sdk::typed_kv::{broker, get, put as write, KvError};
+use ax_core::names::{TRIGGERS_BUCKET, TRIGGER_STATE_BUCKET};
+use ax_core::typed_kv::{broker, get, put as write, KvError};
 use futures::StreamExt;
 
 /// Errors of the trigger store: those of every typed KV store.
@@ -16,7 +16,7 @@ pub struct TriggerStore {
     defs: kv::Store,
     states: kv::Store,
     /// Faults a test armed: state writes that fail.
-    faults: ax_sdk::faults::Faults,
+    faults: ax_core::faults::Faults,
 }
 
 impl TriggerStore {
@@ -38,7 +38,7 @@ impl TriggerStore {
     }
 
     /// This store with the faults of `faults` (tests).
-    pub(crate) fn faults(mut self, faults: ax_sdk::faults::Faults) -> TriggerStore {
+    pub(crate) fn faults(mut self, faults: ax_core::faults::Faults) -> TriggerStore {
         self.faults = faults;
         self
     }
@@ -72,7 +72,7 @@ impl TriggerStore {
         state: &TriggerState,
         revision: Option<u64>,
     ) -> Result<u64, TriggerStoreError> {
-        use ax_sdk::faults::StateWriteFault;
+        use ax_core::faults::StateWriteFault;
         let fault = self.faults.trigger_state_write(name);
         if fault == Some(StateWriteFault::Lost) {
             return Err(broker(name, "update", "injected fault: broker unreachable"));

@@ -4,7 +4,7 @@
 //! ask for (load, record, fire).
 
 use super::held::{tracks_every_fire, Held, Outcome, RECHECK, RETRY_MS};
-use ax_sdk::state::TaskRecord;
+use ax_core::state::TaskRecord;
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, HashSet, VecDeque};
 
@@ -302,7 +302,7 @@ pub(super) fn apply(h: &mut Held, outcome: Outcome, token: u64, now: u64) -> App
 mod tests {
     use super::super::recover::tests::{created, held};
     use super::*;
-    use ax_sdk::state::TaskState;
+    use ax_core::state::TaskState;
 
     fn book() -> Book {
         let mut book = Book::default();

@@ -42,8 +42,8 @@ use crate::context::Context;
 use crate::lease::{run_as_leader, Leader, Lease, Stop, TRIGGERS_KEY};
 use crate::trigger::Validate;
 use async_nats::jetstream::kv;
-use ax_sdk::names::LEASES_BUCKET;
-use ax_sdk::state::TaskRecord;
+use ax_core::names::LEASES_BUCKET;
+use ax_core::state::TaskRecord;
 use book::{Book, Rest, Seen};
 use error::broker;
 pub(crate) use error::EngineError;
@@ -108,7 +108,7 @@ impl Engine {
         };
         let stood_down = || {
             for how in ["whole", "resting"] {
-                metrics::gauge!(ax_sdk::metrics::TRIGGERS_HELD, "how" => how).set(0.0);
+                metrics::gauge!(ax_core::metrics::TRIGGERS_HELD, "how" => how).set(0.0);
             }
         };
         run_as_leader("trigger engine", &leading, lease, &shutdown, stood_down).await;
@@ -282,8 +282,8 @@ impl Term<'_> {
         let counts = (self.book.held.len(), self.book.dormant.len());
         if self.shown != Some(counts) {
             self.shown = Some(counts);
-            metrics::gauge!(ax_sdk::metrics::TRIGGERS_HELD, "how" => "whole").set(counts.0 as f64);
-            metrics::gauge!(ax_sdk::metrics::TRIGGERS_HELD, "how" => "resting")
+            metrics::gauge!(ax_core::metrics::TRIGGERS_HELD, "how" => "whole").set(counts.0 as f64);
+            metrics::gauge!(ax_core::metrics::TRIGGERS_HELD, "how" => "resting")
                 .set(counts.1 as f64);
         }
     }
@@ -535,7 +535,7 @@ async fn execute(ctx: &Context, store: &TriggerStore, job: Job) -> Outcome {
         }
     }
     if !plan.fires.is_empty() {
-        ctx.faults.pass(ax_sdk::faults::Abort::AfterFire);
+        ctx.faults.pass(ax_core::faults::Abort::AfterFire);
     }
     let mut state = plan.state.clone();
     state.leader = token;

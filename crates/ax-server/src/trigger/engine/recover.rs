@@ -7,7 +7,7 @@ use super::Engine;
 use crate::trigger::fire::{scheduled_tag, tracked_ids, trigger_task_id, unfinished};
 use crate::trigger::plan::{Source, TriggerState};
 use crate::trigger::store::{TriggerStore, TriggerStoreError};
-use ax_sdk::state::TaskRecord;
+use ax_core::state::TaskRecord;
 use tokio::time::Instant;
 use tracing::warn;
 

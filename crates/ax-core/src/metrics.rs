@@ -351,7 +351,7 @@ mod reference {
     fn docs_metrics_md_lists_every_metric_as_this_file_describes_it() {
         let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/METRICS.md");
         let doc = std::fs::read_to_string(path).unwrap_or_default();
-        let start = "<!-- generated from crates/ax-sdk/src/metrics.rs -->";
+        let start = "<!-- generated from crates/ax-core/src/metrics.rs -->";
         let end = "<!-- end of generated table -->";
         let want = format!("{start}\n{}\n{end}", table());
         if std::env::var_os("AX_WRITE_DOCS").is_some() {

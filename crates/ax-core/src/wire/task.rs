@@ -279,7 +279,8 @@ pub struct HeaderError {
     pub problem: &'static str,
 }
 
-pub(crate) fn valid_class(class: &str) -> bool {
+/// Whether `class` is a usable error class (not empty).
+pub fn valid_class(class: &str) -> bool {
     !class.is_empty()
         && class.len() <= 64
         && class

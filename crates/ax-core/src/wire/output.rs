@@ -1,6 +1,6 @@
 //! A task's output as the protocol carries it (docs/PROTOCOL.md §3, "Outputs"): the
 //! `output` field of a record (inline JSON, inline base64, or the key of its bytes in
-//! `AX_RESULTS`). Pure data: storing outputs is [`crate::output`].
+//! `AX_RESULTS`). Pure data: storing outputs is [`crate::results`] (and what a handler returns, `ax_sdk::output`).
 
 use base64::Engine;
 use bytes::Bytes;
@@ -11,8 +11,10 @@ pub const INLINE_OUTPUT_BYTES: usize = 1024;
 /// The largest output a task may return (512 KiB, half of NATS' default `max_payload`).
 pub const MAX_OUTPUT_BYTES: usize = 512 * 1024;
 
-pub(crate) const JSON: &str = "application/json";
-pub(crate) const BYTES: &str = "application/octet-stream";
+/// The content type of a JSON output.
+pub const JSON: &str = "application/json";
+/// The content type of a binary output.
+pub const BYTES: &str = "application/octet-stream";
 
 /// A stored output, as read back.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -50,7 +52,7 @@ pub struct StoredOutput {
 
 impl StoredOutput {
     /// The inline form of `out` if it is small enough, else a reference to `key`.
-    pub(crate) fn of(out: &TaskOutput, key: &str) -> StoredOutput {
+    pub fn of(out: &TaskOutput, key: &str) -> StoredOutput {
         let content_type = if out.is_json { JSON } else { BYTES }.to_string();
         let mut stored = StoredOutput {
             content_type,

@@ -30,7 +30,7 @@ impl Default for Backoff {
 }
 
 /// Longest base or max a task may ask for: 7 days.
-pub(crate) const MAX_BACKOFF_MS: i64 = 7 * 24 * 3600 * 1000;
+pub const MAX_BACKOFF_MS: i64 = 7 * 24 * 3600 * 1000;
 
 impl Backoff {
     /// Validates the request's options, defaulting what is absent.

@@ -1,6 +1,6 @@
 //! Waiting until a KV key holds a final value, without a consumer: what
-//! [`Client::wait`](crate::Client::wait) and
-//! [`Client::wait_flow`](crate::Client::wait_flow) stand on.
+//! `ax_sdk::Client::wait` and
+//! `Client::wait_flow` stand on.
 //!
 //! A KV watch is an ordered consumer, which the server keeps about 30 s after its reader
 //! has gone: a service waiting for one task per request piled up thousands of them and
