@@ -277,10 +277,9 @@ impl Faults {
 
     /// True if a group commit carrying a message to `subject` must panic.
     pub fn group_panics(&self, subject: &str) -> bool {
-        subject == PANIC_GROUP_SUBJECT
-            && self
-                .on()
-                .is_some_and(|a| a.panic_group.load(Ordering::SeqCst))
+        self.on()
+            .is_some_and(|a| a.panic_group.load(Ordering::SeqCst))
+            && subject == PANIC_GROUP_SUBJECT
     }
 
     /// The fault set for writes of `trigger`'s state, if any.
