@@ -4,7 +4,8 @@
 //! Settings (environment): AX_BENCH_TASKS (default 50000) tasks for the throughput runs,
 //! AX_BENCH_DELAYED (default 50000) delayed tasks, AX_BENCH_SPREAD_SECS (default 10) the
 //! window their due times are spread over, AX_BENCH_PAYLOAD (default 256) payload bytes;
-//! AX_BENCH_KEYS=1 gives every task of (b) its own idempotency key.
+//! AX_BENCH_KEYS=1 gives every task of (b) its own idempotency key; AX_BENCH_DIRECT=1 makes
+//! the producers of (b) and (b2) submit directly (`Client::direct_submits`).
 //!
 //! (a) raw JetStream: async publish (pipelined) + pull consume + ack of N messages.
 //! (b) ax end to end: submit (request/reply) → admission → ready stream → worker with a
@@ -29,6 +30,11 @@ use tokio_util::sync::CancellationToken;
 /// The allocator of the `ax` binary, so the in-process server and worker run as it does.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// AX_BENCH_DIRECT=1: the producers of (b) and (b2) publish their tasks themselves.
+fn direct() -> bool {
+    std::env::var("AX_BENCH_DIRECT").is_ok_and(|v| v == "1")
+}
 
 fn machine() -> String {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
@@ -149,7 +155,7 @@ async fn ax_end_to_end(
         .build()
         .unwrap();
     let worker = tokio::spawn(worker.run(client.clone(), stop.clone()));
-    let ax = Client::new(client.clone());
+    let ax = Client::new(client.clone()).direct_submits(direct());
     let value = serde_json::Value::String("x".repeat(payload.len().saturating_sub(2)));
     // AX_BENCH_KEYS=1: task i carries its own key (the same on a resubmit after `busy`).
     let keyed = std::env::var("AX_BENCH_KEYS").is_ok_and(|v| v == "1");
@@ -346,6 +352,10 @@ fn main() {
         println!(
             "group commit (submits and worker records): {:?} (AX_BENCH_GROUP_COMMIT=auto|1|0)",
             group_commit()
+        );
+        println!(
+            "(b), (b2) direct submits (no ax server on the path): {} (AX_BENCH_DIRECT=1)",
+            direct()
         );
         println!(
             "(b) tasks with an idempotency key each: {} (AX_BENCH_KEYS=1)",

@@ -5,7 +5,8 @@
 //! Run: `./dev bench scaleout` (AX_BENCH_SCALE_TASKS, default 30,000 immediate tasks, sent
 //! with batch submits from this process; AX_BENCH_SCALE_R3=0 skips the cluster). Prints
 //! tasks/s from the first submit to the last ack and the CPU each process used (seconds,
-//! and % of one core over the run), from /proc. Nothing is asserted.
+//! and % of one core over the run), from /proc. Nothing is asserted. AX_BENCH_DIRECT=1: the
+//! producer submits directly (`Client::direct_submits`), no server on the immediate path.
 
 mod common;
 
@@ -87,7 +88,8 @@ async fn run(label: &str, urls: &str, nats_pids: &[u32], k: usize, n: usize, rep
         );
         procs.push((format!("server {i}"), server));
     }
-    let ax = Client::new(client.clone());
+    let direct = std::env::var("AX_BENCH_DIRECT").is_ok_and(|v| v == "1");
+    let ax = Client::new(client.clone()).direct_submits(direct);
     while left(&js).await.is_none() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }

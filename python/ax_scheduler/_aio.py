@@ -36,11 +36,12 @@ class AsyncClient:
 
     @classmethod
     async def connect(cls, url: str | None = None, *, creds: str | None = None, token: str | None = None,
-                      connect_timeout: float = 5.0, wait_for_server: float = 30.0) -> AsyncClient:
+                      connect_timeout: float = 5.0, wait_for_server: float = 30.0,
+                      direct_submits: bool = False) -> AsyncClient:
         """Connects as ``ax.Client(...)`` does (same arguments), on a thread: the event
         loop goes on meanwhile."""
         client = await asyncio.to_thread(Client, url, creds=creds, token=token, connect_timeout=connect_timeout,
-                                         wait_for_server=wait_for_server)
+                                         wait_for_server=wait_for_server, direct_submits=direct_submits)
         return client.aio
 
     @classmethod

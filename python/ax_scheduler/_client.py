@@ -29,25 +29,30 @@ DEFAULT_URL = "nats://127.0.0.1:4222"
 class Client:
     """A connection to ax. ``url`` defaults to ``$AX_URL``, else the connection of the
     ``Runtime`` started in this process, else ``nats://127.0.0.1:4222``. ``creds`` and
-    ``token`` authenticate to NATS. Thread-safe; share one. Every call has an awaitable
-    form on ``client.aio`` (or ``await ax.AsyncClient.connect()``)."""
+    ``token`` authenticate to NATS. ``direct_submits=True`` publishes a task without an
+    idempotency key straight to JetStream, with no ax server on its path (docs/PROTOCOL.md
+    §2, "Direct submits"; the producer needs publish permission on its queues' subjects).
+    Thread-safe; share one. Every call has an awaitable form on ``client.aio`` (or ``await
+    ax.AsyncClient.connect()``)."""
 
     _default: Client | None = None
     _lock = threading.Lock()
 
     def __init__(self, url: str | None = None, *, creds: str | None = None, token: str | None = None,
-                 connect_timeout: float = 5.0, wait_for_server: float = 30.0, _conn: Any = None):
+                 connect_timeout: float = 5.0, wait_for_server: float = 30.0, direct_submits: bool = False,
+                 _conn: Any = None):
         self._owned = _conn is None  # a connection this client made: close() closes it
         if _conn is None:
             from . import _runtime
 
             running = _runtime.current()
-            if url is None and running is not None and creds is None and token is None:
+            if url is None and running is not None and creds is None and token is None and not direct_submits:
                 _conn = running.connection
                 self._owned = False
             else:
                 url = url or os.environ.get("AX_URL") or DEFAULT_URL
-                _conn = _core.Connection.connect(url, "ax-python", connect_timeout, creds, token, wait_for_server)
+                _conn = _core.Connection.connect(url, "ax-python", connect_timeout, creds, token, wait_for_server,
+                                                 direct_submits)
         self._conn: _core.Connection = _conn
         self.stored_flows: set[str] = set()  # the flows this client has stored (put)
         self._aio: AsyncClient | None = None

@@ -21,9 +21,12 @@ pub struct Connection {
 impl Connection {
     /// Connects to `url` (one or more comma-separated `nats://` URLs), failing after
     /// `timeout` seconds with `Unavailable`. `creds` is a NATS credentials file, `token` a
-    /// token; `wait_for_server` is how long requests wait for an ax server to answer.
+    /// token; `wait_for_server` is how long requests wait for an ax server to answer;
+    /// `direct_submits` publishes tasks without an idempotency key straight to JetStream
+    /// (`Client::direct_submits`).
     #[staticmethod]
-    #[pyo3(signature = (url, name = None, timeout = 5.0, creds = None, token = None, wait_for_server = 30.0))]
+    #[pyo3(signature = (url, name = None, timeout = 5.0, creds = None, token = None, wait_for_server = 30.0, direct_submits = false))]
+    #[allow(clippy::too_many_arguments)] // the keyword arguments of `ax.Client(...)`
     fn connect(
         py: Python<'_>,
         url: String,
@@ -32,6 +35,7 @@ impl Connection {
         creds: Option<String>,
         token: Option<String>,
         wait_for_server: f64,
+        direct_submits: bool,
     ) -> PyResult<Connection> {
         let timeout = seconds(timeout, "timeout")?;
         let wait_for_server = seconds(wait_for_server, "wait_for_server")?;
@@ -55,7 +59,9 @@ impl Connection {
                 .map_err(|e| (ErrorKind::of(&e), format!("connect to {url}: {e}")))
         })?
         .map_err(|(kind, e)| errors::raise(kind, e, None, None))?;
-        let client = Client::new(nats.clone()).wait_for_server(wait_for_server);
+        let client = Client::new(nats.clone())
+            .wait_for_server(wait_for_server)
+            .direct_submits(direct_submits);
         Ok(Connection { nats, client })
     }
 

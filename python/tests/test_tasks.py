@@ -202,3 +202,19 @@ def test_bad_options_and_arguments_are_refused_before_anything_is_stored(client)
     assert e.value.field == "run_at"
     with pytest.raises(ax.NotFound):
         client.cancel("py_tasks.no-such-task")
+
+
+def test_a_direct_submit_runs_like_a_requested_one(runtime, url):
+    """``direct_submits=True``: the client publishes the task itself (no ax server on its
+    path); the result, the record and a refusal are what a requested submit gives."""
+    runtime(add)
+    direct = ax.Client(url, direct_submits=True)
+    try:
+        handle = add.submit(20, b=22, client=direct)
+        assert handle.result(timeout=20) == 42
+        record = direct.get(handle.id)
+        assert (record["state"], record["attempt"]) == ("succeeded", 1)
+        with pytest.raises(ax.InvalidInput):
+            direct.submit("bad name", {}, queue=Q)
+    finally:
+        direct.close()

@@ -12,6 +12,7 @@ mod console;
 mod console_guard;
 mod decoders;
 mod delay;
+mod direct;
 mod faults;
 mod fields;
 mod first_attempt;

@@ -761,3 +761,113 @@ async fn a_trigger_engine_denied_its_definitions_fires_once_a_reload_grants_them
     stop.cancel();
     server.await.unwrap().unwrap();
 }
+
+/// A direct-submitting producer (`producer-direct-default`) stores its own queue's tasks,
+/// immediate and delayed, and they run; it cannot publish into another queue, not even
+/// by a raw publish on its ready subject, and a message with forged headers on its own
+/// subject is dead-lettered by the worker, never run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_direct_producer_publishes_only_its_own_queue() {
+    let (nats, _dir) = auth_server();
+    let url = nats.url();
+    let (admin, stop, server) = admin_applies_and_server_runs(&url, &["default", "reports"]).await;
+    let conn = connect(&url, "producer-direct-default", "pw-producer")
+        .await
+        .unwrap();
+    let direct = Client::new(conn.clone()).direct_submits(true);
+    let now = eventually(Duration::from_secs(10), "a direct submit", || async {
+        direct.submit("default", TaskSpec::new("t")).await.ok()
+    })
+    .await;
+    let later = direct
+        .submit(
+            "default",
+            TaskSpec::new("t").delay(Duration::from_millis(300)),
+        )
+        .await
+        .unwrap();
+    // Another queue: refused before anything is stored, and a raw publish is not stored.
+    assert!(direct.submit("reports", TaskSpec::new("t")).await.is_err());
+    let js = async_nats::jetstream::new(conn.clone());
+    let raw = js.publish("ax.ready.reports.normal", "x".into()).await;
+    let stored = match raw {
+        Ok(ack) => tokio::time::timeout(Duration::from_secs(3), ack)
+            .await
+            .is_ok_and(|a| a.is_ok()),
+        Err(_) => false,
+    };
+    assert!(
+        !stored,
+        "a direct producer of default stored into queue reports"
+    );
+    // A forged message on its own subject (no task headers): never run, dead-lettered.
+    let forged = js
+        .publish("ax.ready.default.normal", "forged".into())
+        .await
+        .unwrap()
+        .await;
+    assert!(
+        forged.is_ok(),
+        "its own subject takes the publish: {forged:?}"
+    );
+    let ran = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let worker_conn = connect(&url, "worker-default", "pw-worker").await.unwrap();
+    let worker = Worker::builder("default")
+        .handler({
+            let ran = ran.clone();
+            move |_t: Task| {
+                ran.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                async { Ok(()) }
+            }
+        })
+        .build()
+        .unwrap();
+    let wstop = CancellationToken::new();
+    let wh = tokio::spawn(worker.run(worker_conn, wstop.clone()));
+    let admin_view = Client::new(admin.clone());
+    for id in [&now.id, &later.id] {
+        eventually(
+            Duration::from_secs(10),
+            "the direct task to run",
+            || async {
+                let (rec, _) = admin_view.task(id).await.ok()??;
+                (rec.state == TaskState::Succeeded).then_some(())
+            },
+        )
+        .await;
+    }
+    let admin_js = async_nats::jetstream::new(admin);
+    eventually(
+        Duration::from_secs(10),
+        "the forged message dead-lettered",
+        || {
+            let admin_js = admin_js.clone();
+            async move {
+                let mut dead = admin_js.get_stream("AX_DEAD").await.ok()?;
+                (dead.info().await.ok()?.state.messages >= 1).then_some(())
+            }
+        },
+    )
+    .await;
+    assert_eq!(
+        ran.load(std::sync::atomic::Ordering::SeqCst),
+        2,
+        "only the two tasks ran"
+    );
+    eventually(
+        Duration::from_secs(10),
+        "nothing stored for queue reports, nothing left",
+        || {
+            let admin_js = admin_js.clone();
+            async move {
+                let mut ready = admin_js.get_stream("AX_READY_NORMAL").await.ok()?;
+                (ready.info().await.ok()?.state.messages == 0).then_some(())
+            }
+        },
+    )
+    .await;
+    wstop.cancel();
+    wh.await.unwrap().unwrap();
+    stop.cancel();
+    server.await.unwrap().unwrap();
+}

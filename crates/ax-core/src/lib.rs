@@ -10,7 +10,8 @@
 //!
 //! | layer | module | what it holds |
 //! |---|---|---|
-//! | stores | [`state`] | task records in the `AX_TASKS` KV bucket ([`unclaimed`]: a task with no record yet) |
+//! | stores | [`admit`] | admission written once: what is stored as its message alone, its subject and publish, the declared queues |
+//! | | [`state`] | task records in the `AX_TASKS` KV bucket ([`unclaimed`]: a task with no record yet) |
 //! | | [`results`] | outputs too large for their record, in `AX_RESULTS` |
 //! | | [`idempotency`] | idempotency keys in `AX_IDEMPOTENCY` |
 //! | | [`typed_kv`], [`kv_read`], [`key_wait`], [`atomic`] | JSON in KV by create or compare-and-set; reads from the stream leader; waiting for a key; atomic batch publish (ADR-50) and group commit |
@@ -19,6 +20,7 @@
 //! | wire | [`wire`] | what the protocol carries: [`names`], [`time`], [`error`] codes, the submit [`protocol`], a [`task`]'s message and headers, its record and output, [`backoff`]; serde and pure functions, no I/O |
 #![warn(missing_docs, unreachable_pub, rustdoc::broken_intra_doc_links)]
 
+pub mod admit;
 pub mod atomic;
 pub mod faults;
 pub mod follow;

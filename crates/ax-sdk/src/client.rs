@@ -199,7 +199,13 @@ pub struct Client {
     /// and shared by the clones; a failed open is tried again at the next call.
     tasks: std::sync::Arc<tokio::sync::OnceCell<TaskStore>>,
     pub(crate) flows: std::sync::Arc<tokio::sync::OnceCell<crate::flow::store::FlowStore>>,
+    /// Submits published straight to JetStream ([`Client::direct_submits`]); `None`: by
+    /// request to a server.
+    direct: Option<std::sync::Arc<crate::direct::Direct>>,
 }
+
+/// Direct publishes of one [`Client::submit_many`] awaiting their acknowledgement at once.
+const DIRECT_IN_FLIGHT: usize = 1024;
 
 /// Default of [`Client::wait_for_server`].
 pub const DEFAULT_WAIT_FOR_SERVER: Duration = Duration::from_secs(30);
@@ -212,7 +218,21 @@ impl Client {
             wait_for_server: DEFAULT_WAIT_FOR_SERVER,
             tasks: Default::default(),
             flows: Default::default(),
+            direct: None,
         }
+    }
+
+    /// Submits a task without an idempotency key by publishing its message to JetStream
+    /// itself, as the server would store it (docs/PROTOCOL.md §2, "Direct submits"): no ax
+    /// server on its path, one round trip to the broker. The task is validated here with
+    /// the default bounds ([`Limits`](crate::Limits)), its queue must be declared,
+    /// and a full queue is refused `busy`, as by a server. Tasks with an idempotency key
+    /// still go by request. Default off; the producer needs publish permission on its
+    /// queues' subjects (`deploy/nats-auth.conf`).
+    pub fn direct_submits(mut self, on: bool) -> Client {
+        self.direct =
+            on.then(|| std::sync::Arc::new(crate::direct::Direct::new(self.nats.clone())));
+        self
     }
 
     /// How long a request waits for an ax server to appear when none is listening yet
@@ -253,6 +273,16 @@ impl Client {
 
     /// Submits a task to `queue` and waits for the server's answer.
     pub async fn submit(&self, queue: &str, task: TaskSpec) -> Result<SubmitAccepted, ClientError> {
+        if let Some(direct) = self
+            .direct
+            .as_ref()
+            .filter(|_| crate::direct::Direct::takes(&task.0))
+        {
+            return direct
+                .submit(queue, task.0)
+                .await
+                .map_err(ClientError::Refused);
+        }
         let body = serde_json::to_vec(&task.0).expect("request serializes");
         self.submit_raw(queue, body).await
     }
@@ -289,6 +319,19 @@ impl Client {
         I: IntoIterator<Item = TaskSpec>,
     {
         use futures::StreamExt;
+        let tasks: Vec<TaskSpec> = tasks.into_iter().collect();
+        if let Some(direct) = self
+            .direct
+            .as_ref()
+            .filter(|_| tasks.iter().all(|t| crate::direct::Direct::takes(&t.0)))
+        {
+            // One publish a task, many in flight, answers in order.
+            return futures::stream::iter(tasks)
+                .map(|t| direct.submit(queue, t.0))
+                .buffered(DIRECT_IN_FLIGHT)
+                .collect()
+                .await;
+        }
         let max_bytes = self.nats.server_info().max_payload.max(64 * 1024) - 1024;
         let mut batches: Vec<(usize, Vec<u8>)> = Vec::new();
         let mut body = Vec::new();

@@ -71,6 +71,7 @@
 
 pub mod api;
 pub mod client;
+mod direct;
 pub mod flow;
 pub mod limits;
 pub mod ops;
@@ -81,7 +82,7 @@ pub mod worker;
 
 // The shared machinery, under the paths this crate's modules name it by.
 pub(crate) use ax_core::{
-    atomic, backoff, error, faults, follow, idempotency, key_wait, kv_read, metrics, names,
+    admit, atomic, backoff, error, faults, follow, idempotency, key_wait, kv_read, metrics, names,
     protocol, retry, state, supervisor, task, time, typed_kv, wire,
 };
 

@@ -3,8 +3,8 @@
 //! task) and hands to every request handler and service. The submit path, the trigger
 //! fires, the flow engine, the APIs and the console all work over one `Context`.
 
-use crate::queues::Queues;
 use async_nats::jetstream::{self, kv};
+use ax_core::admit::Queues;
 use ax_core::names::IDEMPOTENCY_BUCKET;
 use ax_core::state::{StateError, TaskStore};
 use ax_core::task::Limits;

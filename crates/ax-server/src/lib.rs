@@ -26,7 +26,6 @@ pub mod flow;
 mod lease;
 pub mod limits;
 pub mod ops;
-mod queues;
 pub mod schedule;
 pub mod server;
 pub mod streams;

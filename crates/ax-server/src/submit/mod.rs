@@ -10,7 +10,6 @@
 //! accepted is lost. Every other task stores its message alone (`unrecorded`).
 
 use crate::context::Context;
-use async_nats::jetstream::{self, context::PublishError};
 use ax_core::idempotency::KeyValue;
 use ax_core::names;
 use ax_core::protocol::{ErrorCode, SubmitAccepted, WireError};
@@ -23,79 +22,8 @@ mod batch;
 pub(crate) use batch::is_batch;
 pub use batch::{BatchAnswers, MAX_BATCH};
 
-/// JetStream's error code for a publish refused by a stream or per-subject limit.
-const JS_STORE_FAILED: u64 = 10077;
-
-/// True if a publish was refused because the stream or subject is full (`discard: new`).
-pub fn is_full(err: &PublishError) -> bool {
-    std::error::Error::source(err)
-        .and_then(|s| s.downcast_ref::<jetstream::Error>())
-        .is_some_and(|e| e.error_code().0 == JS_STORE_FAILED)
-}
-
-/// Publishes a task message with `Nats-Msg-Id` = task id, mapping a full subject to `busy`.
-pub(crate) async fn publish_task(
-    js: &jetstream::Context,
-    subject: String,
-    meta: &TaskMeta,
-    payload: Bytes,
-) -> Result<jetstream::publish::PublishAck, WireError> {
-    publish_headers(js, subject, meta.to_headers(), &meta.id, payload).await
-}
-
-/// Publishes task headers as they are (plus `Nats-Msg-Id` = `id`), mapping a full subject
-/// to `busy`: the delayed-task dispatcher forwards a stored message this way without
-/// decoding and re-encoding all its headers.
-pub(crate) async fn publish_headers(
-    js: &jetstream::Context,
-    subject: String,
-    headers: async_nats::HeaderMap,
-    id: &str,
-    payload: Bytes,
-) -> Result<jetstream::publish::PublishAck, WireError> {
-    // A stored message copied (a retry, a run-now, a due delayed task) may carry the
-    // headers of the atomic batch that stored it: not this publish's.
-    let mut headers = ax_core::atomic::without_batch_headers(headers);
-    headers.insert("Nats-Msg-Id", id);
-    let publish = jetstream::message::PublishMessage::build()
-        .headers(headers)
-        .payload(payload);
-    let ack = match js.send_publish(subject.clone(), publish).await {
-        Ok(future) => future.await,
-        Err(e) => Err(e),
-    };
-    ack.map_err(|e| refusal(&subject, &e))
-}
-
-/// A publish that failed: `busy` if the subject is full, else `unavailable`.
-fn refusal(subject: &str, e: &PublishError) -> WireError {
-    if is_full(e) {
-        WireError::new(
-            ErrorCode::Busy,
-            format!(
-                "{subject} is at capacity; retry later, or raise the queue's capacity: \
-                 `ax streams apply --capacity high,normal,low` (the capacities a new queue \
-                 gets: `ax server --capacity`)"
-            ),
-        )
-    } else {
-        WireError::new(ErrorCode::Unavailable, format!("{subject}: {e}"))
-    }
-}
-
-/// A producer's task is stored as its message alone (header `Ax-Unrecorded`), unless it
-/// is delayed and has an idempotency key: nothing needs its record before a worker claims
-/// it. An immediate one is published once, under an id made for it, so no copy can start
-/// beside its first attempt (one with a key may leave a copy under another id if its
-/// submit loses the key; the claim retires that copy by the key); a delayed one is found
-/// by its message's own subject while it waits, and its claim writes `running` before it
-/// starts (the dispatcher may publish it twice: docs/PROTOCOL.md §3). Delayed tasks with
-/// a key, trigger fires and flow steps keep the record made at submit: their duplicate
-/// checks and engines read it.
-pub(crate) fn unrecorded(mut meta: TaskMeta) -> TaskMeta {
-    meta.unrecorded = meta.idempotency_key.is_none() || meta.run_at_ms.is_none();
-    meta
-}
+pub use ax_core::admit::is_full;
+pub(crate) use ax_core::admit::{publish_headers, publish_task, refusal, unrecorded};
 
 fn state_unavailable(e: StateError) -> WireError {
     WireError::new(ErrorCode::Unavailable, e.to_string())
@@ -317,10 +245,7 @@ impl Context {
     /// Stores the task (its message, and its record unless it is unrecorded); answers
     /// the message's stream sequence.
     async fn store(&self, meta: &TaskMeta, payload: Bytes) -> Result<u64, WireError> {
-        let subject = match meta.run_at_ms {
-            Some(_) => names::delayed_subject(&meta.queue, meta.priority, &meta.id),
-            None => names::ready_subject(&meta.queue, meta.priority),
-        };
+        let subject = ax_core::admit::subject(meta);
         if let (true, Some((ready, delayed))) = (meta.unrecorded, &self.ready) {
             // Published once, under a fresh id: the worker that claims it writes its first
             // record (create-if-absent), and until then it is found by its message. With

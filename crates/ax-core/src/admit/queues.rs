@@ -1,21 +1,22 @@
 //! The declared queues a server knows: looked up on the broker (a queue exists when its
 //! consumers do) and cached once seen.
 
+use crate::names;
+use crate::protocol::{ErrorCode, WireError};
 use async_nats::jetstream;
-use ax_core::names;
-use ax_core::protocol::{ErrorCode, WireError};
 use std::collections::HashSet;
 use std::sync::RwLock;
 
 /// Declared queues, looked up on the broker (a queue exists when its consumers do) and
 /// cached once seen.
 #[derive(Debug)]
-pub(crate) struct Queues {
+pub struct Queues {
     known: RwLock<HashSet<String>>,
 }
 
 impl Queues {
-    pub(crate) fn new(initial: &[String]) -> Queues {
+    /// Queues known at start (declared by this process), then looked up.
+    pub fn new(initial: &[String]) -> Queues {
         Queues {
             known: RwLock::new(initial.iter().cloned().collect()),
         }
@@ -23,7 +24,7 @@ impl Queues {
 
     /// The queue as a metric label if it is declared (seen by this server), else
     /// `_unknown`: requests to made-up queues must not create metric series.
-    pub(crate) fn label(&self, queue: &str) -> String {
+    pub fn label(&self, queue: &str) -> String {
         if self.known.read().expect("not poisoned").contains(queue) {
             queue.to_string()
         } else {
@@ -33,11 +34,7 @@ impl Queues {
 
     /// `Ok` if `queue` is declared; `unknown_queue` only when the broker says its consumer
     /// or stream does not exist, `unavailable` when it could not be asked (retry).
-    pub(crate) async fn check(
-        &self,
-        js: &jetstream::Context,
-        queue: &str,
-    ) -> Result<(), WireError> {
+    pub async fn check(&self, js: &jetstream::Context, queue: &str) -> Result<(), WireError> {
         if !names::valid_queue(queue) {
             return Err(WireError::new(
                 ErrorCode::UnknownQueue,
