@@ -34,11 +34,21 @@ async fn sequences(env: &Env) -> BTreeMap<String, u64> {
 /// a worker that claims a task before the server has written its record creates the
 /// record itself (one write less), and that race would make the count vary.
 async fn writes_per_task(env: &Env, specs: Vec<TaskSpec>, worker: Worker) -> BTreeMap<String, u64> {
+    writes_per_task_by(env, &env.ax, specs, worker).await
+}
+
+/// [`writes_per_task`] with the tasks submitted by `client`.
+async fn writes_per_task_by(
+    env: &Env,
+    client: &ax_sdk::Client,
+    specs: Vec<TaskSpec>,
+    worker: Worker,
+) -> BTreeMap<String, u64> {
     let tasks = specs.len() as u64;
     let before = sequences(env).await;
     let mut ids = Vec::new();
     for spec in specs {
-        ids.push(env.ax.submit("q", spec).await.unwrap().id);
+        ids.push(client.submit("q", spec).await.unwrap().id);
     }
     let (stop, handle) = env.spawn_worker(worker);
     for id in ids {
@@ -93,6 +103,25 @@ async fn stored_writes_per_task_on_each_path() {
     // unrecorded submit this was 1 + 3.
     let fast = writes_per_task(&env, n(&|_| plain()), worker()).await;
     assert_eq!(fast, expect(&[("AX_READY_NORMAL", 1), ("KV_AX_TASKS", 1)]));
+
+    // The same by a direct submit (the producer publishes the message itself): the same
+    // two writes, immediate or delayed.
+    let direct = ax_sdk::Client::new(env.client.clone()).direct_submits(true);
+    let fast_direct = writes_per_task_by(&env, &direct, n(&|_| plain()), worker()).await;
+    assert_eq!(
+        fast_direct, fast,
+        "a direct submit stores what a requested one does"
+    );
+    let later = n(&|_| plain().delay(Duration::from_millis(300)));
+    let delayed_direct = writes_per_task_by(&env, &direct, later, worker()).await;
+    assert_eq!(
+        delayed_direct,
+        expect(&[
+            ("AX_DELAYED", 1),
+            ("AX_READY_NORMAL", 1),
+            ("KV_AX_TASKS", 2)
+        ])
+    );
 
     // With an idempotency key: the ready message, then the key naming it, then the
     // record the claim creates as `succeeded` (no record at submit: the key, not the
