@@ -2,18 +2,12 @@
 //! client publishes the task's message itself. It must store what a server stores, be
 //! refused as a server refuses, and need no ax server on an immediate task's path.
 
+use crate::submit::refused;
 use crate::support::{counting_worker, eventually, Env};
-use ax_core::protocol::{ErrorCode, SubmitAccepted, WireError};
+use ax_core::protocol::ErrorCode;
 use ax_core::task::header;
-use ax_sdk::{Client, ClientError, Priority, TaskSpec, TaskState};
+use ax_sdk::{Client, Priority, TaskSpec, TaskState};
 use std::time::Duration;
-
-fn refused(result: Result<SubmitAccepted, ClientError>) -> WireError {
-    match result {
-        Err(ClientError::Refused(e)) => e,
-        other => panic!("expected a refusal, got {other:?}"),
-    }
-}
 
 fn direct(env: &Env) -> Client {
     Client::new(env.client.clone()).direct_submits(true)
@@ -138,7 +132,26 @@ async fn direct_submits_are_refused_as_a_servers_are() {
     assert_eq!(err.code, ErrorCode::PayloadTooLarge, "{err:?}");
     let err = refused(ax.submit("q", TaskSpec::new("t").max_attempts(0)).await);
     assert_eq!(err.code, ErrorCode::InvalidField, "{err:?}");
+    // Numbers no JSON request could carry reach the client's validation as they are.
+    let s = Duration::from_secs(1);
+    for jitter in [f64::NAN, f64::INFINITY, -0.5, 1.5] {
+        let err = refused(
+            ax.submit("q", TaskSpec::new("t").backoff(s, s, jitter))
+                .await,
+        );
+        assert_eq!(
+            err.code,
+            ErrorCode::InvalidField,
+            "jitter {jitter}: {err:?}"
+        );
+    }
+    let err = refused(
+        ax.submit("q", TaskSpec::new("t").delay(Duration::MAX))
+            .await,
+    );
+    assert_eq!(err.code, ErrorCode::InvalidField, "{err:?}");
     assert_eq!(env.stream_len("AX_READY_NORMAL").await, 0);
+    assert_eq!(env.stream_len("AX_DELAYED").await, 0);
     let high = || TaskSpec::new("t").priority(Priority::High);
     ax.submit("q", high()).await.unwrap();
     ax.submit("q", high()).await.unwrap();

@@ -7,7 +7,7 @@ use ax_sdk::{ClientError, Priority, TaskSpec, TaskState};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-fn refused(
+pub(crate) fn refused(
     result: Result<ax_core::protocol::SubmitAccepted, ClientError>,
 ) -> ax_core::protocol::WireError {
     match result {
