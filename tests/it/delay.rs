@@ -394,3 +394,51 @@ async fn delayed_messages_of_older_subject_layouts_run_beside_new_ones() {
     stop.cancel();
     handle.await.unwrap();
 }
+
+/// A delayed task is stored create-if-absent on its own subject, not de-duplicated by a
+/// message id: the delayed stream's duplicate window keeps no id for it (a million waiting
+/// tasks kept a million ids there: docs/PERFORMANCE.md, W4), and a re-publish of its
+/// message (a publish whose answer was lost, sent again) stores nothing and answers the
+/// sequence it is stored under. By request to a server and by a direct submit alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delayed_task_is_stored_once_and_keeps_no_id_in_the_duplicate_window() {
+    let env = Env::start(Env::server()).await;
+    let direct = ax_sdk::Client::new(env.client.clone()).direct_submits(true);
+    let delayed = env.js.get_stream("AX_DELAYED").await.unwrap();
+    for (how, client) in [("by request", &env.ax), ("direct", &direct)] {
+        let spec = TaskSpec::new("t").json(&1).delay(Duration::from_secs(3600));
+        let accepted = client.submit("q", spec).await.unwrap();
+        let subject = ax_core::names::delayed_subject("q", ax_sdk::Priority::Normal, &accepted.id);
+        let stored = delayed
+            .get_last_raw_message_by_subject(&subject)
+            .await
+            .unwrap();
+        assert!(
+            stored.headers.get("Nats-Msg-Id").is_none(),
+            "{how}: stored without a message id"
+        );
+        // The window holds no id for it: another message under its id is stored.
+        let mut probe = async_nats::HeaderMap::new();
+        probe.insert("Nats-Msg-Id", accepted.id.as_str());
+        let ack = env
+            .js
+            .publish_with_headers("ax.delayed.probe.normal.0.x", probe, "".into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        assert!(
+            !ack.duplicate,
+            "{how}: the duplicate window held the task's id"
+        );
+        delayed.delete_message(ack.sequence).await.unwrap();
+        // Published again as a producer whose answer was lost would: stored once.
+        let before = env.stream_len("AX_DELAYED").await;
+        let meta = ax_core::task::TaskMeta::from_headers(&stored.headers).unwrap();
+        let seq = ax_core::admit::publish_task(&env.js, subject, &meta, stored.payload)
+            .await
+            .unwrap_or_else(|e| panic!("{how}: a re-publish of a stored task failed: {e}"));
+        assert_eq!(seq, stored.sequence, "{how}: answers where it is stored");
+        assert_eq!(env.stream_len("AX_DELAYED").await, before, "{how}");
+    }
+}

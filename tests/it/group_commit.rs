@@ -40,7 +40,7 @@ async fn a_group_commit_that_panics_fails_its_callers_and_the_lanes_go_on() {
     let js = stream(&nats).await;
     let faults = ax_core::faults::Faults::armed();
     faults.panic_group_commits();
-    let grouped = Grouped::start_with_faults(js.clone(), GroupCommit::Always, "G", faults);
+    let grouped = Grouped::start_with_faults(js.clone(), GroupCommit::Always, "G", false, faults);
     for i in 0..10 {
         let lost = grouped
             .publish(msg(

@@ -52,17 +52,19 @@ impl Context {
                 source: e.into(),
             })?;
         let ready = (group_commit != ax_core::atomic::GroupCommit::Never).then(|| {
-            let start = |stream: &str| {
+            let start = |stream: &str, distinct: bool| {
                 ax_core::atomic::Grouped::start_with_faults(
                     js.clone(),
                     group_commit,
                     stream,
+                    distinct,
                     faults.clone(),
                 )
             };
             (
-                ax_core::names::Priority::ALL.map(|p| start(&p.ready_stream())),
-                start(ax_core::names::DELAYED_STREAM),
+                ax_core::names::Priority::ALL.map(|p| start(&p.ready_stream(), false)),
+                // Delayed tasks are stored create-if-absent (a compare-and-set write).
+                start(ax_core::names::DELAYED_STREAM, true),
             )
         });
         Ok(Context {

@@ -44,14 +44,75 @@ pub fn subject(meta: &TaskMeta) -> String {
     }
 }
 
-/// Publishes a task message with `Nats-Msg-Id` = task id, mapping a full subject to `busy`.
+/// The headers a task's message is first stored with. An immediate task's carry
+/// `Nats-Msg-Id` = its id (a re-publish within the ready stream's duplicate window is
+/// stored once). A delayed task's carry `Nats-Expected-Last-Subject-Sequence: 0` instead:
+/// its subject is its own, so "store it only if that subject is empty" de-duplicates a
+/// re-publish for as long as the task waits, and the stream keeps no id for it (a
+/// duplicate window of a million delayed tasks' ids cost nats-server ~115 MiB;
+/// docs/PERFORMANCE.md, W4).
+pub fn first_headers(meta: &TaskMeta) -> async_nats::HeaderMap {
+    let mut headers = meta.to_headers();
+    match meta.run_at_ms {
+        Some(_) => headers.insert(EXPECTED_EMPTY, "0"),
+        None => headers.insert("Nats-Msg-Id", meta.id.as_str()),
+    }
+    headers
+}
+
+/// The header of a create-if-absent publish (with the value `0`).
+const EXPECTED_EMPTY: &str = "Nats-Expected-Last-Subject-Sequence";
+
+/// JetStream's error code for a publish whose `Nats-Expected-Last-Subject-Sequence` did
+/// not hold.
+const JS_WRONG_LAST_SEQUENCE: u64 = 10071;
+
+/// True if a create-if-absent publish found its subject holding a message already: for a
+/// task's own delayed subject, the task was stored (by an earlier publish of the same
+/// message whose answer was lost).
+pub fn is_stored_already(err: &PublishError) -> bool {
+    std::error::Error::source(err)
+        .and_then(|s| s.downcast_ref::<jetstream::Error>())
+        .is_some_and(|e| e.error_code().0 == JS_WRONG_LAST_SEQUENCE)
+}
+
+/// The sequence of the message a delayed task's subject holds: what a create-if-absent
+/// publish that found it stored answers.
+pub async fn stored_delayed_seq(js: &jetstream::Context, subject: &str) -> Result<u64, WireError> {
+    let stream = js
+        .get_stream_no_info(crate::names::DELAYED_STREAM)
+        .await
+        .map_err(WireError::unavailable)?;
+    let msg = stream
+        .get_last_raw_message_by_subject(subject)
+        .await
+        .map_err(|e| WireError::new(ErrorCode::Unavailable, format!("{subject}: {e}")))?;
+    Ok(msg.sequence)
+}
+
+/// Stores a task's first message (headers: [`first_headers`]), mapping a full subject to
+/// `busy`; answers its stream sequence. A delayed task found stored already answers the
+/// sequence it is stored under.
 pub async fn publish_task(
     js: &jetstream::Context,
     subject: String,
     meta: &TaskMeta,
     payload: Bytes,
-) -> Result<jetstream::publish::PublishAck, WireError> {
-    publish_headers(js, subject, meta.to_headers(), &meta.id, payload).await
+) -> Result<u64, WireError> {
+    let publish = jetstream::message::PublishMessage::build()
+        .headers(first_headers(meta))
+        .payload(payload);
+    let ack = match js.send_publish(subject.clone(), publish).await {
+        Ok(future) => future.await,
+        Err(e) => Err(e),
+    };
+    match ack {
+        Ok(ack) => Ok(ack.sequence),
+        Err(e) if meta.run_at_ms.is_some() && is_stored_already(&e) => {
+            stored_delayed_seq(js, &subject).await
+        }
+        Err(e) => Err(refusal(&subject, &e)),
+    }
 }
 
 /// Publishes task headers as they are (plus `Nats-Msg-Id` = `id`), mapping a full subject
@@ -66,7 +127,7 @@ pub async fn publish_headers(
 ) -> Result<jetstream::publish::PublishAck, WireError> {
     // A stored message copied (a retry, a run-now, a due delayed task) may carry the
     // headers of the atomic batch that stored it: not this publish's.
-    let mut headers = crate::atomic::without_batch_headers(headers);
+    let mut headers = crate::atomic::without_publish_headers(headers);
     headers.insert("Nats-Msg-Id", id);
     let publish = jetstream::message::PublishMessage::build()
         .headers(headers)

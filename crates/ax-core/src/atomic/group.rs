@@ -85,15 +85,17 @@ impl Grouped {
         Grouped::lanes(js, mode, stream, false, Faults::default())
     }
 
-    /// Like [`Grouped::start`], with the faults a test armed (a group commit that panics).
+    /// Like [`Grouped::start`] (or [`Grouped::start_distinct`] if `distinct`), with the
+    /// faults a test armed (a group commit that panics).
     #[doc(hidden)]
     pub fn start_with_faults(
         js: jetstream::Context,
         mode: GroupCommit,
         stream: &str,
+        distinct: bool,
         faults: Faults,
     ) -> Grouped {
-        Grouped::lanes(js, mode, stream, false, faults)
+        Grouped::lanes(js, mode, stream, distinct, faults)
     }
 
     /// Like [`Grouped::start`], with at most one message per subject in a group.

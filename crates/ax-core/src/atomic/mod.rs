@@ -110,18 +110,27 @@ pub async fn publish(
     unreachable!("the last message returns")
 }
 
-/// The headers a message stored by an atomic batch keeps (the server stores them).
-const BATCH_HEADERS: [&str; 3] = ["Nats-Batch-Id", "Nats-Batch-Sequence", "Nats-Batch-Commit"];
+/// Headers a message is stored with that belong to the publish that stored it, not to the
+/// message: the atomic batch's, and the conditions it was stored under (a delayed task is
+/// stored create-if-absent on its own subject: `crate::admit`).
+const PUBLISH_HEADERS: [&str; 4] = [
+    "Nats-Batch-Id",
+    "Nats-Batch-Sequence",
+    "Nats-Batch-Commit",
+    "Nats-Expected-Last-Subject-Sequence",
+];
 
-/// `headers` without the atomic batch headers: a copy of a stored message published with
-/// them would be taken for part of a batch (and refused, or abandoned).
-pub fn without_batch_headers(headers: HeaderMap) -> HeaderMap {
-    if headers.get(BATCH_HEADERS[0]).is_none() {
+/// `headers` without the headers of the publish that stored them: a copy of a stored
+/// message published with them would be taken for part of a batch (and refused, or
+/// abandoned), or checked against the condition its original was stored under (a due
+/// delayed task's copy to its ready subject would be refused: that subject is not empty).
+pub fn without_publish_headers(headers: HeaderMap) -> HeaderMap {
+    if !PUBLISH_HEADERS.iter().any(|n| headers.get(*n).is_some()) {
         return headers;
     }
     let mut out = HeaderMap::new();
     for (name, values) in headers.iter() {
-        if BATCH_HEADERS.contains(&name.as_ref()) {
+        if PUBLISH_HEADERS.contains(&name.as_ref()) {
             continue;
         }
         for value in values {
@@ -136,18 +145,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_copy_leaves_the_batch_headers_behind_and_keeps_the_rest() {
+    fn a_copy_leaves_the_publish_headers_behind_and_keeps_the_rest() {
         let mut h = HeaderMap::new();
         h.insert("Ax-Id", "q.1");
         h.append("Ax-Tag", "a");
         h.append("Ax-Tag", "b");
-        let plain = without_batch_headers(h.clone());
+        let plain = without_publish_headers(h.clone());
         assert_eq!(plain.len(), 2);
-        for name in BATCH_HEADERS {
+        for name in PUBLISH_HEADERS {
             h.insert(name, "1");
         }
-        let copy = without_batch_headers(h);
-        assert!(BATCH_HEADERS.iter().all(|n| copy.get(*n).is_none()));
+        let copy = without_publish_headers(h);
+        assert!(PUBLISH_HEADERS.iter().all(|n| copy.get(*n).is_none()));
         assert_eq!(copy.get("Ax-Id").map(|v| v.as_str()), Some("q.1"));
         let tags: Vec<&str> = copy.get_all("Ax-Tag").map(|v| v.as_str()).collect();
         assert_eq!(tags, ["a", "b"]);

@@ -250,11 +250,9 @@ impl Context {
             // Published once, under a fresh id: the worker that claims it writes its first
             // record (create-if-absent), and until then it is found by its message. With
             // the other submits of the moment, as one atomic batch (group commit).
-            let mut headers = meta.to_headers();
-            headers.insert("Nats-Msg-Id", meta.id.as_str());
             let msg = ax_core::atomic::Outgoing {
                 subject,
-                headers,
+                headers: ax_core::admit::first_headers(meta),
                 payload,
             };
             let subject = msg.subject.clone();
@@ -262,31 +260,35 @@ impl Context {
                 Some(_) => delayed,
                 None => &ready[meta.priority.index()],
             };
-            let seq = group
-                .publish(msg)
-                .await
-                .map_err(|e| refusal(&subject, &e))?;
+            let seq = match group.publish(msg).await {
+                Ok(seq) => seq,
+                // A group stored but not answered: its fallback found this one stored.
+                Err(e) if meta.run_at_ms.is_some() && ax_core::admit::is_stored_already(&e) => {
+                    ax_core::admit::stored_delayed_seq(&self.js, &subject).await?
+                }
+                Err(e) => return Err(refusal(&subject, &e)),
+            };
             self.faults.pass(ax_core::faults::Abort::AfterPublish);
             return Ok(seq);
         }
-        let ack = publish_task(&self.js, subject, meta, payload).await?;
+        let seq = publish_task(&self.js, subject, meta, payload).await?;
         self.faults.pass(ax_core::faults::Abort::AfterPublish);
         if meta.unrecorded {
-            return Ok(ack.sequence);
+            return Ok(seq);
         }
         let mut record = meta.record();
         if meta.run_at_ms.is_none() {
             // The record names its ready message: a worker may start the first attempt of
             // exactly that message without a `running` write, and retires any other copy
             // (docs/PROTOCOL.md §3).
-            record.ready_seq = Some(ack.sequence);
+            record.ready_seq = Some(seq);
         } else {
             // "Run now" reads a scheduled task's message by this sequence.
-            record.delayed_seq = Some(ack.sequence);
+            record.delayed_seq = Some(seq);
         }
         match self.tasks.create(&record).await {
             // Exists: a worker already picked the task up and wrote its record.
-            Ok(_) | Err(StateError::Exists(_)) => Ok(ack.sequence),
+            Ok(_) | Err(StateError::Exists(_)) => Ok(seq),
             // The task is stored and will run: it is accepted. Answering `unavailable`
             // would make a producer without an idempotency key submit it twice. The worker
             // that claims it writes the record from the message headers.
@@ -294,7 +296,7 @@ impl Context {
                 warn!(task_id = %meta.id, cause = %e, "task stored but its record not written; the worker will write it");
                 metrics::counter!(ax_core::metrics::RECORD_DEFERRED, "queue" => meta.queue.clone())
                     .increment(1);
-                Ok(ack.sequence)
+                Ok(seq)
             }
         }
     }

@@ -164,7 +164,7 @@ pub(super) async fn publish_dead_letter_and_term(
 pub(super) async fn reject_malformed(sh: &Shared, msg: &jetstream::Message, why: &str) {
     error!(subject = %msg.subject, cause = why, "malformed task message; dead-lettered");
     let headers = msg.headers.clone().unwrap_or_default();
-    let mut headers = crate::atomic::without_batch_headers(headers);
+    let mut headers = crate::atomic::without_publish_headers(headers);
     headers.insert(header::ERROR_CLASS, "bad_message");
     headers.insert(header::ERROR_MESSAGE, header_safe(why).as_str());
     dead_letter_and_term(sh, names::dead_subject(&sh.queue), msg, headers).await;
