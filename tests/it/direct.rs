@@ -160,7 +160,7 @@ async fn direct_submits_are_refused_as_a_servers_are() {
     assert_eq!(env.stream_len("AX_READY_HIGH").await, 2);
 }
 
-/// Many at once: one answer per task in order, each run once.
+/// Many at once: one answer per task in order, grouped into atomic batches, each run once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_direct_submits_are_answered_in_order_and_each_runs_once() {
     let env = Env::start(Env::server()).await;
@@ -169,6 +169,15 @@ async fn many_direct_submits_are_answered_in_order_and_each_runs_once() {
     let answers = ax.submit_many("q", specs).await;
     assert_eq!(answers.len(), 500);
     let ids: Vec<String> = answers.into_iter().map(|a| a.unwrap().id).collect();
+    // Published as a server publishes them: the submits of one moment as atomic batches
+    // (the group commit starts grouped and measures single publishes later).
+    let stream = env.js.get_stream("AX_READY_NORMAL").await.unwrap();
+    let mut batched = 0;
+    for seq in 1..=500 {
+        let msg = stream.get_raw_message(seq).await.unwrap();
+        batched += usize::from(msg.headers.get("Nats-Batch-Id").is_some());
+    }
+    assert!(batched > 0, "no direct submit went in an atomic batch");
     let (worker, runs) = counting_worker(64);
     let (stop, handle) = env.spawn_worker(worker);
     eventually(Duration::from_secs(20), "every task ran", || async {

@@ -2,8 +2,11 @@
 //! the server does and publishes its message to JetStream itself — the same message, under
 //! the same subject, with the same headers as an ax server would store — so no ax server
 //! is on an immediate task's path. The broker is what admits it: the publish returns once
-//! the message is stored, `Nats-Msg-Id` de-duplicates a re-publish, a full subject refuses
-//! it (`busy`), subject permissions confine a producer to its queues.
+//! the message is stored, `Nats-Msg-Id` (a delayed task: create-if-absent on its subject)
+//! de-duplicates a re-publish, a full subject refuses it (`busy`), subject permissions
+//! confine a producer to its queues. The messages of one moment go as one atomic batch
+//! where the broker answers that faster (group commit, as a server's submits do: under
+//! `sync_interval: always`, one fsync for many tasks).
 //!
 //! A task with an idempotency key still goes by request to a server (its key and its
 //! message are written in an order a server owns; docs/PROTOCOL.md §2).
@@ -13,6 +16,7 @@ use crate::protocol::{SubmitAccepted, SubmitRequest, WireError};
 use crate::state::TaskState;
 use crate::task::{Limits, TaskMeta};
 use async_nats::jetstream;
+use ax_core::atomic::GroupCommit;
 
 /// What a direct-submitting client holds: its JetStream context, the queues it has seen
 /// declared, and the bounds it validates with.
@@ -22,6 +26,8 @@ pub(crate) struct Direct {
     /// Made at the first submit: a JetStream context spawns a task, so it needs the
     /// runtime a submit runs on (the client may be built outside one, as Python does).
     js: std::sync::OnceLock<jetstream::Context>,
+    /// Started at the first submit, for the same reason.
+    groups: std::sync::OnceLock<admit::Groups>,
     queues: Queues,
     limits: Limits,
 }
@@ -31,6 +37,7 @@ impl Direct {
         Direct {
             nats,
             js: std::sync::OnceLock::new(),
+            groups: std::sync::OnceLock::new(),
             queues: Queues::new(&[]),
             limits: Limits::default(),
         }
@@ -53,7 +60,10 @@ impl Direct {
         debug_assert!(meta.unrecorded, "a task without a key is stored unrecorded");
         let js = self.js.get_or_init(|| jetstream::new(self.nats.clone()));
         self.queues.check(js, queue).await?;
-        admit::publish_task(js, admit::subject(&meta), &meta, payload).await?;
+        let groups = self.groups.get_or_init(|| {
+            admit::Groups::start(js, GroupCommit::Auto, &ax_core::faults::Faults::default())
+        });
+        groups.store(js, &meta, payload).await?;
         Ok(SubmitAccepted {
             state: if meta.run_at_ms.is_some() {
                 TaskState::Scheduled

@@ -20,9 +20,9 @@ pub(crate) struct Context {
     pub(crate) queues: Queues,
     /// Flow buckets: trigger fires start flow runs.
     pub(crate) flows: crate::flow::store::FlowStore,
-    /// Group commit of unrecorded submits, one per ready stream (by priority index)
-    /// and one for `AX_DELAYED` (a batch is stored by one stream); `None` when turned off.
-    pub(crate) ready: Option<([ax_core::atomic::Grouped; 3], ax_core::atomic::Grouped)>,
+    /// Group commit of unrecorded submits (one per ready stream and one for
+    /// `AX_DELAYED`); `None` when turned off.
+    pub(crate) ready: Option<ax_core::admit::Groups>,
     /// Faults a test armed (`ax_core::faults`); none by default.
     pub(crate) faults: ax_core::faults::Faults,
 }
@@ -51,22 +51,8 @@ impl Context {
                 op: "open flow buckets",
                 source: e.into(),
             })?;
-        let ready = (group_commit != ax_core::atomic::GroupCommit::Never).then(|| {
-            let start = |stream: &str, distinct: bool| {
-                ax_core::atomic::Grouped::start_with_faults(
-                    js.clone(),
-                    group_commit,
-                    stream,
-                    distinct,
-                    faults.clone(),
-                )
-            };
-            (
-                ax_core::names::Priority::ALL.map(|p| start(&p.ready_stream(), false)),
-                // Delayed tasks are stored create-if-absent (a compare-and-set write).
-                start(ax_core::names::DELAYED_STREAM, true),
-            )
-        });
+        let ready = (group_commit != ax_core::atomic::GroupCommit::Never)
+            .then(|| ax_core::admit::Groups::start(&js, group_commit, &faults));
         Ok(Context {
             ready,
             js,

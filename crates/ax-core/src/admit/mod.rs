@@ -8,7 +8,9 @@ use crate::task::TaskMeta;
 use async_nats::jetstream::{self, context::PublishError};
 use bytes::Bytes;
 
+mod groups;
 mod queues;
+pub use groups::Groups;
 pub use queues::Queues;
 
 /// JetStream's error code for a publish refused by a stream or per-subject limit.

@@ -23,7 +23,7 @@ pub(crate) use batch::is_batch;
 pub use batch::{BatchAnswers, MAX_BATCH};
 
 pub use ax_core::admit::is_full;
-pub(crate) use ax_core::admit::{publish_headers, publish_task, refusal, unrecorded};
+pub(crate) use ax_core::admit::{publish_headers, publish_task, unrecorded};
 
 fn state_unavailable(e: StateError) -> WireError {
     WireError::new(ErrorCode::Unavailable, e.to_string())
@@ -245,32 +245,15 @@ impl Context {
     /// Stores the task (its message, and its record unless it is unrecorded); answers
     /// the message's stream sequence.
     async fn store(&self, meta: &TaskMeta, payload: Bytes) -> Result<u64, WireError> {
-        let subject = ax_core::admit::subject(meta);
-        if let (true, Some((ready, delayed))) = (meta.unrecorded, &self.ready) {
+        if let (true, Some(groups)) = (meta.unrecorded, &self.ready) {
             // Published once, under a fresh id: the worker that claims it writes its first
             // record (create-if-absent), and until then it is found by its message. With
             // the other submits of the moment, as one atomic batch (group commit).
-            let msg = ax_core::atomic::Outgoing {
-                subject,
-                headers: ax_core::admit::first_headers(meta),
-                payload,
-            };
-            let subject = msg.subject.clone();
-            let group = match meta.run_at_ms {
-                Some(_) => delayed,
-                None => &ready[meta.priority.index()],
-            };
-            let seq = match group.publish(msg).await {
-                Ok(seq) => seq,
-                // A group stored but not answered: its fallback found this one stored.
-                Err(e) if meta.run_at_ms.is_some() && ax_core::admit::is_stored_already(&e) => {
-                    ax_core::admit::stored_delayed_seq(&self.js, &subject).await?
-                }
-                Err(e) => return Err(refusal(&subject, &e)),
-            };
+            let seq = groups.store(&self.js, meta, payload).await?;
             self.faults.pass(ax_core::faults::Abort::AfterPublish);
             return Ok(seq);
         }
+        let subject = ax_core::admit::subject(meta);
         let seq = publish_task(&self.js, subject, meta, payload).await?;
         self.faults.pass(ax_core::faults::Abort::AfterPublish);
         if meta.unrecorded {
