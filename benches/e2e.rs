@@ -18,7 +18,6 @@ mod common;
 use ax_sdk::worker::{Task, Worker};
 use ax_sdk::{Client, TaskSpec};
 use ax_server::Server;
-use ax_testkit::LocalNats;
 use common::*;
 use futures::stream::{FuturesUnordered, StreamExt};
 use std::future::IntoFuture;
@@ -34,19 +33,6 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 /// AX_BENCH_DIRECT=1: the producers of (b) and (b2) publish their tasks themselves.
 fn direct() -> bool {
     std::env::var("AX_BENCH_DIRECT").is_ok_and(|v| v == "1")
-}
-
-fn machine() -> String {
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown cpu".into());
-    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
-    format!("{cores} cores, {cpu}")
 }
 
 /// CPU seconds so far of this process (ax server, worker and producer, or the raw
@@ -332,22 +318,13 @@ fn main() {
         .unwrap();
     rt.block_on(async {
         // AX_BENCH_SYNC=always: every write fsynced, as deploy/nats-server.conf runs it.
-        let sync = std::env::var("AX_BENCH_SYNC").unwrap_or_default();
         let conf = tempfile::NamedTempFile::new().unwrap();
-        let nats = match sync.as_str() {
-            "" | "default" => LocalNats::start(),
-            "always" => {
-                std::fs::write(conf.path(), "jetstream { sync_interval: always }\n").unwrap();
-                LocalNats::start_with_args(vec!["-c".into(), conf.path().display().to_string()])
-            }
-            other => panic!("AX_BENCH_SYNC is `always` or unset, not {other:?}"),
-        }
-        .expect("nats-server (run via ./dev bench)");
+        let (nats, always) = nats_from_env(&conf);
         println!("machine: {}", machine());
         println!(
             "nats-server: {} (file store, R1, sync: {}), one process for ax + clients",
             nats.url(),
-            if sync == "always" { "always (every write fsynced)" } else { "default (fsync every 2 min)" }
+            if always { "always (every write fsynced)" } else { "default (fsync every 2 min)" }
         );
         println!(
             "group commit (submits and worker records): {:?} (AX_BENCH_GROUP_COMMIT=auto|1|0)",

@@ -53,3 +53,39 @@ pub fn usage(pid: u32) -> (f64, u64) {
         .unwrap_or(0);
     ((tick(11) + tick(12)) / 100.0, rss)
 }
+
+pub mod deployed;
+
+/// A nats-server for a bench: `AX_BENCH_SYNC=always` has it fsync every write (as
+/// deploy/nats-server.conf runs it); unset, the default (fsync every 2 minutes). Answers
+/// the server and whether it fsyncs every write; keep the config file alive as long.
+pub fn nats_from_env(conf: &tempfile::NamedTempFile) -> (ax_testkit::LocalNats, bool) {
+    let sync = std::env::var("AX_BENCH_SYNC").unwrap_or_default();
+    let nats = match sync.as_str() {
+        "" | "default" => ax_testkit::LocalNats::start(),
+        "always" => {
+            std::fs::write(conf.path(), "jetstream { sync_interval: always }\n").unwrap();
+            ax_testkit::LocalNats::start_with_args(vec![
+                "-c".into(),
+                conf.path().display().to_string(),
+            ])
+        }
+        other => panic!("AX_BENCH_SYNC is `always` or unset, not {other:?}"),
+    }
+    .expect("nats-server (run via ./dev bench)");
+    (nats, sync == "always")
+}
+
+/// This machine's cores and CPU model.
+pub fn machine() -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown cpu".into());
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    format!("{cores} cores, {cpu}")
+}
