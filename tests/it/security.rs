@@ -789,6 +789,30 @@ async fn a_direct_producer_publishes_only_its_own_queue() {
     // Another queue: refused before anything is stored, and a raw publish is not stored.
     assert!(direct.submit("reports", TaskSpec::new("t")).await.is_err());
     let js = async_nats::jetstream::new(conn.clone());
+    // A delayed task published again (its first answer lost) is found stored, with the
+    // producer's own rights (a direct get of its own subject): stored once.
+    let waiting = direct
+        .submit(
+            "default",
+            TaskSpec::new("t").delay(Duration::from_secs(3600)),
+        )
+        .await
+        .unwrap();
+    let subject = ax_core::names::delayed_subject("default", ax_sdk::Priority::Normal, &waiting.id);
+    let stored = async_nats::jetstream::new(admin.clone())
+        .get_stream("AX_DELAYED")
+        .await
+        .unwrap()
+        .get_last_raw_message_by_subject(&subject)
+        .await
+        .unwrap();
+    let meta = ax_core::task::TaskMeta::from_headers(&stored.headers).unwrap();
+    let again = ax_core::admit::publish_task(&js, subject, &meta, stored.payload).await;
+    assert_eq!(
+        again.ok(),
+        Some(stored.sequence),
+        "found where it is stored"
+    );
     let raw = js.publish("ax.ready.reports.normal", "x".into()).await;
     let stored = match raw {
         Ok(ack) => tokio::time::timeout(Duration::from_secs(3), ack)

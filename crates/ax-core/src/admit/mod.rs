@@ -85,8 +85,10 @@ pub async fn stored_delayed_seq(js: &jetstream::Context, subject: &str) -> Resul
         .get_stream_no_info(crate::names::DELAYED_STREAM)
         .await
         .map_err(WireError::unavailable)?;
+    // A direct get by subject: what a producer may be allowed for its own queues'
+    // subjects alone (`$JS.API.DIRECT.GET.AX_DELAYED.ax.delayed.<queue>.>`).
     let msg = stream
-        .get_last_raw_message_by_subject(subject)
+        .direct_get_last_for_subject(subject)
         .await
         .map_err(|e| WireError::new(ErrorCode::Unavailable, format!("{subject}: {e}")))?;
     Ok(msg.sequence)
