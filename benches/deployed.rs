@@ -19,7 +19,8 @@
 //! `addBulk`), AX_BENCH_RUNS
 //! (1: the three phases repeated, alternating), AX_BENCH_SYNC=always (every write fsynced,
 //! as deploy/nats-server.conf runs it), AX_BENCH_R3=1 (then the same on a local 3-node
-//! cluster with R3 streams, default sync: the figure of what replication costs).
+//! cluster with R3 streams, default sync: the figure of what replication costs),
+//! AX_BENCH_DIRECT_FIRST=1 (the direct phase before the requested one).
 
 mod common;
 
@@ -192,7 +193,13 @@ async fn phases(
     for r in 1..=runs {
         let (raw_rate, raw_cpu) = raw(urls, pids, n, payload, replicas.into()).await;
         println!("[{label}, run {r}] raw JetStream: {raw_rate:.0} msg/s; CPU {raw_cpu}");
-        for direct in [false, true] {
+        // AX_BENCH_DIRECT_FIRST=1: direct before by request (each phase adds to the same
+        // store, and under fsync a later phase runs on a larger one).
+        let order = match env_or("AX_BENCH_DIRECT_FIRST", 0) {
+            1 => [true, false],
+            _ => [false, true],
+        };
+        for direct in order {
             let how = if direct { "direct" } else { "by request" };
             let shape = Shape {
                 label,
