@@ -30,12 +30,14 @@ def stuck_child(pid_file: str) -> str:
 
 
 def alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie is dead). The process may be reaped between any two
+    of these looks: then its /proc entry answers ESRCH or is gone, and it is dead."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[1].split()[0] != "Z"
+    except (ProcessLookupError, FileNotFoundError):
         return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(")")[1].split()[0] != "Z"
 
 
 def test_the_process_executor_runs_each_attempt_in_a_child_and_kills_it_at_the_timeout(runtime, client, tmp_path):
