@@ -24,12 +24,11 @@
 
 mod common;
 
-use async_nats::jetstream::{consumer, stream};
+use async_nats::jetstream::consumer;
 use ax_testkit::{LocalCluster, LocalNats};
 use common::deployed::{connect, run, Shape};
 use common::*;
-use futures::stream::{FuturesUnordered, StreamExt};
-use std::future::IntoFuture;
+use futures::stream::StreamExt;
 use std::io::BufRead;
 use std::process::{Command, Stdio};
 use std::time::Instant;
@@ -38,8 +37,6 @@ use std::time::Instant;
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-const RAW_STREAM: &str = "RAW";
-
 /// The raw consumer process: acks `AX_BENCH_N` messages of the durable `raw`, then exits.
 async fn raw_consumer() {
     let urls = std::env::var("AX_BENCH_URLS").expect("AX_BENCH_URLS");
@@ -47,10 +44,10 @@ async fn raw_consumer() {
     let client = connect(&urls).await;
     let js = async_nats::jetstream::new(client.clone());
     let consumer: consumer::PullConsumer = js
-        .get_stream(RAW_STREAM)
+        .get_stream(common::raw::STREAM)
         .await
         .unwrap()
-        .get_consumer("raw")
+        .get_consumer(common::raw::CONSUMER)
         .await
         .unwrap();
     let mut msgs = consumer
@@ -78,36 +75,7 @@ async fn raw(
 ) -> (f64, String) {
     let client = connect(urls).await;
     let js = async_nats::jetstream::new(client.clone());
-    let _ = js.delete_stream(RAW_STREAM).await;
-    let config = stream::Config {
-        name: RAW_STREAM.into(),
-        subjects: vec!["raw.>".into()],
-        retention: stream::RetentionPolicy::WorkQueue,
-        storage: stream::StorageType::File,
-        num_replicas: replicas,
-        ..Default::default()
-    };
-    // A new cluster accepts an R3 stream only once its meta leader is elected.
-    let deadline = Instant::now() + std::time::Duration::from_secs(60);
-    let stream = loop {
-        match js.create_stream(config.clone()).await {
-            Ok(stream) => break stream,
-            Err(e) if Instant::now() < deadline => {
-                eprintln!("  ... raw stream not created yet ({e}); retrying");
-                tokio::time::sleep(std::time::Duration::from_millis(500)).await;
-            }
-            Err(e) => panic!("the raw stream: {e}"),
-        }
-    };
-    stream
-        .create_consumer(consumer::pull::Config {
-            durable_name: Some("raw".into()),
-            ack_policy: consumer::AckPolicy::Explicit,
-            max_ack_pending: 10_000,
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+    common::raw::create(&js, replicas).await;
     let mut child = Command::new(std::env::current_exe().unwrap())
         .env("AX_BENCH_ROLE", "raw-consumer")
         .env("AX_BENCH_URLS", urls)
@@ -131,23 +99,8 @@ async fn raw(
         )
         .collect();
     let before: Vec<f64> = pids.iter().map(|(_, p)| usage(*p).0).collect();
-    let body = bytes::Bytes::from(vec![b'x'; payload]);
     let start = Instant::now();
-    let mut inflight = FuturesUnordered::new();
-    for _ in 0..n {
-        inflight.push(
-            js.publish("raw.x", body.clone())
-                .await
-                .unwrap()
-                .into_future(),
-        );
-        if inflight.len() >= 2048 {
-            inflight.next().await.unwrap().unwrap();
-        }
-    }
-    while let Some(ack) = inflight.next().await {
-        ack.unwrap();
-    }
+    common::raw::publish(&js, n, bytes::Bytes::from(vec![b'x'; payload])).await;
     // The consumer's CPU is read before it exits (its /proc entry goes with it).
     let mut consumer_cpu = 0.0;
     let status = loop {
@@ -176,7 +129,7 @@ async fn raw(
         })
         .collect::<Vec<_>>()
         .join(", ");
-    let _ = js.delete_stream(RAW_STREAM).await;
+    let _ = js.delete_stream(common::raw::STREAM).await;
     (n as f64 / secs, cpu)
 }
 

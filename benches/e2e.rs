@@ -19,8 +19,7 @@ use ax_sdk::worker::{Task, Worker};
 use ax_sdk::{Client, TaskSpec};
 use ax_server::Server;
 use common::*;
-use futures::stream::{FuturesUnordered, StreamExt};
-use std::future::IntoFuture;
+use futures::stream::StreamExt;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
@@ -64,27 +63,8 @@ impl Cpu {
 }
 
 async fn raw_jetstream(client: &async_nats::Client, n: usize, payload: &[u8]) -> f64 {
-    use async_nats::jetstream::{consumer, stream};
     let js = async_nats::jetstream::new(client.clone());
-    let stream = js
-        .create_stream(stream::Config {
-            name: "RAW".into(),
-            subjects: vec!["raw.>".into()],
-            retention: stream::RetentionPolicy::WorkQueue,
-            storage: stream::StorageType::File,
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    let consumer: consumer::PullConsumer = stream
-        .create_consumer(consumer::pull::Config {
-            durable_name: Some("raw".into()),
-            ack_policy: consumer::AckPolicy::Explicit,
-            max_ack_pending: 10_000,
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+    let consumer = common::raw::create(&js, 1).await;
     let start = Instant::now();
     let consume = tokio::spawn(async move {
         let mut msgs = consumer
@@ -100,22 +80,7 @@ async fn raw_jetstream(client: &async_nats::Client, n: usize, payload: &[u8]) ->
             acked += 1;
         }
     });
-    let payload = bytes::Bytes::copy_from_slice(payload);
-    let mut inflight = FuturesUnordered::new();
-    for _ in 0..n {
-        inflight.push(
-            js.publish("raw.x", payload.clone())
-                .await
-                .unwrap()
-                .into_future(),
-        );
-        if inflight.len() >= 2048 {
-            inflight.next().await.unwrap().unwrap();
-        }
-    }
-    while let Some(ack) = inflight.next().await {
-        ack.unwrap();
-    }
+    common::raw::publish(&js, n, bytes::Bytes::copy_from_slice(payload)).await;
     consume.await.unwrap();
     n as f64 / start.elapsed().as_secs_f64()
 }

@@ -55,6 +55,7 @@ pub fn usage(pid: u32) -> (f64, u64) {
 }
 
 pub mod deployed;
+pub mod raw;
 
 /// A nats-server for a bench: `AX_BENCH_SYNC=always` has it fsync every write (as
 /// deploy/nats-server.conf runs it); unset, the default (fsync every 2 minutes). Answers
