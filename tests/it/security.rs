@@ -813,6 +813,27 @@ async fn a_direct_producer_publishes_only_its_own_queue() {
         Some(stored.sequence),
         "found where it is stored"
     );
+    // That look-up reaches its own queue's delayed tasks only: another queue's is refused.
+    let theirs = Client::new(admin.clone())
+        .submit(
+            "reports",
+            TaskSpec::new("t").delay(Duration::from_secs(3600)),
+        )
+        .await
+        .unwrap();
+    let theirs = ax_core::names::delayed_subject("reports", ax_sdk::Priority::Normal, &theirs.id);
+    let read = tokio::time::timeout(
+        Duration::from_secs(5),
+        js.get_stream_no_info("AX_DELAYED")
+            .await
+            .unwrap()
+            .direct_get_last_for_subject(&theirs),
+    )
+    .await;
+    assert!(
+        !matches!(read, Ok(Ok(_))),
+        "a direct producer of default read a delayed task of reports"
+    );
     let raw = js.publish("ax.ready.reports.normal", "x".into()).await;
     let stored = match raw {
         Ok(ack) => tokio::time::timeout(Duration::from_secs(3), ack)
