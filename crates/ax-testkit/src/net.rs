@@ -4,17 +4,22 @@
 use crate::env::eventually;
 use std::time::Duration;
 
+/// Waits up to 20 s for an ax server to answer a submit probe.
 pub async fn wait_ready(client: &async_nats::Client) {
-    eventually(
-        Duration::from_secs(20),
-        "ax server process to answer",
-        || async {
-            client
-                .request("ax.submit.__probe", "{\"name\":\"x\"}".into())
-                .await
-                .ok()
-        },
-    )
+    wait_ready_within(client, Duration::from_secs(20)).await;
+}
+
+/// Like [`wait_ready`], up to `timeout`: a server that creates the topology on a fresh R3
+/// cluster first waits out the cluster's first leader elections (its retries back off up to
+/// 5 s) and then creates every stream and bucket with three replicas, which on a loaded
+/// 2-core machine has taken longer than 20 s.
+pub async fn wait_ready_within(client: &async_nats::Client, timeout: Duration) {
+    eventually(timeout, "ax server process to answer", || async {
+        client
+            .request("ax.submit.__probe", "{\"name\":\"x\"}".into())
+            .await
+            .ok()
+    })
     .await;
 }
 
