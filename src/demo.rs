@@ -70,7 +70,9 @@ pub(crate) async fn run(args: DemoArgs, conn: &Conn) -> Result<()> {
     }
     println!("• ax server up; starting a worker (concurrency 4, 25% flaky failures)");
     let worker = tokio::spawn(
-        example_worker("demo", 4, 0.25, None, None, None)?.run(client.clone(), shutdown.clone()),
+        example_worker("demo", 4, 0.25, None, None, None)
+            .build()?
+            .run(client.clone(), shutdown.clone()),
     );
 
     let mut ids = Vec::new();

@@ -22,6 +22,10 @@ pub(crate) enum LimitsCommand {
         /// The queue it limits.
         #[arg(long)]
         queue: String,
+        /// Share the limit with this queue too (repeat for more, up to 16 queues in all):
+        /// the tasks of every queue named draw from one rate bucket and one set of slots.
+        #[arg(long = "shared-with")]
+        shared_with: Vec<String>,
         /// Only tasks of this name (default: every task of the queue).
         #[arg(long)]
         task: Option<String>,
@@ -118,8 +122,16 @@ fn cell(v: &Value) -> String {
 }
 
 fn def_row(d: &Value) -> Vec<String> {
+    let queue = match d["queues"].as_array() {
+        Some(all) => format!(
+            "{} (shared: {})",
+            cell(&d["queue"]),
+            all.iter().map(cell).collect::<Vec<_>>().join(",")
+        ),
+        None => cell(&d["queue"]),
+    };
     vec![
-        cell(&d["queue"]),
+        queue,
         cell(&d["name"]),
         d["task"].as_str().unwrap_or("*").to_string(),
         match (d["per_key"].as_bool(), d["key"].as_str()) {
@@ -220,6 +232,7 @@ pub(crate) async fn run(command: LimitsCommand, conn: &Conn, output: Output) -> 
         LimitsCommand::Set {
             name,
             queue,
+            shared_with,
             task,
             per_key,
             key,
@@ -233,6 +246,10 @@ pub(crate) async fn run(command: LimitsCommand, conn: &Conn, output: Output) -> 
         } => {
             let mut def = json!({"name": name, "queue": queue, "task": task, "per_key": per_key, "key": key,
                              "rate": rate, "burst": burst, "concurrency": concurrency});
+            if !shared_with.is_empty() {
+                let queues: Vec<&String> = std::iter::once(&queue).chain(&shared_with).collect();
+                def["queues"] = json!(queues);
+            }
             if let Some(min) = adaptive_min {
                 def["adaptive"] = json!({"min": min, "increase": increase, "decrease": decrease,
                                          "on": pressure_classes});

@@ -54,6 +54,19 @@ pub(crate) struct SubmitArgs {
     /// Hard timeout of one attempt.
     #[arg(long, value_parser = humantime::parse_duration)]
     timeout: Option<Duration>,
+    /// Debounce under this key: the submits of one key become one task, run once the key
+    /// has been quiet for `--debounce` (docs/guides/limits.md, "Debounce").
+    #[arg(long, requires = "debounce")]
+    debounce_key: Option<String>,
+    /// The quiet time of `--debounce-key`, e.g. 2s.
+    #[arg(long, value_parser = humantime::parse_duration, requires = "debounce_key")]
+    debounce: Option<Duration>,
+    /// The longest wait after a burst's first submit (default 10 × `--debounce`).
+    #[arg(long, value_parser = humantime::parse_duration, requires = "debounce_key")]
+    debounce_max_wait: Option<Duration>,
+    /// Run with the burst's first submit's payload instead of the last's.
+    #[arg(long, requires = "debounce_key")]
+    debounce_keep_first: bool,
 }
 
 /// Checks the flag as the server will, so a typo fails before anything is sent.
@@ -75,6 +88,7 @@ pub(crate) async fn run(args: SubmitArgs, conn: &Conn) -> Result<()> {
             || args.business_id.is_some()
             || args.max_attempts.is_some()
             || args.timeout.is_some()
+            || args.debounce_key.is_some()
         {
             bail!("with --file, every option comes from the file's lines");
         }
@@ -114,6 +128,15 @@ pub(crate) async fn run(args: SubmitArgs, conn: &Conn) -> Result<()> {
     }
     if let Some(t) = args.timeout {
         spec = spec.timeout(t);
+    }
+    if let (Some(key), Some(period)) = (args.debounce_key, args.debounce) {
+        spec = spec.debounce(key, period);
+        if let Some(w) = args.debounce_max_wait {
+            spec = spec.debounce_max_wait(w);
+        }
+        if args.debounce_keep_first {
+            spec = spec.debounce_keep_first();
+        }
     }
     let accepted = client.submit(&args.queue, spec).await?;
     println!("{}", serde_json::to_string(&accepted)?);

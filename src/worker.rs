@@ -49,6 +49,11 @@ pub(crate) struct WorkerArgs {
     /// Worker id stored in task records.
     #[arg(long)]
     id: Option<String>,
+    /// Priority aging: a priority whose oldest waiting task has waited this long is picked
+    /// as the one above it (`low` as `normal`; twice as long: as `high`), e.g. `30s`.
+    /// Default: off.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    aging: Option<Duration>,
     /// Serve Prometheus metrics here ("off" to disable).
     #[arg(long, default_value = "127.0.0.1:9465")]
     metrics_addr: String,
@@ -107,57 +112,55 @@ pub(crate) fn example_worker(
     sleep: Option<Duration>,
     id: Option<String>,
     journal: Option<Journal>,
-) -> Result<Worker> {
+) -> ax_sdk::worker::WorkerBuilder {
     // The fault tests' AX_TEST_* variables (none in production: see ax_core::faults).
     let mut builder = Worker::builder(queue)
         .concurrency(concurrency)
         .faults(ax_core::faults::Faults::from_env());
     let worker_id = id.unwrap_or_else(|| format!("{}-{}", std::process::id(), nuid::next()));
     builder = builder.id(worker_id.clone());
-    Ok(builder
-        .handler(move |task: Task| {
-            let (journal, worker_id) = (journal.clone(), worker_id.clone());
-            async move {
-                // With a journal, tasks whose id ends in an even byte ask for their fencing
-                // token (a `running` write before the work); the others run without one and
-                // journal token 0, so a fault campaign checks both kinds of first attempt.
-                let mut token = 0;
-                if let Some(j) = &journal {
-                    if task.id.as_bytes().last().is_some_and(|b| b % 2 == 0) {
-                        token = task.fencing_token().await?;
-                    }
-                    j.line(serde_json::json!({
-                        "event": "start", "id": task.id, "attempt": task.attempt,
-                        "token": token, "worker": worker_id, "name": task.name,
-                        "at_ms": ax_core::time::now_ms(),
-                    }));
+    builder.handler(move |task: Task| {
+        let (journal, worker_id) = (journal.clone(), worker_id.clone());
+        async move {
+            // With a journal, tasks whose id ends in an even byte ask for their fencing
+            // token (a `running` write before the work); the others run without one and
+            // journal token 0, so a fault campaign checks both kinds of first attempt.
+            let mut token = 0;
+            if let Some(j) = &journal {
+                if task.id.as_bytes().last().is_some_and(|b| b % 2 == 0) {
+                    token = task.fencing_token().await?;
                 }
-                let mut stopped = journal.as_ref().map(|j| Stopped {
-                    journal: j.clone(),
-                    worker: worker_id.clone(),
-                    id: task.id.clone(),
-                    attempt: task.attempt,
-                    token,
-                    done: false,
-                });
-                let result = example(&task, fail_rate, sleep).await;
-                if let Some(s) = &mut stopped {
-                    s.done = true;
-                }
-                if let Some(j) = &journal {
-                    let outcome = match &result {
-                        Ok(()) => "ok".to_string(),
-                        Err(e) => format!("err:{}", e.class),
-                    };
-                    j.line(serde_json::json!({
-                        "event": "end", "id": task.id, "token": token, "attempt": task.attempt,
-                        "worker": worker_id, "outcome": outcome, "at_ms": ax_core::time::now_ms(),
-                    }));
-                }
-                result
+                j.line(serde_json::json!({
+                    "event": "start", "id": task.id, "attempt": task.attempt,
+                    "token": token, "worker": worker_id, "name": task.name,
+                    "at_ms": ax_core::time::now_ms(),
+                }));
             }
-        })
-        .build()?)
+            let mut stopped = journal.as_ref().map(|j| Stopped {
+                journal: j.clone(),
+                worker: worker_id.clone(),
+                id: task.id.clone(),
+                attempt: task.attempt,
+                token,
+                done: false,
+            });
+            let result = example(&task, fail_rate, sleep).await;
+            if let Some(s) = &mut stopped {
+                s.done = true;
+            }
+            if let Some(j) = &journal {
+                let outcome = match &result {
+                    Ok(()) => "ok".to_string(),
+                    Err(e) => format!("err:{}", e.class),
+                };
+                j.line(serde_json::json!({
+                    "event": "end", "id": task.id, "token": token, "attempt": task.attempt,
+                    "worker": worker_id, "outcome": outcome, "at_ms": ax_core::time::now_ms(),
+                }));
+            }
+            result
+        }
+    })
 }
 
 async fn example(task: &Task, fail_rate: f64, sleep: Option<Duration>) -> Result<(), TaskError> {
@@ -205,7 +208,12 @@ pub(crate) async fn run(args: WorkerArgs, conn: &Conn) -> Result<()> {
         args.sleep,
         args.id,
         journal,
-    )?;
+    );
+    let worker = match args.aging {
+        Some(after) => worker.aging(after),
+        None => worker,
+    }
+    .build()?;
     let shutdown = crate::shutdown_on_signal();
     let Some(client) = conn.connect_waiting(&shutdown).await? else {
         return Ok(());

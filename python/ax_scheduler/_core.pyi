@@ -75,7 +75,8 @@ class ServerHandle:
     def stop(self) -> None: ...
 
 def start_worker(conn: Connection, queue: str, tasks: list[tuple[str, bytes]], inbox: Inbox,
-                 concurrency: int = 16, shutdown_grace: float = 30.0, id: str | None = None) -> WorkerHandle: ...
+                 concurrency: int = 16, shutdown_grace: float = 30.0, id: str | None = None,
+                 aging: float | None = None) -> WorkerHandle: ...
 
 def serve(conn: Connection, queues: list[str], console: str | None = None, console_token: str | None = None,
           ack_wait: float | None = None, task_index: bool = True,

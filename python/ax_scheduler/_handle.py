@@ -129,4 +129,8 @@ class Submitter(Generic[P, R]):
         key = self.key
         if key is None and td.options.idempotency_key is not None:
             key = str(td.options.idempotency_key(*args, **kwargs))
-        return td.request(payload, delay=self.delay, run_at=self.run_at, key=key, priority=self.priority)
+        req = td.request(payload, delay=self.delay, run_at=self.run_at, key=key, priority=self.priority)
+        debounce = td.options.debounce_request(args, kwargs)
+        if debounce is not None:
+            req["debounce"] = debounce  # checked by the server: no delay, run_at or key beside it
+        return req

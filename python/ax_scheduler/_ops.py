@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any, Generator, Generic, Iterable
 
 from . import _core, _json, _options, _settings
 from ._handle import Handle
-from ._task import REGISTRY, TaskDef, TaskOptions
+from ._options import TaskOptions
+from ._task import REGISTRY, TaskDef
 from ._typing import R, T
 from .errors import AxError, FlowFailed, NotFound, TaskFailed
 

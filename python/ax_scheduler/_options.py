@@ -14,6 +14,8 @@ from .errors import InvalidInput
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _PRIORITIES = ("high", "normal", "low")
+#: What a schedule does when its previous run still goes (PROTOCOL.md §5, ``overlap``).
+OVERLAPS = ("buffer_one", "skip", "allow", "cancel_in_progress")
 _ON_FAILURE = ("fail", "notify_only")
 
 
@@ -66,9 +68,14 @@ class TaskOptions:
     tz: str | None = None
     every: float | None = None
     schedule_payload: Any = None
+    overlap: str | None = None
     rate_limit: float | None = None
     max_memory_mb: int | None = None
     max_cpu_seconds: float | None = None
+    debounce: float | None = None
+    debounce_key: Callable[..., str] | None = None
+    debounce_max_wait: float | None = None
+    debounce_keep: str = "last"
 
     def check(self, name: str) -> None:
         if not _NAME.match(name):
@@ -98,8 +105,46 @@ class TaskOptions:
                 raise InvalidInput(f"{what} must be more than 0 seconds and at most 24 h, not {v!r}", field=what)
         if self.cron is not None and self.every is not None:
             raise InvalidInput("give cron or every, not both", field="cron")
+        if self.overlap is not None and self.overlap not in OVERLAPS:
+            raise InvalidInput(f"overlap must be one of {OVERLAPS}, not {self.overlap!r}", field="overlap")
+        if self.overlap is not None and self.cron is None and self.every is None:
+            raise InvalidInput("overlap is for a scheduled task: give cron or every", field="overlap")
         if self.idempotency_key is not None and not callable(self.idempotency_key):
             raise InvalidInput("idempotency_key must be a function of the task's arguments", field="idempotency_key")
+        self._check_debounce()
+
+    def _check_debounce(self) -> None:
+        if self.debounce is None:
+            if self.debounce_key is not None or self.debounce_max_wait is not None or self.debounce_keep != "last":
+                raise InvalidInput("debounce_key, debounce_max_wait and debounce_keep need debounce=<seconds>",
+                                   field="debounce")
+            return
+        if not 0.001 <= self.debounce <= _WEEK:
+            raise InvalidInput(f"debounce must be 1 ms to 7 days, not {self.debounce!r}", field="debounce")
+        if self.debounce_key is None or not callable(self.debounce_key):
+            raise InvalidInput("debounce needs debounce_key: a function of the task's arguments", field="debounce_key")
+        w = self.debounce_max_wait
+        if w is not None and not self.debounce <= w <= _WEEK:
+            raise InvalidInput(f"debounce_max_wait must be from debounce up to 7 days, not {w!r}",
+                               field="debounce_max_wait")
+        if self.debounce_keep not in ("last", "first"):
+            raise InvalidInput(f"debounce_keep must be 'last' or 'first', not {self.debounce_keep!r}",
+                               field="debounce_keep")
+        if self.cron is not None or self.every is not None or self.idempotency_key is not None:
+            raise InvalidInput("a debounced task has no cron, every or idempotency_key", field="debounce")
+
+    def debounce_request(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+        """The submit's ``debounce`` object (PROTOCOL.md §2) for these arguments, if the
+        task is debounced."""
+        if self.debounce is None or self.debounce_key is None:
+            return None
+        out: dict[str, Any] = {"key": str(self.debounce_key(*args, **kwargs)),
+                               "period_ms": max(1, round(self.debounce * 1000))}
+        if self.debounce_max_wait is not None:
+            out["max_wait_ms"] = max(1, round(self.debounce_max_wait * 1000))
+        if self.debounce_keep != "last":
+            out["keep"] = self.debounce_keep
+        return out
 
     def worker_options(self) -> dict[str, Any]:
         """What the Rust worker applies where the submit left an option unset."""
@@ -123,7 +168,9 @@ class TaskOptions:
         return out
 
 
-_SECONDS = ("timeout", "heartbeat_timeout", "retry_backoff", "retry_backoff_max", "every", "max_cpu_seconds")
+_SECONDS = ("timeout", "heartbeat_timeout", "retry_backoff", "retry_backoff_max", "every", "max_cpu_seconds",
+            "debounce", "debounce_max_wait")
+_WEEK = 7 * 86_400.0
 _CLASSES = ("retry_on_exception", "no_retry_on_exception")
 _FIELDS = frozenset(f.name for f in dataclasses.fields(TaskOptions))
 

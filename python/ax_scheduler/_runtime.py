@@ -9,7 +9,7 @@ import signal
 import threading
 from typing import Any, Iterable
 
-from . import _core, _events, _json, _logs, _schedule
+from . import _core, _events, _json, _logs, _options, _schedule
 from ._client import Client
 from ._embedded import LocalNats, listening, local_port, reclaim, storage_target
 from ._executors import Executors
@@ -68,6 +68,10 @@ class Runtime:
     ``capacity``: ``(high, normal, low)`` tasks each queue holds ready, for the queues the
     in-process server creates (default 1,000 / 5,000 / 10,000; a submit beyond it is
     refused ``busy``; ``ax streams apply --capacity`` changes existing queues).
+    ``aging``: priority aging, seconds (default off): a priority whose oldest waiting task
+    has waited this long is picked as the one above it (``low`` as ``normal``; twice as
+    long: as ``high``), so old low-priority work is served sooner under a high-priority
+    load (guides/limits.md, "Priority aging").
     ``metrics_addr``: serve Prometheus metrics on ``HOST:PORT`` (``/metrics``: the
     worker's ``ax_worker_busy_rate``, ``ax_task_timeout_rate``, … and the runtime's
     ``ax_python_*``; once per process). ``log_level``: the Rust core's records that reach
@@ -87,7 +91,7 @@ class Runtime:
                  token: str | None = None, log_level: str | None = None, worker_id: str | None = None,
                  ack_wait: float | None = None, config: "str | os.PathLike[str] | dict[str, Any] | None" = None,
                  storage: str | os.PathLike[str] | None = None, capacity: tuple[int, int, int] | None = None,
-                 metrics_addr: str | None = None):
+                 metrics_addr: str | None = None, aging: float | None = None):
         if executor not in _EXECUTORS:
             raise InvalidInput(f"executor must be one of {_EXECUTORS}, not {executor!r}", field="executor")
         if not _count(max_concurrency, 10_000):
@@ -116,6 +120,9 @@ class Runtime:
         self.config = config
         self.capacity = capacity
         self.metrics_addr = metrics_addr
+        self.aging = _options.seconds(aging, "aging")
+        if self.aging is not None and not 0 < self.aging <= 7 * 86_400:
+            raise InvalidInput(f"aging must be more than 0 seconds and at most 7 days, not {aging!r}", field="aging")
         self._only = list(tasks) if tasks is not None else None
         self.connection: Any = None
         self._nats: LocalNats | None = None
@@ -200,7 +207,7 @@ class Runtime:
             declared = [(t.name, _json.dumps(t.options.worker_options())) for t in defs]
             self._workers.append(_core.start_worker(
                 self.connection, queue, declared, self._inbox, self.max_concurrency, self.shutdown_grace,
-                self.worker_id))
+                self.worker_id, self.aging))
         return self
 
     def _register(self, client: Client, tasks: list[TaskDef]) -> None:
@@ -217,7 +224,8 @@ class Runtime:
             if o.cron is not None or o.every is not None:
                 client.call("trigger", "put", _schedule.trigger(
                     t.name, cron=o.cron, tz=o.tz, every=o.every,
-                    tasks=[{"name": t.name, "queue": o.queue, "payload": o.schedule_payload}]))
+                    tasks=[{"name": t.name, "queue": o.queue, "payload": o.schedule_payload}],
+                    overlap=o.overlap))
             if o.rate_limit is not None:
                 client.call("limit", "put", {"name": f"task-{t.name}", "queue": o.queue, "task": t.name,
                                              "rate": o.rate_limit})

@@ -29,12 +29,20 @@ def rate(value: Any) -> float:
 
 
 def trigger(name: str, *, cron: str | None, tz: str | None, every: float | None,
-            tasks: list[dict[str, Any]] | None = None, flows: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+            tasks: list[dict[str, Any]] | None = None, flows: list[dict[str, Any]] | None = None,
+            overlap: str | None = None) -> dict[str, Any]:
     """A trigger definition firing ``tasks`` and ``flows`` on ``cron`` (in ``tz``) or
-    ``every`` seconds."""
+    ``every`` seconds; ``overlap`` says what a fire does while the previous one runs
+    (``buffer_one``, the server's default; ``skip``; ``allow``; ``cancel_in_progress``)."""
+    from ._options import OVERLAPS
+
     if (cron is None) == (every is None):
         raise InvalidInput("give cron or every (not both)", field="cron")
+    if overlap is not None and overlap not in OVERLAPS:
+        raise InvalidInput(f"overlap must be one of {OVERLAPS}, not {overlap!r}", field="overlap")
     t: dict[str, Any] = {"name": name, "tasks": tasks or [], "flows": flows or []}
+    if overlap is not None:
+        t["overlap"] = overlap
     if cron is not None:
         t.update(kind="cron", expr=cron)
         if tz:
@@ -45,10 +53,11 @@ def trigger(name: str, *, cron: str | None, tz: str | None, every: float | None,
 
 
 def schedule(target: Any, *, cron: str | None = None, tz: str | None = None, every: Any = None,
-             payload: Any = None, name: str | None = None) -> dict[str, Any]:
+             payload: Any = None, name: str | None = None, overlap: str | None = None) -> dict[str, Any]:
     """Runs ``target`` (an ``@ax.flow`` or ``@ax.task``) on a schedule: a trigger stored
     when the runtime starts (or now, through ``ax.register``). ``every`` in seconds or a
-    timedelta; ``payload`` is the flow's input or the task's payload."""
+    timedelta; ``payload`` is the flow's input or the task's payload; ``overlap`` what a
+    fire does while the previous run still goes (``cancel_in_progress``: cancel it)."""
     from ._flow import FlowDef
     from ._options import seconds
     from ._task import TaskDef
@@ -56,10 +65,11 @@ def schedule(target: Any, *, cron: str | None = None, tz: str | None = None, eve
     secs = seconds(every, "every")
     if isinstance(target, FlowDef):
         t = trigger(name or f"{target.name}-schedule", cron=cron, tz=tz, every=secs,
-                    flows=[{"flow": target.name, "input": payload}])
+                    flows=[{"flow": target.name, "input": payload}], overlap=overlap)
     elif isinstance(target, TaskDef):
         t = trigger(name or f"{target.name}-schedule", cron=cron, tz=tz, every=secs,
-                    tasks=[{"name": target.name, "queue": target.options.queue, "payload": payload}])
+                    tasks=[{"name": target.name, "queue": target.options.queue, "payload": payload}],
+                    overlap=overlap)
     else:
         raise InvalidInput(f"schedule() takes an @ax.flow or an @ax.task, not {target!r}")
     SCHEDULES[t["name"]] = t

@@ -230,8 +230,10 @@ def task(*, name: str | None = None, queue: str = "default", priority: str = "no
          no_retry_on_exception: type[BaseException] | typing.Iterable[type[BaseException]] | None = None,
          on_failure: str = "fail", concurrency: int | None = None, idempotency_key: Callable[..., str] | None = None,
          cron: str | None = None, tz: str | None = None, every: float | timedelta | None = None,
-         schedule_payload: Any = None, rate_limit: str | float | None = None, max_memory_mb: int | None = None,
-         max_cpu_seconds: float | timedelta | None = None) -> TaskDecorator: ...
+         schedule_payload: Any = None, overlap: str | None = None, rate_limit: str | float | None = None,
+         max_memory_mb: int | None = None, max_cpu_seconds: float | timedelta | None = None,
+         debounce: float | timedelta | None = None, debounce_key: Callable[..., str] | None = None,
+         debounce_max_wait: float | timedelta | None = None, debounce_keep: str = "last") -> TaskDecorator: ...
 
 
 def task(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:

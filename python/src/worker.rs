@@ -245,7 +245,8 @@ impl Inbox {
 /// `concurrency` attempts at once; each attempt goes into `inbox`, and the thread that
 /// takes it out ends it through the context.
 #[pyfunction]
-#[pyo3(signature = (conn, queue, tasks, inbox, concurrency = 16, shutdown_grace = 30.0, id = None))]
+#[pyo3(signature = (conn, queue, tasks, inbox, concurrency = 16, shutdown_grace = 30.0, id = None, aging = None))]
+#[allow(clippy::too_many_arguments)]
 pub fn start_worker(
     conn: &Connection,
     queue: String,
@@ -254,6 +255,7 @@ pub fn start_worker(
     concurrency: usize,
     shutdown_grace: f64,
     id: Option<String>,
+    aging: Option<f64>,
 ) -> PyResult<WorkerHandle> {
     let sender = inbox
         .sender()
@@ -263,6 +265,9 @@ pub fn start_worker(
         .shutdown_grace(seconds(shutdown_grace, "shutdown_grace")?);
     if let Some(id) = id {
         builder = builder.id(id);
+    }
+    if let Some(after) = aging {
+        builder = builder.aging(seconds(after, "aging")?);
     }
     for (name, options) in tasks {
         // The decorator's options in their JSON form (ax_sdk::settings), checked there.

@@ -50,13 +50,23 @@ def nightly(payload: dict) -> None:
     pass
 
 
+@ax.task(queue=Q, every=3600, overlap="cancel_in_progress")
+def hourly_latest(payload: dict) -> None:
+    pass
+
+
 def test_schedules_become_triggers_when_the_runtime_starts(runtime, client):
-    ax.schedule(every_second, every=1, payload={"from": "schedule"}, name="py-every-second")
+    ax.schedule(every_second, every=1, payload={"from": "schedule"}, name="py-every-second", overlap="allow")
     try:
-        runtime(every_second, nightly)
+        runtime(every_second, nightly, hourly_latest)
         stored = client.call("trigger", "get", {"name": "nightly"})
         definition = stored["definition"]
         assert (definition["kind"], definition["expr"], definition["tz"]) == ("cron", "0 2 * * *", "Asia/Shanghai")
+        assert definition["overlap"] == "buffer_one", "the server's default"
+        latest = client.call("trigger", "get", {"name": "hourly_latest"})["definition"]
+        assert (latest["every_ms"], latest["overlap"]) == (3_600_000, "cancel_in_progress")
+        every = client.call("trigger", "get", {"name": "py-every-second"})["definition"]
+        assert every["overlap"] == "allow"
         RUNS.clear()
         deadline = time.monotonic() + 10
         while len(RUNS) < 2 and time.monotonic() < deadline:
@@ -65,6 +75,59 @@ def test_schedules_become_triggers_when_the_runtime_starts(runtime, client):
     finally:
         del _schedule.SCHEDULES["py-every-second"]
         client.call("trigger", "delete", {"name": "py-every-second"})
+        client.call("trigger", "delete", {"name": "hourly_latest"})
+
+
+def test_an_overlap_is_one_the_server_knows_and_only_for_a_schedule():
+    with pytest.raises(ax.InvalidInput) as e:
+        ax.task(name="bad_overlap", every=1, overlap="newest")(lambda x: x)
+    assert e.value.field == "overlap"
+    with pytest.raises(ax.InvalidInput) as e:
+        ax.task(name="unscheduled", overlap="skip")(lambda x: x)
+    assert e.value.field == "overlap"
+    with pytest.raises(ax.InvalidInput) as e:
+        ax.schedule(every_second, every=1, overlap="newest")
+    assert e.value.field == "overlap"
+
+
+SYNCED: list[tuple[str, int]] = []
+
+
+@ax.task(queue=Q, debounce=0.4, debounce_key=lambda user, version: f"user:{user}")
+def sync_profile(user: str, version: int) -> int:
+    SYNCED.append((user, version))
+    return version
+
+
+def test_a_debounced_task_runs_once_per_quiet_key_with_the_last_arguments(runtime, client):
+    runtime(sync_profile)
+    SYNCED.clear()
+    handles = []
+    for version in range(1, 8):
+        handles.append(sync_profile.submit("ann", version))
+        handles.append(sync_profile.submit("bob", version * 10))
+        time.sleep(0.05)
+    ann = {h.id for h in handles[0::2]}
+    bob = {h.id for h in handles[1::2]}
+    assert len(ann) == 1 and len(bob) == 1 and ann != bob, (ann, bob)
+    assert handles[0].result(timeout=30) == 7
+    assert handles[1].result(timeout=30) == 70
+    time.sleep(0.6)
+    assert sorted(SYNCED) == [("ann", 7), ("bob", 70)], SYNCED
+    for bad in ({"debounce": 0}, {"debounce": 1, "debounce_key": "user"}, {"debounce_key": lambda u: u},
+                {"debounce": 1, "debounce_key": lambda u: u, "debounce_keep": "middle"},
+                {"debounce": 2, "debounce_key": lambda u: u, "debounce_max_wait": 1},
+                {"debounce": 1, "debounce_key": lambda u: u, "every": 60}):
+        with pytest.raises(ax.InvalidInput):
+            ax.task(name="bad_debounce", **bad)(lambda u: u)
+
+
+def test_aging_is_a_positive_time():
+    for bad in (0, -1, float("nan"), 8 * 86_400):
+        with pytest.raises(ax.InvalidInput) as e:
+            ax.Runtime(url="nats://127.0.0.1:1", aging=bad)
+        assert e.value.field == "aging"
+    assert ax.Runtime(url="nats://127.0.0.1:1", aging=30).aging == 30
 
 
 @ax.task(queue=Q, retries=0)

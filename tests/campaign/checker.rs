@@ -334,6 +334,72 @@ pub fn check_trigger(t: &TriggerRun<'_>, records: &[&TaskRecord]) -> Vec<String>
     v
 }
 
+/// How long after the next fire's task is made a cancelled run's handler may still be
+/// journaled running: the cancel signals it before the fire (the handler stops at once),
+/// and the end line is written after.
+pub const CANCEL_SLACK_MS: u64 = 500;
+
+/// Overlap `cancel_in_progress`: each run's handler has ended by the time the next fire's
+/// task is made (plus [`CANCEL_SLACK_MS`]) — the fire cancelled it first. Not checked where
+/// the cancel may rightly have failed and the fire gone anyway (the new fire wins by
+/// design): its worker stopped or killed, a broker fault
+/// ([`crate::checker_limits::broker_disturbed`]) or an ax server killed (the leader) in
+/// the 3 s before the next fire.
+pub fn check_cancel_in_progress(
+    name: &str,
+    records: &[&TaskRecord],
+    journal: &HashMap<String, Vec<Invocation>>,
+    timeline: &crate::cluster::Timeline,
+) -> Vec<String> {
+    let mut runs: Vec<&&TaskRecord> = records
+        .iter()
+        .filter(|r| r.trigger.as_deref() == Some(name))
+        .filter(|r| r.trigger_source.as_deref() == Some("schedule"))
+        .collect();
+    runs.sort_by_key(|r| (r.scheduled_at_ms, r.created_at_ms));
+    let mut v = Vec::new();
+    for pair in runs.windows(2) {
+        let (prev, next) = (pair[0], pair[1]);
+        let by = next.created_at_ms + CANCEL_SLACK_MS;
+        let from = next.created_at_ms.saturating_sub(3_000);
+        let faulted = (from..=by).any(|at| crate::checker_limits::broker_disturbed(timeline, at))
+            || timeline
+                .servers
+                .iter()
+                .any(|(_, at)| (from..=by).contains(at));
+        if faulted {
+            continue;
+        }
+        for run in journal.get(&prev.id).into_iter().flatten() {
+            let interrupted =
+                timeline.stops.iter().any(|(w, stop, cont)| {
+                    *w == run.worker && *stop <= by && *cont >= run.start_ms
+                }) || timeline
+                    .kills
+                    .iter()
+                    .any(|(w, at)| *w == run.worker && *at >= run.start_ms);
+            if !interrupted && run.end_ms.is_none_or(|end| end > by) {
+                v.push(format!(
+                    "{name}: run {} still ran {} ms after the next fire {} (cancel in progress; \
+                     the run started {} on {}, ended {:?}, its record ends {:?}; the next fire \
+                     was made {} ms after its time)",
+                    prev.id,
+                    run.end_ms
+                        .map_or(u64::MAX, |e| e.saturating_sub(next.created_at_ms)),
+                    next.id,
+                    run.start_ms,
+                    run.worker,
+                    run.end_ms,
+                    prev.state,
+                    next.created_at_ms
+                        .saturating_sub(next.scheduled_at_ms.unwrap_or(next.created_at_ms)),
+                ));
+            }
+        }
+    }
+    v
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

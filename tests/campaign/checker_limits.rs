@@ -13,6 +13,11 @@
 //!   when it resumes if its slot expired meanwhile (docs/PROTOCOL.md §7): it is not
 //!   counted from its stop until [`CAP_RESUME_SLACK_MS`] after its `SIGCONT`.
 
+//! - **debounce**: a key's window never closes early. Consecutive submits of one key
+//!   (one lane's, in order) answered different ids only if the second was answered after
+//!   the first window was due: `min(sent + period, first sent + max_wait)`; and a window's
+//!   id never comes back after another's.
+
 use crate::checker::Invocation;
 use crate::cluster::Timeline;
 use std::collections::{BTreeMap, HashMap};
@@ -297,5 +302,100 @@ mod tests {
                 .len(),
             1
         );
+    }
+}
+
+/// The quiet period and longest wait of the campaign's debounced submits.
+pub const DEBOUNCE_PERIOD_MS: u64 = 250;
+pub const DEBOUNCE_MAX_WAIT_MS: u64 = 600;
+/// A dispatch may run this much before its due time (the monotonic timer's rounding).
+const DEBOUNCE_SLACK_MS: u64 = 5;
+
+/// One accepted debounced submit, as its producer saw it.
+#[derive(Debug, Clone)]
+pub struct Debounced {
+    pub key: String,
+    pub id: String,
+    /// Sent (its first attempt, when retried).
+    pub sent_ms: u64,
+    pub answered_ms: u64,
+}
+
+/// The debounce rule over `submits` (each key's in the order they were made).
+pub fn check_debounce(submits: &[Debounced]) -> Vec<String> {
+    let mut by_key: BTreeMap<&str, Vec<&Debounced>> = BTreeMap::new();
+    for d in submits {
+        by_key.entry(d.key.as_str()).or_default().push(d);
+    }
+    let mut out = Vec::new();
+    for (key, list) in by_key {
+        let mut first_sent: HashMap<&str, u64> = HashMap::new();
+        let mut closed: Vec<&str> = Vec::new();
+        for pair in list.windows(2) {
+            let (a, b) = (pair[0], pair[1]);
+            let first = *first_sent.entry(a.id.as_str()).or_insert(a.sent_ms);
+            if a.id == b.id {
+                continue;
+            }
+            let due = (a.sent_ms + DEBOUNCE_PERIOD_MS).min(first + DEBOUNCE_MAX_WAIT_MS);
+            if b.answered_ms + DEBOUNCE_SLACK_MS < due {
+                out.push(format!(
+                    "debounce key {key}: window {} closed early: a submit sent at {} was answered \
+                     {} with a new window {} ({} ms before the first could be due)",
+                    a.id,
+                    a.sent_ms,
+                    b.answered_ms,
+                    b.id,
+                    due - b.answered_ms
+                ));
+            }
+            closed.push(a.id.as_str());
+            if closed.contains(&b.id.as_str()) {
+                out.push(format!(
+                    "debounce key {key}: window {} answered again after it ended",
+                    b.id
+                ));
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod debounce_tests {
+    use super::*;
+
+    fn d(key: &str, id: &str, sent_ms: u64, answered_ms: u64) -> Debounced {
+        Debounced {
+            key: key.into(),
+            id: id.into(),
+            sent_ms,
+            answered_ms,
+        }
+    }
+
+    #[test]
+    fn a_window_may_end_only_when_due() {
+        let ok = [
+            d("k", "a", 0, 5),
+            d("k", "a", 100, 105),
+            d("k", "b", 400, 405),
+            d("j", "c", 0, 1),
+        ];
+        assert!(check_debounce(&ok).is_empty());
+        // b answered 200 ms after a's last submit: a (period 250) was not due.
+        let early = [d("k", "a", 0, 5), d("k", "b", 195, 200)];
+        assert_eq!(check_debounce(&early).len(), 1);
+        // Never quiet: a window may end at max_wait (600 ms after its first submit).
+        let long: Vec<Debounced> = (0..8)
+            .map(|i| d("k", if i < 7 { "a" } else { "b" }, i * 100, i * 100 + 3))
+            .collect();
+        assert_eq!(check_debounce(&long), Vec::<String>::new());
+        let reopened = [
+            d("k", "a", 0, 1),
+            d("k", "b", 300, 301),
+            d("k", "a", 900, 901),
+        ];
+        assert_eq!(check_debounce(&reopened).len(), 1);
     }
 }

@@ -1,4 +1,5 @@
-//! The limited load: on queue `x`, a per-key rate (task `rated`), a per-key
+//! The limited load: on queue `x`, a per-key rate (task `rated`, a limit shared with
+//! queue `q`: every other task of its bursts goes there, drawing from the same buckets), a per-key
 //! concurrency cap (task `capped`) and a singleton (task `single`), set through the public
 //! `Client` API and fed bursts larger than they let through, under the nemesis.
 
@@ -20,8 +21,8 @@ pub const CAP: usize = 2;
 /// The limits, as `ax.limit.put` takes them.
 pub fn defs() -> Vec<serde_json::Value> {
     vec![
-        json!({"name": "rated", "queue": "x", "task": "rated", "per_key": true,
-               "rate": RATE, "burst": BURST}),
+        json!({"name": "rated", "queue": "x", "queues": ["x", "q"], "task": "rated",
+               "per_key": true, "rate": RATE, "burst": BURST}),
         json!({"name": "capped", "queue": "x", "task": "capped", "per_key": true,
                "concurrency": CAP}),
         json!({"name": "single", "queue": "x", "task": "single", "concurrency": 1}),
@@ -60,7 +61,14 @@ pub async fn load(
             ),
             _ => ("single", "*".to_string(), rng.random_range(2..=4), 100),
         };
-        let submits = (0..n).map(|_| {
+        // The shared rate's bursts are split between the two queues, task by task: one
+        // bucket per queue would let both queues' bursts through at once.
+        let submits = (0..n).map(|i| {
+            let queue = if limit == "rated" && i % 2 == 1 {
+                "q"
+            } else {
+                "x"
+            };
             k += 1;
             let mut spec = TaskSpec::new(limit)
                 .json(&json!({"sleep_ms": sleep_ms}))
@@ -72,7 +80,7 @@ pub async fn load(
             }
             let (ax, log, limits, key) = (ax.clone(), log.clone(), limits.clone(), key.clone());
             async move {
-                if let (Some(Ok(a)), _) = submit_until_answered(&ax, "x", spec, &log).await {
+                if let (Some(Ok(a)), _) = submit_until_answered(&ax, queue, spec, &log).await {
                     log.lock().unwrap().accepted.insert(a.id.clone());
                     limits.lock().unwrap().keyed.insert(a.id, (limit, key));
                 }

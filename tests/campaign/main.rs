@@ -60,10 +60,14 @@ use std::time::{Duration, Instant};
 #[derive(Default)]
 pub struct Log {
     pub accepted: HashSet<String>,
+    /// How many of `accepted` the producer stored itself (direct submits, no key).
+    pub direct_accepted: usize,
     /// (queue, idempotency key, code, clean) of each refused submit; `clean` when no
     /// earlier attempt with that key went unanswered or was `unavailable` (such an attempt
     /// may have stored the key, or the task).
     pub refused: Vec<(String, String, String, bool)>,
+    /// Debounced submits, in each lane's order (its keys are its own).
+    pub debounced: Vec<crate::checker_limits::Debounced>,
     pub manual_answered: Vec<String>,
     pub manual_refused: usize,
     pub manual_unanswered: usize,
@@ -107,11 +111,12 @@ pub async fn submit_until_answered(
     (None, false)
 }
 
-pub const TRIGGERS: [(&str, &str); 4] = [
+pub const TRIGGERS: [(&str, &str); 5] = [
     ("t-allow", "allow"),
     ("t-skip", "skip"),
     ("t-buffer", "buffer_one"),
     ("t-delay", "fixed_delay"),
+    ("t-cancel", "cancel_in_progress"),
 ];
 
 fn trigger_def(name: &str, policy: &str) -> serde_json::Value {
@@ -132,8 +137,11 @@ fn trigger_def(name: &str, policy: &str) -> serde_json::Value {
 
 async fn produce(ax: Client, log: Arc<Mutex<Log>>, seed: u64, until: Instant) {
     let n = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    // A quarter of the plain tasks and a fifth of the delayed ones go without a key, stored
+    // by the producer itself (direct submits, docs/PROTOCOL.md §2).
+    let direct = ax.clone().direct_submits(true);
     let lanes = (0..12).map(|lane| {
-        let (ax, log, n) = (ax.clone(), log.clone(), n.clone());
+        let (ax, direct, log, n) = (ax.clone(), direct.clone(), log.clone(), n.clone());
         async move {
             let mut rng = StdRng::seed_from_u64(seed ^ ((lane as u64 + 1) * 0x9e37_79b9));
             let mut next_burst = Instant::now() + Duration::from_secs(3);
@@ -142,6 +150,10 @@ async fn produce(ax: Client, log: Arc<Mutex<Log>>, seed: u64, until: Instant) {
                 let key = format!("c-{seed}-{k}");
                 let roll: u32 = rng.random_range(0..100);
                 let retry = |s: TaskSpec| s.max_attempts(5).backoff(Duration::from_millis(100), Duration::from_secs(1), 0.2);
+                if (35..=39).contains(&roll) {
+                    debounce_burst(&ax, &log, lane, &mut rng).await;
+                    continue;
+                }
                 let (queue, spec) = match roll {
                     0..=39 => ("q", retry(TaskSpec::new("plain").json(&serde_json::json!({"sleep_ms": 20})))),
                     40..=54 => ("q", retry(TaskSpec::new("flaky").json(&serde_json::json!({"sleep_ms": 10, "fail_attempts": rng.random_range(1..=2)})))),
@@ -159,10 +171,15 @@ async fn produce(ax: Client, log: Arc<Mutex<Log>>, seed: u64, until: Instant) {
                     // A small, slow queue (capacity 20 at high): some of these are `busy`.
                     _ => ("hot", TaskSpec::new("hot").json(&serde_json::json!({"sleep_ms": 300})).priority(ax_sdk::Priority::High)),
                 };
-                let spec = spec.idempotency_key(key.clone());
-                match submit_until_answered(&ax, queue, spec, &log).await {
+                let (by, spec) = match roll {
+                    0..=9 | 60..=64 => (&direct, spec),
+                    _ => (&ax, spec.idempotency_key(key.clone())),
+                };
+                match submit_until_answered(by, queue, spec, &log).await {
                     (Some(Ok(a)), _) => {
-                        log.lock().unwrap().accepted.insert(a.id);
+                        let mut log = log.lock().unwrap();
+                        log.direct_accepted += usize::from(std::ptr::eq(by, &direct));
+                        log.accepted.insert(a.id);
                     }
                     (Some(Err(e)), clean) => log.lock().unwrap().refused.push((queue.into(), key.clone(), e.code.as_str().into(), clean)),
                     (None, _) => {}
@@ -203,6 +220,31 @@ async fn produce(ax: Client, log: Arc<Mutex<Log>>, seed: u64, until: Instant) {
         }
     });
     futures::future::join_all(lanes).await;
+}
+
+/// A burst of 1-6 debounced submits of one of the lane's two keys, 20-400 ms apart (a gap
+/// over the period may end the window; a long burst meets `max_wait`).
+async fn debounce_burst(ax: &Client, log: &Mutex<Log>, lane: usize, rng: &mut StdRng) {
+    use crate::checker_limits::{Debounced, DEBOUNCE_MAX_WAIT_MS, DEBOUNCE_PERIOD_MS};
+    let key = format!("d{lane}-{}", rng.random_range(0..2));
+    for _ in 0..rng.random_range(1..=6) {
+        let spec = TaskSpec::new("plain")
+            .json(&serde_json::json!({"sleep_ms": 20}))
+            .debounce(key.clone(), Duration::from_millis(DEBOUNCE_PERIOD_MS))
+            .debounce_max_wait(Duration::from_millis(DEBOUNCE_MAX_WAIT_MS));
+        let sent_ms = now_ms();
+        if let (Some(Ok(a)), _) = submit_until_answered(ax, "q", spec, log).await {
+            let mut log = log.lock().unwrap();
+            log.accepted.insert(a.id.clone());
+            log.debounced.push(Debounced {
+                key: key.clone(),
+                id: a.id,
+                sent_ms,
+                answered_ms: now_ms(),
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(rng.random_range(20..400))).await;
+    }
 }
 
 /// Every revision of every task record, read once through an ordered consumer. A broker

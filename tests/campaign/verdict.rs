@@ -53,6 +53,7 @@ pub async fn check_core(
         checker::check_tasks(&log.accepted, histories, invocations),
     );
     verdict.add("tokens", checker::check_tokens(invocations));
+    verdict.add("debounce", checker_limits::check_debounce(&log.debounced));
     verdict.add(
         "counted starts",
         checker::check_counted(invocations, histories, &seen.timeline),
@@ -81,6 +82,12 @@ pub async fn check_core(
                 &records,
             ),
         );
+        if policy == "cancel_in_progress" {
+            verdict.add(
+                "cancel in progress",
+                checker::check_cancel_in_progress(name, &records, invocations, &seen.timeline),
+            );
+        }
         fired_report.push(format!(
             "{name}: fired {} skipped {}",
             state["fires"].as_u64().unwrap_or(0) - state["manual"].as_u64().unwrap_or(0),
@@ -142,9 +149,17 @@ pub async fn check_core(
     let runs: usize = invocations.values().map(Vec::len).sum();
     vec![
         format!(
-            "{} tasks accepted ({} succeeded, {} dead, {} cancelled in all records), {} refused \
-             ({busy} busy), {} submit retries; {runs} handler invocations",
+            "{} tasks accepted ({} direct, {} debounced from {} submits; {} succeeded, {} dead, \
+             {} cancelled in all records), {} refused ({busy} busy), {} submit retries; {runs} \
+             handler invocations",
             log.accepted.len(),
+            log.direct_accepted,
+            log.debounced
+                .iter()
+                .map(|d| d.id.as_str())
+                .collect::<std::collections::HashSet<_>>()
+                .len(),
+            log.debounced.len(),
             outcomes(TaskState::Succeeded),
             outcomes(TaskState::Dead),
             outcomes(TaskState::Cancelled),

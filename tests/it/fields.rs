@@ -3,7 +3,7 @@
 //! field added to the protocol reaches the tests that throw odd values at it.
 
 /// Every field of a submit request (the `backoff` object's too), and one that is not.
-pub const SUBMIT_FIELDS: [&str; 21] = [
+pub const SUBMIT_FIELDS: [&str; 22] = [
     "name",
     "queue",
     "payload",
@@ -23,6 +23,7 @@ pub const SUBMIT_FIELDS: [&str; 21] = [
     "jitter",
     "retry_on",
     "no_retry_on",
+    "debounce",
     // Inside `backoff` only, and a field no request has.
     "unknown",
     "unknown_too",

@@ -38,7 +38,7 @@ pub(crate) fn workers_env(
     let procs = journals
         .iter()
         .zip(&metrics)
-        .map(|(j, &port)| spawn_worker(url, j, concurrency, port, env))
+        .map(|(j, &port)| spawn_worker(url, "q", j, concurrency, port, env))
         .collect();
     Workers {
         _procs: procs,
@@ -48,8 +48,9 @@ pub(crate) fn workers_env(
     }
 }
 
-fn spawn_worker(
+pub(crate) fn spawn_worker(
     url: &str,
+    queue: &str,
     journal: &Path,
     concurrency: usize,
     metrics: u16,
@@ -61,7 +62,7 @@ fn spawn_worker(
             "worker",
             "--example",
             "--queue",
-            "q",
+            queue,
             "--fail-rate",
             "0",
             "--concurrency",
@@ -75,7 +76,7 @@ fn spawn_worker(
 }
 
 /// Every journal line of every worker.
-fn lines(journals: &[PathBuf]) -> Vec<Value> {
+pub(crate) fn lines(journals: &[PathBuf]) -> Vec<Value> {
     journals
         .iter()
         .flat_map(|j| {
@@ -343,7 +344,7 @@ async fn a_killed_holder_s_singleton_restarts_within(env: &Env, limit: Duration)
     .await;
     let dir = tempfile::tempdir().unwrap();
     let (ja, jb) = (dir.path().join("a.jsonl"), dir.path().join("b.jsonl"));
-    let mut a = spawn_worker(&env.nats.url(), &ja, 4, crate::procs::free_port(), &[]);
+    let mut a = spawn_worker(&env.nats.url(), "q", &ja, 4, crate::procs::free_port(), &[]);
     let long = submit_keyed(env, 1, "single", "k", 60_000).await.remove(0);
     crate::support::eventually(Duration::from_secs(10), "the long task on a", || async {
         runs_started(std::slice::from_ref(&ja))
@@ -354,7 +355,7 @@ async fn a_killed_holder_s_singleton_restarts_within(env: &Env, limit: Duration)
     let next = submit_keyed(env, 1, "single", "k", 10).await.remove(0);
     a.kill9();
     let killed = std::time::Instant::now();
-    let _b = spawn_worker(&env.nats.url(), &jb, 4, crate::procs::free_port(), &[]);
+    let _b = spawn_worker(&env.nats.url(), "q", &jb, 4, crate::procs::free_port(), &[]);
     crate::support::eventually(
         Duration::from_secs(30),
         "b to start the singleton",
@@ -472,7 +473,14 @@ async fn holding_every_slot(
         json!({"name": "cap", "queue": "q", "task": "slow", "concurrency": cap}),
     )
     .await;
-    let worker = spawn_worker(&env.nats.url(), journal, 4, crate::procs::free_port(), &[]);
+    let worker = spawn_worker(
+        &env.nats.url(),
+        "q",
+        journal,
+        4,
+        crate::procs::free_port(),
+        &[],
+    );
     let ids = submit_keyed(env, cap, "slow", "k", sleep_ms).await;
     crate::support::eventually(
         Duration::from_secs(10),
@@ -493,7 +501,7 @@ async fn a_stalled_holder_stops_its_attempt_when_its_slot_is_lost() {
     // expire and worker b takes the tasks over.
     a.signal("-STOP");
     let stopped_at = ax_core::time::now_ms();
-    let _b = spawn_worker(&env.nats.url(), &jb, 4, crate::procs::free_port(), &[]);
+    let _b = spawn_worker(&env.nats.url(), "q", &jb, 4, crate::procs::free_port(), &[]);
     crate::support::eventually(Duration::from_secs(15), "b to run both tasks", || async {
         (journaled(&jb).len() >= 2).then_some(())
     })

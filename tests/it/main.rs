@@ -1,6 +1,7 @@
 //! Integration tests: every test talks to a real nats-server started for it.
 //! Run with `./dev test` (it installs the pinned nats-server when none is found).
 
+mod aging;
 mod apply;
 mod batch;
 mod browser;
@@ -10,6 +11,7 @@ mod cancel_unwritten;
 mod chaos;
 mod console;
 mod console_guard;
+mod debounce;
 mod decoders;
 mod delay;
 mod direct;
@@ -23,6 +25,7 @@ mod keys;
 mod kv_read;
 mod limits;
 mod limits_pace;
+mod limits_shared;
 mod monitoring;
 mod names;
 mod ops;

@@ -331,6 +331,33 @@ async fn each_role_has_least_privilege() {
         .expect("a limited task runs under least privilege")
         .unwrap();
     assert_eq!(done.record.state, TaskState::Succeeded);
+    // A limit shared with another queue: its bucket and slots (`=shared.<name>`) are
+    // the worker's to use too.
+    admin_view
+        .limits(
+            "put",
+            &serde_json::json!({"name": "partner", "queues": ["default", "reports"],
+                                "task": "shared", "concurrency": 1, "rate": 100.0}),
+        )
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let shared = admin_view
+        .submit("default", TaskSpec::new("shared"))
+        .await
+        .unwrap();
+    let done = tokio::time::timeout(Duration::from_secs(20), admin_view.wait(&shared.id))
+        .await
+        .expect("a task under a shared limit runs under least privilege")
+        .unwrap();
+    assert_eq!(done.record.state, TaskState::Succeeded);
+    admin_view
+        .limits(
+            "delete",
+            &serde_json::json!({"queue": "reports", "name": "partner"}),
+        )
+        .await
+        .unwrap();
 
     // Operations: the producer may not use them; the admin finds tasks through the
     // server's index, runs a delayed task now, cancels a running one (the worker hears
@@ -855,6 +882,31 @@ async fn a_direct_producer_publishes_only_its_own_queue() {
         forged.is_ok(),
         "its own subject takes the publish: {forged:?}"
     );
+    // Forged task headers on its own subject, each checked again by the worker: a task
+    // naming another queue, a payload that is not the JSON its headers say, one past the
+    // payload bound (the client would have refused the last two).
+    let forge = |queue: &str| {
+        let req = ax_sdk::SubmitRequest {
+            name: "t".into(),
+            ..Default::default()
+        };
+        let (meta, _) =
+            ax_core::task::TaskMeta::from_request(queue, req, &Default::default()).unwrap();
+        ax_core::admit::unrecorded(meta).to_headers()
+    };
+    let big = format!("\"{}\"", "x".repeat(300 * 1024));
+    for (queue, payload) in [
+        ("reports", "null".to_string()),
+        ("default", "{not json".to_string()),
+        ("default", big),
+    ] {
+        let stored = js
+            .publish_with_headers("ax.ready.default.normal", forge(queue), payload.into())
+            .await
+            .unwrap()
+            .await;
+        assert!(stored.is_ok(), "its own subject takes it: {stored:?}");
+    }
     let ran = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let worker_conn = connect(&url, "worker-default", "pw-worker").await.unwrap();
     let worker = Worker::builder("default")
@@ -889,11 +941,28 @@ async fn a_direct_producer_publishes_only_its_own_queue() {
             let admin_js = admin_js.clone();
             async move {
                 let mut dead = admin_js.get_stream("AX_DEAD").await.ok()?;
-                (dead.info().await.ok()?.state.messages >= 1).then_some(())
+                (dead.info().await.ok()?.state.messages >= 4).then_some(())
             }
         },
     )
     .await;
+    let dead = admin_js.get_stream("AX_DEAD").await.unwrap();
+    let mut why = Vec::new();
+    for seq in 1..=4 {
+        let m = dead.get_raw_message(seq).await.unwrap();
+        let h = |name| m.headers.get(name).map(|v| v.as_str().to_string());
+        assert_eq!(
+            h(ax_core::task::header::ERROR_CLASS).as_deref(),
+            Some("bad_message")
+        );
+        why.push(h(ax_core::task::header::ERROR_MESSAGE).unwrap_or_default());
+    }
+    for expected in ["no headers", "queue reports", "not JSON", "payload is"] {
+        assert!(
+            why.iter().any(|w| w.contains(expected)),
+            "a dead letter says {expected:?}: {why:?}"
+        );
+    }
     assert_eq!(
         ran.load(std::sync::atomic::Ordering::SeqCst),
         2,
@@ -913,6 +982,48 @@ async fn a_direct_producer_publishes_only_its_own_queue() {
     .await;
     wstop.cancel();
     wh.await.unwrap().unwrap();
+    stop.cancel();
+    server.await.unwrap().unwrap();
+}
+
+/// A direct producer granted some priorities of its queue only (deploy/nats-auth.conf with
+/// `ax.ready.default.high` taken out): a task of a priority it was not granted fails its
+/// submit and is not stored; the priorities it was granted go in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_direct_producer_publishes_only_the_priorities_it_was_granted() {
+    let (nats, _dir) = auth_server_with(|text| {
+        let edited = text.replace("\"ax.ready.default.high\", ", "");
+        assert_ne!(
+            edited, text,
+            "the grant to take out is in deploy/nats-auth.conf"
+        );
+        edited
+    });
+    let url = nats.url();
+    let (admin, stop, server) = admin_applies_and_server_runs(&url, &["default"]).await;
+    let conn = connect(&url, "producer-direct-default", "pw-producer")
+        .await
+        .unwrap();
+    let direct = Client::new(conn).direct_submits(true);
+    eventually(Duration::from_secs(10), "a direct submit", || async {
+        direct.submit("default", TaskSpec::new("t")).await.ok()
+    })
+    .await;
+    let low = TaskSpec::new("t").priority(ax_sdk::Priority::Low);
+    assert!(direct.submit("default", low).await.is_ok());
+    let high = TaskSpec::new("t").priority(ax_sdk::Priority::High);
+    let refused = direct.submit("default", high).await;
+    assert!(refused.is_err(), "a priority not granted: {refused:?}");
+    let admin_js = async_nats::jetstream::new(admin);
+    let count = |name: &'static str| {
+        let admin_js = admin_js.clone();
+        async move {
+            let mut stream = admin_js.get_stream(name).await.unwrap();
+            stream.info().await.unwrap().state.messages
+        }
+    };
+    assert_eq!(count("AX_READY_HIGH").await, 0, "nothing stored");
+    assert_eq!(count("AX_READY_LOW").await, 1);
     stop.cancel();
     server.await.unwrap().unwrap();
 }

@@ -269,6 +269,49 @@ async fn overlap_skip_and_buffer_one_with_a_slow_handler() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overlap_cancel_in_progress_cancels_the_running_fire_and_fires_the_new_one() {
+    let env = Env::start(Env::server()).await;
+    // Each run would take 2.5 s; the trigger fires every second and the new fire wins.
+    let (stop, handle) = quick_worker(&env, Duration::from_millis(2500));
+    let mut def = interval("latest", 1000);
+    def["overlap"] = json!("cancel_in_progress");
+    env.ax.trigger("put", &def).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(5500)).await;
+    env.ax
+        .trigger("pause", &json!({"name": "latest"}))
+        .await
+        .unwrap();
+    let recs = eventually(Duration::from_secs(10), "the last run to end", || async {
+        let recs = fired(&env, "latest").await;
+        recs.iter().all(|r| r.state.is_terminal()).then_some(recs)
+    })
+    .await;
+    assert!(recs.len() >= 4, "fired {} times in 5.5 s", recs.len());
+    // Every run but the last was cancelled by the next fire, after it had started, and
+    // ended before the next one was submitted: never two at once.
+    let (last, earlier) = recs.split_last().unwrap();
+    for pair in recs.windows(2) {
+        let (prev, next) = (&pair[0], &pair[1]);
+        assert_eq!(prev.state, TaskState::Cancelled, "{prev:?}");
+        assert!(
+            next.created_at_ms >= prev.finished_at_ms.unwrap(),
+            "overlapping runs: {pair:?}"
+        );
+    }
+    assert!(
+        earlier.iter().any(|r| r.attempt == 1),
+        "a running one was cancelled"
+    );
+    assert_eq!(
+        last.state,
+        TaskState::Succeeded,
+        "the last fire ran to its end"
+    );
+    stop.cancel();
+    handle.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fixed_delay_counts_from_completion() {
     let env = Env::start(Env::server()).await;
     let (stop, handle) = quick_worker(&env, Duration::from_millis(700));

@@ -149,7 +149,7 @@ fn value_for(field: &'static str) -> BoxedStrategy<Doc> {
     let typed: BoxedStrategy<Doc> = match field {
         "delay_ms" | "max_attempts" | "timeout_ms" | "base_ms" | "max_ms" | "every_ms"
         | "grace_ms" | "max_catch_up" | "jitter" => nasty_number().prop_map(Doc::Raw).boxed(),
-        "payload" | "backoff" | "tasks" | "triggers" => nasty_value().boxed(),
+        "payload" | "backoff" | "debounce" | "tasks" | "triggers" => nasty_value().boxed(),
         "retry_on" | "no_retry_on" => {
             prop::collection::vec(nasty_string().prop_map(Doc::Str), 0..4)
                 .prop_map(Doc::Arr)

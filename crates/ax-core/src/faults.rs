@@ -11,7 +11,7 @@
 //!   from `AX_TEST_ABORT_AFTER_PUBLISH`, `_AFTER_DISPATCH` and `_AFTER_FIRE`
 //!   ([`Faults::from_env`]), as the fault tests run it.
 //! - **Widened windows and injected failures**: a slower claim (`AX_TEST_CLAIM_DELAY_MS`),
-//!   a pause between an operator's retry publish and its record write, a service that
+//!   a late cancel-signal subscription, a pause between an operator's retry publish and its record write, a service that
 //!   panics or fails to start, a trigger's fire job or a flow run's turn that panics, a
 //!   management request that panics (`AX_TEST_PANIC_REQUEST=<marker>`), a group commit
 //!   that panics, trigger-state writes that fail, small pages of `ax.trigger.names`.
@@ -36,6 +36,8 @@ pub enum Abort {
     AfterDispatch,
     /// Between a scheduled fire's submit and its trigger-state write.
     AfterFire,
+    /// Between a due debounce window's fired copy and the delete of its message.
+    AfterClose,
 }
 
 impl Abort {
@@ -45,10 +47,16 @@ impl Abort {
             Abort::AfterPublish => "AX_TEST_ABORT_AFTER_PUBLISH",
             Abort::AfterDispatch => "AX_TEST_ABORT_AFTER_DISPATCH",
             Abort::AfterFire => "AX_TEST_ABORT_AFTER_FIRE",
+            Abort::AfterClose => "AX_TEST_ABORT_AFTER_CLOSE",
         }
     }
 
-    const ALL: [Abort; 3] = [Abort::AfterPublish, Abort::AfterDispatch, Abort::AfterFire];
+    const ALL: [Abort; 4] = [
+        Abort::AfterPublish,
+        Abort::AfterDispatch,
+        Abort::AfterFire,
+        Abort::AfterClose,
+    ];
 }
 
 /// How a trigger-state write fails while [`Faults::fail_trigger_state_writes`] holds for
@@ -75,6 +83,8 @@ struct Armed {
     /// Abort at the N-th pass (N, passes so far).
     aborts: Mutex<BTreeMap<Abort, (u64, u64)>>,
     claim_delay_ms: AtomicU64,
+    cancel_write_delay_ms: AtomicU64,
+    cancel_subscribe_delay_ms: AtomicU64,
     retry_gap_ms: AtomicU64,
     names_page_bytes: AtomicU64,
     panic_request: Mutex<Option<String>>,
@@ -147,6 +157,22 @@ impl Faults {
     pub fn claim_delay(&self, d: Duration) {
         if let Some(a) = self.on() {
             a.claim_delay_ms.store(ms(d), Ordering::SeqCst);
+        }
+    }
+
+    /// Makes an operator's cancel of an unstarted task wait `d` between its look for a
+    /// worker holding the message and its `cancelled` write (a slow broker).
+    pub fn cancel_write_delay(&self, d: Duration) {
+        if let Some(a) = self.on() {
+            a.cancel_write_delay_ms.store(ms(d), Ordering::SeqCst);
+        }
+    }
+
+    /// Makes a worker's cancel-signal subscription wait `d` before it subscribes (a slow
+    /// connection, or a SUB queued behind other writes).
+    pub fn cancel_subscribe_delay(&self, d: Duration) {
+        if let Some(a) = self.on() {
+            a.cancel_subscribe_delay_ms.store(ms(d), Ordering::SeqCst);
         }
     }
 
@@ -243,6 +269,30 @@ impl Faults {
     /// After a claim: waits the claim delay, if any.
     pub async fn claimed(&self) {
         if let Some(d) = self.on().map(|a| a.claim_delay_ms.load(Ordering::SeqCst)) {
+            if d > 0 {
+                tokio::time::sleep(Duration::from_millis(d)).await;
+            }
+        }
+    }
+
+    /// Between a cancel's look for a holder and its `cancelled` write: waits its delay.
+    pub async fn cancel_writing(&self) {
+        if let Some(d) = self
+            .on()
+            .map(|a| a.cancel_write_delay_ms.load(Ordering::SeqCst))
+        {
+            if d > 0 {
+                tokio::time::sleep(Duration::from_millis(d)).await;
+            }
+        }
+    }
+
+    /// Before a worker's cancel-signal subscription: waits its delay, if any.
+    pub async fn cancel_subscribing(&self) {
+        if let Some(d) = self
+            .on()
+            .map(|a| a.cancel_subscribe_delay_ms.load(Ordering::SeqCst))
+        {
             if d > 0 {
                 tokio::time::sleep(Duration::from_millis(d)).await;
             }

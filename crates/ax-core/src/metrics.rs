@@ -24,6 +24,9 @@ pub const REQUEST_PANICS: &str = "ax_request_panics_total";
 pub const RECORD_DEFERRED: &str = "ax_record_write_deferred_total";
 /// Counter, server: delayed tasks moved to their ready subject.
 pub const DELAYED_DISPATCHED: &str = "ax_delayed_dispatched_total";
+/// Counter, server `{joined}`: debounced submits accepted, `joined` = `true` if the submit
+/// joined an open window (its task runs later, once), `false` if it opened one.
+pub const DEBOUNCED: &str = "ax_debounced_submits_total";
 /// Gauge, server: delayed-task partitions this server owns (of `names::DELAYED_PARTITIONS`).
 pub const DELAYED_PARTITIONS_OWNED: &str = "ax_delayed_partitions_owned";
 /// Gauge, server: delayed tasks this server's timer index holds.
@@ -158,6 +161,10 @@ pub fn describe() {
         "Accepted tasks whose record is left for the worker to write"
     );
     describe_counter!(DELAYED_DISPATCHED, "Delayed tasks moved to ready");
+    describe_counter!(
+        DEBOUNCED,
+        "Debounced submits accepted (joined an open window or not)"
+    );
     describe_gauge!(
         DELAYED_PARTITIONS_OWNED,
         "Delayed-task partitions this server indexes and dispatches"

@@ -40,24 +40,11 @@ pub async fn find_ready(
             Err(e) => return Err(broker(e.into())),
         };
         let subject = names::ready_subject(queue, priority);
-        let mut seq = 1;
-        loop {
-            let msg = match stream
-                .direct_get_next_for_subject(subject.clone(), Some(seq))
-                .await
-            {
-                Ok(msg) => msg,
-                Err(e) if e.kind() == DirectGetErrorKind::NotFound => break,
-                Err(e) => return Err(broker(e.into())),
-            };
-            seq = msg.sequence + 1;
-            if msg.headers.get(header::ID).map(|v| v.as_str()) != Some(id) {
-                continue;
-            }
-            // A message that carries the id but not a readable task is not one.
-            if let Ok(meta) = TaskMeta::from_headers(&msg.headers) {
-                return Ok(Some((meta, msg.sequence)));
-            }
+        if let Some(found) = next_carrying(&stream, &subject, 1, id)
+            .await
+            .map_err(&broker)?
+        {
+            return Ok(Some(found));
         }
     }
     Ok(None)
@@ -79,6 +66,9 @@ pub async fn find_delayed(
         Ok(stream) => stream,
         Err(e) => return Err(broker(e.into())),
     };
+    if let Some(window) = crate::debounce::window_subject_of(id) {
+        return find_in_window(&stream, window, id).await.map_err(broker);
+    }
     for priority in Priority::ALL {
         let subject = names::delayed_subject(queue, priority, id);
         let msg = match stream.direct_get_last_for_subject(subject).await {
@@ -94,6 +84,51 @@ pub async fn find_delayed(
         }
     }
     Ok(None)
+}
+
+/// A debounced task's message on its key's window subject: the last of the few messages
+/// there (the open window, a closed one not yet dispatched, a replaced one not yet
+/// deleted) that carries `id`.
+async fn find_in_window(
+    stream: &jetstream::stream::Stream<()>,
+    subject: String,
+    id: &str,
+) -> Result<Option<(TaskMeta, u64)>, async_nats::Error> {
+    let mut found = None;
+    let mut from = 1;
+    while let Some((meta, seq)) = next_carrying(stream, &subject, from, id).await? {
+        from = seq + 1;
+        found = Some((meta, seq));
+    }
+    Ok(found)
+}
+
+/// The first message of `subject` from sequence `from` on that carries task `id` and a
+/// readable task (direct gets, `next_by_subj`), with its sequence.
+async fn next_carrying(
+    stream: &jetstream::stream::Stream<()>,
+    subject: &str,
+    mut from: u64,
+    id: &str,
+) -> Result<Option<(TaskMeta, u64)>, async_nats::Error> {
+    loop {
+        let msg = match stream
+            .direct_get_next_for_subject(subject.to_string(), Some(from))
+            .await
+        {
+            Ok(msg) => msg,
+            Err(e) if e.kind() == DirectGetErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(e.into()),
+        };
+        from = msg.sequence + 1;
+        if msg.headers.get(header::ID).map(|v| v.as_str()) != Some(id) {
+            continue;
+        }
+        // A message that carries the id but not a readable task is not one.
+        if let Ok(meta) = TaskMeta::from_headers(&msg.headers) {
+            return Ok(Some((meta, msg.sequence)));
+        }
+    }
 }
 
 /// The record a delayed task that has no record yet would have: `scheduled`, naming its

@@ -83,6 +83,31 @@ impl TaskSpec {
         self.0.idempotency_key = Some(key.into());
         self
     }
+    /// Debounce under `key`: the submits of one key in this queue become one task, run once
+    /// the key has been quiet for `period` (at most `max_wait` after the burst's first
+    /// submit: default 10 periods), with the last submit's payload and options (the first's
+    /// with `keep_first`). Every submit of a burst answers the same task id. Not with a
+    /// delay, a run time or an idempotency key (docs/PROTOCOL.md §2, "Debounce").
+    pub fn debounce(mut self, key: impl Into<String>, period: Duration) -> TaskSpec {
+        let d = self.0.debounce.get_or_insert_with(Default::default);
+        d.key = key.into();
+        d.period_ms = period.as_millis().min(i64::MAX as u128) as i64;
+        self
+    }
+    /// The longest wait of a debounced task after its burst's first submit (with
+    /// [`TaskSpec::debounce`]; default 10 periods).
+    pub fn debounce_max_wait(mut self, max_wait: Duration) -> TaskSpec {
+        let d = self.0.debounce.get_or_insert_with(Default::default);
+        d.max_wait_ms = Some(max_wait.as_millis().min(i64::MAX as u128) as i64);
+        self
+    }
+    /// A debounced task runs with its burst's first submit's payload and options rather
+    /// than the last's (with [`TaskSpec::debounce`]).
+    pub fn debounce_keep_first(mut self) -> TaskSpec {
+        let d = self.0.debounce.get_or_insert_with(Default::default);
+        d.keep = Some("first".into());
+        self
+    }
     /// The caller's W3C trace context (`00-<trace id>-<parent id>-<flags>`): every attempt
     /// of the task logs inside a span carrying it.
     pub fn traceparent(mut self, traceparent: impl Into<String>) -> TaskSpec {

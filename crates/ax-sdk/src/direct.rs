@@ -43,9 +43,10 @@ impl Direct {
         }
     }
 
-    /// True if this task is submitted directly (it has no idempotency key).
+    /// True if this task is submitted directly (it has no idempotency key and is not
+    /// debounced: the server keeps both).
     pub(crate) fn takes(req: &SubmitRequest) -> bool {
-        req.idempotency_key.is_none()
+        req.idempotency_key.is_none() && req.debounce.is_none()
     }
 
     /// Validates, checks the queue is declared, publishes; answers when the broker has

@@ -62,8 +62,10 @@ pub fn first_headers(meta: &TaskMeta) -> async_nats::HeaderMap {
     headers
 }
 
-/// The header of a create-if-absent publish (with the value `0`).
-const EXPECTED_EMPTY: &str = "Nats-Expected-Last-Subject-Sequence";
+/// The header of a conditional publish: stored only if the subject's last message has
+/// this sequence (`0`: create-if-absent).
+pub const EXPECTED_LAST: &str = "Nats-Expected-Last-Subject-Sequence";
+const EXPECTED_EMPTY: &str = EXPECTED_LAST;
 
 /// JetStream's error code for a publish whose `Nats-Expected-Last-Subject-Sequence` did
 /// not hold.
@@ -106,10 +108,7 @@ pub async fn publish_task(
     let publish = jetstream::message::PublishMessage::build()
         .headers(first_headers(meta))
         .payload(payload);
-    let ack = match js.send_publish(subject.clone(), publish).await {
-        Ok(future) => future.await,
-        Err(e) => Err(e),
-    };
+    let ack = send(js, &subject, publish).await;
     match ack {
         Ok(ack) => Ok(ack.sequence),
         Err(e) if meta.run_at_ms.is_some() && is_stored_already(&e) => {
@@ -136,11 +135,20 @@ pub async fn publish_headers(
     let publish = jetstream::message::PublishMessage::build()
         .headers(headers)
         .payload(payload);
-    let ack = match js.send_publish(subject.clone(), publish).await {
+    let ack = send(js, &subject, publish).await;
+    ack.map_err(|e| refusal(&subject, &e))
+}
+
+/// Sends a publish and waits for its JetStream acknowledgement.
+async fn send(
+    js: &jetstream::Context,
+    subject: &str,
+    publish: jetstream::message::PublishMessage,
+) -> Result<jetstream::publish::PublishAck, PublishError> {
+    match js.send_publish(subject.to_string(), publish).await {
         Ok(future) => future.await,
         Err(e) => Err(e),
-    };
-    ack.map_err(|e| refusal(&subject, &e))
+    }
 }
 
 /// A publish that failed: `busy` if the subject is full, else `unavailable`.
@@ -157,4 +165,43 @@ pub fn refusal(subject: &str, e: &PublishError) -> WireError {
     } else {
         WireError::new(ErrorCode::Unavailable, format!("{subject}: {e}"))
     }
+}
+
+/// Publishes `headers` and `payload` to `subject` of `AX_DELAYED` only if the subject's
+/// last message has sequence `expect` (0: none): the stored sequence, `Ok(None)` if the
+/// subject moved on (JetStream 10071), or the refusal.
+pub async fn publish_expecting(
+    js: &jetstream::Context,
+    subject: String,
+    mut headers: async_nats::HeaderMap,
+    expect: u64,
+    payload: Bytes,
+) -> Result<Option<u64>, WireError> {
+    headers = crate::atomic::without_publish_headers(headers);
+    headers.insert(EXPECTED_LAST, expect.to_string().as_str());
+    let publish = jetstream::message::PublishMessage::build()
+        .headers(headers)
+        .payload(payload);
+    let ack = send(js, &subject, publish).await;
+    match ack {
+        Ok(ack) => Ok(Some(ack.sequence)),
+        Err(e) if is_stored_already(&e) => Ok(None),
+        Err(e) => Err(refusal(&subject, &e)),
+    }
+}
+
+/// Deletes message `seq` of `stream` without the secure erase (overwriting the stored
+/// bytes) that `Stream::delete_message` asks for: what it held lives on elsewhere (a
+/// dispatched delayed task, a replaced debounce window, a cancelled task's message).
+pub async fn delete_message(js: &jetstream::Context, stream: &str, seq: u64) -> Result<(), String> {
+    let request = serde_json::json!({ "seq": seq, "no_erase": true });
+    let deleted: Result<serde_json::Value, _> = js
+        .request(format!("STREAM.MSG.DELETE.{stream}"), &request)
+        .await;
+    deleted.map(|_| ()).map_err(|e| e.to_string())
+}
+
+/// [`delete_message`] of `AX_DELAYED`.
+pub async fn delete_delayed(js: &jetstream::Context, seq: u64) -> Result<(), String> {
+    delete_message(js, crate::names::DELAYED_STREAM, seq).await
 }

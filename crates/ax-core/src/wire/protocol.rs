@@ -66,6 +66,27 @@ pub struct SubmitRequest {
     /// Never retry these error classes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub no_retry_on: Option<Vec<String>>,
+    /// Debounce: submits with one key become one task, run once the key has been quiet
+    /// (docs/PROTOCOL.md §2, "Debounce"). Not with a due time, an idempotency key or in a
+    /// batch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub debounce: Option<DebounceRequest>,
+}
+
+/// The `debounce` object of a submit request.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DebounceRequest {
+    /// The key: 1..=64 of `A-Z a-z 0-9 _ - . : @`.
+    pub key: String,
+    /// Quiet time after the last submit before the task runs, ms (1 ms to 7 days).
+    pub period_ms: i64,
+    /// Longest time from a window's first submit to its run, ms (default 10 periods).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_wait_ms: Option<i64>,
+    /// `last` (default) or `first`: whose payload and options the task runs with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keep: Option<String>,
 }
 
 /// Backoff options of a submit request; each field falls back to its default.

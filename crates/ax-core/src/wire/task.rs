@@ -374,6 +374,12 @@ impl TaskMeta {
         req: SubmitRequest,
         limits: &Limits,
     ) -> Result<(TaskMeta, Bytes), WireError> {
+        if req.debounce.is_some() {
+            return Err(WireError::field(
+                "debounce",
+                "only a single submit may be debounced (not a batch's task)",
+            ));
+        }
         if let Some(q) = &req.queue {
             if q != queue {
                 return Err(WireError::field("queue", "does not match the subject"));
@@ -510,6 +516,25 @@ impl TaskMeta {
             unrecorded: false,
         };
         Ok((meta, payload))
+    }
+
+    /// Checks a delivered message's payload as a submit would have: at most the default
+    /// [`Limits::max_payload_bytes`], and JSON text unless the message says it is bytes.
+    /// A worker dead-letters a message that fails this (a producer publishing directly
+    /// skipped the client's checks), never runs it.
+    pub fn check_payload(&self, payload: &[u8]) -> Result<(), WireError> {
+        let limit = Limits::default().max_payload_bytes;
+        if payload.len() > limit {
+            return Err(WireError::new(
+                ErrorCode::PayloadTooLarge,
+                format!("payload is {} bytes, limit {limit}", payload.len()),
+            ));
+        }
+        if self.content_type == ContentType::Json {
+            serde_json::from_slice::<serde::de::IgnoredAny>(payload)
+                .map_err(|e| WireError::field("payload", format!("not JSON: {e}")))?;
+        }
+        Ok(())
     }
 
     /// Whether an error of `class` may be retried under this task's lists.
@@ -817,6 +842,32 @@ mod tests {
         };
         let err = TaskMeta::from_request("q", r, &limits).unwrap_err();
         assert_eq!(err.code, ErrorCode::PayloadTooLarge);
+    }
+
+    #[test]
+    fn a_delivered_payload_is_checked_as_a_submit_would_have() {
+        let (json, payload) = TaskMeta::from_request("q", req("a"), &Limits::default()).unwrap();
+        assert!(json.check_payload(&payload).is_ok());
+        let err = json.check_payload(b"{not json").unwrap_err();
+        assert_eq!(
+            (err.code, err.field.as_deref()),
+            (ErrorCode::InvalidField, Some("payload"))
+        );
+        let big = vec![b' '; Limits::default().max_payload_bytes + 1];
+        assert_eq!(
+            json.check_payload(&big).unwrap_err().code,
+            ErrorCode::PayloadTooLarge
+        );
+        let bytes = SubmitRequest {
+            payload_base64: Some("AP8=".into()),
+            ..req("a")
+        };
+        let (bytes, payload) = TaskMeta::from_request("q", bytes, &Limits::default()).unwrap();
+        assert!(bytes.check_payload(&payload).is_ok(), "bytes are not JSON");
+        assert!(
+            bytes.check_payload(&big).is_err(),
+            "but have the same bound"
+        );
     }
 
     #[test]

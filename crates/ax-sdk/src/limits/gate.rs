@@ -224,25 +224,31 @@ impl Gate {
         gate
     }
 
-    /// Follows slot releases of this queue's caps (`ax.slots.freed.<queue>.>`, core NATS)
-    /// and wakes one delivery waiting for a slot of that cap, if any.
+    /// Follows slot releases of this queue's caps (`ax.slots.freed.<queue>.>`) and of the
+    /// caps shared by several queues (`ax.slots.freed.=shared.>`), core NATS, and wakes
+    /// one delivery waiting for a slot of that cap, if any.
     async fn listen_freed(
         self: Arc<Gate>,
         client: async_nats::Client,
         shutdown: CancellationToken,
     ) {
-        let filter = format!("{}.>", slot_freed_subject(&self.queue));
         let prefix = format!("{}.", SLOTS_FREED_PREFIX);
-        let Some(mut sub) = crate::retry::until_ok("slot releases", &shutdown, || async {
-            client
-                .subscribe(filter.clone())
-                .await
-                .map_err(async_nats::Error::from)
-        })
-        .await
-        else {
-            return;
-        };
+        let mut subs = Vec::new();
+        for scope in [self.queue.as_str(), super::model::SHARED_PREFIX] {
+            let filter = format!("{}.>", slot_freed_subject(scope));
+            let Some(sub) = crate::retry::until_ok("slot releases", &shutdown, || async {
+                client
+                    .subscribe(filter.clone())
+                    .await
+                    .map_err(async_nats::Error::from)
+            })
+            .await
+            else {
+                return;
+            };
+            subs.push(sub);
+        }
+        let mut sub = futures::stream::select_all(subs);
         loop {
             let msg = tokio::select! {
                 _ = shutdown.cancelled() => return,

@@ -11,6 +11,10 @@ pub const MAX_RATE: f64 = 100_000.0;
 pub const MIN_RATE: f64 = 0.000_001;
 /// Largest burst (with the slowest rate the bucket's TAT then stays within `u64` µs).
 pub const MAX_BURST: u32 = 1_000_000;
+/// Most queues one shared limit spans.
+pub const MAX_SHARED_QUEUES: usize = 16;
+/// The first token of a shared limit's bucket keys (`=` is never part of a queue name).
+pub const SHARED_PREFIX: &str = "=shared";
 /// Largest concurrency cap (each slot is a KV key; taking one tries free slots in turn).
 pub const MAX_CONCURRENCY: u32 = 1_000;
 
@@ -25,8 +29,16 @@ pub const MAX_CONCURRENCY: u32 = 1_000;
 pub struct LimitDef {
     /// Name, unique in its queue: 1..=64 of `A-Z a-z 0-9 _ -`.
     pub name: String,
-    /// The queue it limits.
+    /// The queue it limits. In a put of a shared limit it may be left out (the first of
+    /// `queues`).
+    #[serde(default)]
     pub queue: String,
+    /// A limit **shared** by several queues (2..=16, `queue` among them): the tasks of all
+    /// of them draw from one rate bucket and one set of slots — one partner API called
+    /// from three queues, say. The server stores a copy under each queue (each queue's
+    /// workers follow their own); its name is unique among shared limits.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub queues: Vec<String>,
     /// Only tasks of this name (default: every task of the queue).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub task: Option<String>,
@@ -159,6 +171,21 @@ impl LimitDef {
         if !names::valid_queue(&self.queue) {
             return Err(WireError::field("queue", "a valid queue is required"));
         }
+        if !self.queues.is_empty() {
+            let mut seen = std::collections::BTreeSet::new();
+            let valid = (2..=MAX_SHARED_QUEUES).contains(&self.queues.len())
+                && self
+                    .queues
+                    .iter()
+                    .all(|q| names::valid_queue(q) && seen.insert(q.as_str()))
+                && seen.contains(self.queue.as_str());
+            if !valid {
+                return Err(WireError::field(
+                    "queues",
+                    "2..=16 distinct valid queues, the limit's queue among them",
+                ));
+            }
+        }
         if let Some(task) = &self.task {
             if !crate::task::valid_class(task) || task.len() > 128 {
                 return Err(WireError::field(
@@ -226,12 +253,21 @@ fn hex(s: &str) -> String {
     s.bytes().map(|b| format!("{b:02x}")).collect()
 }
 
-/// The KV key of a limit's bucket for a task: `<queue>.<limit>.all` or
-/// `<queue>.<limit>.k<hex of the limit key>`.
+/// What every bucket key of a limit starts with: `<queue>.<limit>`, or for a limit shared
+/// by several queues `=shared.<limit>` (one bucket for all of them).
+pub fn bucket_prefix(def: &LimitDef) -> String {
+    match def.queues.is_empty() {
+        true => format!("{}.{}", def.queue, def.name),
+        false => format!("{SHARED_PREFIX}.{}", def.name),
+    }
+}
+
+/// The KV key of a limit's bucket for a task: `<prefix>.all` or
+/// `<prefix>.k<hex of the limit key>` ([`bucket_prefix`]).
 pub fn bucket_key(def: &LimitDef, limit_key: Option<&str>) -> String {
     match (def.per_key, limit_key) {
-        (true, Some(k)) => format!("{}.{}.k{}", def.queue, def.name, hex(k)),
-        _ => format!("{}.{}.all", def.queue, def.name),
+        (true, Some(k)) => format!("{}.k{}", bucket_prefix(def), hex(k)),
+        _ => format!("{}.all", bucket_prefix(def)),
     }
     // (A `key` limit has one bucket: `.all`, as only tasks of that key reach it.)
 }
@@ -300,11 +336,45 @@ mod tests {
     }
 
     #[test]
+    fn a_shared_limit_names_its_queues_and_has_one_bucket_for_all() {
+        let shared = |queue: &str, queues: serde_json::Value| {
+            def(json!({"name": "partner", "queue": queue, "queues": queues, "rate": 5.0}))
+        };
+        let a = shared("a", json!(["a", "b", "c"]));
+        assert_eq!(a.validate(), Ok(()));
+        let c = shared("c", json!(["a", "b", "c"]));
+        assert_eq!(bucket_key(&a, None), "=shared.partner.all");
+        assert_eq!(bucket_key(&a, None), bucket_key(&c, None), "one bucket");
+        let own = def(json!({"name": "partner", "queue": "a", "rate": 5.0}));
+        assert_eq!(bucket_key(&own, None), "a.partner.all");
+        for bad in [
+            shared("a", json!(["a"])),
+            shared("a", json!(["b", "c"])),
+            shared("a", json!(["a", "a"])),
+            shared("a", json!(["a", "b c"])),
+            shared(
+                "a",
+                json!((0..17)
+                    .map(|i| format!("q{i}"))
+                    .chain(["a".into()])
+                    .collect::<Vec<_>>()),
+            ),
+        ] {
+            assert_eq!(
+                bad.validate().unwrap_err().field.as_deref(),
+                Some("queues"),
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
     fn rates_and_bursts_outside_what_the_arithmetic_holds_are_refused() {
         let check = |rate: f64, burst: Option<u32>| {
             LimitDef {
                 name: "x".into(),
                 queue: "q".into(),
+                queues: Vec::new(),
                 task: None,
                 per_key: false,
                 key: None,

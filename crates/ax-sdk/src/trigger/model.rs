@@ -87,6 +87,10 @@ pub enum OverlapPolicy {
     BufferOne,
     /// Fire anyway.
     Allow,
+    /// The new fire wins: cancel the previous fire's unfinished tasks (a running
+    /// handler is signalled to stop, as an operator's cancel does), then fire. Several
+    /// times missed at once fire as the latest of them.
+    CancelInProgress,
 }
 
 fn default_grace_ms() -> u64 {

@@ -13,6 +13,8 @@ pub(crate) struct Config {
     pub(crate) idle_poll: Duration,
     pub(crate) max_batch: usize,
     pub(crate) weights: [u32; 3],
+    /// Priority aging threshold ([`super::aging`]); none by default.
+    pub(crate) aging: Option<Duration>,
     pub(crate) lean_first_attempt: bool,
     pub(crate) group_commit: crate::atomic::GroupCommit,
     pub(crate) flags: status::Flags,

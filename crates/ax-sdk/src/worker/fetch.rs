@@ -25,7 +25,7 @@ use futures::{FutureExt, StreamExt};
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{watch, Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -55,23 +55,26 @@ impl Picker {
 
     /// The fetch order for the next round: the picked priority, then the others by rank.
     pub fn order(&mut self) -> [Priority; 3] {
-        let total: i64 = self.weights.iter().sum();
-        for (c, w) in self.current.iter_mut().zip(self.weights) {
+        self.order_aged([0; 3])
+    }
+
+    /// [`Picker::order`] with priorities raised by aging (`levels` of high, normal, low;
+    /// [`super::aging`]): a raised priority is picked with the weight of the one it is
+    /// served as, and ranks beside it (after it on a tie).
+    pub(crate) fn order_aged(&mut self, levels: [u8; 3]) -> [Priority; 3] {
+        let served: [usize; 3] = [0, 1, 2].map(|i| i - usize::from(levels[i]).min(i));
+        let weights = served.map(|s| self.weights[s]);
+        let total: i64 = weights.iter().sum();
+        for (c, w) in self.current.iter_mut().zip(weights) {
             *c += w;
         }
         let first = (0..3)
-            .max_by_key(|&i| (self.current[i], -(i as i64)))
+            .max_by_key(|&i| (self.current[i], -(served[i] as i64), -(i as i64)))
             .unwrap();
         self.current[first] -= total;
-        let mut order = [Priority::ALL[first]; 3];
-        let mut k = 1;
-        for p in Priority::ALL {
-            if p.index() != first {
-                order[k] = p;
-                k += 1;
-            }
-        }
-        order
+        let mut rest: Vec<usize> = (0..3).filter(|&i| i != first).collect();
+        rest.sort_by_key(|&i| (served[i], i));
+        [first, rest[0], rest[1]].map(|i| Priority::ALL[i])
     }
 }
 
@@ -101,6 +104,7 @@ pub(super) async fn run(
         shutdown.clone(),
         &mut services,
     );
+    let stats = js.client().statistics();
     let shared = Arc::new(Shared {
         gate,
         keys: crate::idempotency::Keys::new(js.clone()),
@@ -124,14 +128,30 @@ pub(super) async fn run(
         inflight: Default::default(),
         streaks: Default::default(),
         faults: worker.faults.clone(),
+        reconnected: super::signals::Reconnected::new(stats),
     });
+    // Nothing is fetched before the cancel-signal subscription is in place: an attempt
+    // that starts unwritten must hear an operator's cancel, or the cancel (answered by no
+    // holder) writes `cancelled` while the handler runs anyway (docs/PROTOCOL.md §8).
+    let (subscribed_tx, mut subscribed) = watch::channel(false);
     {
-        let shared = shared.clone();
+        let (shared, subscribed_tx) = (shared.clone(), Arc::new(subscribed_tx));
         services.spawn("cancel-signals", move |token| {
-            cancel_signals(shared.clone(), token).map(Ok::<(), Infallible>)
+            cancel_signals(shared.clone(), subscribed_tx.clone(), token).map(Ok::<(), Infallible>)
         });
     }
     let consumers = Arc::new(consumers);
+    let levels = Arc::new(super::aging::Levels::default());
+    if let Some(after) = worker.aging {
+        let (js, queue) = (shared.js.clone(), worker.queue.clone());
+        let (consumers, levels) = (consumers.clone(), levels.clone());
+        services.spawn("aging", move |token| {
+            let (js, queue, consumers, levels) =
+                (js.clone(), queue.clone(), consumers.clone(), levels.clone());
+            super::aging::follow(js, queue, consumers, after, levels, token)
+                .map(Ok::<(), Infallible>)
+        });
+    }
     let woken = Arc::new(Notify::new());
     let mut picker = Picker::new(worker.weights);
     // Long polls by priority. A reconnect loses their pull requests on the server side:
@@ -140,13 +160,25 @@ pub(super) async fn run(
     let mut reconnects = crate::follow::Reconnects::new(&shared.js.client());
     metrics::gauge!(crate::metrics::WORKER_BUSY_RATE, "queue" => worker.queue.clone()).set(0.0);
     metrics::gauge!(crate::metrics::TASK_TIMEOUT_RATE, "queue" => worker.queue.clone()).set(0.0);
+    tokio::select! {
+        _ = subscribed.wait_for(|ready| *ready) => {}
+        _ = shutdown.cancelled() => {}
+    }
     info!(queue = %worker.queue, concurrency = worker.concurrency, "worker started");
 
     loop {
         let Some(permits) = free_slots(&shared, &slots, worker.max_batch, &shutdown).await else {
             break;
         };
-        if fetch_round(&shared, &consumers, picker.order(), permits).await > 0 {
+        if fetch_round(
+            &shared,
+            &consumers,
+            picker.order_aged(levels.get()),
+            permits,
+        )
+        .await
+            > 0
+        {
             continue;
         }
         // Every priority is empty: long-poll all three, wake on the first arrival.
@@ -302,9 +334,17 @@ fn long_poll(
 /// of that task running here stops and ends `cancelled`. A worker not holding the task
 /// stays silent, so the one that holds it answers, with the attempt whose handler it had
 /// started (`started`, 0 if none: then none starts).
-async fn cancel_signals(shared: Arc<Shared>, shutdown: CancellationToken) {
+///
+/// `subscribed` turns true once the server has the subscription (a flush after it), the
+/// moment from which the worker may fetch.
+async fn cancel_signals(
+    shared: Arc<Shared>,
+    subscribed: Arc<watch::Sender<bool>>,
+    shutdown: CancellationToken,
+) {
     let client = shared.js.client();
     let subject = crate::names::cancel_subject(&shared.queue);
+    shared.faults.cancel_subscribing().await;
     let mut subscription =
         match crate::retry::until_ok("the cancel-signal subscription", &shutdown, || async {
             client
@@ -317,6 +357,17 @@ async fn cancel_signals(shared: Arc<Shared>, shutdown: CancellationToken) {
             Some(s) => s,
             None => return,
         };
+    if crate::retry::until_ok(
+        "the cancel-signal subscription's flush",
+        &shutdown,
+        || async { client.flush().await.map_err(async_nats::Error::from) },
+    )
+    .await
+    .is_none()
+    {
+        return;
+    }
+    subscribed.send_replace(true);
     loop {
         let msg = tokio::select! {
             _ = shutdown.cancelled() => return,
@@ -359,5 +410,34 @@ mod tests {
         let mut picker = Picker::new([1, 0, 0]);
         let firsts: Vec<_> = (0..3).map(|_| picker.order()[0]).collect();
         assert!(firsts.contains(&Priority::Low));
+    }
+
+    #[test]
+    fn an_aged_priority_is_picked_as_the_one_it_is_served_as() {
+        let mut picker = Picker::new([100, 10, 1]);
+        let firsts = |picker: &mut Picker, levels: [u8; 3]| {
+            let mut n = [0usize; 3];
+            for _ in 0..201 {
+                n[picker.order_aged(levels)[0].index()] += 1;
+            }
+            n
+        };
+        assert_eq!(firsts(&mut picker, [0, 0, 0])[2], 2, "1 in 111 rounds");
+        // Low waited past the threshold twice: served as high, with high's weight.
+        let n = firsts(&mut picker, [0, 0, 2]);
+        assert!(
+            (95..=105).contains(&n[2]) && (95..=105).contains(&n[0]),
+            "{n:?}"
+        );
+        // Ranked beside the priority it is served as: normal raised to high comes right
+        // after high, before low, whichever is picked first.
+        for _ in 0..20 {
+            let order = picker.order_aged([0, 1, 0]);
+            if order[0] == Priority::Low {
+                assert_eq!(order[1..], [Priority::High, Priority::Normal]);
+            } else {
+                assert_eq!(order[2], Priority::Low, "{order:?}");
+            }
+        }
     }
 }

@@ -57,6 +57,7 @@
 //! - **Shutdown**: cancel the token to stop pulling; running handlers get
 //!   [`WorkerBuilder::shutdown_grace`] to finish, then are aborted and handed back (nak).
 
+mod aging;
 mod attempt;
 mod beat;
 mod claim;
@@ -70,6 +71,7 @@ mod labels;
 pub(crate) mod options;
 mod rate;
 mod settle;
+mod signals;
 mod slots;
 pub(crate) mod status;
 
@@ -121,6 +123,7 @@ impl Worker {
                 idle_poll: Duration::from_millis(500),
                 max_batch: 256,
                 weights: fetch::DEFAULT_WEIGHTS,
+                aging: None,
                 lean_first_attempt: false,
                 group_commit: crate::atomic::GroupCommit::Auto,
                 faults: Default::default(),
@@ -294,6 +297,15 @@ impl WorkerBuilder {
     /// Pick weights of high, normal and low (default 6 / 3 / 1), see [`fetch`].
     pub fn weights(mut self, weights: [u32; 3]) -> Self {
         self.config.weights = weights;
+        self
+    }
+    /// Priority aging (default off): a priority whose oldest waiting task has waited
+    /// `after` is picked as the one above it (`low` as `normal`), after twice `after` as
+    /// the one above that (`low` as `high`), so old low-priority work is served sooner
+    /// under a sustained high-priority load. Tasks are not moved (docs/PROTOCOL.md §3,
+    /// "Priority aging").
+    pub fn aging(mut self, after: Duration) -> Self {
+        self.config.aging = Some(after.max(Duration::from_millis(1)));
         self
     }
     /// Finishes the builder.

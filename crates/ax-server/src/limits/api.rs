@@ -38,14 +38,33 @@ impl LimitApi {
 
     pub(crate) async fn handle(&self, op: &str, body: &[u8]) -> Result<Value, WireError> {
         match LimitRequest::decode(op, body)? {
-            LimitRequest::Put(def) => {
+            LimitRequest::Put(mut def) => {
+                if def.queue.is_empty() {
+                    def.queue = def.queues.first().cloned().unwrap_or_default();
+                }
                 def.validate()?;
-                self.ctx.queues.check(&self.ctx.js, &def.queue).await?;
-                let value = serde_json::to_vec(&def).expect("serializes");
-                self.defs
-                    .put(def.key(), value.into())
-                    .await
-                    .map_err(WireError::unavailable)?;
+                let copies = self.copies(&def).await?;
+                for copy in &copies {
+                    self.ctx.queues.check(&self.ctx.js, &copy.queue).await?;
+                }
+                if !def.queues.is_empty() {
+                    // One shared limit of a name: its copies on queues it no longer names go.
+                    for old in self.list(">").await? {
+                        if old.name == def.name
+                            && !old.queues.is_empty()
+                            && !def.queues.contains(&old.queue)
+                        {
+                            self.delete(&old.key()).await?;
+                        }
+                    }
+                }
+                for copy in &copies {
+                    let value = serde_json::to_vec(copy).expect("serializes");
+                    self.defs
+                        .put(copy.key(), value.into())
+                        .await
+                        .map_err(WireError::unavailable)?;
+                }
                 Ok(serde_json::to_value(&def).expect("serializes"))
             }
             LimitRequest::Get(LimitName { queue, name }) => {
@@ -59,7 +78,18 @@ impl LimitApi {
                 }
             }
             LimitRequest::Delete(LimitName { queue, name }) => {
-                let deleted = self.delete(&limit_key(&queue, &name)?).await?;
+                let key = limit_key(&queue, &name)?;
+                // A shared limit goes from every queue it spans.
+                let shared = match self.defs.get(&key).await.map_err(WireError::unavailable)? {
+                    Some(v) => serde_json::from_slice::<LimitDef>(&v)
+                        .map(|d| d.queues)
+                        .unwrap_or_default(),
+                    None => Vec::new(),
+                };
+                let mut deleted = self.delete(&key).await?;
+                for other in shared.iter().filter(|q| **q != queue) {
+                    deleted |= self.delete(&limit_key(other, &name)?).await?;
+                }
                 Ok(json!({"queue": queue, "name": name, "deleted": deleted}))
             }
             LimitRequest::List(LimitFilter { queue }) => Ok(json!(self.list_of(queue).await?)),
@@ -137,7 +167,7 @@ impl LimitApi {
                 }
                 _ => (None, None),
             };
-            let prefix = format!("{}.{}.", def.queue, def.name);
+            let prefix = format!("{}.", ax_sdk::limits::model::bucket_prefix(&def));
             let holders: Vec<Value> = held
                 .iter()
                 .filter(|(k, _)| k.starts_with(&prefix))
@@ -150,6 +180,40 @@ impl LimitApi {
             out.push(entry);
         }
         Ok(Value::Array(out))
+    }
+
+    /// The definitions a put stores: the limit itself, or a copy under each queue a shared
+    /// limit spans. A shared one may not take the name of another queue's own limit
+    /// (`conflict`): the two would be mistaken for one.
+    async fn copies(&self, def: &LimitDef) -> Result<Vec<LimitDef>, WireError> {
+        if def.queues.is_empty() {
+            return Ok(vec![def.clone()]);
+        }
+        let mut copies = Vec::new();
+        for queue in &def.queues {
+            let copy = LimitDef {
+                queue: queue.clone(),
+                ..def.clone()
+            };
+            if let Some(v) = self
+                .defs
+                .get(copy.key())
+                .await
+                .map_err(WireError::unavailable)?
+            {
+                if serde_json::from_slice::<LimitDef>(&v).is_ok_and(|d| d.queues.is_empty()) {
+                    return Err(WireError::new(
+                        ErrorCode::Conflict,
+                        format!(
+                            "queue {queue:?} has a limit {:?} of its own: delete it or choose another name",
+                            def.name
+                        ),
+                    ));
+                }
+            }
+            copies.push(copy);
+        }
+        Ok(copies)
     }
 
     /// Deletes a definition if there is one: `true` if it existed (a delete of the revision

@@ -32,6 +32,7 @@ enum Cancelling {
     Moved(Value),
 }
 
+#[derive(Clone)]
 pub(crate) struct Ops {
     pub(crate) js: jetstream::Context,
     pub(crate) tasks: TaskStore,
@@ -190,6 +191,7 @@ impl Ops {
                     // A worker may be starting it without a `running` write: stopped first,
                     // so the record counts the attempt it had started (ops::holder).
                     let holder = self.holders().stop_holder(&rec).await;
+                    self.ctx.faults.cancel_writing().await;
                     let mut done = rec.transition(TaskState::Cancelled);
                     done.op = note("cancel", by);
                     done.attempt = done.attempt.max(holder.started());
@@ -625,10 +627,7 @@ impl Ops {
     }
 
     async fn delete(&self, stream: &str, seq: u64) {
-        let request = json!({ "seq": seq, "no_erase": true });
-        let _: Result<Value, _> = self
-            .js
-            .request(format!("STREAM.MSG.DELETE.{stream}"), &request)
-            .await;
+        // Best effort: a message left behind is acked unrun by the claim that meets it.
+        let _ = ax_core::admit::delete_message(&self.js, stream, seq).await;
     }
 }

@@ -141,7 +141,18 @@ impl Holders<'_> {
         revision: u64,
     ) -> Option<String> {
         if *first == Holder::Nobody {
-            return None;
+            // Not delivered when the signal was considered: it may have been since, to a
+            // worker whose claim read the record before this write and now starts
+            // unwritten within its `LATE_START` (found by the R3 campaign, seed
+            // 4955772603497125947: a resumed worker's backlog met a burst of
+            // `cancel_in_progress` fires). Looked at again; signalled if so.
+            let delivered_since = match cancelled.ready_seq {
+                Some(seq) => self.maybe_delivered(cancelled, seq).await,
+                None => false,
+            };
+            if !delivered_since {
+                return None;
+            }
         }
         let again = self.signal(cancelled).await;
         if again.started() > cancelled.attempt {

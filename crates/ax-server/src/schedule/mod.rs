@@ -18,6 +18,8 @@
 
 use crate::submit::publish_headers;
 use async_nats::jetstream::{self, consumer, stream};
+use ax_core::admit::{delete_delayed, publish_expecting};
+use ax_core::debounce;
 use ax_core::faults::Faults;
 use ax_core::follow::{Reconnects, PULL_EXPIRES};
 use ax_core::metrics as m;
@@ -418,6 +420,9 @@ async fn dispatch(
             }
         },
     };
+    if debounce::is_open(&headers) {
+        return close_window(js, seq, due, headers, payload, faults).await;
+    }
     let (subject, id) = match TaskMeta::ready_route(&headers) {
         Ok((subject, id)) => (subject, id.to_string()),
         Err(e) => {
@@ -439,14 +444,58 @@ async fn dispatch(
     metrics::histogram!(m::DISPATCH_LAG).record(now_ms().saturating_sub(due) as f64 / 1000.0);
     metrics::counter!(m::DELAYED_DISPATCHED).increment(1);
     faults.pass(ax_core::faults::Abort::AfterDispatch);
-    // Delete without the secure erase (overwriting the stored bytes) that
-    // `Stream::delete_message` asks for: the task lives on in the ready stream anyway.
-    let request = serde_json::json!({ "seq": seq, "no_erase": true });
-    let deleted: Result<serde_json::Value, _> = js
-        .request(format!("STREAM.MSG.DELETE.{DELAYED_STREAM}"), &request)
-        .await;
-    if let Err(e) = deleted {
+    // The task lives on in the ready stream.
+    if let Err(e) = delete_delayed(js, seq).await {
         debug!(seq, cause = %e, "delayed message not deleted; a restart re-publishes it (deduplicated)");
     }
     Outcome::Done { subject }
+}
+
+/// Closes a debounce window that is due (`ax_core::debounce`): stores its copy marked
+/// fired and due now, only if the window is still its subject's last message, then
+/// deletes the window's message. The copy is dispatched as any due task when the index
+/// reads it; a window a later submit replaced is only deleted (that submit's message is
+/// the window now). Killed between the two writes, the window's message is re-indexed
+/// and its close, expecting a sequence that is no longer the last, deletes it.
+async fn close_window(
+    js: &jetstream::Context,
+    seq: u64,
+    due: u64,
+    mut headers: async_nats::HeaderMap,
+    payload: bytes::Bytes,
+    faults: &Faults,
+) -> Outcome {
+    let subject = headers
+        .get(header::ID)
+        .and_then(|id| debounce::window_subject_of(id.as_str()));
+    let Some(subject) = subject else {
+        warn!(
+            seq,
+            "debounce window without a debounced task id; left in place"
+        );
+        return Outcome::Bad;
+    };
+    headers.insert(debounce::FIRED, "1");
+    headers.insert(header::RUN_AT_MS, now_ms().to_string().as_str());
+    match publish_expecting(js, subject, headers, seq, payload).await {
+        Ok(closed) => {
+            match closed {
+                Some(_) => faults.pass(ax_core::faults::Abort::AfterClose),
+                None => debug!(seq, "debounce window replaced by a later submit; dropped"),
+            }
+            if let Err(e) = delete_delayed(js, seq).await {
+                debug!(seq, cause = %e, "closed debounce window not deleted; dropped when re-indexed");
+            }
+            Outcome::Gone
+        }
+        Err(e) => {
+            debug!(seq, cause = %e.message, "debounce window not closed; retried");
+            Outcome::Refused {
+                group: "(debounce)".into(),
+                due,
+                seq,
+                body: None,
+            }
+        }
+    }
 }

@@ -170,7 +170,8 @@ impl Server {
             index: task_index.clone(),
             ctx: ctx.clone(),
         };
-        self.spawn_services(&mut services, &ctx, &alerts).await?;
+        self.spawn_services(&mut services, &ctx, &alerts, &ops)
+            .await?;
         info!(queues = ?self.queues, "ax server ready");
 
         let permits = Arc::new(Semaphore::new(self.max_inflight_submits));
@@ -240,11 +241,13 @@ impl Server {
         services: &mut Supervisor,
         ctx: &Arc<Context>,
         alerts: &crate::ops::alerts::Alerts,
+        ops: &crate::ops::actions::Ops,
     ) -> Result<(), ServerError> {
         let js = &ctx.js;
         if self.triggers && self.trigger_engine {
-            let (ctx, clock, lease_ttl, id, hold) = (
+            let (ctx, ops, clock, lease_ttl, id, hold) = (
                 ctx.clone(),
+                ops.clone(),
                 self.clock.clone(),
                 self.lease_ttl,
                 self.id.clone(),
@@ -253,6 +256,7 @@ impl Server {
             services.spawn("trigger-engine", move |token| {
                 Engine {
                     ctx: ctx.clone(),
+                    ops: ops.clone(),
                     clock: clock.clone(),
                     lease_ttl,
                     id: id.clone(),

@@ -14,11 +14,12 @@ use ax_core::idempotency::KeyValue;
 use ax_core::names;
 use ax_core::protocol::{ErrorCode, SubmitAccepted, WireError};
 use ax_core::state::{StateError, TaskState};
-use ax_core::task::{decode_submit, TaskMeta};
+use ax_core::task::TaskMeta;
 use bytes::Bytes;
 use tracing::warn;
 
 mod batch;
+mod debounce;
 pub(crate) use batch::is_batch;
 pub use batch::{BatchAnswers, MAX_BATCH};
 
@@ -58,7 +59,11 @@ impl Context {
         queue: &str,
         body: &[u8],
     ) -> Result<SubmitAccepted, WireError> {
-        let (meta, payload) = decode_submit(queue, body, &self.limits)?;
+        let (meta, payload, debounce) =
+            ax_core::debounce::decode_submit(queue, body, &self.limits)?;
+        if let Some(d) = debounce {
+            return self.submit_debounced(meta, payload, d).await;
+        }
         self.submit_prepared(unrecorded(meta), payload).await
     }
 

@@ -123,6 +123,9 @@ pub struct Plan {
     pub state: TriggerState,
     /// When to look again (ms since the epoch); `None`: on a completion or a change only.
     pub next_wake_ms: Option<u64>,
+    /// Cancel the previous fire's unfinished tasks before these fires (overlap
+    /// `cancel_in_progress`).
+    pub cancel_active: bool,
 }
 
 /// Most scheduled times walked through in one plan (a 1 s cron over 11 days of outage).
@@ -181,6 +184,7 @@ pub fn plan(
         fires: Vec::new(),
         state: st,
         next_wake_ms: None,
+        cancel_active: false,
     };
     if !def.enabled {
         return none(st);
@@ -222,6 +226,7 @@ pub fn plan(
             fires,
             state: st,
             next_wake_ms,
+            cancel_active: false,
         };
     };
     st.last_scheduled_ms = Some(latest);
@@ -236,9 +241,15 @@ pub fn plan(
         }
     };
     st.skipped += total - candidates.len() as u64;
+    let mut cancel_active = false;
     let fires = if active {
         match def.overlap {
             OverlapPolicy::Allow => candidates,
+            OverlapPolicy::CancelInProgress => {
+                cancel_active = !candidates.is_empty();
+                st.skipped += candidates.len().saturating_sub(1) as u64;
+                candidates.last().copied().into_iter().collect()
+            }
             OverlapPolicy::Skip => {
                 st.skipped += candidates.len() as u64;
                 Vec::new()
@@ -262,6 +273,7 @@ pub fn plan(
         fires,
         state: st,
         next_wake_ms,
+        cancel_active,
     }
 }
 
@@ -364,6 +376,23 @@ mod tests {
         assert_eq!(p3.state.buffered_ms, None);
         let p4 = plan(&d, &r, &p3.state, 4000, false);
         assert_eq!(p4.fires, vec![4000], "then the normal cadence");
+        assert!(!p4.cancel_active);
+        // cancel_in_progress: the new fire wins, the running one is cancelled; times
+        // missed at once fire as the latest.
+        d.overlap = OverlapPolicy::CancelInProgress;
+        let p = plan(&d, &r, &state(Some(1000)), 2000, true);
+        assert_eq!((p.fires, p.cancel_active), (vec![2000], true));
+        let p = plan(&d, &r, &state(Some(1000)), 4000, true);
+        assert_eq!(
+            (p.fires, p.cancel_active, p.state.skipped),
+            (vec![4000], true, 2)
+        );
+        let p = plan(&d, &r, &state(Some(1000)), 2000, false);
+        assert_eq!(
+            (p.fires, p.cancel_active),
+            (vec![2000], false),
+            "nothing to cancel"
+        );
     }
 
     #[test]

@@ -49,6 +49,9 @@ pub(crate) fn spawn(
             Some(Err(e)) => return reject_malformed(&sh, &msg, &e.to_string()).await,
             None => return reject_malformed(&sh, &msg, "no headers").await,
         };
+        if let Err(e) = meta.check_payload(&msg.payload) {
+            return reject_malformed(&sh, &msg, &e.to_string()).await;
+        }
         let Some(found) = sh.routes.route(&meta.name) else {
             return unserved(&sh, &msg, &meta).await;
         };
@@ -162,6 +165,7 @@ async fn process(
     // anew. A few in a row only happen under contention; then hand the delivery back.
     for _ in 0..5 {
         let claiming = Instant::now();
+        let connects = sh.reconnected.count();
         match claim(sh, meta, msg).await {
             Claim::Started(claimed) => {
                 sh.faults.claimed().await;
@@ -176,10 +180,12 @@ async fn process(
                     return reply(msg, AckKind::Nak(None)).await;
                 }
                 // An attempt that would start unwritten long after its claim read the
-                // record (a rate token, a stalled process) writes `running` first: an
-                // operator's cancel made meanwhile, whose signal this worker may have
-                // missed, must not be outrun (`LATE_START`).
-                let claimed = match claimed.deferred && claiming.elapsed() > LATE_START {
+                // record (a rate token, a stalled process), or across a reconnect, writes
+                // `running` first: an operator's cancel made meanwhile, whose signal this
+                // worker may have missed, must not be outrun (`LATE_START`, `signals.rs`).
+                let late =
+                    claiming.elapsed() > LATE_START || sh.reconnected.around(claiming, connects);
+                let claimed = match claimed.deferred && late {
                     false => claimed,
                     true => match late_start(sh, meta, msg, claimed).await {
                         Claim::Started(claimed) => claimed,

@@ -49,6 +49,8 @@ pub(crate) struct Shared {
     pub(crate) streaks: std::sync::Mutex<std::collections::HashMap<String, u64>>,
     /// Faults a test armed (a slower claim); none by default.
     pub(crate) faults: crate::faults::Faults,
+    /// Reconnects of the client, across which a cancel signal may be lost.
+    pub(crate) reconnected: crate::worker::signals::Reconnected,
 }
 
 /// Deliveries of an operator's retry that wait for its record write (200 ms apart).

@@ -65,6 +65,8 @@ const MAX_CONCURRENT_FIRES: usize = 512;
 
 pub(crate) struct Engine {
     pub(crate) ctx: Arc<Context>,
+    /// Task operations: overlap `cancel_in_progress` cancels as an operator does.
+    pub(crate) ops: crate::ops::actions::Ops,
     pub(crate) clock: Arc<dyn Clock>,
     pub(crate) lease_ttl: Duration,
     pub(crate) id: String,
@@ -463,12 +465,13 @@ impl Term<'_> {
             };
             self.book.fire_started(&job.name);
             let (ctx, store) = (self.engine.ctx.clone(), self.store.clone());
+            let ops = self.engine.ops.clone();
             let done = self.done.clone();
             firing.spawn(async move {
                 let name = job.name.clone();
                 // A panic (a bug) still reports: the fire may have been made, so the
                 // trigger's fires are recovered before it is planned again.
-                let outcome = AssertUnwindSafe(execute(&ctx, &store, job))
+                let outcome = AssertUnwindSafe(execute(&ctx, &ops, &store, job))
                     .catch_unwind()
                     .await
                     .unwrap_or_else(|_| {
@@ -509,7 +512,12 @@ impl Job {
 }
 
 /// Fires a planned trigger and stores its new state.
-async fn execute(ctx: &Context, store: &TriggerStore, job: Job) -> Outcome {
+async fn execute(
+    ctx: &Context,
+    ops: &crate::ops::actions::Ops,
+    store: &TriggerStore,
+    job: Job,
+) -> Outcome {
     let Job {
         name,
         def,
@@ -521,6 +529,20 @@ async fn execute(ctx: &Context, store: &TriggerStore, job: Job) -> Outcome {
     } = job;
     if !plan.fires.is_empty() && ctx.faults.fire_panics(&name) {
         panic!("injected fault: a fire job of trigger {name} panicked");
+    }
+    if plan.cancel_active {
+        // Overlap `cancel_in_progress`: the previous fire's tasks go first. One that ended
+        // meanwhile is refused (`conflict`); one that cannot be cancelled now is logged
+        // and the new fire goes anyway (the new one wins).
+        let by = format!("trigger:{name}");
+        for id in &active {
+            match ops.cancel(id, &by).await {
+                Ok(_) => debug!(trigger = %name, task_id = %id, "previous fire cancelled"),
+                Err(e) if e.code == ax_core::protocol::ErrorCode::Conflict => {}
+                Err(e) => warn!(trigger = %name, task_id = %id, cause = %e,
+                    "previous fire's task not cancelled; firing anyway"),
+            }
+        }
     }
     let mut ids = Vec::new();
     for &scheduled in &plan.fires {

@@ -1,0 +1,209 @@
+//! Flow control: debounce and priority aging.
+//!
+//! - **debounce**: AX_BENCH_TASKS (default 100,000) debounced submits over AX_BENCH_KEYS
+//!   (default 1,000) keys, 512 in flight, quiet period 500 ms (max wait 60 s); beside it
+//!   the same number of plain submits. Prints submits per second of each, the runs made
+//!   (one per key when every key's burst stays within its period), and how long after
+//!   its key went quiet (its last answered submit + the period) each run started.
+//! - **aging**: one worker (concurrency 8, 5 ms handlers) under a high-priority backlog
+//!   that never runs out (AX_BENCH_SECS, default 10 s), and 200 low tasks submitted at
+//!   the start: how long the low tasks waited (p50 / p99 / max) with weights 6 / 3 / 1,
+//!   without and with aging after 1 s.
+//!
+//! Run: `./dev bench flowcontrol`. Server and workers in this process; printed, not
+//! asserted (docs/PERFORMANCE.md).
+
+mod common;
+
+use ax_sdk::worker::{Task, Worker};
+use ax_sdk::{Client, Priority, TaskSpec};
+use ax_server::Server;
+use ax_testkit::LocalNats;
+use common::*;
+use futures::StreamExt;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+
+/// Handler starts: (task id, name, ms since the epoch).
+type Starts = Arc<Mutex<Vec<(String, String, u64)>>>;
+
+fn recording(
+    queue: &str,
+    starts: Starts,
+    concurrency: usize,
+    sleep: Duration,
+) -> ax_sdk::worker::WorkerBuilder {
+    Worker::builder(queue)
+        .concurrency(concurrency)
+        .handler(move |task: Task| {
+            let starts = starts.clone();
+            async move {
+                starts
+                    .lock()
+                    .unwrap()
+                    .push((task.id.clone(), task.name.clone(), now_ms()));
+                if !sleep.is_zero() {
+                    tokio::time::sleep(sleep).await;
+                }
+                Ok(())
+            }
+        })
+}
+
+async fn debounce(ax: &Client, nats: &async_nats::Client, n: usize, keys: usize) {
+    let starts: Starts = Arc::default();
+    let stop = CancellationToken::new();
+    let worker = recording("deb", starts.clone(), 256, Duration::ZERO)
+        .build()
+        .unwrap();
+    let w = tokio::spawn(worker.run(nats.clone(), stop.clone()));
+    let period = Duration::from_millis(500);
+    // Plain submits first: the cost of a debounced submit beside an ordinary one.
+    let t = Instant::now();
+    futures::stream::iter(0..n)
+        .map(|_| ax.submit("deb", TaskSpec::new("plain")))
+        .buffer_unordered(512)
+        .for_each(|r| async move {
+            r.unwrap();
+        })
+        .await;
+    let plain = n as f64 / t.elapsed().as_secs_f64();
+    let last: Arc<Mutex<HashMap<String, u64>>> = Arc::default();
+    let t = Instant::now();
+    futures::stream::iter(0..n)
+        .map(|i| {
+            let spec = TaskSpec::new("debounced")
+                .json(&serde_json::json!({ "i": i }))
+                .debounce(format!("key-{}", i % keys), period)
+                .debounce_max_wait(Duration::from_secs(60));
+            let (ax, last) = (ax.clone(), last.clone());
+            async move {
+                let a = ax.submit("deb", spec).await.unwrap();
+                let mut last = last.lock().unwrap();
+                let at = last.entry(a.id).or_default();
+                *at = (*at).max(now_ms());
+            }
+        })
+        .buffer_unordered(512)
+        .collect::<Vec<()>>()
+        .await;
+    let debounced = n as f64 / t.elapsed().as_secs_f64();
+    let windows = last.lock().unwrap().clone();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let ran = starts
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|s| s.1 == "debounced")
+            .count();
+        if ran >= windows.len() || Instant::now() > deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let starts = starts.lock().unwrap().clone();
+    let runs: Vec<&(String, String, u64)> = starts.iter().filter(|s| s.1 == "debounced").collect();
+    let after_quiet: Vec<f64> = runs
+        .iter()
+        .filter_map(|(id, _, at)| {
+            windows
+                .get(id)
+                .map(|last| *at as f64 - (*last + period.as_millis() as u64) as f64)
+        })
+        .collect();
+    let (p50, p99, max) = percentiles(after_quiet);
+    println!(
+        "debounce: {n} submits over {keys} keys: {debounced:.0} submits/s (plain submits {plain:.0}/s, ratio {:.2}); {} windows answered, {} runs; start after the key went quiet (last answer + 500 ms): p50 {p50:.0} ms, p99 {p99:.0} ms, max {max:.0} ms",
+        debounced / plain,
+        windows.len(),
+        runs.len()
+    );
+    stop.cancel();
+    let _ = w.await;
+}
+
+async fn aging(ax: &Client, nats: &async_nats::Client, secs: u64, after: Option<Duration>) {
+    let queue = if after.is_some() { "aged" } else { "plain" };
+    let starts: Starts = Arc::default();
+    let lows: Vec<TaskSpec> = (0..200)
+        .map(|_| TaskSpec::new("low").priority(Priority::Low))
+        .collect();
+    let submitted = now_ms();
+    for a in ax.submit_many(queue, lows).await {
+        a.unwrap();
+    }
+    let stop = CancellationToken::new();
+    // Keeps the high backlog at about 2,000 tasks for `secs`.
+    let feeder = {
+        let (ax, stop) = (ax.clone(), stop.clone());
+        tokio::spawn(async move {
+            let until = Instant::now() + Duration::from_secs(secs);
+            while Instant::now() < until && !stop.is_cancelled() {
+                let highs: Vec<TaskSpec> = (0..500)
+                    .map(|_| TaskSpec::new("high").priority(Priority::High))
+                    .collect();
+                for a in ax.submit_many(queue, highs).await {
+                    let _ = a;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        })
+    };
+    let mut worker = recording(queue, starts.clone(), 8, Duration::from_millis(5));
+    if let Some(after) = after {
+        worker = worker.aging(after);
+    }
+    let w = tokio::spawn(worker.build().unwrap().run(nats.clone(), stop.clone()));
+    tokio::time::sleep(Duration::from_secs(secs)).await;
+    let _ = feeder.await;
+    stop.cancel();
+    let _ = w.await;
+    let starts = starts.lock().unwrap().clone();
+    let waits: Vec<f64> = starts
+        .iter()
+        .filter(|s| s.1 == "low")
+        .map(|s| (s.2 - submitted) as f64)
+        .collect();
+    let highs = starts.iter().filter(|s| s.1 == "high").count();
+    let done = waits.len();
+    let (p50, p99, max) = percentiles(waits);
+    println!(
+        "aging {}: {done} of 200 low tasks started in {secs} s beside {highs} high ones; waited p50 {p50:.0} ms, p99 {p99:.0} ms, max {max:.0} ms",
+        after.map_or("off".to_string(), |a| format!("after {} ms", a.as_millis())),
+    );
+}
+
+fn main() {
+    let n = env_or("AX_BENCH_TASKS", 100_000);
+    let keys = env_or("AX_BENCH_KEYS", 1_000);
+    let secs = env_or("AX_BENCH_SECS", 10) as u64;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let nats = LocalNats::start().expect("nats-server (run via ./dev bench flowcontrol)");
+        let client = async_nats::connect(nats.url()).await.unwrap();
+        let stop = CancellationToken::new();
+        let server = tokio::spawn(
+            Server::builder()
+                .queues(["deb", "plain", "aged"])
+                .capacity([200_000, 200_000, 200_000])
+                .build()
+                .run(client.clone(), stop.clone()),
+        );
+        let ax = Client::new(client.clone());
+        while ax.submit("deb", TaskSpec::new("warmup")).await.is_err() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        println!("{}", machine());
+        debounce(&ax, &client, n, keys).await;
+        aging(&ax, &client, secs, None).await;
+        aging(&ax, &client, secs, Some(Duration::from_secs(1))).await;
+        stop.cancel();
+        let _ = server.await;
+    });
+}
