@@ -1,4 +1,4 @@
-//! Flow control: debounce and priority aging.
+//! Flow control: debounce, priority aging and batching.
 //!
 //! - **debounce**: AX_BENCH_TASKS (default 100,000) debounced submits over AX_BENCH_KEYS
 //!   (default 1,000) keys, 512 in flight, quiet period 500 ms (max wait 60 s); beside it
@@ -9,6 +9,13 @@
 //!   that never runs out (AX_BENCH_SECS, default 10 s), and 200 low tasks submitted at
 //!   the start: how long the low tasks waited (p50 / p99 / max) with weights 6 / 3 / 1,
 //!   without and with aging after 1 s.
+//!
+//! - **batching**: AX_BENCH_TASKS items over AX_BENCH_BATCH_KEYS (default 16) batch keys
+//!   in batches of AX_BENCH_BATCH_SIZE (default 500, timeout 2 s), 512 in flight, and the
+//!   same number of single tasks: items (tasks) per second from the first submit to the
+//!   last handled, the batches run and their mean length.
+//!
+//! `AX_BENCH_ONLY=debounce|aging|batching` runs one part.
 //!
 //! Run: `./dev bench flowcontrol`. Server and workers in this process; printed, not
 //! asserted (docs/PERFORMANCE.md).
@@ -176,6 +183,88 @@ async fn aging(ax: &Client, nats: &async_nats::Client, secs: u64, after: Option<
     );
 }
 
+/// Handled items: (task id, items in its list).
+type Handled = Arc<Mutex<Vec<(String, usize)>>>;
+
+/// `n` items over `keys` batch keys in batches of `size`, beside `n` single tasks: items
+/// per second end to end.
+async fn batching(ax: &Client, nats: &async_nats::Client, n: usize, keys: usize, size: usize) {
+    let handled: Handled = Arc::default();
+    let stop = CancellationToken::new();
+    let worker = {
+        let handled = handled.clone();
+        Worker::builder("bat")
+            .concurrency(256)
+            .handler(move |task: Task| {
+                let handled = handled.clone();
+                async move {
+                    let items = match task.name.as_str() {
+                        "batched" => task.json::<Vec<serde_json::Value>>()?.len(),
+                        _ => 1,
+                    };
+                    handled.lock().unwrap().push((task.id, items));
+                    Ok(())
+                }
+            })
+            .build()
+            .unwrap()
+    };
+    let w = tokio::spawn(worker.run(nats.clone(), stop.clone()));
+    let wait_items = |name_items: usize| {
+        let handled = handled.clone();
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(300);
+            loop {
+                let got: usize = handled.lock().unwrap().iter().map(|h| h.1).sum();
+                if got >= name_items || Instant::now() > deadline {
+                    return got;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    let t = Instant::now();
+    futures::stream::iter(0..n)
+        .map(|i| {
+            ax.submit(
+                "bat",
+                TaskSpec::new("single").json(&serde_json::json!({ "i": i })),
+            )
+        })
+        .buffer_unordered(512)
+        .for_each(|r| async move {
+            r.unwrap();
+        })
+        .await;
+    wait_items(n).await;
+    let single = n as f64 / t.elapsed().as_secs_f64();
+    handled.lock().unwrap().clear();
+    let t = Instant::now();
+    futures::stream::iter(0..n)
+        .map(|i| {
+            let spec = TaskSpec::new("batched")
+                .json(&serde_json::json!({ "i": i }))
+                .batch(format!("key-{}", i % keys), size, Duration::from_secs(2));
+            ax.submit("bat", spec)
+        })
+        .buffer_unordered(512)
+        .for_each(|r| async move {
+            r.unwrap();
+        })
+        .await;
+    let submitted = n as f64 / t.elapsed().as_secs_f64();
+    let got = wait_items(n).await;
+    let batched = got as f64 / t.elapsed().as_secs_f64();
+    let runs = handled.lock().unwrap().len();
+    println!(
+        "batching: {n} items over {keys} keys in batches of {size}: {submitted:.0} items submitted/s; end to end {batched:.0} items/s (single tasks {single:.0}/s, ratio {:.2}); {runs} batches run, {got} items handled, mean {:.0} per batch",
+        batched / single,
+        got as f64 / runs.max(1) as f64,
+    );
+    stop.cancel();
+    let _ = w.await;
+}
+
 fn main() {
     let n = env_or("AX_BENCH_TASKS", 100_000);
     let keys = env_or("AX_BENCH_KEYS", 1_000);
@@ -190,7 +279,7 @@ fn main() {
         let stop = CancellationToken::new();
         let server = tokio::spawn(
             Server::builder()
-                .queues(["deb", "plain", "aged"])
+                .queues(["deb", "plain", "aged", "bat"])
                 .capacity([200_000, 200_000, 200_000])
                 .build()
                 .run(client.clone(), stop.clone()),
@@ -200,9 +289,22 @@ fn main() {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         println!("{}", machine());
-        debounce(&ax, &client, n, keys).await;
-        aging(&ax, &client, secs, None).await;
-        aging(&ax, &client, secs, Some(Duration::from_secs(1))).await;
+        let only = std::env::var("AX_BENCH_ONLY").unwrap_or_default();
+        let runs = |part: &str| only.is_empty() || only == part;
+        if runs("debounce") {
+            debounce(&ax, &client, n, keys).await;
+        }
+        if runs("aging") {
+            aging(&ax, &client, secs, None).await;
+            aging(&ax, &client, secs, Some(Duration::from_secs(1))).await;
+        }
+        if runs("batching") {
+            let (keys, size) = (
+                env_or("AX_BENCH_BATCH_KEYS", 16),
+                env_or("AX_BENCH_BATCH_SIZE", 500),
+            );
+            batching(&ax, &client, n, keys, size).await;
+        }
         stop.cancel();
         let _ = server.await;
     });

@@ -67,6 +67,16 @@ pub(crate) struct SubmitArgs {
     /// Run with the burst's first submit's payload instead of the last's.
     #[arg(long, requires = "debounce_key")]
     debounce_keep_first: bool,
+    /// Add this submit as an item of a batch key: the items of one key become one task whose
+    /// payload is their JSON list (docs/guides/limits.md, "Batching").
+    #[arg(long, requires_all = ["batch_size", "batch_timeout"], conflicts_with = "debounce_key")]
+    batch_key: Option<String>,
+    /// Items per batch at most: a batch is due once this many arrived.
+    #[arg(long, requires = "batch_key")]
+    batch_size: Option<usize>,
+    /// The longest wait after a batch's first item, e.g. 5s.
+    #[arg(long, value_parser = humantime::parse_duration, requires = "batch_key")]
+    batch_timeout: Option<Duration>,
 }
 
 /// Checks the flag as the server will, so a typo fails before anything is sent.
@@ -89,6 +99,7 @@ pub(crate) async fn run(args: SubmitArgs, conn: &Conn) -> Result<()> {
             || args.max_attempts.is_some()
             || args.timeout.is_some()
             || args.debounce_key.is_some()
+            || args.batch_key.is_some()
         {
             bail!("with --file, every option comes from the file's lines");
         }
@@ -137,6 +148,11 @@ pub(crate) async fn run(args: SubmitArgs, conn: &Conn) -> Result<()> {
         if args.debounce_keep_first {
             spec = spec.debounce_keep_first();
         }
+    }
+    if let (Some(key), Some(size), Some(timeout)) =
+        (args.batch_key, args.batch_size, args.batch_timeout)
+    {
+        spec = spec.batch(key, size, timeout);
     }
     let accepted = client.submit(&args.queue, spec).await?;
     println!("{}", serde_json::to_string(&accepted)?);

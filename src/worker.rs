@@ -130,11 +130,17 @@ pub(crate) fn example_worker(
                 if task.id.as_bytes().last().is_some_and(|b| b % 2 == 0) {
                     token = task.fencing_token().await?;
                 }
-                j.line(serde_json::json!({
+                let mut start = serde_json::json!({
                     "event": "start", "id": task.id, "attempt": task.attempt,
                     "token": token, "worker": worker_id, "name": task.name,
                     "at_ms": ax_core::time::now_ms(),
-                }));
+                });
+                // A batch's list: the `item` of each element, so a campaign checks that
+                // every item ran in one batch only (docs/PROTOCOL.md §2, "Batching").
+                if let Ok(list) = serde_json::from_slice::<Vec<serde_json::Value>>(&task.payload) {
+                    start["items"] = list.iter().map(|v| v["item"].clone()).collect();
+                }
+                j.line(start);
             }
             let mut stopped = journal.as_ref().map(|j| Stopped {
                 journal: j.clone(),

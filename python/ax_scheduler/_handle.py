@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Generic, cast
 
 from . import _json
 from ._typing import P, R
+from .errors import InvalidInput
 
 if TYPE_CHECKING:
     from ._aio import AsyncClient
@@ -126,10 +127,19 @@ class Submitter(Generic[P, R]):
     def _request(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         td = self.task
         payload = td.payload(args, kwargs)
+        if td.options.batch is not None:
+            # A batched task takes its items as *items (checked at @ax.task): a submit adds one.
+            if len(payload) != 1:
+                raise InvalidInput(f"task {td.name} is batched: a submit adds one item, not {len(payload)}",
+                                   field="batch")
+            payload = payload[0]
         key = self.key
         if key is None and td.options.idempotency_key is not None:
             key = str(td.options.idempotency_key(*args, **kwargs))
         req = td.request(payload, delay=self.delay, run_at=self.run_at, key=key, priority=self.priority)
+        batch = td.options.batch_request(td.name, args[0] if args else None)
+        if batch is not None:
+            req["batch"] = batch  # checked by the server: no delay, run_at or key beside it
         debounce = td.options.debounce_request(args, kwargs)
         if debounce is not None:
             req["debounce"] = debounce  # checked by the server: no delay, run_at or key beside it

@@ -76,6 +76,9 @@ class TaskOptions:
     debounce_key: Callable[..., str] | None = None
     debounce_max_wait: float | None = None
     debounce_keep: str = "last"
+    batch: int | None = None
+    batch_key: str | Callable[..., str] | None = None
+    batch_timeout: float | None = None
 
     def check(self, name: str) -> None:
         if not _NAME.match(name):
@@ -112,6 +115,7 @@ class TaskOptions:
         if self.idempotency_key is not None and not callable(self.idempotency_key):
             raise InvalidInput("idempotency_key must be a function of the task's arguments", field="idempotency_key")
         self._check_debounce()
+        self._check_batch()
 
     def _check_debounce(self) -> None:
         if self.debounce is None:
@@ -132,6 +136,36 @@ class TaskOptions:
                                field="debounce_keep")
         if self.cron is not None or self.every is not None or self.idempotency_key is not None:
             raise InvalidInput("a debounced task has no cron, every or idempotency_key", field="debounce")
+
+    def _check_batch(self) -> None:
+        if self.batch is None:
+            if self.batch_key is not None or self.batch_timeout is not None:
+                raise InvalidInput("batch_key and batch_timeout need batch=<size>", field="batch")
+            return
+        b: Any = self.batch  # as given: checked here
+        if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= 10_000:
+            raise InvalidInput(f"batch must be a size of 1 to 10000 items, not {b!r}", field="batch")
+        t = self.batch_timeout
+        if t is not None and not 0.001 <= t <= _WEEK:
+            raise InvalidInput(f"batch_timeout must be 1 ms to 7 days, not {t!r}", field="batch_timeout")
+        k: Any = self.batch_key  # as given: checked here
+        if k is not None and not callable(k) and not (isinstance(k, str) and _BATCH_KEY.match(k)):
+            raise InvalidInput("batch_key must be 1-64 of A-Z a-z 0-9 _ - . : @, or a function of the item, "
+                               f"not {k!r}", field="batch_key")
+        if self.debounce is not None or self.cron is not None or self.every is not None \
+                or self.idempotency_key is not None:
+            raise InvalidInput("a batched task has no debounce, cron, every or idempotency_key", field="batch")
+
+    def batch_request(self, name: str, item: Any) -> dict[str, Any] | None:
+        """The submit's ``batch`` object (PROTOCOL.md §2, "Batching") for one item, if the
+        task is batched: the key (the task's name by default), size and timeout (5 s by
+        default)."""
+        if self.batch is None:
+            return None
+        k = self.batch_key
+        key = name if k is None else k if isinstance(k, str) else str(k(item))
+        timeout = self.batch_timeout if self.batch_timeout is not None else DEFAULT_BATCH_TIMEOUT
+        return {"key": key, "size": self.batch, "timeout_ms": max(1, round(timeout * 1000))}
 
     def debounce_request(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
         """The submit's ``debounce`` object (PROTOCOL.md §2) for these arguments, if the
@@ -169,7 +203,10 @@ class TaskOptions:
 
 
 _SECONDS = ("timeout", "heartbeat_timeout", "retry_backoff", "retry_backoff_max", "every", "max_cpu_seconds",
-            "debounce", "debounce_max_wait")
+            "debounce", "debounce_max_wait", "batch_timeout")
+#: How long a batch waits for more items after its first, when ``batch_timeout`` is not given.
+DEFAULT_BATCH_TIMEOUT = 5.0
+_BATCH_KEY = re.compile(r"^[A-Za-z0-9_.:@-]{1,64}$")
 _WEEK = 7 * 86_400.0
 _CLASSES = ("retry_on_exception", "no_retry_on_exception")
 _FIELDS = frozenset(f.name for f in dataclasses.fields(TaskOptions))

@@ -233,7 +233,9 @@ def task(*, name: str | None = None, queue: str = "default", priority: str = "no
          schedule_payload: Any = None, overlap: str | None = None, rate_limit: str | float | None = None,
          max_memory_mb: int | None = None, max_cpu_seconds: float | timedelta | None = None,
          debounce: float | timedelta | None = None, debounce_key: Callable[..., str] | None = None,
-         debounce_max_wait: float | timedelta | None = None, debounce_keep: str = "last") -> TaskDecorator: ...
+         debounce_max_wait: float | timedelta | None = None, debounce_keep: str = "last",
+         batch: int | None = None, batch_key: str | Callable[..., str] | None = None,
+         batch_timeout: float | timedelta | None = None) -> TaskDecorator: ...
 
 
 def task(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
@@ -254,6 +256,9 @@ def task(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
         if inspect.isasyncgenfunction(f):
             raise InvalidInput(f"task {name}: an async generator cannot be a task")
         td: TaskDef = TaskDef(f, name, opts)
+        if opts.batch is not None and [p.kind for p in td.params] != [inspect.Parameter.VAR_POSITIONAL]:
+            raise InvalidInput(f"task {name} is batched: it takes its items as one *items parameter "
+                               "(e.g. def invoice(*orders: Order))", field="batch")
         claim_name(REGISTRY, "task", name, f)
         if name not in REGISTRY:
             refuse_late(f"task {name}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 
@@ -120,6 +121,45 @@ def test_a_debounced_task_runs_once_per_quiet_key_with_the_last_arguments(runtim
                 {"debounce": 1, "debounce_key": lambda u: u, "every": 60}):
         with pytest.raises(ax.InvalidInput):
             ax.task(name="bad_debounce", **bad)(lambda u: u)
+
+
+@dataclasses.dataclass
+class Order:
+    id: str
+    amount: float
+
+
+INVOICED: list[list[str]] = []
+
+
+@ax.task(queue=Q, batch=3, batch_timeout=0.5, batch_key=lambda order: f"shop:{order.id[0]}")
+def invoice(*orders: Order) -> int:
+    assert all(isinstance(o, Order) for o in orders), orders
+    INVOICED.append([o.id for o in orders])
+    return len(orders)
+
+
+def test_a_batched_task_runs_its_items_as_lists_of_its_size_or_after_its_timeout(runtime, client):
+    runtime(invoice)
+    INVOICED.clear()
+    handles = [invoice.submit(Order(f"a{i}", 1.0)) for i in range(5)]
+    other = invoice.submit(Order("b1", 2.0))
+    ids = [h.id for h in handles]
+    assert ids[0] == ids[1] == ids[2] != ids[3] == ids[4] != other.id, ids
+    assert handles[0].result(timeout=30) == 3
+    assert handles[3].result(timeout=30) == 2  # not full: after its 0.5 s timeout
+    assert other.result(timeout=30) == 1
+    assert sorted(INVOICED) == [["a0", "a1", "a2"], ["a3", "a4"], ["b1"]], INVOICED
+    with pytest.raises(ax.InvalidInput) as e:
+        invoice.submit(Order("a5", 1.0), Order("a6", 1.0))
+    assert e.value.field == "batch"
+    for bad in ({"batch": 0}, {"batch": 10_001}, {"batch_key": "k"}, {"batch": 2, "batch_timeout": 0},
+                {"batch": 2, "batch_key": "a b"}, {"batch": 2, "every": 60}):
+        with pytest.raises(ax.InvalidInput):
+            ax.task(name="bad_batch", **bad)(lambda *items: items)
+    with pytest.raises(ax.InvalidInput) as e:
+        ax.task(name="bad_batch", batch=2)(lambda order: order)
+    assert e.value.field == "batch"
 
 
 def test_aging_is_a_positive_time():

@@ -19,6 +19,8 @@ pub struct Invocation {
     /// When the handler started and ended, ms since the epoch.
     pub start_ms: u64,
     pub end_ms: Option<u64>,
+    /// The `item` of each element of a batch's list (`None`: not a batch).
+    pub items: Option<Vec<String>>,
 }
 
 /// Parses the journal: invocations by task id, in file order. Torn lines are skipped.
@@ -41,6 +43,12 @@ pub fn parse_journal(text: &str) -> HashMap<String, Vec<Invocation>> {
                 name: v["name"].as_str().unwrap_or_default().to_string(),
                 start_ms: v["at_ms"].as_u64().unwrap_or(0),
                 end_ms: None,
+                items: v["items"].as_array().map(|items| {
+                    items
+                        .iter()
+                        .map(|i| i.as_str().unwrap_or("?").to_string())
+                        .collect()
+                }),
             }),
             Some("end") => {
                 // Matched by token, attempt and worker: invocations that never asked for a

@@ -29,6 +29,7 @@
 //! run. A long run: `./dev campaign 600`.
 
 mod checker;
+mod checker_batches;
 mod checker_flows;
 mod checker_limits;
 mod checker_ops;
@@ -68,6 +69,8 @@ pub struct Log {
     pub refused: Vec<(String, String, String, bool)>,
     /// Debounced submits, in each lane's order (its keys are its own).
     pub debounced: Vec<crate::checker_limits::Debounced>,
+    /// Batched submits (items), answered or not.
+    pub batched: Vec<crate::checker_batches::Batched>,
     pub manual_answered: Vec<String>,
     pub manual_refused: usize,
     pub manual_unanswered: usize,
@@ -150,8 +153,12 @@ async fn produce(ax: Client, log: Arc<Mutex<Log>>, seed: u64, until: Instant) {
                 let key = format!("c-{seed}-{k}");
                 let roll: u32 = rng.random_range(0..100);
                 let retry = |s: TaskSpec| s.max_attempts(5).backoff(Duration::from_millis(100), Duration::from_secs(1), 0.2);
-                if (35..=39).contains(&roll) {
+                if (35..=37).contains(&roll) {
                     debounce_burst(&ax, &log, lane, &mut rng).await;
+                    continue;
+                }
+                if (38..=39).contains(&roll) {
+                    batch_burst(&ax, &log, lane, &key, &mut rng).await;
                     continue;
                 }
                 let (queue, spec) = match roll {
@@ -244,6 +251,36 @@ async fn debounce_burst(ax: &Client, log: &Mutex<Log>, lane: usize, rng: &mut St
             });
         }
         tokio::time::sleep(Duration::from_millis(rng.random_range(20..400))).await;
+    }
+}
+
+/// 1-9 items of one of the lane's two batch keys, 0-150 ms apart (a batch fills at
+/// [`BATCH_SIZE`] or times out).
+async fn batch_burst(ax: &Client, log: &Mutex<Log>, lane: usize, key: &str, rng: &mut StdRng) {
+    use crate::checker_batches::{Batched, BATCH_SIZE, BATCH_TIMEOUT_MS};
+    let batch_key = format!("b{lane}-{}", rng.random_range(0..2));
+    for i in 0..rng.random_range(1..=9) {
+        let item = format!("{key}-i{i}");
+        let spec = TaskSpec::new("plain")
+            .json(&serde_json::json!({"item": item, "sleep_ms": 20}))
+            .batch(
+                batch_key.clone(),
+                BATCH_SIZE,
+                Duration::from_millis(BATCH_TIMEOUT_MS),
+            );
+        let answer = submit_until_answered(ax, "q", spec, log).await;
+        {
+            let mut log = log.lock().unwrap();
+            let id = match answer {
+                (Some(Ok(a)), _) => {
+                    log.accepted.insert(a.id.clone());
+                    Some(a.id)
+                }
+                _ => None,
+            };
+            log.batched.push(Batched { item, id });
+        }
+        tokio::time::sleep(Duration::from_millis(rng.random_range(0..150))).await;
     }
 }
 

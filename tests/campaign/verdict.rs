@@ -55,6 +55,10 @@ pub async fn check_core(
     verdict.add("tokens", checker::check_tokens(invocations));
     verdict.add("debounce", checker_limits::check_debounce(&log.debounced));
     verdict.add(
+        "batching",
+        crate::checker_batches::check_batches(&log.batched, invocations),
+    );
+    verdict.add(
         "counted starts",
         checker::check_counted(invocations, histories, &seen.timeline),
     );
@@ -149,9 +153,9 @@ pub async fn check_core(
     let runs: usize = invocations.values().map(Vec::len).sum();
     vec![
         format!(
-            "{} tasks accepted ({} direct, {} debounced from {} submits; {} succeeded, {} dead, \
-             {} cancelled in all records), {} refused ({busy} busy), {} submit retries; {runs} \
-             handler invocations",
+            "{} tasks accepted ({} direct, {} debounced from {} submits, {} batches from {} \
+             items; {} succeeded, {} dead, {} cancelled in all records), {} refused ({busy} \
+             busy), {} submit retries; {runs} handler invocations",
             log.accepted.len(),
             log.direct_accepted,
             log.debounced
@@ -160,6 +164,12 @@ pub async fn check_core(
                 .collect::<std::collections::HashSet<_>>()
                 .len(),
             log.debounced.len(),
+            log.batched
+                .iter()
+                .filter_map(|b| b.id.as_deref())
+                .collect::<std::collections::HashSet<_>>()
+                .len(),
+            log.batched.len(),
             outcomes(TaskState::Succeeded),
             outcomes(TaskState::Dead),
             outcomes(TaskState::Cancelled),

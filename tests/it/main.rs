@@ -4,6 +4,7 @@
 mod aging;
 mod apply;
 mod batch;
+mod batching;
 mod browser;
 mod budget;
 mod business_id;

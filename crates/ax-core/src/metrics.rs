@@ -27,6 +27,8 @@ pub const DELAYED_DISPATCHED: &str = "ax_delayed_dispatched_total";
 /// Counter, server `{joined}`: debounced submits accepted, `joined` = `true` if the submit
 /// joined an open window (its task runs later, once), `false` if it opened one.
 pub const DEBOUNCED: &str = "ax_debounced_submits_total";
+/// Counter, server: items of batch keys accepted (each in the list of one batch's task).
+pub const BATCHED_ITEMS: &str = "ax_batched_items_total";
 /// Gauge, server: delayed-task partitions this server owns (of `names::DELAYED_PARTITIONS`).
 pub const DELAYED_PARTITIONS_OWNED: &str = "ax_delayed_partitions_owned";
 /// Gauge, server: delayed tasks this server's timer index holds.
@@ -164,6 +166,10 @@ pub fn describe() {
     describe_counter!(
         DEBOUNCED,
         "Debounced submits accepted (joined an open window or not)"
+    );
+    describe_counter!(
+        BATCHED_ITEMS,
+        "Items of batch keys accepted (each in one batch's task)"
     );
     describe_gauge!(
         DELAYED_PARTITIONS_OWNED,

@@ -108,6 +108,20 @@ impl TaskSpec {
         d.keep = Some("first".into());
         self
     }
+    /// Batch under `key`: the submits (items) of one key in this queue become one task
+    /// whose payload is the JSON list of their payloads in the order stored, due once
+    /// `size` items arrived or `timeout` after the batch's first item. The task has the
+    /// name and options of its batch's first item; every item of a batch answers its id.
+    /// A JSON payload only; not with a delay, a run time, an idempotency key or a debounce
+    /// (docs/PROTOCOL.md §2, "Batching").
+    pub fn batch(mut self, key: impl Into<String>, size: usize, timeout: Duration) -> TaskSpec {
+        self.0.batch = Some(crate::protocol::BatchRequest {
+            key: key.into(),
+            size: size.min(i64::MAX as usize) as i64,
+            timeout_ms: timeout.as_millis().min(i64::MAX as u128) as i64,
+        });
+        self
+    }
     /// The caller's W3C trace context (`00-<trace id>-<parent id>-<flags>`): every attempt
     /// of the task logs inside a span carrying it.
     pub fn traceparent(mut self, traceparent: impl Into<String>) -> TaskSpec {

@@ -43,10 +43,10 @@ impl Direct {
         }
     }
 
-    /// True if this task is submitted directly (it has no idempotency key and is not
-    /// debounced: the server keeps both).
+    /// True if this task is submitted directly (it has no idempotency key, is not
+    /// debounced and joins no batch key: the server keeps those).
     pub(crate) fn takes(req: &SubmitRequest) -> bool {
-        req.idempotency_key.is_none() && req.debounce.is_none()
+        req.idempotency_key.is_none() && req.debounce.is_none() && req.batch.is_none()
     }
 
     /// Validates, checks the queue is declared, publishes; answers when the broker has

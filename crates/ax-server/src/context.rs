@@ -25,6 +25,8 @@ pub(crate) struct Context {
     pub(crate) ready: Option<ax_core::admit::Groups>,
     /// Faults a test armed (`ax_core::faults`); none by default.
     pub(crate) faults: ax_core::faults::Faults,
+    /// The batch keys this server is writing items to (`submit::batching`).
+    pub(crate) lanes: crate::submit::Lanes,
 }
 
 impl Context {
@@ -62,6 +64,7 @@ impl Context {
             queues: Queues::new(queues),
             flows,
             faults,
+            lanes: Default::default(),
         })
     }
 }

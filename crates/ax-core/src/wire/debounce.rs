@@ -129,13 +129,16 @@ impl Debounce {
     }
 }
 
-/// The window subject of a debounced task id (`<queue>.=d.<hex>.<nuid>`), or `None` if
-/// `id` is not one.
+/// The window subject of a debounced task id (`<queue>.=d.<hex>.<nuid>`) or a batch's
+/// (`<queue>.=b.<hex>.<nuid>`, [`crate::batching`]), or `None` if `id` is neither.
 pub fn window_subject_of(id: &str) -> Option<String> {
     let queue = names::queue_of_task_id(id)?;
     let rest = &id[queue.len() + 1..];
     let (base_rest, _nuid) = rest.rsplit_once('.')?;
-    let hex = base_rest.strip_prefix(MARK)?.strip_prefix('.')?;
+    let marked = base_rest
+        .strip_prefix(MARK)
+        .or_else(|| base_rest.strip_prefix(crate::batching::MARK))?;
+    let hex = marked.strip_prefix('.')?;
     if hex.is_empty() || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
         return None;
     }
@@ -148,35 +151,63 @@ pub fn is_open(headers: &async_nats::HeaderMap) -> bool {
     headers.get(UNTIL_MS).is_some() && headers.get(FIRED).is_none()
 }
 
-/// [`crate::task::decode_submit`] of a request that may carry a `debounce` (a single
-/// submit): the task (with no due time: the window sets it) and its checked debounce, if
-/// any.
+/// The window a single submit joins, if any.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Window {
+    /// A debounce window (this module).
+    Debounce(Debounce),
+    /// A batch ([`crate::batching`]).
+    Batch(crate::batching::Batching),
+}
+
+/// [`crate::task::decode_submit`] of a request that may carry a `debounce` or a `batch`
+/// (a single submit): the task (with no due time: the window sets it) and the checked
+/// window it joins, if any.
 pub fn decode_submit(
     queue: &str,
     body: &[u8],
     limits: &Limits,
-) -> Result<(TaskMeta, Bytes, Option<Debounce>), WireError> {
+) -> Result<(TaskMeta, Bytes, Option<Window>), WireError> {
     let mut req: SubmitRequest = serde_json::from_slice(body)
         .map_err(|e| WireError::new(ErrorCode::BadRequest, e.to_string()))?;
-    let Some(d) = req.debounce.take() else {
-        let (meta, payload) = TaskMeta::from_request(queue, req, limits)?;
-        return Ok((meta, payload, None));
+    let window = match (req.debounce.take(), req.batch.take()) {
+        (None, None) => {
+            let (meta, payload) = TaskMeta::from_request(queue, req, limits)?;
+            return Ok((meta, payload, None));
+        }
+        (Some(_), Some(_)) => {
+            return Err(WireError::field(
+                "batch",
+                "give debounce or batch, not both",
+            ))
+        }
+        (Some(d), None) => ("debounce", Window::Debounce(Debounce::from_request(&d)?)),
+        (None, Some(b)) => {
+            let b = crate::batching::Batching::from_request(&b)?;
+            if req.payload_base64.is_some() {
+                return Err(WireError::field(
+                    "batch",
+                    "a batch's task runs with the JSON list of its items: give a JSON payload",
+                ));
+            }
+            ("batch", Window::Batch(b))
+        }
     };
-    let debounce = Debounce::from_request(&d)?;
+    let (field, window) = window;
     if req.delay_ms.is_some_and(|ms| ms != 0) || req.run_at.is_some() {
         return Err(WireError::field(
-            "debounce",
-            "a debounced task runs when its key is quiet: give no delay_ms or run_at",
+            field,
+            "the window sets when the task runs: give no delay_ms or run_at",
         ));
     }
     if req.idempotency_key.is_some() {
         return Err(WireError::field(
-            "debounce",
-            "give debounce or idempotency_key, not both",
+            field,
+            "a window's task is found by the id every submit answers: give no idempotency_key",
         ));
     }
     let (meta, payload) = TaskMeta::from_request(queue, req, limits)?;
-    Ok((meta, payload, Some(debounce)))
+    Ok((meta, payload, Some(window)))
 }
 
 #[cfg(test)]

@@ -4,6 +4,7 @@
 //! no awaits, no I/O, and nothing here names a module above it (`.ci/layers`).
 
 pub mod backoff;
+pub mod batching;
 pub mod debounce;
 pub mod error;
 pub mod names;

@@ -71,6 +71,24 @@ pub struct SubmitRequest {
     /// batch.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub debounce: Option<DebounceRequest>,
+    /// Batching: submits with one batch key become one task whose payload is the list of
+    /// their payloads, once `size` arrived or `timeout_ms` passed (docs/PROTOCOL.md §2,
+    /// "Batching"). Not with a due time, an idempotency key, a debounce or in a batch
+    /// submit request.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch: Option<BatchRequest>,
+}
+
+/// The `batch` object of a submit request.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BatchRequest {
+    /// The batch key: 1..=64 of `A-Z a-z 0-9 _ - . : @`.
+    pub key: String,
+    /// Items per task at most: the task is due as soon as this many arrived (1..=10000).
+    pub size: i64,
+    /// Longest wait from a batch's first item to its run, ms (1 ms to 7 days).
+    pub timeout_ms: i64,
 }
 
 /// The `debounce` object of a submit request.

@@ -380,6 +380,12 @@ impl TaskMeta {
                 "only a single submit may be debounced (not a batch's task)",
             ));
         }
+        if req.batch.is_some() {
+            return Err(WireError::field(
+                "batch",
+                "only a single submit may join a batch key (not a batch request's task)",
+            ));
+        }
         if let Some(q) = &req.queue {
             if q != queue {
                 return Err(WireError::field("queue", "does not match the subject"));

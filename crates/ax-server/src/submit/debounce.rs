@@ -60,7 +60,10 @@ impl Context {
                     let due = d.due(now, until);
                     let (mut headers, body) = match d.keep {
                         Keep::First => (window.headers.clone(), window.payload.clone()),
-                        Keep::Last => (window_headers(&meta, &id, due, until, &d), payload.clone()),
+                        Keep::Last => (
+                            window_headers(&meta, &id, due, until, &d.key),
+                            payload.clone(),
+                        ),
                     };
                     headers.insert(header::RUN_AT_MS, due.to_string().as_str());
                     (headers, body, id, Some(window.sequence))
@@ -68,7 +71,7 @@ impl Context {
                 None => {
                     let id = d.window_id(&queue);
                     let until = d.until(now);
-                    let h = window_headers(&meta, &id, d.due(now, until), until, &d);
+                    let h = window_headers(&meta, &id, d.due(now, until), until, &d.key);
                     (h, payload.clone(), id, None)
                 }
             };
@@ -110,13 +113,19 @@ impl Context {
 /// The headers of a window's message as submit `meta` describes its task: the window's
 /// id, due at `due`, stored as its message alone (the claim writes its record), with the
 /// window's latest due time and key.
-fn window_headers(meta: &TaskMeta, id: &str, due: u64, until: u64, d: &Debounce) -> HeaderMap {
+pub(super) fn window_headers(
+    meta: &TaskMeta,
+    id: &str,
+    due: u64,
+    until: u64,
+    key: &str,
+) -> HeaderMap {
     let mut task = meta.clone();
     task.id = id.to_string();
     task.run_at_ms = Some(due);
     task.unrecorded = true;
     let mut headers = task.to_headers();
     headers.insert(debounce::UNTIL_MS, until.to_string().as_str());
-    headers.insert(debounce::KEY, d.key.as_str());
+    headers.insert(debounce::KEY, key);
     headers
 }

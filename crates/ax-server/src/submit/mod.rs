@@ -19,9 +19,11 @@ use bytes::Bytes;
 use tracing::warn;
 
 mod batch;
+mod batching;
 mod debounce;
 pub(crate) use batch::is_batch;
 pub use batch::{BatchAnswers, MAX_BATCH};
+pub(crate) use batching::Lanes;
 
 pub use ax_core::admit::is_full;
 pub(crate) use ax_core::admit::{publish_headers, publish_task, unrecorded};
@@ -59,12 +61,13 @@ impl Context {
         queue: &str,
         body: &[u8],
     ) -> Result<SubmitAccepted, WireError> {
-        let (meta, payload, debounce) =
-            ax_core::debounce::decode_submit(queue, body, &self.limits)?;
-        if let Some(d) = debounce {
-            return self.submit_debounced(meta, payload, d).await;
+        use ax_core::debounce::Window;
+        let (meta, payload, window) = ax_core::debounce::decode_submit(queue, body, &self.limits)?;
+        match window {
+            Some(Window::Debounce(d)) => self.submit_debounced(meta, payload, d).await,
+            Some(Window::Batch(b)) => self.submit_batched(meta, payload, b).await,
+            None => self.submit_prepared(unrecorded(meta), payload).await,
         }
-        self.submit_prepared(unrecorded(meta), payload).await
     }
 
     /// Admits a validated task (idempotency, store); used by submits and trigger fires.

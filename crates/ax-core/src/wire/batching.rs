@@ -1,0 +1,155 @@
+//! Batching (docs/PROTOCOL.md §2, "Batching"): the submits (*items*) of one batch key in
+//! one queue become one task whose payload is the JSON list of their payloads, in the order
+//! they were stored, due once `size` items arrived or `timeout` after the batch's first.
+//!
+//! A batch is held as a debounce window is ([`crate::debounce`]): the last message of the
+//! delayed subject of its base id `<queue>.=b.<key in hex>` is a delayed task
+//! `<base id>.<nuid>` whose payload is the list so far, with `Ax-Debounce-Until-Ms` (its due
+//! time: the first item's time plus `timeout`), `Ax-Debounce-Key` and `Ax-Batch-Count`. An
+//! item replaces it with a publish that expects its sequence, so items serialize on the
+//! broker and none is held twice or lost; the item that fills the batch (or would make its
+//! list longer than the largest payload) stores it closed (`Ax-Debounce-Fired`, due now).
+//! The dispatcher closes a batch that times out as it closes a debounce window. The
+//! batch's task has the name and options of its first item.
+
+use crate::error::WireError;
+use crate::names::{self, Priority};
+use crate::protocol::BatchRequest;
+use bytes::{BufMut, Bytes, BytesMut};
+use std::time::Duration;
+
+/// Header of a batch's message: how many items its list holds.
+pub const COUNT: &str = "Ax-Batch-Count";
+/// The id token after the queue that marks a batch's task id.
+pub(crate) const MARK: &str = "=b";
+/// Most items in one batch.
+pub const MAX_SIZE: i64 = 10_000;
+
+/// A validated batch key, size and timeout.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Batching {
+    /// The key (1..=64 of `A-Z a-z 0-9 _ - . : @`).
+    pub key: String,
+    /// Items per task at most (1..=10,000): the batch is due once this many arrived.
+    pub size: usize,
+    /// Longest time from a batch's first item to its run.
+    pub timeout: Duration,
+}
+
+impl Batching {
+    /// Checks a request's `batch` object.
+    pub fn from_request(req: &BatchRequest) -> Result<Batching, WireError> {
+        if req.key.len() > crate::debounce::MAX_KEY || !crate::task::valid_limit_key(&req.key) {
+            return Err(WireError::field(
+                "batch.key",
+                "must be 1..=64 of A-Z a-z 0-9 _ - . : @",
+            ));
+        }
+        if !(1..=MAX_SIZE).contains(&req.size) {
+            return Err(WireError::field("batch.size", "must be 1 to 10000"));
+        }
+        let most = crate::debounce::MAX_PERIOD.as_millis();
+        if req.timeout_ms < 1 || req.timeout_ms as u128 > most {
+            return Err(WireError::field(
+                "batch.timeout_ms",
+                "must be 1 ms to 7 days (604800000 ms)",
+            ));
+        }
+        Ok(Batching {
+            key: req.key.clone(),
+            size: req.size as usize,
+            timeout: Duration::from_millis(req.timeout_ms as u64),
+        })
+    }
+
+    /// The base id of this key's batches in `queue`: `<queue>.=b.<key's bytes in hex>`.
+    pub fn base_id(&self, queue: &str) -> String {
+        let hex: String = self.key.bytes().map(|b| format!("{b:02x}")).collect();
+        format!("{queue}.{MARK}.{hex}")
+    }
+
+    /// The subject of this key's open batch in `queue`.
+    pub fn subject(&self, queue: &str) -> String {
+        names::delayed_subject(queue, Priority::Normal, &self.base_id(queue))
+    }
+
+    /// A new batch's task id.
+    pub fn batch_id(&self, queue: &str) -> String {
+        format!("{}.{}", self.base_id(queue), nuid::next())
+    }
+
+    /// The due time of a batch whose first item came at `now_ms`.
+    pub fn until(&self, now_ms: u64) -> u64 {
+        now_ms.saturating_add(self.timeout.as_millis() as u64)
+    }
+}
+
+/// The list of a new batch: `[item]`.
+pub fn first(item: &[u8]) -> Bytes {
+    let mut out = BytesMut::with_capacity(item.len() + 2);
+    out.put_u8(b'[');
+    out.put_slice(item);
+    out.put_u8(b']');
+    out.freeze()
+}
+
+/// `list` (a JSON array this module wrote, never empty) with `item` (one JSON value)
+/// appended, or `None` if `list` is not such an array.
+pub fn append(list: &[u8], item: &[u8]) -> Option<Bytes> {
+    let body = list.strip_prefix(b"[")?.strip_suffix(b"]")?;
+    let mut out = BytesMut::with_capacity(list.len() + item.len() + 1);
+    out.put_u8(b'[');
+    out.put_slice(body);
+    out.put_u8(b',');
+    out.put_slice(item);
+    out.put_u8(b']');
+    Some(out.freeze())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(key: &str, size: i64, timeout_ms: i64) -> BatchRequest {
+        BatchRequest {
+            key: key.into(),
+            size,
+            timeout_ms,
+        }
+    }
+
+    #[test]
+    fn a_batch_is_checked() {
+        let b = Batching::from_request(&req("invoices", 500, 2000)).unwrap();
+        assert_eq!((b.size, b.timeout), (500, Duration::from_secs(2)));
+        for bad in [
+            req("", 1, 1),
+            req("a b", 1, 1),
+            req("k", 0, 1),
+            req("k", MAX_SIZE + 1, 1),
+            req("k", 1, 0),
+            req("k", 1, i64::MAX),
+            req("k", -1, 1),
+        ] {
+            assert!(Batching::from_request(&bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn a_batch_id_names_its_subject_and_lists_grow_in_order() {
+        let b = Batching::from_request(&req("a:b", 2, 10)).unwrap();
+        let id = b.batch_id("q");
+        assert!(id.starts_with("q.=b.613a62."), "{id}");
+        assert_eq!(names::queue_of_task_id(&id), Some("q"));
+        assert_eq!(
+            crate::debounce::window_subject_of(&id),
+            Some(b.subject("q"))
+        );
+        let list = first(b"{\"n\":1}");
+        let list = append(&list, b"null").unwrap();
+        let list = append(&list, b"[2]").unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&list).unwrap();
+        assert_eq!(v, serde_json::json!([{"n": 1}, null, [2]]));
+        assert_eq!(append(b"{}", b"1"), None);
+    }
+}
