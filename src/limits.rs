@@ -84,6 +84,13 @@ pub(crate) enum LimitsCommand {
         #[arg(long)]
         queue: Option<String>,
     },
+    /// The debounce windows and batches waiting now (at most 1,000 listed): key, task id,
+    /// due time, items of a batch. `ax limits status` shows them too.
+    Windows {
+        /// Only this queue.
+        #[arg(long)]
+        queue: Option<String>,
+    },
     /// Remove a limit (an error if there is none of that name on the queue).
     Delete {
         /// Limit name.
@@ -226,6 +233,44 @@ fn print_status(all: &Value, output: Output) -> Result<()> {
     Ok(())
 }
 
+fn print_windows(answer: &Value, output: Output) -> Result<()> {
+    if output == Output::Json {
+        return out::json(answer);
+    }
+    let now = ax_core::time::now_ms();
+    let rows: Vec<Vec<String>> = answer["windows"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|w| {
+            let due = match w["due_ms"].as_u64() {
+                _ if w["closed"].as_bool() == Some(true) => "closed: due now".to_string(),
+                Some(at) if at > now => format!("in {:.1} s", (at - now) as f64 / 1000.0),
+                Some(_) => "due now".to_string(),
+                None => "-".to_string(),
+            };
+            vec![
+                cell(&w["queue"]),
+                cell(&w["kind"]),
+                cell(&w["key"]),
+                w["items"]
+                    .as_u64()
+                    .map_or("-".to_string(), |n| n.to_string()),
+                due,
+                cell(&w["id"]),
+            ]
+        })
+        .collect();
+    out::table(
+        &["QUEUE", "WAITING", "KEY", "ITEMS", "RUNS", "TASK ID"],
+        &rows,
+    );
+    if let Some(more) = answer["more"].as_u64().filter(|m| *m > 0) {
+        println!("… and {more} more not listed");
+    }
+    Ok(())
+}
+
 pub(crate) async fn run(command: LimitsCommand, conn: &Conn, output: Output) -> Result<()> {
     let client = Client::new(conn.connect().await?);
     match command {
@@ -271,6 +316,17 @@ pub(crate) async fn run(command: LimitsCommand, conn: &Conn, output: Output) -> 
         LimitsCommand::Status { queue } => {
             let all = client.limits("status", &json!({ "queue": queue })).await?;
             print_status(&all, output)?;
+            if output != Output::Json {
+                let windows = client.limits("windows", &json!({ "queue": queue })).await?;
+                if windows["windows"].as_array().is_some_and(|w| !w.is_empty()) {
+                    println!();
+                    print_windows(&windows, output)?;
+                }
+            }
+        }
+        LimitsCommand::Windows { queue } => {
+            let windows = client.limits("windows", &json!({ "queue": queue })).await?;
+            print_windows(&windows, output)?;
         }
         LimitsCommand::Delete { name, queue } => {
             let reply = client

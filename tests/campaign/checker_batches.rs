@@ -1,9 +1,10 @@
 //! The batching rule (docs/PROTOCOL.md §2, "Batching"), from the producers' log and the
 //! workers' journals (each start of a batch's task journals the `item` of every element
-//! of its list): an item answered with a batch's id is in that batch's list and in no
-//! other; no list holds an item twice, an item never sent, or more than the batch size;
-//! every attempt of a batch runs the same list. (That each batch runs is the tasks rule:
-//! its id is accepted.)
+//! of its list): an item answered with a batch's id is in that batch's list and, unless
+//! an earlier attempt of its submit went unanswered (that attempt may have stored it too:
+//! the protocol's documented duplicate), in no other; no list holds an item twice, an item
+//! never sent, or more than the batch size; every attempt of a batch runs the same list.
+//! (That each batch runs is the tasks rule: its id is accepted.)
 
 use crate::checker::Invocation;
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -20,12 +21,19 @@ pub struct Batched {
     /// The batch id it was answered with; `None` if no attempt was answered (it may be
     /// stored, in some batch, or not at all).
     pub id: Option<String>,
+    /// No attempt before the answered one went unanswered or was answered `unavailable`.
+    pub clean: bool,
 }
 
 /// The batching rule over every batched submit and the journal.
 pub fn check_batches(sent: &[Batched], journal: &HashMap<String, Vec<Invocation>>) -> Vec<String> {
     let mut out = Vec::new();
     let sent_items: HashSet<&str> = sent.iter().map(|b| b.item.as_str()).collect();
+    let unclean: HashSet<&str> = sent
+        .iter()
+        .filter(|b| !b.clean)
+        .map(|b| b.item.as_str())
+        .collect();
     // The list each batch ran with (its attempts must agree).
     let mut lists: BTreeMap<&str, &Vec<String>> = BTreeMap::new();
     for (id, runs) in journal {
@@ -41,7 +49,7 @@ pub fn check_batches(sent: &[Batched], journal: &HashMap<String, Vec<Invocation>
             }
         }
     }
-    let mut holder: HashMap<&str, &str> = HashMap::new();
+    let mut holders: HashMap<&str, Vec<&str>> = HashMap::new();
     for (id, items) in &lists {
         if items.len() > BATCH_SIZE {
             out.push(format!(
@@ -53,16 +61,19 @@ pub fn check_batches(sent: &[Batched], journal: &HashMap<String, Vec<Invocation>
             if !sent_items.contains(item.as_str()) {
                 out.push(format!("batch {id}: item {item} was never sent"));
             }
-            if let Some(other) = holder.insert(item, id) {
+            let held = holders.entry(item).or_default();
+            if let Some(other) = held.first().filter(|_| !unclean.contains(item.as_str())) {
                 out.push(format!("item {item} held by batch {other} and batch {id}"));
             }
+            held.push(id);
         }
     }
     for b in sent {
         let Some(id) = &b.id else { continue };
-        match (holder.get(b.item.as_str()), lists.contains_key(id.as_str())) {
-            (Some(held), _) if *held != id => out.push(format!(
-                "item {} answered with batch {id} ran in batch {held}",
+        let held = holders.get(b.item.as_str());
+        match (held, lists.contains_key(id.as_str())) {
+            (Some(held), _) if !held.contains(&id.as_str()) => out.push(format!(
+                "item {} answered with batch {id} ran in batch {held:?}",
                 b.item
             )),
             (None, true) => out.push(format!(
@@ -91,6 +102,7 @@ mod tests {
         Batched {
             item: item.into(),
             id: id.map(String::from),
+            clean: true,
         }
     }
 
@@ -119,10 +131,19 @@ mod tests {
         );
         let mut twice = journal.clone();
         twice.insert("C".into(), vec![started(&["a"])]);
+        assert_eq!(check_batches(&log, &twice).len(), 1, "held twice");
+        // Unless an unanswered attempt of its submit may have stored it before.
+        let mut retried = log.to_vec();
+        retried[0].clean = false;
+        assert_eq!(check_batches(&retried, &twice), Vec::<String>::new());
+        let mut elsewhere = twice.clone();
+        let a = elsewhere.get_mut("A").unwrap();
+        a[0].items = Some(vec!["b".into()]);
+        a[1].items = Some(vec!["b".into()]);
         assert_eq!(
-            check_batches(&log, &twice).len(),
-            2,
-            "held twice, answered A"
+            check_batches(&retried, &elsewhere).len(),
+            1,
+            "answered A, ran in C only"
         );
         let mut bogus = journal.clone();
         bogus.insert("D".into(), vec![started(&["x", "y", "x2", "x3", "x4"])]);

@@ -271,6 +271,7 @@ async fn batch_burst(ax: &Client, log: &Mutex<Log>, lane: usize, key: &str, rng:
         let answer = submit_until_answered(ax, "q", spec, log).await;
         {
             let mut log = log.lock().unwrap();
+            let clean = answer.1;
             let id = match answer {
                 (Some(Ok(a)), _) => {
                     log.accepted.insert(a.id.clone());
@@ -278,7 +279,7 @@ async fn batch_burst(ax: &Client, log: &Mutex<Log>, lane: usize, key: &str, rng:
                 }
                 _ => None,
             };
-            log.batched.push(Batched { item, id });
+            log.batched.push(Batched { item, id, clean });
         }
         tokio::time::sleep(Duration::from_millis(rng.random_range(0..150))).await;
     }

@@ -327,3 +327,62 @@ async fn the_cli_adds_items_to_a_batch_key() {
     stop.cancel();
     handle.await.unwrap();
 }
+
+/// `ax.limit.windows` and `ax limits status` show what waits: a batch filling (its items)
+/// and a debounce window, by key and task id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_batches_and_windows_are_listed() {
+    let env = Env::start(Env::server().queues(["q", "other"])).await;
+    let batch = env
+        .ax
+        .submit("q", item("orders", 10, 60_000, 1))
+        .await
+        .unwrap();
+    env.ax
+        .submit("q", item("orders", 10, 60_000, 2))
+        .await
+        .unwrap();
+    let deb = TaskSpec::new("sync")
+        .json(&json!({"n": 1}))
+        .debounce("user:1", Duration::from_secs(60));
+    let window = env.ax.submit("other", deb).await.unwrap();
+    let all = env.ax.limits("windows", &json!({})).await.unwrap();
+    let listed = all["windows"].as_array().unwrap();
+    assert_eq!(listed.len(), 2, "{all}");
+    let b = listed.iter().find(|w| w["kind"] == "batch").unwrap();
+    assert_eq!(
+        (&b["queue"], &b["key"], &b["id"], &b["items"], &b["closed"]),
+        (
+            &json!("q"),
+            &json!("orders"),
+            &json!(batch.id),
+            &json!(2),
+            &json!(false)
+        )
+    );
+    let d = listed.iter().find(|w| w["kind"] == "debounce").unwrap();
+    assert_eq!(
+        (&d["queue"], &d["id"]),
+        (&json!("other"), &json!(window.id))
+    );
+    assert!(d["due_ms"].as_u64().unwrap() > now_ms() + 50_000);
+    let only_q = env
+        .ax
+        .limits("windows", &json!({"queue": "q"}))
+        .await
+        .unwrap();
+    assert_eq!(only_q["windows"].as_array().unwrap().len(), 1);
+    let bad = env.ax.limits("windows", &json!({"queue": "a b"})).await;
+    assert!(matches!(bad, Err(ClientError::Refused(e)) if e.field.as_deref() == Some("queue")));
+    let out = crate::limits::ax_cli(&env, &["limits", "status"]).await;
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("orders") && text.contains(&batch.id) && text.contains("user:1"),
+        "{text}"
+    );
+}

@@ -18,6 +18,8 @@ pub enum LimitRequest {
     List(LimitFilter),
     /// Like `List`, with what each holds now.
     Status(LimitFilter),
+    /// The debounce windows and batches waiting now, of a queue or of every queue.
+    Windows(LimitFilter),
     /// An operation this enum does not have (never sent).
     #[doc(hidden)]
     #[serde(other)]

@@ -97,6 +97,15 @@ impl LimitApi {
                 let defs = self.list_of(queue).await?;
                 self.status(defs).await
             }
+            LimitRequest::Windows(LimitFilter { queue }) => {
+                if queue
+                    .as_deref()
+                    .is_some_and(|q| !ax_core::names::valid_queue(q))
+                {
+                    return Err(WireError::field("queue", "not a queue name"));
+                }
+                super::windows::list(&self.ctx.js, queue.as_deref()).await
+            }
             LimitRequest::Unknown => Err(unknown_operation(Api::Limit, op)),
         }
     }

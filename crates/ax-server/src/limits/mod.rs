@@ -2,5 +2,6 @@
 //! limits themselves, and the gate every worker applies, live in `ax_sdk::limits`.
 
 pub(crate) mod api;
+mod windows;
 
 pub use ax_sdk::limits::*;
