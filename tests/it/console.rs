@@ -151,6 +151,17 @@ async fn find_a_dead_task_by_error_class_retry_it_and_watch_it_succeed() {
         let rec = env.record(&dead).await;
         assert_eq!((rec.state, rec.attempt), (TaskState::Succeeded, 2));
         assert_eq!(rec.op.unwrap().by, "console");
+        // The limits page lists a batch that fills, by key, items and task.
+        let spec = TaskSpec::new("invoice").json(&json!({"order": 1})).batch("invoices", 50, Duration::from_secs(60));
+        let batch = env.ax.submit("q", spec.clone()).await.unwrap().id;
+        env.ax.submit("q", spec).await.unwrap();
+        b.go(&format!("{site}/#/limits")).await;
+        b.until("the waiting batch on the limits page", 15, &format!(
+            "const r = document.querySelector('#windows a[href=\"#/task/{}\"]')?.closest('tr'); \
+             return !!r && r.textContent.includes('invoices') && r.cells[3].textContent.trim() === '2'",
+            batch.replace('=', "%3D")
+        ))
+        .await;
         b.close().await;
     })
     .await

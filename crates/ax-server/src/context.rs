@@ -26,7 +26,7 @@ pub(crate) struct Context {
     /// Faults a test armed (`ax_core::faults`); none by default.
     pub(crate) faults: ax_core::faults::Faults,
     /// The batch keys this server is writing items to (`submit::batching`).
-    pub(crate) lanes: crate::submit::Lanes,
+    pub(crate) lanes: crate::submit::lanes::Lanes,
 }
 
 impl Context {

@@ -2,7 +2,7 @@
 //! one queue become one task whose payload is the JSON list of their payloads, in the order
 //! they were stored, due once `size` items arrived or `timeout` after the batch's first.
 //!
-//! A batch is held as a debounce window is ([`crate::debounce`]): the last message of the
+//! A batch is held as a debounce window is (the `debounce` module): the last message of the
 //! delayed subject of its base id `<queue>.=b.<key in hex>` is a delayed task
 //! `<base id>.<nuid>` whose payload is the list so far, with `Ax-Debounce-Until-Ms` (its due
 //! time: the first item's time plus `timeout`), `Ax-Debounce-Key` and `Ax-Batch-Count`. An
@@ -24,6 +24,11 @@ pub const COUNT: &str = "Ax-Batch-Count";
 pub(crate) const MARK: &str = "=b";
 /// Most items in one batch.
 pub const MAX_SIZE: i64 = 10_000;
+/// Longest batch key (its hex form is part of task ids of at most 255 bytes), as a
+/// debounce key's.
+pub const MAX_KEY: usize = 64;
+/// Longest timeout: 7 days, as a debounce period's.
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(7 * 24 * 3600);
 
 /// A validated batch key, size and timeout.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -39,7 +44,7 @@ pub struct Batching {
 impl Batching {
     /// Checks a request's `batch` object.
     pub fn from_request(req: &BatchRequest) -> Result<Batching, WireError> {
-        if req.key.len() > crate::debounce::MAX_KEY || !crate::task::valid_limit_key(&req.key) {
+        if req.key.len() > MAX_KEY || !crate::task::valid_limit_key(&req.key) {
             return Err(WireError::field(
                 "batch.key",
                 "must be 1..=64 of A-Z a-z 0-9 _ - . : @",
@@ -48,7 +53,7 @@ impl Batching {
         if !(1..=MAX_SIZE).contains(&req.size) {
             return Err(WireError::field("batch.size", "must be 1 to 10000"));
         }
-        let most = crate::debounce::MAX_PERIOD.as_millis();
+        let most = MAX_TIMEOUT.as_millis();
         if req.timeout_ms < 1 || req.timeout_ms as u128 > most {
             return Err(WireError::field(
                 "batch.timeout_ms",
@@ -141,10 +146,6 @@ mod tests {
         let id = b.batch_id("q");
         assert!(id.starts_with("q.=b.613a62."), "{id}");
         assert_eq!(names::queue_of_task_id(&id), Some("q"));
-        assert_eq!(
-            crate::debounce::window_subject_of(&id),
-            Some(b.subject("q"))
-        );
         let list = first(b"{\"n\":1}");
         let list = append(&list, b"null").unwrap();
         let list = append(&list, b"[2]").unwrap();

@@ -254,6 +254,12 @@ mod tests {
         assert_eq!(names::queue_of_task_id(&id), Some("q"));
         assert_eq!(window_subject_of(&id), Some(d.subject("q")));
         assert_eq!(window_subject_of("q.abc"), None);
+        let b = crate::batching::Batching {
+            key: "a:b".into(),
+            size: 2,
+            timeout: Duration::from_millis(10),
+        };
+        assert_eq!(window_subject_of(&b.batch_id("q")), Some(b.subject("q")));
         assert_eq!(window_subject_of("q.=d.zz.abc"), None);
         assert_eq!(d.due(1000, 1005), 1005);
         assert_eq!(d.due(1000, 5000), 1010);

@@ -12,6 +12,7 @@
 //! fails and it reads. Replaced messages are deleted after the round is answered.
 
 use super::debounce::window_headers;
+use super::lanes::{Last, Waiting};
 use crate::context::Context;
 use async_nats::jetstream::stream::DirectGetErrorKind;
 use async_nats::HeaderMap;
@@ -24,66 +25,13 @@ use ax_core::state::TaskState;
 use ax_core::task::{header, TaskMeta};
 use ax_core::time::now_ms;
 use bytes::Bytes;
-use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Mutex};
+use std::collections::VecDeque;
 use tokio::sync::oneshot;
 use tracing::debug;
 
 /// Reads and conditional publishes one round tries before its items are answered
 /// `unavailable` (each lost race means another writer of the key made progress).
 const MAX_TRIES: usize = 64;
-
-/// The lanes of the batch keys this server is writing (by subject).
-#[derive(Debug, Default)]
-pub(crate) struct Lanes(Mutex<HashMap<String, Arc<Lane>>>);
-
-#[derive(Debug, Default)]
-struct Lane {
-    waiting: Mutex<Vec<Waiting>>,
-    /// Held by the round writing; what it last stored (the next round's first guess of
-    /// the key's last message: a wrong guess fails its expectation and reads).
-    writer: tokio::sync::Mutex<Option<Last>>,
-}
-
-/// A key's last message as this server knows it.
-#[derive(Debug)]
-struct Last {
-    seq: u64,
-    headers: HeaderMap,
-    list: Bytes,
-}
-
-#[derive(Debug)]
-struct Waiting {
-    meta: TaskMeta,
-    item: Bytes,
-    b: Batching,
-    answer: oneshot::Sender<Result<SubmitAccepted, WireError>>,
-}
-
-impl Waiting {
-    fn answer(self, r: Result<SubmitAccepted, WireError>) {
-        if r.is_ok() {
-            metrics::counter!(ax_core::metrics::BATCHED_ITEMS).increment(1);
-        }
-        let _ = self.answer.send(r);
-    }
-}
-
-impl Lanes {
-    fn lane(&self, subject: &str) -> Arc<Lane> {
-        let mut lanes = self.0.lock().unwrap();
-        lanes.entry(subject.to_string()).or_default().clone()
-    }
-
-    /// Drops `subject`'s lane when nobody else holds it and nothing waits in it.
-    fn release(&self, subject: &str, lane: Arc<Lane>) {
-        let mut lanes = self.0.lock().unwrap();
-        if Arc::strong_count(&lane) == 2 && lane.waiting.lock().unwrap().is_empty() {
-            lanes.remove(subject);
-        }
-    }
-}
 
 /// The batch a round is filling: the key's open batch, or one it opened.
 struct Filling {

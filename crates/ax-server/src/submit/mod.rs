@@ -21,9 +21,9 @@ use tracing::warn;
 mod batch;
 mod batching;
 mod debounce;
+pub(crate) mod lanes;
 pub(crate) use batch::is_batch;
 pub use batch::{BatchAnswers, MAX_BATCH};
-pub(crate) use batching::Lanes;
 
 pub use ax_core::admit::is_full;
 pub(crate) use ax_core::admit::{publish_headers, publish_task, unrecorded};

@@ -444,14 +444,20 @@ async function triggers() {
 }
 
 async function limits() {
-  const list = await call("limit", "status", {});
+  const [list, waiting] = await Promise.all([call("limit", "status", {}), call("limit", "windows", {})]);
+  const runs = (w) => w.closed ? "closed: due now" : w.due_ms > Date.now() ? `in ${((w.due_ms - Date.now()) / 1000).toFixed(1)} s` : "due now";
+  const windows = waiting.windows.length ? `<h2>Debounce windows and batches waiting</h2><table id="windows">
+    <tr><th>queue</th><th>waiting</th><th>key</th><th>items</th><th>runs</th><th>task</th></tr>
+    ${waiting.windows.map((w) => `<tr><td>${esc(w.queue)}</td><td>${esc(w.kind)}</td><td class="mono">${esc(w.key ?? "")}</td>
+    <td>${w.items ?? ""}</td><td>${runs(w)}</td><td><a class="mono" href="#/task/${encodeURIComponent(w.id)}">${esc(w.id)}</a></td></tr>`).join("")}</table>
+    ${waiting.more ? `<p class="muted">and ${waiting.more} more not listed</p>` : ""}` : "";
   show(`<h1>Limits</h1><table id="limits"><tr><th>queue</th><th>name</th><th>task</th><th>per key</th><th>rate/s</th><th>burst</th>
     <th>tokens left</th><th>concurrency</th><th>slots held</th></tr>
     ${list.map(({ limit: l, tokens, slots_held, rate_now }) => `<tr><td>${esc(l.queue)}${l.queues ? ` <span class="muted">shared with ${l.queues.filter((q) => q !== l.queue).map(esc).join(", ")}</span>` : ""}</td><td>${esc(l.name)}</td><td>${esc(l.task || "all")}</td>
     <td>${l.per_key ? "yes" : ""}</td><td>${l.rate ?? ""}${l.adaptive ? ` <span class="muted">adaptive ${esc(l.adaptive.min)}–${esc(l.rate)}${rate_now != null ? `, now ${rate_now.toFixed(1)}` : ""}</span>` : ""}</td><td>${l.burst ?? ""}</td>
     <td>${tokens === null ? (l.rate ? "per key" : "") : tokens.toFixed(1)}</td><td>${l.concurrency ?? ""}</td>
     <td>${slots_held.length}${slots_held.length ? `: <span class="mono">${slots_held.map((s) => esc(s.holder)).join(", ")}</span>` : ""}</td></tr>`).join("")}</table>
-    <p class="muted">Tasks waiting for a limit carry <code>waiting</code> in their record (shown on the task page).</p>`);
+    <p class="muted">Tasks waiting for a limit carry <code>waiting</code> in their record (shown on the task page).</p>${windows}`);
 }
 
 // ---- routing, actions, live updates ----
