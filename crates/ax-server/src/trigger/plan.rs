@@ -267,7 +267,17 @@ pub fn plan(
             // The buffered fire is overtaken by a newer scheduled time.
             st.skipped += 1;
         }
-        candidates
+        match def.overlap {
+            // Times missed at once fire as the latest even when nothing runs: each would
+            // cancel the one before it as soon as it fired (the 10-minute R3 campaign,
+            // seed 17212415938155834024, saw eight fired one after another after an
+            // engine stall, all running at once).
+            OverlapPolicy::CancelInProgress if candidates.len() > 1 => {
+                st.skipped += candidates.len() as u64 - 1;
+                candidates.last().copied().into_iter().collect()
+            }
+            _ => candidates,
+        }
     };
     Plan {
         fires,
@@ -392,6 +402,12 @@ mod tests {
             (p.fires, p.cancel_active),
             (vec![2000], false),
             "nothing to cancel"
+        );
+        // Missed at once while nothing runs: still the latest alone.
+        let p = plan(&d, &r, &state(Some(1000)), 4000, false);
+        assert_eq!(
+            (p.fires, p.cancel_active, p.state.skipped),
+            (vec![4000], false, 2)
         );
     }
 
