@@ -69,13 +69,12 @@ impl Batching {
 
     /// The base id of this key's batches in `queue`: `<queue>.=b.<key's bytes in hex>`.
     pub fn base_id(&self, queue: &str) -> String {
-        let hex: String = self.key.bytes().map(|b| format!("{b:02x}")).collect();
-        format!("{queue}.{MARK}.{hex}")
+        window_base_id(queue, MARK, &self.key)
     }
 
     /// The subject of this key's open batch in `queue`.
     pub fn subject(&self, queue: &str) -> String {
-        names::delayed_subject(queue, Priority::Normal, &self.base_id(queue))
+        window_subject(queue, &self.base_id(queue))
     }
 
     /// A new batch's task id.
@@ -87,6 +86,19 @@ impl Batching {
     pub fn until(&self, now_ms: u64) -> u64 {
         now_ms.saturating_add(self.timeout.as_millis() as u64)
     }
+}
+
+/// The base id of a window (a batch's, or a debounce window's) of `key` in `queue`:
+/// `<queue>.<mark>.<key's bytes in lowercase hex>`.
+pub(crate) fn window_base_id(queue: &str, mark: &str, key: &str) -> String {
+    let hex: String = key.bytes().map(|b| format!("{b:02x}")).collect();
+    format!("{queue}.{mark}.{hex}")
+}
+
+/// The subject of the window of base id `base` in `queue`: its delayed subject, under the
+/// priority token `normal` whatever the task's priority.
+pub(crate) fn window_subject(queue: &str, base: &str) -> String {
+    names::delayed_subject(queue, Priority::Normal, base)
 }
 
 /// The list of a new batch: `[item]`.

@@ -14,7 +14,7 @@
 //! (or none) opens a new window under a new id.
 
 use crate::error::WireError;
-use crate::names::{self, Priority};
+use crate::names;
 use crate::protocol::{DebounceRequest, ErrorCode, SubmitRequest};
 use crate::task::{Limits, TaskMeta};
 use bytes::Bytes;
@@ -104,13 +104,12 @@ impl Debounce {
 
     /// The base id of this key's windows in `queue`: `<queue>.=d.<key's bytes in hex>`.
     pub fn base_id(&self, queue: &str) -> String {
-        let hex: String = self.key.bytes().map(|b| format!("{b:02x}")).collect();
-        format!("{queue}.{MARK}.{hex}")
+        crate::batching::window_base_id(queue, MARK, &self.key)
     }
 
     /// The subject of this key's window in `queue`.
     pub fn subject(&self, queue: &str) -> String {
-        names::delayed_subject(queue, Priority::Normal, &self.base_id(queue))
+        crate::batching::window_subject(queue, &self.base_id(queue))
     }
 
     /// A new window's task id.
@@ -143,7 +142,7 @@ pub fn window_subject_of(id: &str) -> Option<String> {
         return None;
     }
     let base = format!("{queue}.{base_rest}");
-    Some(names::delayed_subject(queue, Priority::Normal, &base))
+    Some(crate::batching::window_subject(queue, &base))
 }
 
 /// True if delayed message headers are an open window (closed by the dispatcher when due).
