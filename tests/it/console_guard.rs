@@ -435,6 +435,7 @@ async fn healthz_shows_each_service_and_its_restarts() {
         "console",
         "delayed-dispatch",
         "event-router",
+        "fair-dispatch",
         "flow-engine",
         "task-index",
         "task-index-delayed",

@@ -3,7 +3,7 @@
 //! field added to the protocol reaches the tests that throw odd values at it.
 
 /// Every field of a submit request (the `backoff` object's too), and one that is not.
-pub const SUBMIT_FIELDS: [&str; 22] = [
+pub const SUBMIT_FIELDS: [&str; 23] = [
     "name",
     "queue",
     "payload",
@@ -13,6 +13,7 @@ pub const SUBMIT_FIELDS: [&str; 22] = [
     "run_at",
     "idempotency_key",
     "limit_key",
+    "fair_key",
     "traceparent",
     "business_id",
     "max_attempts",

@@ -16,6 +16,7 @@ mod debounce;
 mod decoders;
 mod delay;
 mod direct;
+mod fair;
 mod faults;
 mod fields;
 mod first_attempt;

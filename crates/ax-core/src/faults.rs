@@ -38,6 +38,9 @@ pub enum Abort {
     AfterFire,
     /// Between a due debounce window's fired copy and the delete of its message.
     AfterClose,
+    /// Between fair-share tasks' release to their ready subject and the purge of their
+    /// held messages.
+    AfterRelease,
 }
 
 impl Abort {
@@ -48,14 +51,16 @@ impl Abort {
             Abort::AfterDispatch => "AX_TEST_ABORT_AFTER_DISPATCH",
             Abort::AfterFire => "AX_TEST_ABORT_AFTER_FIRE",
             Abort::AfterClose => "AX_TEST_ABORT_AFTER_CLOSE",
+            Abort::AfterRelease => "AX_TEST_ABORT_AFTER_RELEASE",
         }
     }
 
-    const ALL: [Abort; 4] = [
+    const ALL: [Abort; 5] = [
         Abort::AfterPublish,
         Abort::AfterDispatch,
         Abort::AfterFire,
         Abort::AfterClose,
+        Abort::AfterRelease,
     ];
 }
 

@@ -76,3 +76,28 @@ pub async fn ordered(
         .await
         .map_err(Into::into)
 }
+
+/// An ordered consumer over the subjects `filters` of `stream` from sequence `start` (0:
+/// its first message), its pull expiry [`PULL_EXPIRES`]: its message feed, and how many
+/// stored messages it has to deliver (what an index replays before it is caught up).
+pub async fn ordered_from(
+    stream: &async_nats::jetstream::stream::Stream,
+    filters: Vec<String>,
+    start: u64,
+) -> Result<(async_nats::jetstream::consumer::pull::Ordered, u64), async_nats::Error> {
+    use async_nats::jetstream::consumer::DeliverPolicy;
+    let deliver_policy = match start {
+        0 => DeliverPolicy::All,
+        start_sequence => DeliverPolicy::ByStartSequence { start_sequence },
+    };
+    let consumer = stream
+        .create_consumer(async_nats::jetstream::consumer::pull::OrderedConfig {
+            deliver_policy,
+            filter_subjects: filters,
+            max_expires: PULL_EXPIRES,
+            ..Default::default()
+        })
+        .await?;
+    let pending = consumer.cached_info().num_pending;
+    Ok((consumer.messages().await?, pending))
+}

@@ -29,6 +29,11 @@ pub const DELAYED_DISPATCHED: &str = "ax_delayed_dispatched_total";
 pub const DEBOUNCED: &str = "ax_debounced_submits_total";
 /// Counter, server: items of batch keys accepted (each in the list of one batch's task).
 pub const BATCHED_ITEMS: &str = "ax_batched_items_total";
+/// Gauge, server `{queue}`: tasks with a fair key held in `AX_FAIR` for their turn (set by
+/// the fair dispatcher's leader every second).
+pub const FAIR_HELD: &str = "ax_fair_held";
+/// Counter, server `{queue}`: tasks with a fair key released to their ready subject.
+pub const FAIR_RELEASED: &str = "ax_fair_released_total";
 /// Gauge, server: delayed-task partitions this server owns (of `names::DELAYED_PARTITIONS`).
 pub const DELAYED_PARTITIONS_OWNED: &str = "ax_delayed_partitions_owned";
 /// Gauge, server: delayed tasks this server's timer index holds.
@@ -170,6 +175,14 @@ pub fn describe() {
     describe_counter!(
         BATCHED_ITEMS,
         "Items of batch keys accepted (each in one batch's task)"
+    );
+    describe_gauge!(
+        FAIR_HELD,
+        "Tasks with a fair key held for their turn (fair dispatcher's leader)"
+    );
+    describe_counter!(
+        FAIR_RELEASED,
+        "Tasks with a fair key released to their ready subject"
     );
     describe_gauge!(
         DELAYED_PARTITIONS_OWNED,

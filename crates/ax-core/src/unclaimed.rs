@@ -6,7 +6,8 @@
 //! subject of its own: one direct get ([`find_delayed`]). Once due (or if it never was
 //! delayed) it waits on a ready subject shared by its queue: its queue is in its id, so it walks
 //! that queue's three ready subjects (direct gets, `next_by_subj`, high priority first)
-//! until a message carries the id. A pending task waits in a bounded ready subject, so the
+//! until a message carries the id. A task with a fair key waits first in `AX_FAIR`, under
+//! a subject that ends with its id ([`find_fair`]). A pending task waits in a bounded ready subject, so the
 //! walk reads at most the queue's capacity (1,000 + 5,000 + 10,000 messages by default).
 //! docs/PROTOCOL.md §3, "Unrecorded tasks".
 
@@ -84,6 +85,26 @@ pub async fn find_delayed(
         }
     }
     Ok(None)
+}
+
+/// The held message of task `id` if it waits in `AX_FAIR` for its fair share (subject
+/// `ax.fair.<queue>.<priority>.<hex fair key>.<id>`): its metadata and `AX_FAIR` sequence.
+/// One direct get with a wildcard filter (`ax.fair.<queue>.*.*.<id>`): the tenant and the
+/// priority are not in the id. `Ok(None)` if none holds it.
+pub async fn find_fair(
+    js: &jetstream::Context,
+    id: &str,
+) -> Result<Option<(TaskMeta, u64)>, StateError> {
+    let Some(queue) = names::queue_of_task_id(id) else {
+        return Ok(None);
+    };
+    let broker = broker(id, "find held fair message");
+    let stream = match js.get_stream_no_info(names::FAIR_STREAM).await {
+        Ok(stream) => stream,
+        Err(e) => return Err(broker(e.into())),
+    };
+    let filter = format!("ax.fair.{queue}.*.*.{id}");
+    next_carrying(&stream, &filter, 1, id).await.map_err(broker)
 }
 
 /// A debounced task's message on its key's window subject: the last of the few messages

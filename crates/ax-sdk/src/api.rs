@@ -121,6 +121,8 @@ pub const OPERATIONS: &[Operation] = &[
     op(Api::Limit, "delete", W, ANY),
     op(Api::Limit, "status", R, ANY),
     op(Api::Limit, "windows", R, ANY),
+    op(Api::Limit, "fair_put", W, ANY),
+    op(Api::Limit, "fair_get", R, ANY),
     op(Api::Trigger, "put", W, ANY),
     op(Api::Trigger, "apply", W, ANY),
     op(Api::Trigger, "get", R, ANY),

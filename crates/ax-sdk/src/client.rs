@@ -139,6 +139,13 @@ impl TaskSpec {
         self.0.limit_key = Some(key.into());
         self
     }
+    /// The tenant this task's fair share is counted under: tasks with a fair key reach
+    /// workers in weighted fair order between tenants (docs/guides/limits.md, "Fair
+    /// shares"); 1..=64 of `A-Z a-z 0-9 _ - . : @`.
+    pub fn fair_key(mut self, key: impl Into<String>) -> TaskSpec {
+        self.0.fair_key = Some(key.into());
+        self
+    }
     /// Attempts in all (default 5).
     pub fn max_attempts(mut self, n: u32) -> TaskSpec {
         self.0.max_attempts = Some(i64::from(n));

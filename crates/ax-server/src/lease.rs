@@ -63,6 +63,11 @@ impl Lease {
         }
     }
 
+    /// The TTL the lease is renewed against.
+    pub(crate) fn ttl(&self) -> Duration {
+        self.ttl
+    }
+
     /// The fencing token while held.
     pub(crate) fn token(&self) -> Option<u64> {
         self.revision

@@ -12,6 +12,7 @@
 //! | [`streams`] | the declarative topology in `streams/` and `apply` |
 //! | [`submit`] | admission |
 //! | [`schedule`] | delayed tasks: timer index and dispatch |
+//! | `fair` | fair shares between tenants: held tasks released in weighted fair order |
 //! | [`server`] | `ax server`: admission, dispatch and the services below |
 //! | [`trigger`] | cron / interval / once / event triggers, their engine and API |
 //! | [`flow`] | the flow engine (one leader), its API and re-runs |
@@ -22,6 +23,7 @@
 
 pub mod console;
 mod context;
+mod fair;
 pub mod flow;
 mod lease;
 pub mod limits;

@@ -17,7 +17,7 @@ use serde_json::Value;
 use std::time::Duration;
 
 /// The stream definitions, by file name.
-pub const STREAM_FILES: [(&str, &str); 18] = [
+pub const STREAM_FILES: [(&str, &str); 19] = [
     (
         "AX_READY_HIGH.json",
         include_str!("../../../streams/AX_READY_HIGH.json"),
@@ -33,6 +33,10 @@ pub const STREAM_FILES: [(&str, &str); 18] = [
     (
         "AX_DELAYED.json",
         include_str!("../../../streams/AX_DELAYED.json"),
+    ),
+    (
+        "AX_FAIR.json",
+        include_str!("../../../streams/AX_FAIR.json"),
     ),
     (
         "AX_DEAD.json",

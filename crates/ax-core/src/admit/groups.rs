@@ -5,19 +5,20 @@
 use super::{first_headers, is_stored_already, refusal, stored_delayed_seq};
 use crate::atomic::{GroupCommit, Grouped, Outgoing};
 use crate::faults::Faults;
-use crate::names::{Priority, DELAYED_STREAM};
+use crate::names::{Priority, DELAYED_STREAM, FAIR_STREAM};
 use crate::protocol::WireError;
 use crate::task::TaskMeta;
 use async_nats::jetstream;
 use bytes::Bytes;
 
-/// One [`Grouped`] per ready stream (by priority index) and one for `AX_DELAYED` (an
-/// atomic batch is stored by one stream). The delayed one holds at most one message per
+/// One [`Grouped`] per ready stream (by priority index), one for `AX_DELAYED` and one for
+/// `AX_FAIR` (an atomic batch is stored by one stream). The delayed one holds at most one message per
 /// subject in a group: a delayed task is stored create-if-absent on its own subject.
 #[derive(Debug, Clone)]
 pub struct Groups {
     ready: [Grouped; 3],
     delayed: Grouped,
+    fair: Grouped,
 }
 
 impl Groups {
@@ -30,6 +31,7 @@ impl Groups {
         Groups {
             ready: Priority::ALL.map(|p| start(&p.ready_stream(), false)),
             delayed: start(DELAYED_STREAM, true),
+            fair: start(FAIR_STREAM, false),
         }
     }
 
@@ -49,9 +51,10 @@ impl Groups {
             payload,
         };
         let subject = msg.subject.clone();
-        let group = match meta.run_at_ms {
-            Some(_) => &self.delayed,
-            None => &self.ready[meta.priority.index()],
+        let group = match (meta.run_at_ms, &meta.fair_key) {
+            (Some(_), _) => &self.delayed,
+            (None, Some(_)) => &self.fair,
+            (None, None) => &self.ready[meta.priority.index()],
         };
         match group.publish(msg).await {
             Ok(seq) => Ok(seq),
@@ -60,5 +63,29 @@ impl Groups {
             }
             Err(e) => Err(refusal(&subject, &e)),
         }
+    }
+
+    /// Publishes a stored task message as it is to its ready subject of `priority` (the
+    /// fair dispatcher releasing a held task) with the other messages of the moment,
+    /// `Nats-Msg-Id` = `id`; answers its ready sequence. A full subject is `busy`.
+    pub async fn release(
+        &self,
+        priority: Priority,
+        subject: String,
+        headers: async_nats::HeaderMap,
+        id: &str,
+        payload: Bytes,
+    ) -> Result<u64, WireError> {
+        let mut headers = crate::atomic::without_publish_headers(headers);
+        headers.insert("Nats-Msg-Id", id);
+        let msg = Outgoing {
+            subject: subject.clone(),
+            headers,
+            payload,
+        };
+        self.ready[priority.index()]
+            .publish(msg)
+            .await
+            .map_err(|e| refusal(&subject, &e))
     }
 }

@@ -38,11 +38,22 @@ pub fn unrecorded(mut meta: TaskMeta) -> TaskMeta {
 }
 
 /// The subject a task's message is stored under: its delayed subject in `AX_DELAYED` if
-/// it has a due time, else its queue's ready subject of its priority.
+/// it has a due time, else its fair subject in `AX_FAIR` if it has a fair key, else its
+/// queue's ready subject of its priority.
 pub fn subject(meta: &TaskMeta) -> String {
-    match meta.run_at_ms {
-        Some(_) => crate::names::delayed_subject(&meta.queue, meta.priority, &meta.id),
-        None => crate::names::ready_subject(&meta.queue, meta.priority),
+    match (meta.run_at_ms, &meta.fair_key) {
+        (Some(_), _) => crate::names::delayed_subject(&meta.queue, meta.priority, &meta.id),
+        (None, Some(key)) => crate::names::fair_subject(&meta.queue, meta.priority, key, &meta.id),
+        (None, None) => crate::names::ready_subject(&meta.queue, meta.priority),
+    }
+}
+
+/// The stream a task's first message is stored in ([`subject`]).
+pub fn stream(meta: &TaskMeta) -> String {
+    match (meta.run_at_ms, &meta.fair_key) {
+        (Some(_), _) => crate::names::DELAYED_STREAM.to_string(),
+        (None, Some(_)) => crate::names::FAIR_STREAM.to_string(),
+        (None, None) => meta.priority.ready_stream(),
     }
 }
 

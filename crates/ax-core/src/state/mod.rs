@@ -132,6 +132,14 @@ impl TaskStore {
             }
             return Ok(Some((crate::unclaimed::scheduled_record(&meta, seq), 0)));
         }
+        // Held for its fair share: the fair dispatcher publishes its ready message before
+        // it purges the held one, so one not found held is found ready.
+        if let Some((meta, _)) = crate::unclaimed::find_fair(&self.js, id).await? {
+            if let Some(found) = self.get(id).await? {
+                return Ok(Some(found));
+            }
+            return Ok(Some((meta.record(), 0)));
+        }
         if let Some((meta, seq)) = crate::unclaimed::find_ready(&self.js, id).await? {
             // Claimed between the two reads: the record exists now.
             if let Some(found) = self.get(id).await? {

@@ -91,8 +91,7 @@ impl Batching {
 /// The base id of a window (a batch's, or a debounce window's) of `key` in `queue`:
 /// `<queue>.<mark>.<key's bytes in lowercase hex>`.
 pub(crate) fn window_base_id(queue: &str, mark: &str, key: &str) -> String {
-    let hex: String = key.bytes().map(|b| format!("{b:02x}")).collect();
-    format!("{queue}.{mark}.{hex}")
+    format!("{queue}.{mark}.{}", names::hex_token(key))
 }
 
 /// The subject of the window of base id `base` in `queue`: its delayed subject, under the

@@ -10,6 +10,9 @@ use std::str::FromStr;
 pub const READY_STREAM_PREFIX: &str = "AX_READY_";
 /// Stream holding delayed tasks until they are due.
 pub const DELAYED_STREAM: &str = "AX_DELAYED";
+/// Stream holding tasks with a fair key until the fair dispatcher releases them to their
+/// ready subject (docs/PROTOCOL.md §7, "Fair shares").
+pub const FAIR_STREAM: &str = "AX_FAIR";
 /// Stream holding dead-lettered tasks.
 pub const DEAD_STREAM: &str = "AX_DEAD";
 /// KV bucket with one record per task (its state).
@@ -186,6 +189,75 @@ pub fn ready_subject(queue: &str, priority: Priority) -> String {
     format!("ax.ready.{queue}.{priority}")
 }
 
+/// The lowercase hex of a key's bytes: how a free-form key becomes one subject token.
+pub fn hex_token(key: &str) -> String {
+    key.bytes().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Subject of a task held for its fair share:
+/// `ax.fair.<queue>.<priority>.<hex of the fair key>.<task id>`. The tenant's token lets
+/// the dispatcher purge what it released per tenant; the id, that a waiting task is found
+/// by one direct get (`crate::unclaimed`).
+pub fn fair_subject(queue: &str, priority: Priority, fair_key: &str, task_id: &str) -> String {
+    format!(
+        "ax.fair.{queue}.{priority}.{}.{task_id}",
+        hex_token(fair_key)
+    )
+}
+
+/// The filter of every held task of one tenant (`key_hex`: [`hex_token`] of its key).
+pub fn fair_tenant_filter(queue: &str, priority: Priority, key_hex: &str) -> String {
+    format!("ax.fair.{queue}.{priority}.{key_hex}.>")
+}
+
+/// The parts of a fair subject ([`fair_subject`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FairSubject<'a> {
+    /// The queue.
+    pub queue: &'a str,
+    /// The priority.
+    pub priority: Priority,
+    /// The hex of the fair key.
+    pub key_hex: &'a str,
+    /// The task id.
+    pub task_id: &'a str,
+}
+
+/// Reads a fair subject; `None` for anything else.
+pub fn parse_fair_subject(subject: &str) -> Option<FairSubject<'_>> {
+    let rest = subject.strip_prefix("ax.fair.")?;
+    let mut parts = rest.splitn(4, '.');
+    let queue = parts.next()?;
+    let priority = parts.next()?.parse().ok()?;
+    let key_hex = parts.next()?;
+    let task_id = parts.next()?;
+    let hex_ok = !key_hex.is_empty()
+        && key_hex.len().is_multiple_of(2)
+        && key_hex
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+    (valid_queue(queue) && hex_ok && queue_of_task_id(task_id) == Some(queue)).then_some(
+        FairSubject {
+            queue,
+            priority,
+            key_hex,
+            task_id,
+        },
+    )
+}
+
+/// The key a [`hex_token`] stands for, if it is one.
+pub fn unhex_token(hex: &str) -> Option<String> {
+    if !hex.len().is_multiple_of(2) {
+        return None;
+    }
+    let bytes: Option<Vec<u8>> = (0..hex.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(hex.get(i..i + 2)?, 16).ok())
+        .collect();
+    String::from_utf8(bytes?).ok()
+}
+
 /// Delayed tasks are split into this many partitions by a hash of their id; each is owned
 /// (indexed and dispatched) by one ax server at a time.
 pub const DELAYED_PARTITIONS: u32 = 16;
@@ -247,8 +319,7 @@ pub fn task_dead_subject(task_id: &str) -> String {
 /// Key of an idempotency key in `AX_IDEMPOTENCY`: `<queue>.<the key's bytes in lowercase
 /// hex>` (any key becomes a valid KV key). Submits write it; a purge reads it.
 pub fn idempotency_kv_key(queue: &str, key: &str) -> String {
-    let hex: String = key.bytes().map(|b| format!("{b:02x}")).collect();
-    format!("{queue}.{hex}")
+    format!("{queue}.{}", hex_token(key))
 }
 
 /// Durable consumer name of one queue and priority.
@@ -259,6 +330,32 @@ pub fn consumer_name(queue: &str, priority: Priority) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fair_subjects_read_back_and_refuse_what_is_not_one() {
+        let subject = fair_subject("q", Priority::High, "acme:eu", "q.7Xq");
+        assert_eq!(subject, "ax.fair.q.high.61636d653a6575.q.7Xq");
+        let parts = parse_fair_subject(&subject).unwrap();
+        assert_eq!(
+            (parts.queue, parts.priority, parts.key_hex, parts.task_id),
+            ("q", Priority::High, "61636d653a6575", "q.7Xq")
+        );
+        assert_eq!(unhex_token(parts.key_hex).as_deref(), Some("acme:eu"));
+        assert_eq!(
+            fair_tenant_filter("q", Priority::High, parts.key_hex),
+            "ax.fair.q.high.61636d653a6575.>"
+        );
+        for bad in [
+            "ax.fair.q.high.61.other.7Xq", // the id is not of the queue
+            "ax.fair.q.urgent.61.q.7Xq",
+            "ax.fair.q.high.6.q.7Xq", // odd hex
+            "ax.fair.q.high.zz.q.7Xq",
+            "ax.ready.q.high",
+        ] {
+            assert_eq!(parse_fair_subject(bad), None, "{bad}");
+        }
+        assert_eq!(unhex_token("6"), None);
+    }
 
     #[test]
     fn priorities_round_trip() {

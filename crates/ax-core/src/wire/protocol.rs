@@ -42,6 +42,11 @@ pub struct SubmitRequest {
     /// `A-Z a-z 0-9 _ - . : @` (docs/PROTOCOL.md §7).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub limit_key: Option<String>,
+    /// The tenant this task's fair share is counted under (1..=64 of
+    /// `A-Z a-z 0-9 _ - . : @`): tasks with a fair key are released to their ready subject
+    /// in weighted fair order between tenants (docs/PROTOCOL.md §7, "Fair shares").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fair_key: Option<String>,
     /// W3C trace context of the caller (`00-<trace id>-<parent id>-<flags>`), carried in
     /// the task message and record into every attempt's logs.
     #[serde(default, skip_serializing_if = "Option::is_none")]

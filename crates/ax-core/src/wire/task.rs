@@ -72,6 +72,9 @@ pub mod header {
     /// the record (docs/PROTOCOL.md §3, "Unrecorded tasks"). Set only on immediate tasks
     /// without an idempotency key, which are published exactly once.
     pub const UNRECORDED: &str = "Ax-Unrecorded";
+    /// The tenant whose fair share the task is dispatched in (docs/PROTOCOL.md §7, "Fair
+    /// shares"): its message waits in `AX_FAIR` until the fair dispatcher releases it.
+    pub const FAIR_KEY: &str = "Ax-Fair-Key";
 }
 
 /// Where a trigger-made task came from: which trigger, why, for which scheduled time.
@@ -108,6 +111,11 @@ pub fn valid_traceparent(t: &str) -> bool {
         && hex(parts[2], 16)
         && parts[2].bytes().any(|b| b != b'0')
         && hex(parts[3], 2)
+}
+
+/// A fair key (a tenant): 1..=64 of `A-Z a-z 0-9 _ - . : @` (its hex is a subject token).
+pub fn valid_fair_key(key: &str) -> bool {
+    key.len() <= 64 && valid_limit_key(key)
 }
 
 /// A limit key: 1..=128 of `A-Z a-z 0-9 _ - . : @` (safe in a header; hashed into KV keys).
@@ -196,6 +204,8 @@ pub struct TaskMeta {
     pub idempotency_key: Option<String>,
     /// The key per-key limits count the task under.
     pub limit_key: Option<String>,
+    /// The tenant whose fair share the task is dispatched in (header `Ax-Fair-Key`).
+    pub fair_key: Option<String>,
     /// W3C trace context of the submit.
     pub traceparent: Option<String>,
     /// The business id the task works for.
@@ -488,6 +498,14 @@ impl TaskMeta {
                 ));
             }
         }
+        if let Some(key) = &req.fair_key {
+            if !valid_fair_key(key) {
+                return Err(WireError::field(
+                    "fair_key",
+                    "must be 1..=64 of A-Z a-z 0-9 _ - . : @",
+                ));
+            }
+        }
         if let Some(t) = &req.traceparent {
             if !valid_traceparent(t) {
                 return Err(WireError::field(
@@ -514,6 +532,7 @@ impl TaskMeta {
             run_at_ms,
             idempotency_key: req.idempotency_key,
             limit_key: req.limit_key,
+            fair_key: req.fair_key,
             traceparent: req.traceparent,
             business_id: req.business_id,
             retry_of: None,
@@ -584,6 +603,9 @@ impl TaskMeta {
         if let Some(key) = &self.limit_key {
             h.insert(header::LIMIT_KEY, key.as_str());
         }
+        if let Some(key) = &self.fair_key {
+            h.insert(header::FAIR_KEY, key.as_str());
+        }
         if let Some(t) = &self.traceparent {
             h.insert(header::TRACEPARENT, t.as_str());
         }
@@ -611,7 +633,8 @@ impl TaskMeta {
     }
 
     /// Where a stored task message goes when it is due, read from its headers without
-    /// decoding the rest: its ready subject and its id. The queue, the priority and the id
+    /// decoding the rest: its ready subject (its fair subject in `AX_FAIR` if it has a fair
+    /// key) and its id. The queue, the priority and the id
     /// (which must belong to the queue) are checked; a worker checks the rest.
     pub fn ready_route(h: &HeaderMap) -> Result<(String, &str), HeaderError> {
         let get = |name: &'static str| {
@@ -632,7 +655,15 @@ impl TaskMeta {
             header: header::PRIORITY,
             problem: "unknown priority",
         })?;
-        Ok((names::ready_subject(queue, priority), id))
+        let subject = match h
+            .get(header::FAIR_KEY)
+            .map(|v| v.as_str())
+            .filter(|k| valid_fair_key(k))
+        {
+            Some(key) => names::fair_subject(queue, priority, key, id),
+            None => names::ready_subject(queue, priority),
+        };
+        Ok((subject, id))
     }
 
     /// Reads a task from message headers.
@@ -704,6 +735,10 @@ impl TaskMeta {
                 .get(header::LIMIT_KEY)
                 .map(|v| v.as_str().to_string())
                 .filter(|k| valid_limit_key(k)),
+            fair_key: h
+                .get(header::FAIR_KEY)
+                .map(|v| v.as_str().to_string())
+                .filter(|k| valid_fair_key(k)),
             traceparent: h
                 .get(header::TRACEPARENT)
                 .map(|v| v.as_str().to_string())

@@ -18,6 +18,7 @@ pub mod gcra;
 pub mod model;
 mod request;
 
+pub use ax_core::wire::fair;
 pub use client::{LimitStatus, SlotHeld};
 pub use model::LimitDef;
 pub use request::{LimitFilter, LimitName, LimitRequest};

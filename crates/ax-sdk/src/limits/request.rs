@@ -20,6 +20,10 @@ pub enum LimitRequest {
     Status(LimitFilter),
     /// The debounce windows and batches waiting now, of a queue or of every queue.
     Windows(LimitFilter),
+    /// Store a queue's fair-share definition (checked first).
+    FairPut(ax_core::wire::fair::FairDef),
+    /// A queue's fair-share definition and what the fair dispatcher last reported of it.
+    FairGet(ax_core::wire::fair::FairQueue),
     /// An operation this enum does not have (never sent).
     #[doc(hidden)]
     #[serde(other)]

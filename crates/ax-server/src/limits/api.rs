@@ -1,5 +1,5 @@
 //! The limits API: requests on `ax.limit.<op>` (`put`, `get`, `list`, `delete`,
-//! `status`) with JSON bodies, answered `{"ok": …}` or `{"error": …}` (docs/PROTOCOL.md
+//! `status`, `windows`, `fair_put`, `fair_get`) with JSON bodies, answered `{"ok": …}` or `{"error": …}` (docs/PROTOCOL.md
 //! §7). Definitions live in `AX_LIMITS`; every worker of the queue follows them and
 //! applies a change to its next deliveries within a second, to tasks already queued too
 //! (a task handed back by a rate comes back within one interval of the old rate, at most
@@ -11,6 +11,7 @@ use async_nats::jetstream::kv;
 use ax_core::names::LIMITS_BUCKET;
 use ax_core::protocol::{ErrorCode, WireError};
 use ax_sdk::api::{unknown_operation, Api, Request};
+use ax_sdk::limits::fair::{fair_key, FairDef, FairQueue};
 use ax_sdk::limits::{LimitFilter, LimitName, LimitRequest};
 use futures::StreamExt;
 use serde_json::{json, Value};
@@ -105,6 +106,32 @@ impl LimitApi {
                     return Err(WireError::field("queue", "not a queue name"));
                 }
                 super::windows::list(&self.ctx.js, queue.as_deref()).await
+            }
+            LimitRequest::FairPut(def) => {
+                def.validate()?;
+                self.ctx.queues.check(&self.ctx.js, &def.queue).await?;
+                let value = serde_json::to_vec(&def).expect("serializes");
+                self.defs
+                    .put(fair_key(&def.queue), value.into())
+                    .await
+                    .map_err(WireError::unavailable)?;
+                Ok(serde_json::to_value(&def).expect("serializes"))
+            }
+            LimitRequest::FairGet(FairQueue { queue }) => {
+                if !ax_core::names::valid_queue(&queue) {
+                    return Err(WireError::field("queue", "not a queue name"));
+                }
+                let def = match self
+                    .defs
+                    .get(fair_key(&queue))
+                    .await
+                    .map_err(WireError::unavailable)?
+                {
+                    Some(v) => serde_json::from_slice(&v).map_err(WireError::unavailable)?,
+                    None => FairDef::default_for(&queue),
+                };
+                let status = crate::fair::status(&self.ctx.js, &queue).await?;
+                Ok(json!({"fair": def, "status": status}))
             }
             LimitRequest::Unknown => Err(unknown_operation(Api::Limit, op)),
         }

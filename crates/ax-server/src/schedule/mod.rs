@@ -21,7 +21,7 @@ use async_nats::jetstream::{self, consumer, stream};
 use ax_core::admit::{delete_delayed, publish_expecting};
 use ax_core::debounce;
 use ax_core::faults::Faults;
-use ax_core::follow::{Reconnects, PULL_EXPIRES};
+use ax_core::follow::Reconnects;
 use ax_core::metrics as m;
 use ax_core::names::DELAYED_STREAM;
 use ax_core::task::{header, TaskMeta};
@@ -303,34 +303,17 @@ fn earliest(a: Option<Instant>, b: Instant) -> Option<Instant> {
 }
 
 /// An ordered consumer over `AX_DELAYED` from `start` (0: from the first message), and
-/// how many stored messages it has to deliver.
+/// how many stored messages it has to deliver. Pull requests expire after 2 s with a 1 s
+/// idle heartbeat, so a consumer lost with a cluster node is noticed (two missed
+/// heartbeats) and recreated within a few seconds rather than after the default 15 s.
 async fn follow(
     stream: &stream::Stream,
     filters: &[String],
     start: u64,
 ) -> Result<(consumer::pull::Ordered, u64), ScheduleError> {
-    let deliver_policy = match start {
-        0 => consumer::DeliverPolicy::All,
-        start_sequence => consumer::DeliverPolicy::ByStartSequence { start_sequence },
-    };
-    let consumer = stream
-        .create_consumer(consumer::pull::OrderedConfig {
-            deliver_policy,
-            filter_subjects: filters.to_vec(),
-            // Pull requests expire after 2 s with a 1 s idle heartbeat, so a consumer lost
-            // with a cluster node is noticed (two missed heartbeats) and recreated within a
-            // few seconds rather than after the default 15 s heartbeats.
-            max_expires: PULL_EXPIRES,
-            ..Default::default()
-        })
+    ax_core::follow::ordered_from(stream, filters.to_vec(), start)
         .await
-        .map_err(|e| err("create index consumer")(e.into()))?;
-    let pending = consumer.cached_info().num_pending;
-    let feed = consumer
-        .messages()
-        .await
-        .map_err(|e| err("follow stream")(e.into()))?;
-    Ok((feed, pending))
+        .map_err(err("follow stream"))
 }
 
 /// Reads a delayed message back by sequence: `Ok(None)` if it is gone (another server

@@ -234,7 +234,7 @@ impl Server {
         Ok(())
     }
 
-    /// Starts the trigger engine, the flow engine, the event router and delayed dispatch
+    /// Starts the trigger engine, the flow engine, the event router, fair and delayed dispatch
     /// as named services of `services` (each as configured).
     async fn spawn_services(
         &self,
@@ -284,6 +284,21 @@ impl Server {
                 EventRouter { ctx: ctx.clone() }.run(token)
             });
         }
+        let (fair_ctx, id, ttl, held) = (
+            ctx.clone(),
+            self.id.clone(),
+            self.lease_ttl,
+            self.max_held_bytes,
+        );
+        services.spawn("fair-dispatch", move |token| {
+            crate::fair::FairDispatcher {
+                ctx: fair_ctx.clone(),
+                id: id.clone(),
+                lease_ttl: ttl,
+                max_held_bytes: held,
+            }
+            .run(token)
+        });
         let scheduler = Scheduler {
             js: js.clone(),
             lookahead: self.dispatch_lookahead,

@@ -235,9 +235,10 @@ impl Context {
         }))
     }
 
-    /// Deletes the ready message of a submit that lost its key; best effort.
+    /// Deletes the message of a submit that lost its key (ready, or held for its fair
+    /// share); best effort.
     async fn retract(&self, meta: &TaskMeta, seq: u64) {
-        let stream = meta.priority.ready_stream();
+        let stream = ax_core::admit::stream(meta);
         let deleted = match self.js.get_stream_no_info(&stream).await {
             Ok(stream) => stream
                 .delete_message(seq)
