@@ -5,6 +5,7 @@
 mod conn;
 mod demo;
 mod exporter;
+mod fair;
 mod flow;
 mod limits;
 mod options;

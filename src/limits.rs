@@ -91,6 +91,10 @@ pub(crate) enum LimitsCommand {
         #[arg(long)]
         queue: Option<String>,
     },
+    /// A queue's fair shares between tenants (tasks submitted with a fair key): shows the
+    /// weights and each tenant's tasks held and released; `--weight`, `--default-weight`
+    /// and `--depth` change them, live.
+    Fair(crate::fair::FairArgs),
     /// Remove a limit (an error if there is none of that name on the queue).
     Delete {
         /// Limit name.
@@ -322,12 +326,16 @@ pub(crate) async fn run(command: LimitsCommand, conn: &Conn, output: Output) -> 
                     println!();
                     print_windows(&windows, output)?;
                 }
+                if let Some(queue) = &queue {
+                    crate::fair::print_if_held(&client, queue).await?;
+                }
             }
         }
         LimitsCommand::Windows { queue } => {
             let windows = client.limits("windows", &json!({ "queue": queue })).await?;
             print_windows(&windows, output)?;
         }
+        LimitsCommand::Fair(args) => crate::fair::run(args, &client, output).await?,
         LimitsCommand::Delete { name, queue } => {
             let reply = client
                 .limits("delete", &json!({"queue": queue, "name": name}))

@@ -42,6 +42,9 @@ pub(crate) struct SubmitArgs {
     /// The key per-key limits count this task under (`ax limits`).
     #[arg(long)]
     limit_key: Option<String>,
+    /// The tenant whose fair share this task is dispatched in (`ax limits fair`).
+    #[arg(long)]
+    fair_key: Option<String>,
     /// W3C trace context (`00-<trace id>-<parent id>-<flags>`), logged with every attempt.
     #[arg(long, env = "TRACEPARENT")]
     traceparent: Option<String>,
@@ -94,6 +97,7 @@ pub(crate) async fn run(args: SubmitArgs, conn: &Conn) -> Result<()> {
             || args.run_at.is_some()
             || args.key.is_some()
             || args.limit_key.is_some()
+            || args.fair_key.is_some()
             || args.traceparent.is_some()
             || args.business_id.is_some()
             || args.max_attempts.is_some()
@@ -127,6 +131,9 @@ pub(crate) async fn run(args: SubmitArgs, conn: &Conn) -> Result<()> {
     }
     if let Some(k) = args.limit_key {
         spec = spec.limit_key(k);
+    }
+    if let Some(k) = args.fair_key {
+        spec = spec.fair_key(k);
     }
     if let Some(t) = args.traceparent {
         spec = spec.traceparent(t);
