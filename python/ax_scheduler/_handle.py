@@ -140,6 +140,9 @@ class Submitter(Generic[P, R]):
         batch = td.options.batch_request(td.name, args[0] if args else None)
         if batch is not None:
             req["batch"] = batch  # checked by the server: no delay, run_at or key beside it
+        fair = td.options.fair_request(args, kwargs)
+        if fair is not None:
+            req["fair_key"] = fair
         debounce = td.options.debounce_request(args, kwargs)
         if debounce is not None:
             req["debounce"] = debounce  # checked by the server: no delay, run_at or key beside it

@@ -79,6 +79,7 @@ class TaskOptions:
     batch: int | None = None
     batch_key: str | Callable[..., str] | None = None
     batch_timeout: float | None = None
+    fair_key: str | Callable[..., str] | None = None
 
     def check(self, name: str) -> None:
         if not _NAME.match(name):
@@ -116,6 +117,10 @@ class TaskOptions:
             raise InvalidInput("idempotency_key must be a function of the task's arguments", field="idempotency_key")
         self._check_debounce()
         self._check_batch()
+        f: Any = self.fair_key  # as given: checked here
+        if f is not None and not callable(f) and not (isinstance(f, str) and _BATCH_KEY.match(f)):
+            raise InvalidInput("fair_key must be 1-64 of A-Z a-z 0-9 _ - . : @, or a function of the task's "
+                               f"arguments, not {f!r}", field="fair_key")
 
     def _check_debounce(self) -> None:
         if self.debounce is None:
@@ -166,6 +171,14 @@ class TaskOptions:
         key = name if k is None else k if isinstance(k, str) else str(k(item))
         timeout = self.batch_timeout if self.batch_timeout is not None else DEFAULT_BATCH_TIMEOUT
         return {"key": key, "size": self.batch, "timeout_ms": max(1, round(timeout * 1000))}
+
+    def fair_request(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+        """The submit's ``fair_key`` (PROTOCOL.md §7, "Fair shares") for these arguments:
+        the tenant whose share the task is dispatched in."""
+        f = self.fair_key
+        if f is None:
+            return None
+        return f if isinstance(f, str) else str(f(*args, **kwargs))
 
     def debounce_request(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
         """The submit's ``debounce`` object (PROTOCOL.md §2) for these arguments, if the

@@ -235,7 +235,8 @@ def task(*, name: str | None = None, queue: str = "default", priority: str = "no
          debounce: float | timedelta | None = None, debounce_key: Callable[..., str] | None = None,
          debounce_max_wait: float | timedelta | None = None, debounce_keep: str = "last",
          batch: int | None = None, batch_key: str | Callable[..., str] | None = None,
-         batch_timeout: float | timedelta | None = None) -> TaskDecorator: ...
+         batch_timeout: float | timedelta | None = None,
+         fair_key: str | Callable[..., str] | None = None) -> TaskDecorator: ...
 
 
 def task(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:

@@ -162,6 +162,36 @@ def test_a_batched_task_runs_its_items_as_lists_of_its_size_or_after_its_timeout
     assert e.value.field == "batch"
 
 
+@ax.task(queue=Q, fair_key=lambda tenant, n: tenant)
+def per_tenant(tenant: str, n: int) -> str:
+    return f"{tenant}:{n}"
+
+
+def test_a_task_with_a_fair_key_is_held_for_its_tenant_and_runs(runtime, client):
+    # Depth 1: with no worker running, one task waits on the ready subject, the rest are
+    # held for their tenant, as the fair dispatcher reports.
+    client.call("limit", "fair_put", {"queue": Q, "depth": 1})
+    try:
+        handles = [per_tenant.with_options(client=client).submit("acme", n) for n in range(3)]
+        deadline = time.monotonic() + 15
+        while True:
+            tenants = (client.call("limit", "fair_get", {"queue": Q})["status"] or {}).get("tenants", [])
+            if [(t["key"], t["held"]) for t in tenants] == [("acme", 2)]:
+                break
+            assert time.monotonic() < deadline, tenants
+            time.sleep(0.1)
+        record = handles[2].get()
+        assert record is not None and record["state"] == "pending", record
+        runtime(per_tenant)
+        assert [h.result(timeout=30) for h in handles] == ["acme:0", "acme:1", "acme:2"]
+    finally:
+        client.call("limit", "fair_put", {"queue": Q})
+    for bad in ("a b", "", "x" * 65, 7):
+        with pytest.raises(ax.InvalidInput) as e:
+            ax.task(name="bad_fair", fair_key=bad)(lambda: None)
+        assert e.value.field == "fair_key"
+
+
 def test_aging_is_a_positive_time():
     for bad in (0, -1, float("nan"), 8 * 86_400):
         with pytest.raises(ax.InvalidInput) as e:
