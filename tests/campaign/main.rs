@@ -1,9 +1,10 @@
 //! The fault campaign : mixed load while a seeded nemesis kills and
 //! restarts real processes, then a checker over what was observed.
 //!
-//! Load: immediate tasks, delayed ones, bursts at one due time beyond the servers' read-ahead
-//! horizon, retries, dead letters, refused submits (bad input, a full queue), triggers with
-//! each overlap policy and fixed-delay, manual runs (queues `q`, `hot`); flows with fan-out,
+//! Load: immediate tasks, delayed ones (half of both with a fair key, four tenants), bursts
+//! at one due time beyond the servers' read-ahead horizon, retries, dead letters, refused
+//! submits (bad input, a full queue), triggers with each overlap policy and fixed-delay,
+//! manual runs (queues `q`, `hot`); flows with fan-out,
 //! gather, chains, failures, cancels and re-runs (`flows`), a per-key rate, a per-key cap and
 //! a singleton (`limits`), and cancels, retries, "run now", pause and resume (`ops`), on
 //! queue `x`. Nemesis (`cluster`): `kill -9` of one or two of the three ax servers, `kill -9`
@@ -177,6 +178,13 @@ async fn produce(ax: Client, log: Arc<Mutex<Log>>, seed: u64, until: Instant) {
                     }
                     // A small, slow queue (capacity 20 at high): some of these are `busy`.
                     _ => ("hot", TaskSpec::new("hot").json(&serde_json::json!({"sleep_ms": 300})).priority(ax_sdk::Priority::High)),
+                };
+                // Half the plain and delayed tasks have one of four tenants as fair key:
+                // held in AX_FAIR and released by the fair dispatcher (a leader that
+                // servers are killed under), so the rules on accepted tasks cover it.
+                let spec = match roll {
+                    0..=39 | 60..=84 if roll.is_multiple_of(2) => spec.fair_key(format!("t{}", roll % 8 / 2)),
+                    _ => spec,
                 };
                 let (by, spec) = match roll {
                     0..=9 | 60..=64 => (&direct, spec),
