@@ -1,4 +1,4 @@
-//! Flow control: debounce, priority aging and batching.
+//! Flow control: debounce, priority aging, batching and fair shares.
 //!
 //! - **debounce**: AX_BENCH_TASKS (default 100,000) debounced submits over AX_BENCH_KEYS
 //!   (default 1,000) keys, 512 in flight, quiet period 500 ms (max wait 60 s); beside it
@@ -15,7 +15,12 @@
 //!   same number of single tasks: items (tasks) per second from the first submit to the
 //!   last handled, the batches run and their mean length.
 //!
-//! `AX_BENCH_ONLY=debounce|aging|batching` runs one part.
+//! - **fairness**: backlogs of AX_BENCH_TASKS (`a`, weight 1) and a tenth of it (`c`,
+//!   weight 2), then 10 tasks of `b`, through one worker of 64 — once without fair keys,
+//!   once with: end-to-end tasks per second (the ratio), `b`'s waits from its submit, and
+//!   `c` : `a` starts while `c` ran; then `b`'s 10 alone on the idle fair queue (20 times).
+//!
+//! `AX_BENCH_ONLY=debounce|aging|batching|fairness` runs one part.
 //!
 //! Run: `./dev bench flowcontrol`. Server and workers in this process; printed, not
 //! asserted (docs/PERFORMANCE.md).
@@ -265,6 +270,118 @@ async fn batching(ax: &Client, nats: &async_nats::Client, n: usize, keys: usize,
     let _ = w.await;
 }
 
+/// Submits `n` tasks of `tenant` (its task name; its fair key too if `fair`), 512 in
+/// flight; answers the submit time of each, ms.
+async fn submit_tenant(ax: &Client, queue: &str, tenant: &str, n: usize, fair: bool) -> Vec<u64> {
+    futures::stream::iter(0..n)
+        .map(|_| {
+            let mut spec = TaskSpec::new(tenant);
+            if fair {
+                spec = spec.fair_key(tenant);
+            }
+            async move {
+                let at = now_ms();
+                ax.submit(queue, spec).await.unwrap();
+                at
+            }
+        })
+        .buffer_unordered(512)
+        .collect()
+        .await
+}
+
+/// Backlogs of 100,000 (`a`, weight 1) and 10,000 (`c`, weight 2) tasks (scaled by
+/// `n` / 100,000), then 10 of `b`, through one worker of 64: end-to-end throughput, `b`'s
+/// waits (submit to start) and `c` : `a` starts while both were held, with and without
+/// fair keys; and `b`'s waits alone on an idle fair queue.
+async fn fairness(ax: &Client, nats: &async_nats::Client, n: usize) {
+    ax.limits(
+        "fair_put",
+        &serde_json::json!({"queue": "fair", "weights": {"c": 2},
+                            "depth": env_or("AX_BENCH_FAIR_DEPTH", 256)}),
+    )
+    .await
+    .unwrap();
+    let (big, mid) = (n, n / 10);
+    let mut ratio_plain = 0.0;
+    for (queue, fair) in [("unfair", false), ("fair", true)] {
+        let starts: Starts = Arc::default();
+        let stop = CancellationToken::new();
+        let worker = recording(queue, starts.clone(), 64, Duration::ZERO)
+            .build()
+            .unwrap();
+        let w = tokio::spawn(worker.run(nats.clone(), stop.clone()));
+        let t = Instant::now();
+        submit_tenant(ax, queue, "a", big, fair).await;
+        submit_tenant(ax, queue, "c", mid, fair).await;
+        let b_at = submit_tenant(ax, queue, "b", 10, fair).await;
+        let total = big + mid + 10;
+        while starts.lock().unwrap().len() < total && t.elapsed() < Duration::from_secs(600) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let rate = total as f64 / t.elapsed().as_secs_f64();
+        stop.cancel();
+        let _ = w.await;
+        let starts = starts.lock().unwrap().clone();
+        let b_first_submit = b_at.iter().min().copied().unwrap_or(0);
+        let mut b_waits: Vec<u64> = starts
+            .iter()
+            .filter(|s| s.1 == "b")
+            .map(|s| s.2.saturating_sub(b_first_submit))
+            .collect();
+        b_waits.sort();
+        let first_c = starts.iter().position(|s| s.1 == "c").unwrap_or(0);
+        let last_c = starts.iter().rposition(|s| s.1 == "c").unwrap_or(0);
+        let span = &starts[first_c..=last_c];
+        let count = |t: &str| span.iter().filter(|s| s.1 == t).count();
+        let ratio = count("c") as f64 / count("a").max(1) as f64;
+        if !fair {
+            ratio_plain = rate;
+        }
+        println!(
+            "fairness {queue}: {total} tasks (a {big}, c {mid}, b 10) end to end {rate:.0}/s{}; b's waits after its submit p50 {} ms, max {} ms; c : a starts while c ran {ratio:.3} ({} : {})",
+            if fair { format!(" = {:.2} × without fair keys", rate / ratio_plain) } else { String::new() },
+            b_waits.get(b_waits.len() / 2).copied().unwrap_or(0),
+            b_waits.last().copied().unwrap_or(0),
+            count("c"),
+            count("a"),
+        );
+    }
+    // b alone on an idle fair queue.
+    let starts: Starts = Arc::default();
+    let stop = CancellationToken::new();
+    let worker = recording("fair", starts.clone(), 64, Duration::ZERO)
+        .build()
+        .unwrap();
+    let w = tokio::spawn(worker.run(nats.clone(), stop.clone()));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut waits = Vec::new();
+    for _ in 0..20 {
+        let at = submit_tenant(ax, "fair", "b", 10, true).await;
+        let first = at.iter().min().copied().unwrap_or(0);
+        let t = Instant::now();
+        while starts.lock().unwrap().len() < 10 && t.elapsed() < Duration::from_secs(10) {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        waits.extend(
+            starts
+                .lock()
+                .unwrap()
+                .drain(..)
+                .map(|s| s.2.saturating_sub(first)),
+        );
+    }
+    waits.sort();
+    println!(
+        "fairness alone: b's 10 tasks on an idle fair queue, 20 times: waits p50 {} ms, p99 {} ms, max {} ms",
+        waits.get(waits.len() / 2).copied().unwrap_or(0),
+        waits.get(waits.len() * 99 / 100).copied().unwrap_or(0),
+        waits.last().copied().unwrap_or(0),
+    );
+    stop.cancel();
+    let _ = w.await;
+}
+
 fn main() {
     let n = env_or("AX_BENCH_TASKS", 100_000);
     let keys = env_or("AX_BENCH_KEYS", 1_000);
@@ -279,7 +396,7 @@ fn main() {
         let stop = CancellationToken::new();
         let server = tokio::spawn(
             Server::builder()
-                .queues(["deb", "plain", "aged", "bat"])
+                .queues(["deb", "plain", "aged", "bat", "fair", "unfair"])
                 .capacity([200_000, 200_000, 200_000])
                 .build()
                 .run(client.clone(), stop.clone()),
@@ -304,6 +421,9 @@ fn main() {
                 env_or("AX_BENCH_BATCH_SIZE", 500),
             );
             batching(&ax, &client, n, keys, size).await;
+        }
+        if runs("fairness") {
+            fairness(&ax, &client, n).await;
         }
         stop.cancel();
         let _ = server.await;
