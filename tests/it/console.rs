@@ -35,7 +35,7 @@ fn failing_until_fixed(name: &'static str, class: &'static str) -> (Worker, Arc<
 }
 
 fn console_env_server(port: u16) -> ax_server::ServerBuilder {
-    Env::server().console(
+    Env::server().queues(["q", "tenants"]).console(
         ax_server::console::ConsoleConfig::new(format!("127.0.0.1:{port}").parse().unwrap())
             .token("s3cret-admin")
             .readonly_token("viewer-token"),
@@ -161,6 +161,25 @@ async fn find_a_dead_task_by_error_class_retry_it_and_watch_it_succeed() {
              return !!r && r.textContent.includes('invoices') && r.cells[3].textContent.trim() === '2'",
             batch.replace('=', "%3D")
         ))
+        .await;
+        // And a queue's tenants with tasks held (depth 1, no worker on `tenants`).
+        env.ax.limits("fair_put", &json!({"queue": "tenants", "depth": 1, "weights": {"acme": 3}})).await.unwrap();
+        for _ in 0..3 {
+            env.ax.submit("tenants", TaskSpec::new("report").fair_key("acme")).await.unwrap();
+        }
+        crate::support::eventually(Duration::from_secs(10), "the dispatcher's report", || async {
+            let all = env.ax.limits("fair_get", &json!({})).await.ok()?;
+            (all["reports"]["tenants"]["tenants"][0]["held"] == 2).then_some(())
+        })
+        .await;
+        // Away and back (the limits page renders when it is shown), the overview drawn
+        // first so its render cannot land over the limits page's.
+        b.go(&format!("{site}/#/")).await;
+        b.until("the overview", 15, "return !!document.querySelector('#services')").await;
+        b.go(&format!("{site}/#/limits")).await;
+        b.until("the tenant with two held on the limits page", 15,
+            "const r = [...document.querySelectorAll('#fair tr')].find((t) => t.textContent.includes('acme')); \
+             return !!r && r.cells[3].textContent.trim() === '3' && r.cells[4].textContent.trim() === '2'")
         .await;
         b.close().await;
     })

@@ -7,11 +7,11 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
 /// Most tenants a definition may weigh by name.
-const MAX_WEIGHTS: usize = 10_000;
+pub const MAX_WEIGHTS: usize = 10_000;
 /// The largest weight.
-const MAX_WEIGHT: u32 = 1_000;
+pub const MAX_WEIGHT: u32 = 1_000;
 /// The default of [`FairDef::depth`].
-const DEFAULT_DEPTH: u32 = 256;
+pub const DEFAULT_DEPTH: u32 = 256;
 
 /// The `AX_LIMITS` key of a queue's fair-share definition: `<queue>.=fair`.
 pub fn fair_key(queue: &str) -> String {
@@ -99,13 +99,18 @@ impl FairDef {
     }
 }
 
-/// Names the queue of `ax.limit.fair_get`: `{"queue"}`.
+/// Names the queue of `ax.limit.fair_get` (`{"queue"}`), or none: every queue's report.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FairQueue {
     /// The queue.
-    pub queue: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue: Option<String>,
 }
+
+/// The `AX_LIMIT_STATE` key of the fair dispatcher's report of every queue (a map of
+/// queue to [`FairStatus`]).
+pub const ALL_REPORTS_KEY: &str = "=fair";
 
 /// What the fair dispatcher reports of one tenant (`ax.limit.fair_get`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

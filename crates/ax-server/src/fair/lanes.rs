@@ -220,7 +220,7 @@ mod tests {
         // a : c = 1 : 2 while both have tasks held.
         assert_eq!(total["a"] * 2, total["c"]);
         // Once c is done, a gets everything.
-        while lane.tenants["c"].held.len() > 0 {
+        while !lane.tenants["c"].held.is_empty() {
             lane.take(300, w);
         }
         assert_eq!(counts(&lane.take(300, w)), vec![("a".to_string(), 300)]);

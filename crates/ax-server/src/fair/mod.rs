@@ -138,6 +138,7 @@ impl FairDispatcher {
                 added,
                 limits: with.limits.clone(),
                 state: with.state.clone(),
+                reported: Mutex::new(true),
             }
             .run(),
         );
@@ -161,6 +162,21 @@ impl FairDispatcher {
         metrics::gauge!(ax_core::metrics::FAIR_HELD).set(0.0);
         stop
     }
+}
+
+/// The fair dispatcher's last report of every queue with tenants (`{}` if none).
+pub(crate) async fn reports(js: &jetstream::Context) -> Result<serde_json::Value, WireError> {
+    let state = js
+        .get_key_value(names::LIMIT_STATE_BUCKET)
+        .await
+        .map_err(WireError::unavailable)?;
+    let value = state
+        .get(ax_sdk::limits::fair::ALL_REPORTS_KEY)
+        .await
+        .map_err(WireError::unavailable)?;
+    Ok(value
+        .and_then(|v| serde_json::from_slice(&v).ok())
+        .unwrap_or_else(|| serde_json::json!({})))
 }
 
 /// What the fair dispatcher last reported of `queue` (`None` if it never did).

@@ -10,7 +10,7 @@ use async_nats::jetstream::{self, kv, stream};
 use ax_core::metrics as m;
 use ax_core::names::{self, Priority};
 use ax_core::time::now_ms;
-use ax_sdk::limits::fair::{fair_key, FairStatus, TenantStatus};
+use ax_sdk::limits::fair::{fair_key, FairStatus, TenantStatus, ALL_REPORTS_KEY};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -38,6 +38,8 @@ pub(crate) struct Rounds {
     pub(crate) added: Arc<Notify>,
     pub(crate) limits: kv::Store,
     pub(crate) state: kv::Store,
+    /// The last report of every queue had a queue in it.
+    pub(crate) reported: Mutex<bool>,
 }
 
 impl Rounds {
@@ -213,6 +215,7 @@ impl Rounds {
             }
             lanes.lanes.retain(|_, lane| !lane.is_empty());
         }
+        let mut all = BTreeMap::new();
         for (queue, tenants) in by_queue {
             let held: u64 = tenants.iter().map(|t| t.held).sum();
             metrics::gauge!(m::FAIR_HELD, "queue" => queue.clone()).set(held as f64);
@@ -225,6 +228,17 @@ impl Rounds {
             if let Err(e) = self.state.put(fair_key(&queue), value.into()).await {
                 debug!(%queue, cause = %e, "fair report not written");
             }
+            all.insert(queue, status);
+        }
+        // Every queue's report in one key (the console's table), written while there is
+        // something to report and once more when there is nothing left.
+        if all.is_empty() && !*self.reported.lock().expect("not poisoned") {
+            return;
+        }
+        *self.reported.lock().expect("not poisoned") = !all.is_empty();
+        let value = serde_json::to_vec(&all).expect("serializes");
+        if let Err(e) = self.state.put(ALL_REPORTS_KEY, value.into()).await {
+            debug!(cause = %e, "fair report of every queue not written");
         }
     }
 }

@@ -117,7 +117,10 @@ impl LimitApi {
                     .map_err(WireError::unavailable)?;
                 Ok(serde_json::to_value(&def).expect("serializes"))
             }
-            LimitRequest::FairGet(FairQueue { queue }) => {
+            LimitRequest::FairGet(FairQueue { queue: None }) => {
+                Ok(json!({ "reports": crate::fair::reports(&self.ctx.js).await? }))
+            }
+            LimitRequest::FairGet(FairQueue { queue: Some(queue) }) => {
                 if !ax_core::names::valid_queue(&queue) {
                     return Err(WireError::field("queue", "not a queue name"));
                 }

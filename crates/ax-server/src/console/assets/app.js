@@ -444,7 +444,13 @@ async function triggers() {
 }
 
 async function limits() {
-  const [list, waiting] = await Promise.all([call("limit", "status", {}), call("limit", "windows", {})]);
+  const [list, waiting, fair] = await Promise.all([call("limit", "status", {}), call("limit", "windows", {}),
+    call("limit", "fair_get", {})]);
+  const tenants = Object.entries(fair.reports || {}).flatMap(([q, r]) => r.tenants.map((t) => ({ queue: q, ...t })));
+  const shares = tenants.length ? `<h2>Fair shares: tenants</h2><table id="fair">
+    <tr><th>queue</th><th>tenant</th><th>priority</th><th>weight</th><th>held</th><th>released in the last second</th></tr>
+    ${tenants.map((t) => `<tr><td>${esc(t.queue)}</td><td class="mono">${esc(t.key)}</td><td>${esc(t.priority)}</td>
+    <td>${t.weight}</td><td>${t.held}</td><td>${t.released}</td></tr>`).join("")}</table>` : "";
   const runs = (w) => w.closed ? "closed: due now" : w.due_ms > Date.now() ? `in ${((w.due_ms - Date.now()) / 1000).toFixed(1)} s` : "due now";
   const windows = waiting.windows.length ? `<h2>Debounce windows and batches waiting</h2><table id="windows">
     <tr><th>queue</th><th>waiting</th><th>key</th><th>items</th><th>runs</th><th>task</th></tr>
@@ -457,7 +463,7 @@ async function limits() {
     <td>${l.per_key ? "yes" : ""}</td><td>${l.rate ?? ""}${l.adaptive ? ` <span class="muted">adaptive ${esc(l.adaptive.min)}–${esc(l.rate)}${rate_now != null ? `, now ${rate_now.toFixed(1)}` : ""}</span>` : ""}</td><td>${l.burst ?? ""}</td>
     <td>${tokens === null ? (l.rate ? "per key" : "") : tokens.toFixed(1)}</td><td>${l.concurrency ?? ""}</td>
     <td>${slots_held.length}${slots_held.length ? `: <span class="mono">${slots_held.map((s) => esc(s.holder)).join(", ")}</span>` : ""}</td></tr>`).join("")}</table>
-    <p class="muted">Tasks waiting for a limit carry <code>waiting</code> in their record (shown on the task page).</p>${windows}`);
+    <p class="muted">Tasks waiting for a limit carry <code>waiting</code> in their record (shown on the task page).</p>${windows}${shares}`);
 }
 
 // ---- routing, actions, live updates ----
