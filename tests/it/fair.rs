@@ -322,3 +322,24 @@ async fn the_cli_submits_with_a_fair_key_and_sets_weights() {
     let (ok, _, err) = submit("a b").await;
     assert!(!ok && err.contains("fair_key"), "{err}");
 }
+
+/// With no memory for held messages (`max_held_bytes(0)`), the dispatcher keeps only
+/// their sequences and reads each back when it releases it: every task still runs once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_tasks_beyond_the_memory_budget_are_read_back_when_released() {
+    let env = Env::start(Env::server().queues(["q"]).max_held_bytes(0)).await;
+    let mut ids = submit_tenant(&env.ax, "q", "a", 300).await;
+    ids.extend(submit_tenant(&env.ax, "q", "b", 300).await);
+    let starts: Starts = Arc::default();
+    let worker = recording_worker("q", starts.clone(), 8, Duration::from_millis(1));
+    let (stop, handle) = env.spawn_worker(worker);
+    for id in &ids {
+        env.wait_state(id, TaskState::Succeeded, Duration::from_secs(60))
+            .await;
+    }
+    stop.cancel();
+    handle.await.unwrap();
+    let starts = starts.lock().unwrap().clone();
+    assert_eq!(starts.len(), 600, "each task ran once");
+    assert_eq!(env.stream_len("AX_FAIR").await, 0);
+}

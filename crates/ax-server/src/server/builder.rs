@@ -179,8 +179,10 @@ impl ServerBuilder {
         self
     }
     /// Most payload and header bytes of delayed tasks held in memory ahead of their due
-    /// time (default 64 MiB). Tasks beyond it are kept as (due, sequence) and read back
-    /// when due, so this bounds memory, not how many tasks may wait.
+    /// time (default 64 MiB), and, separately, of tasks the fair dispatcher holds for their
+    /// tenant's turn. Tasks beyond it are kept as (due, sequence) or their sequence alone
+    /// and read back when due or released, so this bounds memory, not how many tasks may
+    /// wait.
     pub fn max_held_bytes(mut self, bytes: usize) -> Self {
         self.0.max_held_bytes = bytes;
         self
