@@ -20,7 +20,9 @@
 //! (1: the three phases repeated, alternating), AX_BENCH_SYNC=always (every write fsynced,
 //! as deploy/nats-server.conf runs it), AX_BENCH_R3=1 (then the same on a local 3-node
 //! cluster with R3 streams, default sync: the figure of what replication costs),
-//! AX_BENCH_DIRECT_FIRST=1 (the direct phase before the requested one).
+//! AX_BENCH_DIRECT_FIRST=1 (the direct phase before the requested one), AX_BENCH_AX_BIN
+//! (the `ax` binary of the server and worker processes: another build's, e.g. an older
+//! commit's, to measure what a change costs with the same producer).
 
 mod common;
 

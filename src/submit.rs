@@ -45,6 +45,15 @@ pub(crate) struct SubmitArgs {
     /// The tenant whose fair share this task is dispatched in (`ax limits fair`).
     #[arg(long)]
     fair_key: Option<String>,
+    /// A singleton key: at most one task of it waits or runs at a time in the queue
+    /// (docs/guides/limits.md, "Singleton keys").
+    #[arg(long, conflicts_with_all = ["debounce_key", "batch_key"])]
+    singleton: Option<String>,
+    /// What a submit whose singleton key is held does: cancel_new (refuse it; exit 1 with
+    /// the holder's id) or cancel_in_progress (cancel the holder, accept this one).
+    #[arg(long, requires = "singleton", default_value = "cancel_new",
+          value_parser = ["cancel_new", "cancel_in_progress"])]
+    on_collision: String,
     /// W3C trace context (`00-<trace id>-<parent id>-<flags>`), logged with every attempt.
     #[arg(long, env = "TRACEPARENT")]
     traceparent: Option<String>,
@@ -98,6 +107,7 @@ pub(crate) async fn run(args: SubmitArgs, conn: &Conn) -> Result<()> {
             || args.key.is_some()
             || args.limit_key.is_some()
             || args.fair_key.is_some()
+            || args.singleton.is_some()
             || args.traceparent.is_some()
             || args.business_id.is_some()
             || args.max_attempts.is_some()
@@ -134,6 +144,13 @@ pub(crate) async fn run(args: SubmitArgs, conn: &Conn) -> Result<()> {
     }
     if let Some(k) = args.fair_key {
         spec = spec.fair_key(k);
+    }
+    if let Some(key) = args.singleton {
+        let on_collision = match args.on_collision.as_str() {
+            "cancel_in_progress" => ax_sdk::Collision::CancelInProgress,
+            _ => ax_sdk::Collision::CancelNew,
+        };
+        spec = spec.singleton(key, on_collision);
     }
     if let Some(t) = args.traceparent {
         spec = spec.traceparent(t);

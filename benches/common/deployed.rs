@@ -10,9 +10,12 @@ use std::time::{Duration, Instant};
 /// The queue the deployed runs use.
 pub const QUEUE: &str = "bench";
 
-/// An `ax` process (the release binary of this build) connected to `urls`.
+/// An `ax` process (the release binary of this build, or `AX_BENCH_AX_BIN`: another
+/// build's, to compare two versions of the server and worker with one producer) connected
+/// to `urls`.
 pub fn spawn_ax(urls: &str, args: &[&str]) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_ax"))
+    let bin = std::env::var("AX_BENCH_AX_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_ax").into());
+    Command::new(bin)
         .args(args)
         .args(["--metrics-addr", "off"])
         .env("NATS_URL", urls)

@@ -143,6 +143,9 @@ class Submitter(Generic[P, R]):
         fair = td.options.fair_request(args, kwargs)
         if fair is not None:
             req["fair_key"] = fair
+        singleton = td.options.singleton_request(args, kwargs)
+        if singleton is not None:
+            req["singleton"] = singleton
         debounce = td.options.debounce_request(args, kwargs)
         if debounce is not None:
             req["debounce"] = debounce  # checked by the server: no delay, run_at or key beside it

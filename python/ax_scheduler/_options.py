@@ -16,6 +16,7 @@ _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _PRIORITIES = ("high", "normal", "low")
 #: What a schedule does when its previous run still goes (PROTOCOL.md §5, ``overlap``).
 OVERLAPS = ("buffer_one", "skip", "allow", "cancel_in_progress")
+COLLISIONS = ("cancel_new", "cancel_in_progress")
 _ON_FAILURE = ("fail", "notify_only")
 
 
@@ -80,6 +81,8 @@ class TaskOptions:
     batch_key: str | Callable[..., str] | None = None
     batch_timeout: float | None = None
     fair_key: str | Callable[..., str] | None = None
+    singleton: str | Callable[..., str] | None = None
+    on_collision: str = "cancel_new"
 
     def check(self, name: str) -> None:
         if not _NAME.match(name):
@@ -121,6 +124,23 @@ class TaskOptions:
         if f is not None and not callable(f) and not (isinstance(f, str) and _BATCH_KEY.match(f)):
             raise InvalidInput("fair_key must be 1-64 of A-Z a-z 0-9 _ - . : @, or a function of the task's "
                                f"arguments, not {f!r}", field="fair_key")
+        self._check_singleton()
+
+    def _check_singleton(self) -> None:
+        if self.on_collision not in COLLISIONS:
+            raise InvalidInput(f"on_collision must be one of {COLLISIONS} (to queue behind the running task, "
+                               f"use concurrency=1), not {self.on_collision!r}", field="on_collision")
+        k: Any = self.singleton  # as given: checked here
+        if k is None:
+            if self.on_collision != "cancel_new":
+                raise InvalidInput("on_collision needs singleton=<key>", field="on_collision")
+            return
+        if not callable(k) and not (isinstance(k, str) and _BATCH_KEY.match(k)):
+            raise InvalidInput("singleton must be 1-64 of A-Z a-z 0-9 _ - . : @, or a function of the task's "
+                               f"arguments, not {k!r}", field="singleton")
+        if self.debounce is not None or self.batch is not None or self.cron is not None or self.every is not None:
+            raise InvalidInput("a singleton task has no debounce, batch, cron or every (a scheduled task's "
+                               "collisions are its overlap)", field="singleton")
 
     def _check_debounce(self) -> None:
         if self.debounce is None:
@@ -179,6 +199,15 @@ class TaskOptions:
         if f is None:
             return None
         return f if isinstance(f, str) else str(f(*args, **kwargs))
+
+    def singleton_request(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+        """The submit's ``singleton`` object (PROTOCOL.md §2, "Singleton keys") for these
+        arguments, if the task has a singleton key."""
+        k = self.singleton
+        if k is None:
+            return None
+        key = k if isinstance(k, str) else str(k(*args, **kwargs))
+        return {"key": key, "on_collision": self.on_collision}
 
     def debounce_request(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
         """The submit's ``debounce`` object (PROTOCOL.md §2) for these arguments, if the

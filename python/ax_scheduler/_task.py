@@ -236,7 +236,8 @@ def task(*, name: str | None = None, queue: str = "default", priority: str = "no
          debounce_max_wait: float | timedelta | None = None, debounce_keep: str = "last",
          batch: int | None = None, batch_key: str | Callable[..., str] | None = None,
          batch_timeout: float | timedelta | None = None,
-         fair_key: str | Callable[..., str] | None = None) -> TaskDecorator: ...
+         fair_key: str | Callable[..., str] | None = None,
+         singleton: str | Callable[..., str] | None = None, on_collision: str = "cancel_new") -> TaskDecorator: ...
 
 
 def task(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:

@@ -25,11 +25,22 @@ pub(crate) fn raise(
     code: Option<&str>,
     field: Option<&str>,
 ) -> PyErr {
+    raise_naming(kind, message, code, field, None)
+}
+
+/// [`raise`] with the task a refusal names (`task_id`).
+fn raise_naming(
+    kind: ErrorKind,
+    message: String,
+    code: Option<&str>,
+    field: Option<&str>,
+    task_id: Option<&str>,
+) -> PyErr {
     Python::attach(|py| {
         let made = py
             .import("ax_scheduler.errors")
             .and_then(|m| m.getattr(class(kind)))
-            .and_then(|c| c.call1((message.clone(), code, field)));
+            .and_then(|c| c.call1((message.clone(), code, field, task_id)));
         match made {
             Ok(value) => PyErr::from_value(value),
             Err(e) => e,
@@ -47,11 +58,12 @@ pub(crate) fn client(e: ax_sdk::ClientError) -> PyErr {
 
 /// A refusal on the wire as its typed exception, with its code and field.
 pub(crate) fn wire(w: &ax_core::error::WireError) -> PyErr {
-    raise(
+    raise_naming(
         w.kind(),
         w.message.clone(),
         Some(w.code.as_str()),
         w.field.as_deref(),
+        w.task_id.as_deref(),
     )
 }
 

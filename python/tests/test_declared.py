@@ -192,6 +192,30 @@ def test_a_task_with_a_fair_key_is_held_for_its_tenant_and_runs(runtime, client)
         assert e.value.field == "fair_key"
 
 
+@ax.task(queue=Q, singleton=lambda account: account)
+def sync_account(account: str) -> str:
+    return account
+
+
+def test_a_singleton_task_is_refused_while_its_key_is_held(runtime, client):
+    # No worker yet: the first waits and holds its key; a second of the key is refused
+    # naming it, another key is not.
+    first = sync_account.with_options(client=client).submit("acme")
+    with pytest.raises(ax.Conflict) as e:
+        sync_account.with_options(client=client).submit("acme")
+    assert (e.value.code, e.value.task_id) == ("running", first.id), e.value
+    other = sync_account.with_options(client=client).submit("globex")
+    runtime(sync_account)
+    assert (first.result(timeout=30), other.result(timeout=30)) == ("acme", "globex")
+    # Its task ended: the key is free.
+    assert sync_account.with_options(client=client).submit("acme").result(timeout=30) == "acme"
+    for bad in ({"singleton": "a b"}, {"singleton": 7}, {"singleton": "k", "on_collision": "queue"},
+                {"on_collision": "cancel_in_progress"}, {"singleton": "k", "every": 60}):
+        with pytest.raises(ax.InvalidInput) as e:
+            ax.task(name="bad_singleton", **bad)(lambda: None)
+        assert e.value.field in ("singleton", "on_collision"), e.value
+
+
 def test_aging_is_a_positive_time():
     for bad in (0, -1, float("nan"), 8 * 86_400):
         with pytest.raises(ax.InvalidInput) as e:

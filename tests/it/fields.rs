@@ -3,7 +3,7 @@
 //! field added to the protocol reaches the tests that throw odd values at it.
 
 /// Every field of a submit request (the `backoff` object's too), and one that is not.
-pub const SUBMIT_FIELDS: [&str; 23] = [
+pub const SUBMIT_FIELDS: [&str; 24] = [
     "name",
     "queue",
     "payload",
@@ -25,6 +25,7 @@ pub const SUBMIT_FIELDS: [&str; 23] = [
     "retry_on",
     "no_retry_on",
     "debounce",
+    "singleton",
     // Inside `backoff` only, and a field no request has.
     "unknown",
     "unknown_too",

@@ -38,6 +38,7 @@ mod registry;
 mod retry;
 mod security;
 mod settings;
+mod singleton;
 mod streams;
 mod submit;
 mod supervisor;

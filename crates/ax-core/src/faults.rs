@@ -8,7 +8,7 @@
 //! Two kinds:
 //! - **Aborts** ([`Abort`]): the process aborts, like `kill -9`, at a precise line that a
 //!   random kill would rarely hit, the N-th time it gets there. The `ax` binary arms them
-//!   from `AX_TEST_ABORT_AFTER_PUBLISH`, `_AFTER_DISPATCH` and `_AFTER_FIRE`
+//!   from `AX_TEST_ABORT_AFTER_PUBLISH`, `_AFTER_DISPATCH`, `_AFTER_FIRE` and the like
 //!   ([`Faults::from_env`]), as the fault tests run it.
 //! - **Widened windows and injected failures**: a slower claim (`AX_TEST_CLAIM_DELAY_MS`),
 //!   a late cancel-signal subscription, a pause between an operator's retry publish and its record write, a service that
@@ -41,6 +41,8 @@ pub enum Abort {
     /// Between fair-share tasks' release to their ready subject and the purge of their
     /// held messages.
     AfterRelease,
+    /// Between a singleton key's claim and the store of its task.
+    AfterClaim,
 }
 
 impl Abort {
@@ -52,15 +54,17 @@ impl Abort {
             Abort::AfterFire => "AX_TEST_ABORT_AFTER_FIRE",
             Abort::AfterClose => "AX_TEST_ABORT_AFTER_CLOSE",
             Abort::AfterRelease => "AX_TEST_ABORT_AFTER_RELEASE",
+            Abort::AfterClaim => "AX_TEST_ABORT_AFTER_CLAIM",
         }
     }
 
-    const ALL: [Abort; 5] = [
+    const ALL: [Abort; 6] = [
         Abort::AfterPublish,
         Abort::AfterDispatch,
         Abort::AfterFire,
         Abort::AfterClose,
         Abort::AfterRelease,
+        Abort::AfterClaim,
     ];
 }
 

@@ -36,4 +36,4 @@ pub mod typed_kv;
 pub mod unclaimed;
 pub mod wire;
 
-pub use wire::{backoff, batching, debounce, error, names, protocol, task, time};
+pub use wire::{backoff, batching, debounce, error, names, protocol, singleton, task, time};

@@ -146,6 +146,21 @@ impl TaskSpec {
         self.0.fair_key = Some(key.into());
         self
     }
+    /// A singleton key: at most one task of `key` in this queue waits or runs at a time,
+    /// and a submit that finds one that has not ended does what `on_collision` says —
+    /// [`Collision::CancelNew`](crate::Collision::CancelNew) refuses it
+    /// ([`crate::ClientError::Refused`] with code `running` and the holder's id in
+    /// `task_id`), [`Collision::CancelInProgress`](crate::Collision::CancelInProgress)
+    /// cancels the holder (its handler is told) and accepts it. 1..=64 of
+    /// `A-Z a-z 0-9 _ - . : @`; not with a debounce or a batch key (docs/PROTOCOL.md §2,
+    /// "Singleton keys").
+    pub fn singleton(mut self, key: impl Into<String>, on_collision: crate::Collision) -> TaskSpec {
+        self.0.singleton = Some(crate::protocol::SingletonRequest {
+            key: key.into(),
+            on_collision: on_collision.as_str().into(),
+        });
+        self
+    }
     /// Attempts in all (default 5).
     pub fn max_attempts(mut self, n: u32) -> TaskSpec {
         self.0.max_attempts = Some(i64::from(n));

@@ -30,6 +30,7 @@ pub mod limits;
 pub mod ops;
 pub mod schedule;
 pub mod server;
+mod singleton;
 pub mod streams;
 pub mod submit;
 pub mod trigger;

@@ -150,18 +150,21 @@ pub fn is_open(headers: &async_nats::HeaderMap) -> bool {
     headers.get(UNTIL_MS).is_some() && headers.get(FIRED).is_none()
 }
 
-/// The window a single submit joins, if any.
+/// The window a single submit joins, or the singleton key it claims, if any.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Window {
     /// A debounce window (this module).
     Debounce(Debounce),
     /// A batch ([`crate::batching`]).
     Batch(crate::batching::Batching),
+    /// A singleton key ([`crate::singleton`]): not a window, but like one decided at
+    /// submit, and not combined with one.
+    Singleton(crate::singleton::Singleton),
 }
 
-/// [`crate::task::decode_submit`] of a request that may carry a `debounce` or a `batch`
-/// (a single submit): the task (with no due time: the window sets it) and the checked
-/// window it joins, if any.
+/// [`crate::task::decode_submit`] of a request that may carry a `debounce`, a `batch` or a
+/// `singleton` (a single submit): the task (with no due time for a window: the window sets
+/// it) and the checked window it joins or key it claims, if any.
 pub fn decode_submit(
     queue: &str,
     body: &[u8],
@@ -169,19 +172,30 @@ pub fn decode_submit(
 ) -> Result<(TaskMeta, Bytes, Option<Window>), WireError> {
     let mut req: SubmitRequest = serde_json::from_slice(body)
         .map_err(|e| WireError::new(ErrorCode::BadRequest, e.to_string()))?;
-    let window = match (req.debounce.take(), req.batch.take()) {
-        (None, None) => {
+    let window = match (req.debounce.take(), req.batch.take(), req.singleton.take()) {
+        (None, None, None) => {
             let (meta, payload) = TaskMeta::from_request(queue, req, limits)?;
             return Ok((meta, payload, None));
         }
-        (Some(_), Some(_)) => {
+        (None, None, Some(s)) => {
+            let singleton = crate::singleton::Singleton::from_request(&s)?;
+            let (meta, payload) = TaskMeta::from_request(queue, req, limits)?;
+            return Ok((meta, payload, Some(Window::Singleton(singleton))));
+        }
+        (Some(_), Some(_), _) => {
             return Err(WireError::field(
                 "batch",
                 "give debounce or batch, not both",
             ))
         }
-        (Some(d), None) => ("debounce", Window::Debounce(Debounce::from_request(&d)?)),
-        (None, Some(b)) => {
+        (_, _, Some(_)) => {
+            return Err(WireError::field(
+                "singleton",
+                "a singleton key is not combined with a debounce or a batch key",
+            ))
+        }
+        (Some(d), None, None) => ("debounce", Window::Debounce(Debounce::from_request(&d)?)),
+        (None, Some(b), None) => {
             let b = crate::batching::Batching::from_request(&b)?;
             if req.payload_base64.is_some() {
                 return Err(WireError::field(

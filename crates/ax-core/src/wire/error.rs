@@ -23,7 +23,8 @@ pub enum ErrorCode {
     Unavailable,
     /// No such trigger.
     NotFound,
-    /// A manual run was refused: the trigger's previous run is still running.
+    /// A manual run was refused: the trigger's previous run is still running; or a submit
+    /// was refused: its singleton key's task has not ended (`task_id` names it).
     Running,
     /// The task's state does not allow the operation (retrying a task that is not dead,
     /// cancelling a finished one, ...).
@@ -63,6 +64,10 @@ pub struct WireError {
     /// The request field at fault, for `invalid_field`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub field: Option<String>,
+    /// The task that caused a `running` refusal of a submit (the one holding its
+    /// singleton key).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub task_id: Option<String>,
 }
 
 impl WireError {
@@ -72,6 +77,7 @@ impl WireError {
             code,
             message: message.into(),
             field: None,
+            task_id: None,
         }
     }
 
@@ -87,6 +93,7 @@ impl WireError {
             code: ErrorCode::InvalidField,
             message: message.into(),
             field: Some(field.to_string()),
+            task_id: None,
         }
     }
 }

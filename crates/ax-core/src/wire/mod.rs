@@ -12,5 +12,6 @@ pub mod names;
 pub mod output;
 pub mod protocol;
 pub mod record;
+pub mod singleton;
 pub mod task;
 pub mod time;

@@ -82,6 +82,22 @@ pub struct SubmitRequest {
     /// submit request.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub batch: Option<BatchRequest>,
+    /// Singleton key: at most one task of the key waits or runs at a time; a colliding
+    /// submit does what `on_collision` says (docs/PROTOCOL.md §2, "Singleton keys"). Not
+    /// with a debounce, a batch key or in a batch submit request.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub singleton: Option<SingletonRequest>,
+}
+
+/// The `singleton` object of a submit request.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SingletonRequest {
+    /// The key: 1..=64 of `A-Z a-z 0-9 _ - . : @`.
+    pub key: String,
+    /// `cancel_new` (refuse the new task) or `cancel_in_progress` (cancel the one that
+    /// holds the key).
+    pub on_collision: String,
 }
 
 /// The `batch` object of a submit request.

@@ -396,6 +396,13 @@ impl TaskMeta {
                 "only a single submit may join a batch key (not a batch request's task)",
             ));
         }
+        if req.singleton.is_some() {
+            return Err(WireError::field(
+                "singleton",
+                "only a single submit request to an ax server may claim a singleton key \
+                 (not a batch request's task, a direct publish, a trigger's or a flow's task)",
+            ));
+        }
         if let Some(q) = &req.queue {
             if q != queue {
                 return Err(WireError::field("queue", "does not match the subject"));

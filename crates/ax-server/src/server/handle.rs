@@ -40,7 +40,8 @@ async fn answer(req: &Request, body: Vec<u8>) {
     }
 }
 
-pub(crate) async fn submit(ctx: &Context, req: Request) {
+pub(crate) async fn submit(ops: &crate::ops::actions::Ops, req: Request) {
+    let ctx: &Context = &ops.ctx;
     let msg = &req.message;
     let queue = msg
         .subject
@@ -64,7 +65,11 @@ pub(crate) async fn submit(ctx: &Context, req: Request) {
             Err(error) => serde_json::to_vec(&submit_reply(&queue, &label, Err(error))),
         }
     } else {
-        let result = guarded("submit", Box::pin(ctx.submit(&queue, &msg.payload))).await;
+        let result = guarded(
+            "submit",
+            Box::pin(crate::singleton::submit(ops, &queue, &msg.payload)),
+        )
+        .await;
         let label = ctx.queues.label(&queue);
         serde_json::to_vec(&submit_reply(&queue, &label, result))
     };

@@ -215,9 +215,9 @@ impl Server {
                 }
                 req = requests.next() => {
                     let Some(req) = req else { break };
-                    let ctx = ctx.clone();
+                    let apis = apis.clone();
                     tracker.spawn(async move {
-                        handle::submit(&ctx, req).await;
+                        handle::submit(&apis.tasks, req).await;
                         drop(permit);
                     });
                 }

@@ -55,17 +55,23 @@ enum Named {
 }
 
 impl Context {
-    /// Handles one submit request for `queue`.
-    pub(crate) async fn submit(
+    /// Admits a decoded single submit: into its window, if it joins one, else as is. A
+    /// singleton key is claimed above, in `crate::singleton`, which calls this for every
+    /// other submit.
+    pub(crate) async fn submit_decoded(
         &self,
-        queue: &str,
-        body: &[u8],
+        meta: TaskMeta,
+        payload: Bytes,
+        window: Option<ax_core::debounce::Window>,
     ) -> Result<SubmitAccepted, WireError> {
         use ax_core::debounce::Window;
-        let (meta, payload, window) = ax_core::debounce::decode_submit(queue, body, &self.limits)?;
         match window {
             Some(Window::Debounce(d)) => self.submit_debounced(meta, payload, d).await,
             Some(Window::Batch(b)) => self.submit_batched(meta, payload, b).await,
+            Some(Window::Singleton(_)) => Err(WireError::new(
+                ErrorCode::Unavailable,
+                "a singleton submit reached the plain submit path (a bug)",
+            )),
             None => self.submit_prepared(unrecorded(meta), payload).await,
         }
     }

@@ -1,0 +1,259 @@
+//! Singleton keys (`TaskSpec::singleton`): at most one task of a key waits or runs; a
+//! colliding submit is refused naming the holder (`cancel_new`) or cancels it
+//! (`cancel_in_progress`, its handler stopped); racing submits leave one holder; a server
+//! aborted between a key's claim and its task's store blocks the key for its grace only.
+
+use crate::procs::{wait_ready, AxProc};
+use crate::support::{eventually, Env};
+use ax_core::protocol::ErrorCode;
+use ax_sdk::worker::{Task, Worker};
+use ax_sdk::{Client, ClientError, Collision, TaskSpec, TaskState};
+use ax_testkit::LocalNats;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Handler starts and ends per task id.
+#[derive(Default)]
+struct Runs {
+    started: HashMap<String, u32>,
+    finished: HashMap<String, u32>,
+}
+
+/// A worker on `q` whose handler takes `work` (long enough to be cancelled while running).
+fn worker(runs: Arc<Mutex<Runs>>, work: Duration) -> Worker {
+    Worker::builder("q")
+        .concurrency(8)
+        .handler(move |task: Task| {
+            let runs = runs.clone();
+            async move {
+                *runs
+                    .lock()
+                    .unwrap()
+                    .started
+                    .entry(task.id.clone())
+                    .or_default() += 1;
+                tokio::time::sleep(work).await;
+                *runs.lock().unwrap().finished.entry(task.id).or_default() += 1;
+                Ok(())
+            }
+        })
+        .build()
+        .unwrap()
+}
+
+fn spec(key: &str, on: Collision) -> TaskSpec {
+    TaskSpec::new("t").singleton(key, on)
+}
+
+/// The holder a `cancel_new` refusal names.
+fn holder(e: ClientError) -> String {
+    match e {
+        ClientError::Refused(w) if w.code == ErrorCode::Running => {
+            w.task_id.expect("a running refusal names the holder")
+        }
+        other => panic!("not a running refusal: {other}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_new_refuses_while_the_key_is_held_and_accepts_once_its_task_ended() {
+    let env = Env::start(Env::server()).await;
+    let ax = &env.ax;
+    let first = ax
+        .submit("q", spec("k", Collision::CancelNew))
+        .await
+        .unwrap();
+    for _ in 0..3 {
+        let refused = ax.submit("q", spec("k", Collision::CancelNew)).await;
+        assert_eq!(
+            holder(refused.unwrap_err()),
+            first.id,
+            "names the waiting holder"
+        );
+    }
+    // Another key, and a retry of a keyed submit (its idempotency key), are not refused.
+    ax.submit("q", spec("other", Collision::CancelNew))
+        .await
+        .unwrap();
+    let keyed = || spec("keyed", Collision::CancelNew).idempotency_key("order-1");
+    let a = ax.submit("q", keyed()).await.unwrap();
+    let b = ax.submit("q", keyed()).await.unwrap();
+    assert!(b.duplicate && b.id == a.id, "{a:?} {b:?}");
+    // A delayed holder holds too.
+    let later = spec("later", Collision::CancelNew).delay(Duration::from_secs(3600));
+    let held = ax.submit("q", later.clone()).await.unwrap();
+    assert_eq!(holder(ax.submit("q", later).await.unwrap_err()), held.id);
+
+    let runs = Arc::new(Mutex::new(Runs::default()));
+    let (stop, handle) = env.spawn_worker(worker(runs.clone(), Duration::from_millis(1)));
+    env.wait_state(&first.id, TaskState::Succeeded, Duration::from_secs(10))
+        .await;
+    // Its task ended: the key is free again.
+    let next = ax
+        .submit("q", spec("k", Collision::CancelNew))
+        .await
+        .unwrap();
+    assert_ne!(next.id, first.id);
+    env.wait_state(&next.id, TaskState::Succeeded, Duration::from_secs(10))
+        .await;
+    stop.cancel();
+    handle.await.unwrap();
+    let runs = runs.lock().unwrap();
+    assert_eq!(runs.started.get(&first.id), Some(&1));
+    assert_eq!(runs.started.get(&next.id), Some(&1));
+    assert_eq!(
+        runs.started.len(),
+        4,
+        "k twice, other, keyed: nothing refused ran"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_in_progress_stops_the_running_holder_and_runs_the_new_task() {
+    let env = Env::start(Env::server()).await;
+    let runs = Arc::new(Mutex::new(Runs::default()));
+    let (stop, handle) = env.spawn_worker(worker(runs.clone(), Duration::from_secs(30)));
+    let on = Collision::CancelInProgress;
+    let first = env.ax.submit("q", spec("sync", on)).await.unwrap();
+    eventually(
+        Duration::from_secs(10),
+        "the first handler to start",
+        || async {
+            runs.lock()
+                .unwrap()
+                .started
+                .contains_key(&first.id)
+                .then_some(())
+        },
+    )
+    .await;
+    let second = env.ax.submit("q", spec("sync", on)).await.unwrap();
+    // Answered once the holder is cancelled: its record says so already.
+    let rec = env.record(&first.id).await;
+    assert_eq!(rec.state, TaskState::Cancelled, "{rec:?}");
+    assert_eq!(rec.last_error.map(|e| e.class), Some("cancelled".into()));
+    eventually(
+        Duration::from_secs(10),
+        "the second handler to start",
+        || async {
+            runs.lock()
+                .unwrap()
+                .started
+                .contains_key(&second.id)
+                .then_some(())
+        },
+    )
+    .await;
+    // And the second, running, by a third.
+    let third = env.ax.submit("q", spec("sync", on)).await.unwrap();
+    assert_eq!(env.record(&second.id).await.state, TaskState::Cancelled);
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    stop.cancel();
+    handle.await.unwrap();
+    let runs = runs.lock().unwrap();
+    for id in [&first.id, &second.id] {
+        assert_eq!(runs.started.get(id), Some(&1), "started once: {id}");
+        assert_eq!(runs.finished.get(id), None, "handler stopped: {id}");
+    }
+    assert_eq!(runs.started.get(&third.id), Some(&1));
+}
+
+/// Twenty submits of one key at once: one is accepted, every other is refused naming it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_submits_leave_one_holder() {
+    let env = Env::start(Env::server()).await;
+    for round in 0..3 {
+        let key = format!("race{round}");
+        let submits = (0..20).map(|_| env.ax.submit("q", spec(&key, Collision::CancelNew)));
+        let results = futures::future::join_all(submits).await;
+        let accepted: Vec<String> = results
+            .iter()
+            .filter_map(|r| r.as_ref().ok().map(|a| a.id.clone()))
+            .collect();
+        assert_eq!(accepted.len(), 1, "round {round}: {results:?}");
+        for r in results.into_iter().filter(|r| r.is_err()) {
+            assert_eq!(holder(r.unwrap_err()), accepted[0]);
+        }
+    }
+    assert_eq!(env.stream_len("AX_READY_NORMAL").await, 3);
+}
+
+/// A server aborted after claiming a key and before storing its task: the key names a
+/// task that does not exist. A submit within the grace is refused (the first might still
+/// be storing it); after the grace it takes the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_claimed_by_an_aborted_submit_frees_itself_after_its_grace() {
+    let nats = LocalNats::start().unwrap();
+    let url = nats.url();
+    let args = ["server", "--queue", "q"];
+    let mut aborting = AxProc::spawn_env(&url, &args, &[("AX_TEST_ABORT_AFTER_CLAIM", "1")]);
+    let client = async_nats::connect(&url).await.unwrap();
+    wait_ready(&client).await;
+    let ax = Client::new(client.clone());
+    // Its answer never comes (the client gives up after its request timeout).
+    let lost = tokio::spawn({
+        let ax = ax.clone();
+        async move { ax.submit("q", spec("k", Collision::CancelNew)).await }
+    });
+    let aborted = aborting.exited_within(Duration::from_secs(10)).await;
+    assert!(
+        aborted.is_some_and(|s| !s.success()),
+        "the hook never fired"
+    );
+    let claimed_at = Instant::now();
+    let _next = AxProc::spawn(&url, &args);
+    wait_ready(&client).await;
+    let refused = ax.submit("q", spec("k", Collision::CancelNew)).await;
+    let named = holder(refused.unwrap_err());
+    assert!(named.starts_with("q."), "{named}");
+    let accepted = eventually(Duration::from_secs(30), "the key freed", || async {
+        ax.submit("q", spec("k", Collision::CancelNew)).await.ok()
+    })
+    .await;
+    assert!(
+        claimed_at.elapsed() >= ax_core::singleton::GRACE - Duration::from_secs(1),
+        "freed after {:?}",
+        claimed_at.elapsed()
+    );
+    assert_ne!(accepted.id, named);
+    assert!(lost.await.unwrap().is_err(), "the aborted server answered");
+    let js = async_nats::jetstream::new(client);
+    let mut ready = js.get_stream("AX_READY_NORMAL").await.unwrap();
+    assert_eq!(
+        ready.info().await.unwrap().state.messages,
+        1,
+        "one task stored"
+    );
+}
+
+/// The CLI: `ax submit --singleton` (default `cancel_new`) refuses a second submit naming
+/// the holder; `--on-collision cancel_in_progress` takes the key over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_submits_with_a_singleton_key() {
+    let env = Env::start(Env::server()).await;
+    let submit = |extra: &'static [&'static str]| {
+        let env = &env;
+        async move {
+            let mut args = vec!["submit", "--queue", "q", "--name", "t", "--singleton", "k"];
+            args.extend_from_slice(extra);
+            let out = crate::limits::ax_cli(env, &args).await;
+            (
+                out.status.success(),
+                String::from_utf8_lossy(&out.stdout).to_string(),
+                String::from_utf8_lossy(&out.stderr).to_string(),
+            )
+        }
+    };
+    let (ok, out, err) = submit(&[]).await;
+    assert!(ok, "{err}");
+    let first: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let first = first["id"].as_str().unwrap().to_string();
+    let (ok, _, err) = submit(&[]).await;
+    assert!(!ok && err.contains(&first), "{err}");
+    let (ok, _, err) = submit(&["--on-collision", "cancel_in_progress"]).await;
+    assert!(ok, "{err}");
+    assert_eq!(env.record(&first).await.state, TaskState::Cancelled);
+    let (ok, _, err) = submit(&["--on-collision", "queue"]).await;
+    assert!(!ok && err.contains("cancel_new"), "{err}");
+}
