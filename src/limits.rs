@@ -62,6 +62,11 @@ pub(crate) enum LimitsCommand {
         /// `pressure`). A handler reports pressure by failing with it.
         #[arg(long = "pressure-class", requires = "adaptive_min")]
         pressure_classes: Vec<String>,
+        /// What happens to tasks over the rate: throttle (default: they wait their turn)
+        /// or drop (a submit over it is refused with rate_limited; not adaptive).
+        #[arg(long, requires = "rate", conflicts_with = "adaptive_min",
+              value_parser = ["throttle", "drop"])]
+        excess: Option<String>,
     },
     /// Print one limit.
     Get {
@@ -150,9 +155,10 @@ fn def_row(d: &Value) -> Vec<String> {
             (_, Some(k)) => k.to_string(),
             _ => "*".to_string(),
         },
-        match d["adaptive"]["min"].as_f64() {
-            Some(min) => format!("{} (adaptive ≥ {min})", cell(&d["rate"])),
-            None => cell(&d["rate"]),
+        match (d["adaptive"]["min"].as_f64(), d["excess"].as_str()) {
+            (Some(min), _) => format!("{} (adaptive ≥ {min})", cell(&d["rate"])),
+            (None, Some("drop")) => format!("{} (excess dropped)", cell(&d["rate"])),
+            _ => cell(&d["rate"]),
         },
         cell(&d["burst"]),
         cell(&d["concurrency"]),
@@ -292,12 +298,16 @@ pub(crate) async fn run(command: LimitsCommand, conn: &Conn, output: Output) -> 
             increase,
             decrease,
             pressure_classes,
+            excess,
         } => {
             let mut def = json!({"name": name, "queue": queue, "task": task, "per_key": per_key, "key": key,
                              "rate": rate, "burst": burst, "concurrency": concurrency});
             if !shared_with.is_empty() {
                 let queues: Vec<&String> = std::iter::once(&queue).chain(&shared_with).collect();
                 def["queues"] = json!(queues);
+            }
+            if let Some(excess) = excess {
+                def["excess"] = json!(excess);
             }
             if let Some(min) = adaptive_min {
                 def["adaptive"] = json!({"min": min, "increase": increase, "decrease": decrease,

@@ -3,8 +3,9 @@
 The native core raises these by the error's kind, never by its text: catch
 ``ax.NotFound`` or ``ax.Unavailable``, not a message. ``code`` is the wire error code
 (PROTOCOL.md §2, e.g. ``invalid_field``) when the server refused a request,
-``field`` the request field at fault, and ``task_id`` the task that caused a ``running``
-refusal (the one holding a submit's singleton key).
+``field`` the request field at fault, ``task_id`` the task that caused a ``running``
+refusal (the one holding a submit's singleton key), and ``retry_after`` the seconds until
+a ``rate_limited`` submit may pass (a rate limit that drops its excess).
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ class AxError(Exception):
     """Base of every ax_scheduler error."""
 
     def __init__(self, message: str, code: str | None = None, field: str | None = None,
-                 task_id: str | None = None):
+                 task_id: str | None = None, retry_after: float | None = None):
         super().__init__(message)
         self.message = message
         self.code = code
         self.field = field
         self.task_id = task_id
+        self.retry_after = retry_after
 
     def __str__(self) -> str:
         where = f" (field {self.field})" if self.field else ""

@@ -25,22 +25,23 @@ pub(crate) fn raise(
     code: Option<&str>,
     field: Option<&str>,
 ) -> PyErr {
-    raise_naming(kind, message, code, field, None)
+    raise_naming(kind, message, code, field, (None, None))
 }
 
-/// [`raise`] with the task a refusal names (`task_id`).
+/// [`raise`] with the task a refusal names (`task_id`) and the seconds until a
+/// `rate_limited` submit may pass (`retry_after`).
 fn raise_naming(
     kind: ErrorKind,
     message: String,
     code: Option<&str>,
     field: Option<&str>,
-    task_id: Option<&str>,
+    (task_id, retry_after): (Option<&str>, Option<f64>),
 ) -> PyErr {
     Python::attach(|py| {
         let made = py
             .import("ax_scheduler.errors")
             .and_then(|m| m.getattr(class(kind)))
-            .and_then(|c| c.call1((message.clone(), code, field, task_id)));
+            .and_then(|c| c.call1((message.clone(), code, field, task_id, retry_after)));
         match made {
             Ok(value) => PyErr::from_value(value),
             Err(e) => e,
@@ -63,7 +64,10 @@ pub(crate) fn wire(w: &ax_core::error::WireError) -> PyErr {
         w.message.clone(),
         Some(w.code.as_str()),
         w.field.as_deref(),
-        w.task_id.as_deref(),
+        (
+            w.task_id.as_deref(),
+            w.retry_after_ms.map(|ms| ms as f64 / 1000.0),
+        ),
     )
 }
 

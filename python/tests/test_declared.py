@@ -216,6 +216,29 @@ def test_a_singleton_task_is_refused_while_its_key_is_held(runtime, client):
         assert e.value.field in ("singleton", "on_collision"), e.value
 
 
+@ax.task(queue=Q)
+def quota_call(n: int) -> int:
+    return n
+
+
+def test_a_submit_over_a_dropping_limit_is_refused_with_when_to_retry(client):
+    client.call("limit", "put", {"name": "quota", "queue": Q, "task": "quota_call", "rate": 0.01,
+                                 "burst": 1, "excess": "drop"})
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                quota_call.with_options(client=client).submit(1)
+            except ax.Unavailable as e:
+                assert e.code == "rate_limited" and e.retry_after is not None, e
+                assert 0 < e.retry_after <= 100, e.retry_after
+                break
+            assert time.monotonic() < deadline, "never refused"
+            time.sleep(0.02)
+    finally:
+        client.call("limit", "delete", {"queue": Q, "name": "quota"})
+
+
 def test_aging_is_a_positive_time():
     for bad in (0, -1, float("nan"), 8 * 86_400):
         with pytest.raises(ax.InvalidInput) as e:

@@ -26,6 +26,7 @@ mod group_commit;
 mod keys;
 mod kv_read;
 mod limits;
+mod limits_drop;
 mod limits_pace;
 mod limits_shared;
 mod monitoring;

@@ -27,6 +27,8 @@ pub(crate) struct Context {
     pub(crate) faults: ax_core::faults::Faults,
     /// The batch keys this server is writing items to (`submit::batching`).
     pub(crate) lanes: crate::submit::lanes::Lanes,
+    /// The rate limits whose excess a submit drops (`limits::drops`).
+    pub(crate) drops: crate::limits::drops::Drops,
 }
 
 impl Context {
@@ -65,6 +67,7 @@ impl Context {
             flows,
             faults,
             lanes: Default::default(),
+            drops: Default::default(),
         })
     }
 }

@@ -25,13 +25,15 @@ const CLAIM_FOR: Duration = Duration::from_secs(30);
 /// Pause before looking at a key again (its holder not stored yet, or a lost race).
 const AGAIN_AFTER: Duration = Duration::from_millis(50);
 
-/// Handles one submit request for `queue` (any kind: one with a singleton key claims it).
+/// Handles one submit request for `queue` (any kind: one over a rate limit that drops its
+/// excess is refused; one with a singleton key claims it).
 pub(crate) async fn submit(
     ops: &Ops,
     queue: &str,
     body: &[u8],
 ) -> Result<SubmitAccepted, WireError> {
     let (meta, payload, window) = ax_core::debounce::decode_submit(queue, body, &ops.ctx.limits)?;
+    ops.ctx.drops.check(&meta).await?;
     match window {
         Some(Window::Singleton(s)) => submit_singleton(ops, &s, meta, payload).await,
         window => ops.ctx.submit_decoded(meta, payload, window).await,

@@ -29,6 +29,9 @@ pub enum ErrorCode {
     /// The task's state does not allow the operation (retrying a task that is not dead,
     /// cancelling a finished one, ...).
     Conflict,
+    /// A submit over a rate limit whose excess is dropped: refused, nothing stored;
+    /// `retry_after_ms` says when a token is due.
+    RateLimited,
 }
 
 impl ErrorCode {
@@ -44,12 +47,16 @@ impl ErrorCode {
             ErrorCode::NotFound => "not_found",
             ErrorCode::Running => "running",
             ErrorCode::Conflict => "conflict",
+            ErrorCode::RateLimited => "rate_limited",
         }
     }
 
     /// True if the same request may succeed when sent again later.
     pub fn is_retryable(self) -> bool {
-        matches!(self, ErrorCode::Busy | ErrorCode::Unavailable)
+        matches!(
+            self,
+            ErrorCode::Busy | ErrorCode::Unavailable | ErrorCode::RateLimited
+        )
     }
 }
 
@@ -68,6 +75,9 @@ pub struct WireError {
     /// singleton key).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub task_id: Option<String>,
+    /// For `rate_limited`: how long until the limit's next token, ms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_after_ms: Option<u64>,
 }
 
 impl WireError {
@@ -78,6 +88,7 @@ impl WireError {
             message: message.into(),
             field: None,
             task_id: None,
+            retry_after_ms: None,
         }
     }
 
@@ -94,6 +105,7 @@ impl WireError {
             message: message.into(),
             field: Some(field.to_string()),
             task_id: None,
+            retry_after_ms: None,
         }
     }
 }
@@ -316,7 +328,9 @@ impl WireError {
                 ErrorKind::Invalid
             }
             ErrorCode::UnknownQueue | ErrorCode::NotFound => ErrorKind::NotFound,
-            ErrorCode::Busy | ErrorCode::Unavailable => ErrorKind::Unavailable,
+            ErrorCode::Busy | ErrorCode::Unavailable | ErrorCode::RateLimited => {
+                ErrorKind::Unavailable
+            }
             ErrorCode::Running | ErrorCode::Conflict => ErrorKind::Conflict,
         }
     }

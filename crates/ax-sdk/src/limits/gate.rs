@@ -486,7 +486,7 @@ impl Gate {
             return Err(Duration::from_secs(1));
         };
         let mut due: Option<u64> = None;
-        for def in self.applicable(meta).iter().filter(|d| d.rate.is_some()) {
+        for def in self.applicable(meta).iter().filter(|d| d.throttles()) {
             // Not counted against the hold budget: this delivery is claimed already.
             let mut hold = Arc::new(Semaphore::new(1)).try_acquire_owned().ok();
             let key = meta.limit_key.as_deref();
@@ -592,7 +592,7 @@ impl Gate {
         meta: &TaskMeta,
     ) -> Result<Option<tokio::time::Instant>, Admit> {
         let mut due_us: Option<u64> = None;
-        for def in limits.iter().filter(|d| d.rate.is_some()) {
+        for def in limits.iter().filter(|d| d.throttles()) {
             match self.take_token(&buckets.state, def, key, hold).await {
                 Ok(due) => due_us = due_us.max(Some(due)),
                 Err(delay) => return Err(wait(delay, Reason::RateLimit, def.name.clone())),

@@ -20,7 +20,7 @@ mod request;
 
 pub use ax_core::wire::fair;
 pub use client::{LimitStatus, SlotHeld};
-pub use model::LimitDef;
+pub use model::{Excess, LimitDef};
 pub use request::{LimitFilter, LimitName, LimitRequest};
 
 /// The `AX_LIMITS` key that pauses a queue while it exists: `<queue>.=paused` (`=` is

@@ -61,6 +61,29 @@ pub struct LimitDef {
     /// The rate follows reported pressure between `min` and `rate` (only with a rate).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub adaptive: Option<Adaptive>,
+    /// What happens to tasks over the rate: [`Excess::Throttle`] (default: they wait for
+    /// their turn) or [`Excess::Drop`] (refused at submit).
+    #[serde(default, skip_serializing_if = "is_throttle")]
+    pub excess: Excess,
+}
+
+/// What a rate limit does with the tasks over it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Excess {
+    /// Queue them: a worker takes the token before it starts a task, and a task over the
+    /// rate waits for one (the default).
+    #[default]
+    Throttle,
+    /// Refuse them: an ax server takes the token when the task is submitted, and a submit
+    /// over the rate is refused (`rate_limited`, nothing stored); workers do not take the
+    /// token again. Only with a rate, not adaptive; the limit's concurrency (if any) is
+    /// still applied by workers.
+    Drop,
+}
+
+fn is_throttle(excess: &Excess) -> bool {
+    *excess == Excess::Throttle
 }
 
 /// How an adaptive rate follows pressure (see [`super::adaptive`]): lowered by the factor
@@ -153,6 +176,12 @@ impl LimitDef {
             .unwrap_or_else(|| self.rate.map_or(1, |r| r.ceil().max(1.0) as u32))
     }
 
+    /// True if a worker takes this limit's rate tokens: a rate whose excess is throttled
+    /// (a dropping one's token was taken at submit).
+    pub(crate) fn throttles(&self) -> bool {
+        self.rate.is_some() && self.excess == Excess::Throttle
+    }
+
     /// True if the limit applies to a task of `name` with `limit_key`.
     pub fn applies(&self, name: &str, limit_key: Option<&str>) -> bool {
         self.task.as_deref().is_none_or(|t| t == name)
@@ -219,6 +248,12 @@ impl LimitDef {
             }
             (Some(a), Some(rate)) => a.validate(rate)?,
             _ => {}
+        }
+        if self.excess == Excess::Drop && (self.rate.is_none() || self.adaptive.is_some()) {
+            return Err(WireError::field(
+                "excess",
+                "drop needs a rate that is not adaptive (a submit over it is refused)",
+            ));
         }
         match self.concurrency {
             Some(c) if c == 0 || c > MAX_CONCURRENCY => {
@@ -382,6 +417,7 @@ mod tests {
                 burst,
                 concurrency: None,
                 adaptive: None,
+                excess: Excess::Throttle,
             }
             .validate()
             .map_err(|e| e.field.unwrap())

@@ -2,6 +2,7 @@
 //! limits themselves, and the gate every worker applies, live in `ax_sdk::limits`.
 
 pub(crate) mod api;
+pub(crate) mod drops;
 mod windows;
 
 pub use ax_sdk::limits::*;

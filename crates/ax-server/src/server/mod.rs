@@ -284,6 +284,11 @@ impl Server {
                 EventRouter { ctx: ctx.clone() }.run(token)
             });
         }
+        let drops_ctx = ctx.clone();
+        services.spawn("drop-limits", move |token| {
+            let ctx = drops_ctx.clone();
+            async move { ctx.drops.follow(ctx.js.clone(), token).await }.map(Ok::<(), Infallible>)
+        });
         let (fair_ctx, id, ttl, held) = (
             ctx.clone(),
             self.id.clone(),

@@ -58,6 +58,11 @@ impl Context {
             match decode_submit(queue, item.get().as_bytes(), &self.limits) {
                 Err(e) => answers[i] = Some(Err(e)),
                 Ok((meta, payload)) => {
+                    // Over a rate limit that drops its excess: refused, nothing stored.
+                    if let Err(e) = self.drops.check(&meta).await {
+                        answers[i] = Some(Err(e));
+                        continue;
+                    }
                     let again = meta
                         .idempotency_key
                         .as_ref()
