@@ -257,3 +257,48 @@ async fn the_cli_submits_with_a_singleton_key() {
     let (ok, _, err) = submit(&["--on-collision", "queue"]).await;
     assert!(!ok && err.contains("cancel_new"), "{err}");
 }
+
+/// A server aborted between a singleton task's message and its record: the key names a
+/// task with no record, but its message is stored and will run. After the grace the key
+/// is still held: the holder is found by its message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_stored_without_its_record_still_holds_after_the_grace() {
+    let nats = LocalNats::start().unwrap();
+    let url = nats.url();
+    let args = ["server", "--queue", "q"];
+    let mut aborting = AxProc::spawn_env(&url, &args, &[("AX_TEST_ABORT_AFTER_PUBLISH", "1")]);
+    let client = async_nats::connect(&url).await.unwrap();
+    wait_ready(&client).await;
+    let ax = Client::new(client.clone());
+    let lost = tokio::spawn({
+        let ax = ax.clone();
+        async move { ax.submit("q", spec("k", Collision::CancelNew)).await }
+    });
+    let aborted = aborting.exited_within(Duration::from_secs(10)).await;
+    assert!(
+        aborted.is_some_and(|s| !s.success()),
+        "the hook never fired"
+    );
+    let stored_at = Instant::now();
+    let _next = AxProc::spawn(&url, &args);
+    wait_ready(&client).await;
+    let js = async_nats::jetstream::new(client.clone());
+    let mut ready = js.get_stream("AX_READY_NORMAL").await.unwrap();
+    assert_eq!(
+        ready.info().await.unwrap().state.messages,
+        1,
+        "its message is stored"
+    );
+    tokio::time::sleep(
+        (ax_core::singleton::GRACE + Duration::from_secs(1)).saturating_sub(stored_at.elapsed()),
+    )
+    .await;
+    let named = holder(
+        ax.submit("q", spec("k", Collision::CancelNew))
+            .await
+            .unwrap_err(),
+    );
+    assert!(lost.await.unwrap().is_err(), "the aborted server answered");
+    let found = Client::new(client).task(&named).await.unwrap();
+    assert_eq!(found.map(|(r, _)| r.state), Some(TaskState::Pending));
+}

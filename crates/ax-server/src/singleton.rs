@@ -125,13 +125,22 @@ async fn collide(
     };
     if entry.operation == Operation::Put {
         let holder = String::from_utf8_lossy(&entry.value).into_owned();
-        let found = ctx
+        let mut found = ctx
             .tasks
             .get_latest(&holder)
             .await
             .map_err(WireError::unavailable)?;
         let age = ax_core::time::now_ms()
             .saturating_sub(entry.created.unix_timestamp_nanos() as u64 / 1_000_000);
+        if found.is_none() && u128::from(age) >= GRACE.as_millis() {
+            // Stored without its record (its server died between the two writes, or the
+            // record write failed): then its message is the task (PROTOCOL.md §4).
+            found = ctx
+                .tasks
+                .find(&holder)
+                .await
+                .map_err(WireError::unavailable)?;
+        }
         let alive = match &found {
             Some((rec, _)) => !rec.state.is_terminal(),
             // Its submit may be storing it now.
