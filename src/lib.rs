@@ -2,6 +2,7 @@
 //! [`main_with`] runs it; the `ax` binary (`src/main.rs`) and the Python package's `ax`
 //! console script (`ax_scheduler._core.cli`) both call it.
 
+mod apply_limits;
 mod conn;
 mod demo;
 mod exporter;
@@ -108,20 +109,23 @@ enum Command {
     Demo(demo::DemoArgs),
 }
 
-/// `ax apply -f FILE [--no-prune]`: the file's triggers, then its task settings.
+/// `ax apply -f FILE [--no-prune]`: the file's triggers, its task settings, then its
+/// limits and fair shares.
 async fn apply(file: &std::path::Path, no_prune: bool, conn: &conn::Conn) -> Result<()> {
     let doc = trigger::read_definitions(file)?;
     let has_triggers = doc.get("triggers").is_some();
-    let client = ax_sdk::Client::new(conn.connect().await?);
-    // Checked before anything is applied: a bad task entry changes nothing.
+    // Checked before anything is applied: a bad task entry or limit changes nothing.
     ax_sdk::settings::file::read_tasks(&doc)?;
+    apply_limits::check(&doc)?;
+    let client = ax_sdk::Client::new(conn.connect().await?);
     if has_triggers {
         trigger::apply(&doc, no_prune, &client).await?;
     }
     let had_tasks = options::apply(&doc, !no_prune, &client).await?;
-    if !has_triggers && !had_tasks {
+    let had_limits = apply_limits::apply(&doc, !no_prune, &client).await?;
+    if !has_triggers && !had_tasks && !had_limits {
         anyhow::bail!(
-            "{}: nothing to apply (the file has neither `triggers:` nor `tasks:`)",
+            "{}: nothing to apply (the file has none of `triggers:`, `tasks:`, `limits:`, `fair:`)",
             file.display()
         );
     }

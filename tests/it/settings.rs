@@ -391,3 +391,95 @@ async fn ax_apply_stores_a_settings_file_and_refuses_a_bad_one_whole() {
         "merged, not replaced"
     );
 }
+
+/// `limits:` and `fair:` in the settings file: `ax apply` stores each limit (a dropping
+/// one too) and a queue's fair shares, reports unchanged ones, deletes a limit of a named
+/// queue the file no longer lists, and refuses a bad limit before storing anything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ax_apply_stores_limits_and_fair_shares() {
+    let env = Env::start(Env::server().queues(["q", "other"])).await;
+    let kept = serde_json::json!({"name": "kept", "queue": "other", "concurrency": 2});
+    env.ax.limits("put", &kept).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("runtime.yaml");
+    let path = file.to_str().unwrap().to_string();
+    let apply = |text: &str| {
+        std::fs::write(&file, text).unwrap();
+        let args = ["apply", "-f", path.as_str()];
+        let env = &env;
+        async move {
+            let out = ax_cli(env, &args).await;
+            let text = String::from_utf8_lossy(&out.stdout).to_string();
+            (
+                out.status.success(),
+                text,
+                String::from_utf8_lossy(&out.stderr).to_string(),
+            )
+        }
+    };
+    let both = "limits:\n  - {name: quota, queue: q, rate: 10, burst: 20, excess: drop}\n  - {name: cap, queue: q, concurrency: 3}\nfair:\n  q: {weights: {acme: 2}, depth: 64}\n";
+    let (ok, out, err) = apply(both).await;
+    assert!(ok, "{err}");
+    assert!(out.contains("created    limit quota on q"), "{out}");
+    assert!(out.contains("applied    fair shares on q"), "{out}");
+    let quota = env
+        .ax
+        .limits("get", &serde_json::json!({"queue": "q", "name": "quota"}))
+        .await
+        .unwrap();
+    assert_eq!(
+        (quota["excess"].as_str(), quota["burst"].as_u64()),
+        (Some("drop"), Some(20))
+    );
+    let fair = env
+        .ax
+        .limits("fair_get", &serde_json::json!({"queue": "q"}))
+        .await
+        .unwrap();
+    assert_eq!(
+        (
+            fair["fair"]["weights"]["acme"].as_u64(),
+            fair["fair"]["depth"].as_u64()
+        ),
+        (Some(2), Some(64))
+    );
+
+    let (ok, out, _) = apply(both).await;
+    assert!(ok && out.contains("unchanged  limit quota on q"), "{out}");
+    // `cap` left out: deleted from q; `kept` (another queue) stays.
+    let (ok, out, err) =
+        apply("limits:\n  - {name: quota, queue: q, rate: 10, burst: 20, excess: drop}\n").await;
+    assert!(
+        ok && out.contains("deleted    limit cap on q"),
+        "{out}{err}"
+    );
+    let names = |v: serde_json::Value| -> Vec<String> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d["name"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let q = env
+        .ax
+        .limits("list", &serde_json::json!({"queue": "q"}))
+        .await
+        .unwrap();
+    assert_eq!(names(q), ["quota"]);
+    let other = env
+        .ax
+        .limits("list", &serde_json::json!({"queue": "other"}))
+        .await
+        .unwrap();
+    assert_eq!(names(other), ["kept"]);
+    // A limit that does not decode: refused naming it, nothing changed.
+    let (ok, _, err) =
+        apply("limits:\n  - {name: quota, queue: q, rate: 1, excess: sometimes}\n").await;
+    assert!(!ok && err.contains("limits[0]"), "{err}");
+    let quota = env
+        .ax
+        .limits("get", &serde_json::json!({"queue": "q", "name": "quota"}))
+        .await
+        .unwrap();
+    assert_eq!(quota["rate"].as_f64(), Some(10.0));
+}
