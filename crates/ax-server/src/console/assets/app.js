@@ -460,7 +460,7 @@ async function limits() {
   show(`<h1>Limits</h1><table id="limits"><tr><th>queue</th><th>name</th><th>task</th><th>per key</th><th>rate/s</th><th>burst</th>
     <th>tokens left</th><th>concurrency</th><th>slots held</th></tr>
     ${list.map(({ limit: l, tokens, slots_held, rate_now }) => `<tr><td>${esc(l.queue)}${l.queues ? ` <span class="muted">shared with ${l.queues.filter((q) => q !== l.queue).map(esc).join(", ")}</span>` : ""}</td><td>${esc(l.name)}</td><td>${esc(l.task || "all")}</td>
-    <td>${l.per_key ? "yes" : ""}</td><td>${l.rate ?? ""}${l.adaptive ? ` <span class="muted">adaptive ${esc(l.adaptive.min)}–${esc(l.rate)}${rate_now != null ? `, now ${rate_now.toFixed(1)}` : ""}</span>` : ""}</td><td>${l.burst ?? ""}</td>
+    <td>${l.per_key ? "yes" : ""}</td><td>${l.rate ?? ""}${l.adaptive ? ` <span class="muted">adaptive ${esc(l.adaptive.min)}–${esc(l.rate)}${rate_now != null ? `, now ${rate_now.toFixed(1)}` : ""}</span>` : ""}${l.excess === "drop" ? ` <span class="muted">excess dropped</span>` : ""}</td><td>${l.burst ?? ""}</td>
     <td>${tokens === null ? (l.rate ? "per key" : "") : tokens.toFixed(1)}</td><td>${l.concurrency ?? ""}</td>
     <td>${slots_held.length}${slots_held.length ? `: <span class="mono">${slots_held.map((s) => esc(s.holder)).join(", ")}</span>` : ""}</td></tr>`).join("")}</table>
     <p class="muted">Tasks waiting for a limit carry <code>waiting</code> in their record (shown on the task page).</p>${windows}${shares}`);
