@@ -179,19 +179,26 @@ async fn racing_submits_leave_one_holder() {
     assert_eq!(env.stream_len("AX_READY_NORMAL").await, 3);
 }
 
-/// A server aborted after claiming a key and before storing its task: the key names a
-/// task that does not exist. A submit within the grace is refused (the first might still
-/// be storing it); after the grace it takes the key.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_key_claimed_by_an_aborted_submit_frees_itself_after_its_grace() {
+/// A server aborted by the fault `hook` during a first submit of key `k`, and the server
+/// started after it: the submit's answer (it never comes: the client gives up after its
+/// request timeout), when the abort was seen, and the pieces to go on with.
+struct Aborted {
+    _nats: LocalNats,
+    _next: AxProc,
+    client: async_nats::Client,
+    ax: Client,
+    lost: tokio::task::JoinHandle<Result<ax_sdk::SubmitAccepted, ClientError>>,
+    at: Instant,
+}
+
+async fn abort_first_submit(hook: &str) -> Aborted {
     let nats = LocalNats::start().unwrap();
     let url = nats.url();
     let args = ["server", "--queue", "q"];
-    let mut aborting = AxProc::spawn_env(&url, &args, &[("AX_TEST_ABORT_AFTER_CLAIM", "1")]);
+    let mut aborting = AxProc::spawn_env(&url, &args, &[(hook, "1")]);
     let client = async_nats::connect(&url).await.unwrap();
     wait_ready(&client).await;
     let ax = Client::new(client.clone());
-    // Its answer never comes (the client gives up after its request timeout).
     let lost = tokio::spawn({
         let ax = ax.clone();
         async move { ax.submit("q", spec("k", Collision::CancelNew)).await }
@@ -201,9 +208,33 @@ async fn a_key_claimed_by_an_aborted_submit_frees_itself_after_its_grace() {
         aborted.is_some_and(|s| !s.success()),
         "the hook never fired"
     );
-    let claimed_at = Instant::now();
-    let _next = AxProc::spawn(&url, &args);
+    let at = Instant::now();
+    let next = AxProc::spawn(&url, &args);
     wait_ready(&client).await;
+    Aborted {
+        _nats: nats,
+        _next: next,
+        client,
+        ax,
+        lost,
+        at,
+    }
+}
+
+async fn ready_messages(client: &async_nats::Client) -> u64 {
+    let js = async_nats::jetstream::new(client.clone());
+    let mut ready = js.get_stream("AX_READY_NORMAL").await.unwrap();
+    ready.info().await.unwrap().state.messages
+}
+
+/// A server aborted after claiming a key and before storing its task: the key names a
+/// task that does not exist. A submit within the grace is refused (the first might still
+/// be storing it); after the grace it takes the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_claimed_by_an_aborted_submit_frees_itself_after_its_grace() {
+    // Bound whole: the nats-server and the next server live as long as it.
+    let aborted = abort_first_submit("AX_TEST_ABORT_AFTER_CLAIM").await;
+    let (client, ax, at) = (&aborted.client, &aborted.ax, aborted.at);
     let refused = ax.submit("q", spec("k", Collision::CancelNew)).await;
     let named = holder(refused.unwrap_err());
     assert!(named.starts_with("q."), "{named}");
@@ -212,19 +243,16 @@ async fn a_key_claimed_by_an_aborted_submit_frees_itself_after_its_grace() {
     })
     .await;
     assert!(
-        claimed_at.elapsed() >= ax_core::singleton::GRACE - Duration::from_secs(1),
+        at.elapsed() >= ax_core::singleton::GRACE - Duration::from_secs(1),
         "freed after {:?}",
-        claimed_at.elapsed()
+        at.elapsed()
     );
     assert_ne!(accepted.id, named);
-    assert!(lost.await.unwrap().is_err(), "the aborted server answered");
-    let js = async_nats::jetstream::new(client);
-    let mut ready = js.get_stream("AX_READY_NORMAL").await.unwrap();
-    assert_eq!(
-        ready.info().await.unwrap().state.messages,
-        1,
-        "one task stored"
+    assert!(
+        aborted.lost.await.unwrap().is_err(),
+        "the aborted server answered"
     );
+    assert_eq!(ready_messages(client).await, 1, "one task stored");
 }
 
 /// The CLI: `ax submit --singleton` (default `cancel_new`) refuses a second submit naming
@@ -263,42 +291,21 @@ async fn the_cli_submits_with_a_singleton_key() {
 /// is still held: the holder is found by its message.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_holder_stored_without_its_record_still_holds_after_the_grace() {
-    let nats = LocalNats::start().unwrap();
-    let url = nats.url();
-    let args = ["server", "--queue", "q"];
-    let mut aborting = AxProc::spawn_env(&url, &args, &[("AX_TEST_ABORT_AFTER_PUBLISH", "1")]);
-    let client = async_nats::connect(&url).await.unwrap();
-    wait_ready(&client).await;
-    let ax = Client::new(client.clone());
-    let lost = tokio::spawn({
-        let ax = ax.clone();
-        async move { ax.submit("q", spec("k", Collision::CancelNew)).await }
-    });
-    let aborted = aborting.exited_within(Duration::from_secs(10)).await;
-    assert!(
-        aborted.is_some_and(|s| !s.success()),
-        "the hook never fired"
-    );
-    let stored_at = Instant::now();
-    let _next = AxProc::spawn(&url, &args);
-    wait_ready(&client).await;
-    let js = async_nats::jetstream::new(client.clone());
-    let mut ready = js.get_stream("AX_READY_NORMAL").await.unwrap();
-    assert_eq!(
-        ready.info().await.unwrap().state.messages,
-        1,
-        "its message is stored"
-    );
-    tokio::time::sleep(
-        (ax_core::singleton::GRACE + Duration::from_secs(1)).saturating_sub(stored_at.elapsed()),
-    )
-    .await;
+    // Bound whole: the nats-server and the next server live as long as it.
+    let aborted = abort_first_submit("AX_TEST_ABORT_AFTER_PUBLISH").await;
+    let (client, ax, at) = (&aborted.client, &aborted.ax, aborted.at);
+    assert_eq!(ready_messages(client).await, 1, "its message is stored");
+    let past_grace = ax_core::singleton::GRACE + Duration::from_secs(1);
+    tokio::time::sleep(past_grace.saturating_sub(at.elapsed())).await;
     let named = holder(
         ax.submit("q", spec("k", Collision::CancelNew))
             .await
             .unwrap_err(),
     );
-    assert!(lost.await.unwrap().is_err(), "the aborted server answered");
-    let found = Client::new(client).task(&named).await.unwrap();
+    assert!(
+        aborted.lost.await.unwrap().is_err(),
+        "the aborted server answered"
+    );
+    let found = ax.task(&named).await.unwrap();
     assert_eq!(found.map(|(r, _)| r.state), Some(TaskState::Pending));
 }
