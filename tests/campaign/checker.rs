@@ -75,6 +75,20 @@ pub fn parse_journal(text: &str) -> HashMap<String, Vec<Invocation>> {
 /// Every stored revision of every record, oldest first, by task id.
 pub type Histories = BTreeMap<String, Vec<(u64, TaskRecord)>>;
 
+/// A record history in one line, for a violation's message: `rev:state/attempt[op by
+/// worker]` per revision.
+fn brief(history: &[(u64, TaskRecord)]) -> String {
+    history
+        .iter()
+        .map(|(rev, r)| {
+            let op = r.op.as_ref().map_or(String::new(), |o| format!(" {}", o.op));
+            let worker = r.worker.as_deref().unwrap_or("-");
+            format!("{rev}:{}/{}{op} {worker}", r.state, r.attempt)
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// Every accepted task reached a final state; none has two recorded outcomes (unless an
 /// operator's retry reopened a dead one in between); a success is backed by a successful
 /// invocation under the token it was recorded with.
@@ -114,10 +128,17 @@ pub fn check_tasks(
                 .map(|(i, _)| i)
                 .collect();
             if terminal.len() > 1 {
-                v.push(format!("{id}: {} recorded outcomes", terminal.len()));
+                v.push(format!(
+                    "{id}: {} recorded outcomes ({})",
+                    terminal.len(),
+                    brief(history)
+                ));
             }
             if terminal.first().is_some_and(|&i| i + 1 != life.len()) {
-                v.push(format!("{id}: a transition after its outcome"));
+                v.push(format!(
+                    "{id}: a transition after its outcome ({})",
+                    brief(history)
+                ));
             }
             start = i;
         }

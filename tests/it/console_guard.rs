@@ -434,6 +434,7 @@ async fn healthz_shows_each_service_and_its_restarts() {
         "alerts",
         "console",
         "delayed-dispatch",
+        "drop-limits",
         "event-router",
         "fair-dispatch",
         "flow-engine",
