@@ -81,7 +81,9 @@ fn brief(history: &[(u64, TaskRecord)]) -> String {
     history
         .iter()
         .map(|(rev, r)| {
-            let op = r.op.as_ref().map_or(String::new(), |o| format!(" {}", o.op));
+            let op =
+                r.op.as_ref()
+                    .map_or(String::new(), |o| format!(" {}", o.op));
             let worker = r.worker.as_deref().unwrap_or("-");
             format!("{rev}:{}/{}{op} {worker}", r.state, r.attempt)
         })
