@@ -43,6 +43,15 @@ pub(crate) enum FlowCommand {
         /// it, in its record and its logs.
         #[arg(long)]
         business_id: Option<String>,
+        /// A singleton key: at most one run of the flow holding it runs at a time
+        /// (docs/guides/flows.md, "One run at a time").
+        #[arg(long)]
+        singleton: Option<String>,
+        /// What a start whose singleton key is held does: cancel_new (refuse it; exit 1
+        /// naming the holder) or cancel_in_progress (cancel the holder, start this one).
+        #[arg(long, requires = "singleton", default_value = "cancel_new",
+              value_parser = ["cancel_new", "cancel_in_progress"])]
+        on_collision: String,
     },
     /// A run: each step with state, attempts, timings and error.
     Get {
@@ -223,12 +232,18 @@ pub(crate) async fn run(command: FlowCommand, conn: &Conn, output: Output) -> Re
             wait,
             timeout,
             business_id,
+            singleton,
+            on_collision,
         } => {
-            let start = ax_sdk::flow::FlowStart {
-                flow: name,
-                input: json_arg(&input)?,
-                business_id,
-            };
+            let mut start = ax_sdk::flow::FlowStart::new(name, json_arg(&input)?);
+            start.business_id = business_id;
+            if let Some(key) = singleton {
+                let on_collision = match on_collision.as_str() {
+                    "cancel_in_progress" => ax_sdk::Collision::CancelInProgress,
+                    _ => ax_sdk::Collision::CancelNew,
+                };
+                start = start.singleton(key, on_collision);
+            }
             let id = client.start_flow(start).await?;
             if !wait {
                 println!("{id}");

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Generic, Protocol, cast, overload
 
 from . import _json
+from ._options import _BATCH_KEY, COLLISIONS  # pyright: ignore[reportPrivateUsage]
 from ._task import claim_name
 from ._typing import P
 from .errors import FlowDefinitionError, InvalidInput
@@ -172,10 +173,13 @@ class FlowDef(Generic[P]):
     describes; ``trigger(input)`` starts a run (``P``: the body's parameter, the run's
     input, or none)."""
 
-    def __init__(self, fn: Callable[P, Any], name: str, failure: str):
+    def __init__(self, fn: Callable[P, Any], name: str, failure: str,
+                 singleton: str | Callable[..., str] | None = None, on_collision: str = "cancel_new"):
         self.fn: Callable[P, Any] = fn
         self.name = name
         self.failure = failure
+        self.singleton = singleton
+        self.on_collision = on_collision
         self._definition: dict[str, Any] | None = None
         self.__name__ = getattr(fn, "__name__", name)
         self.__doc__ = fn.__doc__
@@ -213,6 +217,20 @@ class FlowDef(Generic[P]):
     async def trigger_async(self, *args: P.args, **kwargs: P.kwargs) -> str:
         """``trigger`` as an awaitable."""
         return await self._options_in(kwargs).trigger_async(*args, **kwargs)
+
+    def start_options(self, payload: Any) -> dict[str, Any]:
+        """What a start of a run with input ``payload`` carries besides it: its singleton
+        key (PROTOCOL.md §6, "Singleton runs"), the function's answer for the input when
+        ``singleton`` is one."""
+        if self.singleton is None:
+            return {}
+        key: Any = self.singleton
+        if callable(key):
+            key = key(payload) if self._inputs() else key()
+            if not isinstance(key, str) or not _BATCH_KEY.match(key):
+                raise InvalidInput(f"flow {self.name}: singleton gave {key!r}, not 1-64 of A-Z a-z 0-9 _ - . : @",
+                                   field="singleton")
+        return {"singleton": {"key": key, "on_collision": self.on_collision}}
 
     def _inputs(self) -> list[inspect.Parameter]:
         return [p for p in inspect.signature(self.fn).parameters.values()
@@ -265,22 +283,40 @@ class FlowDecorator(Protocol):
 @overload
 def flow(fn: Callable[P, Any], /) -> FlowDef[P]: ...
 @overload
-def flow(*, name: str | None = None, failure: str = "fail_fast") -> FlowDecorator: ...
+def flow(*, name: str | None = None, failure: str = "fail_fast", singleton: str | Callable[..., str] | None = None,
+         on_collision: str = "cancel_new") -> FlowDecorator: ...
 
 
-def flow(fn: Callable[..., Any] | None = None, /, *, name: str | None = None, failure: str = "fail_fast") -> Any:
+def flow(fn: Callable[..., Any] | None = None, /, *, name: str | None = None, failure: str = "fail_fast",
+         singleton: str | Callable[..., str] | None = None, on_collision: str = "cancel_new") -> Any:
     """Registers a flow: its body, run once with placeholders, calls ``@ax.task``
-    functions. ``failure`` is ``fail_fast`` (default) or ``continue``."""
+    functions. ``failure`` is ``fail_fast`` (default) or ``continue``. ``singleton`` (a
+    key, or a function of the run's input giving one) lets one run of the key run at a
+    time: a start that finds one running is refused (``on_collision="cancel_new"``:
+    ``ax.Conflict`` naming it in ``run_id``) or cancels it (``"cancel_in_progress"``)."""
 
     def register(f: Callable[..., Any]) -> FlowDef:
         if failure not in ("fail_fast", "continue"):
             raise InvalidInput(f"failure must be fail_fast or continue, not {failure!r}", field="failure")
-        fd: FlowDef = FlowDef(f, name or f.__name__, failure)
+        _check_singleton(singleton, on_collision)
+        fd: FlowDef = FlowDef(f, name or f.__name__, failure, singleton, on_collision)
         claim_name(FLOWS, "flow", fd.name, f)
         FLOWS[fd.name] = fd
         return fd
 
     return register(fn) if fn is not None else register
+
+
+def _check_singleton(key: Any, on_collision: str) -> None:
+    if on_collision not in COLLISIONS:
+        raise InvalidInput(f"on_collision must be one of {COLLISIONS}, not {on_collision!r}", field="on_collision")
+    if key is None:
+        if on_collision != "cancel_new":
+            raise InvalidInput("on_collision needs singleton=<key>", field="on_collision")
+        return
+    if not callable(key) and not (isinstance(key, str) and _BATCH_KEY.match(key)):
+        raise InvalidInput("singleton must be 1-64 of A-Z a-z 0-9 _ - . : @, or a function of the run's input, "
+                           f"not {key!r}", field="singleton")
 
 
 def resolve(payload: dict[str, Any], sources: dict[str, Any]) -> dict[str, Any]:

@@ -211,11 +211,13 @@ def put_flow(stored: set[str], flow: Any) -> Op[dict[str, Any]]:
 
 def trigger_flow(stored: set[str], flow: Any, payload: Any) -> Op[str]:
     """Starts a run of ``flow`` (stored first unless in ``stored``, or a name)."""
+    start: dict[str, Any] = {}
     if not isinstance(flow, str):
+        start = flow.start_options(payload)
         if flow.name not in stored:
             yield from put_flow(stored, flow)
         flow = flow.name
-    return (yield from call("flow", "run", {"flow": flow, "input": payload}))["run"]
+    return (yield from call("flow", "run", {"flow": flow, "input": payload, **start}))["run"]
 
 
 def wait_flow(run: str, timeout: float | None) -> Op[dict[str, Any]]:

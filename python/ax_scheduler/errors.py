@@ -4,7 +4,8 @@ The native core raises these by the error's kind, never by its text: catch
 ``ax.NotFound`` or ``ax.Unavailable``, not a message. ``code`` is the wire error code
 (PROTOCOL.md §2, e.g. ``invalid_field``) when the server refused a request,
 ``field`` the request field at fault, ``task_id`` the task that caused a ``running``
-refusal (the one holding a submit's singleton key), and ``retry_after`` the seconds until
+refusal (the one holding a submit's singleton key), ``run_id`` the flow run that caused
+one (the one holding a run's singleton key), and ``retry_after`` the seconds until
 a ``rate_limited`` submit may pass (a rate limit that drops its excess).
 """
 
@@ -17,13 +18,14 @@ class AxError(Exception):
     """Base of every ax_scheduler error."""
 
     def __init__(self, message: str, code: str | None = None, field: str | None = None,
-                 task_id: str | None = None, retry_after: float | None = None):
+                 task_id: str | None = None, retry_after: float | None = None, run_id: str | None = None):
         super().__init__(message)
         self.message = message
         self.code = code
         self.field = field
         self.task_id = task_id
         self.retry_after = retry_after
+        self.run_id = run_id
 
     def __str__(self) -> str:
         where = f" (field {self.field})" if self.field else ""

@@ -25,23 +25,24 @@ pub(crate) fn raise(
     code: Option<&str>,
     field: Option<&str>,
 ) -> PyErr {
-    raise_naming(kind, message, code, field, (None, None))
+    raise_naming(kind, message, code, field, (None, None, None))
 }
 
-/// [`raise`] with the task a refusal names (`task_id`) and the seconds until a
-/// `rate_limited` submit may pass (`retry_after`).
+/// [`raise`] with the task a refusal names (`task_id`), the seconds until a
+/// `rate_limited` submit may pass (`retry_after`) and the flow run a refusal names
+/// (`run_id`).
 fn raise_naming(
     kind: ErrorKind,
     message: String,
     code: Option<&str>,
     field: Option<&str>,
-    (task_id, retry_after): (Option<&str>, Option<f64>),
+    (task_id, retry_after, run_id): (Option<&str>, Option<f64>, Option<&str>),
 ) -> PyErr {
     Python::attach(|py| {
         let made = py
             .import("ax_scheduler.errors")
             .and_then(|m| m.getattr(class(kind)))
-            .and_then(|c| c.call1((message.clone(), code, field, task_id, retry_after)));
+            .and_then(|c| c.call1((message.clone(), code, field, task_id, retry_after, run_id)));
         match made {
             Ok(value) => PyErr::from_value(value),
             Err(e) => e,
@@ -67,6 +68,7 @@ pub(crate) fn wire(w: &ax_core::error::WireError) -> PyErr {
         (
             w.task_id.as_deref(),
             w.retry_after_ms.map(|ms| ms as f64 / 1000.0),
+            w.run_id.as_deref(),
         ),
     )
 }

@@ -172,3 +172,33 @@ def test_a_step_definition_is_the_protocols_json(client):
     assert by["square"]["task"]["payload"] == {
         "ax_args": {"x": {"from": "item"}, "offset": {"from": "input", "path": ["offset"]}}}
     assert client.put_flow(fan)["name"] == "py_fan"
+
+
+@ax.task(queue=Q)
+def sync_step(account: str) -> str:
+    return account
+
+
+@ax.flow(name="py_sync", singleton=lambda event: event["account"])
+def sync_flow(event):
+    sync_step(event["account"])
+
+
+def test_a_singleton_flow_is_refused_while_a_run_of_its_key_runs(runtime, client):
+    # No worker yet: the first run waits on its step and holds its key; a second start of
+    # the key is refused naming it, another key is not.
+    first = sync_flow.with_options(client=client).trigger({"account": "acme"})
+    with pytest.raises(ax.Conflict) as e:
+        sync_flow.with_options(client=client).trigger({"account": "acme"})
+    assert (e.value.code, e.value.run_id) == ("running", first), e.value
+    other = sync_flow.with_options(client=client).trigger({"account": "globex"})
+    runtime(sync_step)
+    assert client.flow_result(first, timeout=30) == {"sync_step": "acme"}
+    assert client.flow_result(other, timeout=30) == {"sync_step": "globex"}
+    # Its run ended: the key is free.
+    again = sync_flow.with_options(client=client).trigger({"account": "acme"})
+    assert client.flow_result(again, timeout=30) == {"sync_step": "acme"}
+    for bad in ({"singleton": "a b"}, {"singleton": 7}, {"singleton": "k", "on_collision": "queue"},
+                {"on_collision": "cancel_in_progress"}):
+        with pytest.raises(ax.InvalidInput) as e:
+            ax.flow(name="bad_singleton", **bad)(lambda: None)

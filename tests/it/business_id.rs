@@ -52,6 +52,7 @@ async fn a_business_id_reaches_the_record_the_handler_and_every_step_of_a_flow()
         flow: "order".into(),
         input: json!(null),
         business_id: Some("order-43".into()),
+        ..FlowStart::default()
     };
     let run = env.ax.start_flow(start).await.unwrap();
     let ended = tokio::time::timeout(Duration::from_secs(30), env.ax.wait_flow(&run))
@@ -109,6 +110,7 @@ async fn a_business_id_that_cannot_travel_in_a_header_is_refused_and_nothing_sto
             flow: "one".into(),
             input: json!(null),
             business_id: Some(bad.to_string()),
+            ..FlowStart::default()
         };
         let refused = env.ax.start_flow(start).await.unwrap_err();
         assert_eq!(refused.kind(), ErrorKind::Invalid, "{bad:?}");

@@ -20,6 +20,7 @@ mod fair;
 mod faults;
 mod fields;
 mod first_attempt;
+mod flow_singleton;
 mod flows;
 mod follow;
 mod group_commit;

@@ -153,7 +153,7 @@ pub async fn put_all<T: Serialize>(
     writes: &[(String, &T, Option<u64>)],
 ) -> Result<(), KvError> {
     let prefix = kv.put_prefix.as_ref().unwrap_or(&kv.prefix);
-    let msgs = writes
+    let msgs: Vec<crate::atomic::Outgoing> = writes
         .iter()
         .map(|(key, value, revision)| {
             let mut headers = async_nats::HeaderMap::new();
@@ -170,9 +170,14 @@ pub async fn put_all<T: Serialize>(
         let keys: Vec<&str> = writes.iter().map(|w| w.0.as_str()).collect();
         keys.join(", ")
     };
+    let bytes = msgs.iter().map(|m| m.payload.len()).max();
     match crate::atomic::publish(client, msgs).await {
         Ok(_) => Ok(()),
         Err(e) if e.kind() == ErrorKind::Conflict => Err(KvError::Stale(keys())),
+        Err(e) if crate::error::is_max_payload(&e) => Err(KvError::TooLarge {
+            key: keys(),
+            bytes: bytes.unwrap_or_default(),
+        }),
         Err(e) => Err(broker(&keys(), "atomic put", e)),
     }
 }

@@ -24,7 +24,8 @@ pub enum ErrorCode {
     /// No such trigger.
     NotFound,
     /// A manual run was refused: the trigger's previous run is still running; or a submit
-    /// was refused: its singleton key's task has not ended (`task_id` names it).
+    /// was refused: its singleton key's task has not ended (`task_id` names it); or a flow
+    /// run's start was: its singleton key's run has not ended (`run_id` names it).
     Running,
     /// The task's state does not allow the operation (retrying a task that is not dead,
     /// cancelling a finished one, ...).
@@ -75,6 +76,10 @@ pub struct WireError {
     /// singleton key).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub task_id: Option<String>,
+    /// The flow run that caused a `running` refusal of a run's start (the one holding its
+    /// singleton key).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_id: Option<String>,
     /// For `rate_limited`: how long until the limit's next token, ms.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retry_after_ms: Option<u64>,
@@ -88,6 +93,7 @@ impl WireError {
             message: message.into(),
             field: None,
             task_id: None,
+            run_id: None,
             retry_after_ms: None,
         }
     }
@@ -105,6 +111,7 @@ impl WireError {
             message: message.into(),
             field: Some(field.to_string()),
             task_id: None,
+            run_id: None,
             retry_after_ms: None,
         }
     }

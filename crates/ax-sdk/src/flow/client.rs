@@ -28,7 +28,7 @@ impl Client {
         self.start_flow(FlowStart {
             flow: name.to_string(),
             input,
-            business_id: None,
+            ..FlowStart::default()
         })
         .await
     }

@@ -45,8 +45,8 @@ pub struct FlowName {
     pub name: String,
 }
 
-/// Starts a run: `{"flow", "input"?}`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// Starts a run: `{"flow", "input"?, "business_id"?, "singleton"?}`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FlowStart {
     /// The flow's name.
@@ -58,6 +58,37 @@ pub struct FlowStart {
     /// (`business_id` of their submits).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub business_id: Option<String>,
+    /// The run's singleton key: while a run of this flow holding the key has not ended, a
+    /// start with it does what `on_collision` says — `cancel_new` (refused: `running`,
+    /// `run_id` the holder) or `cancel_in_progress` (the holder is cancelled, its running
+    /// step tasks' handlers told) (docs/PROTOCOL.md §6, "Singleton runs").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub singleton: Option<ax_core::protocol::SingletonRequest>,
+}
+
+impl FlowStart {
+    /// A start of flow `flow` with `input` (no business id, no singleton key).
+    pub fn new(flow: impl Into<String>, input: Value) -> FlowStart {
+        FlowStart {
+            flow: flow.into(),
+            input,
+            ..FlowStart::default()
+        }
+    }
+
+    /// With singleton key `key` (1..=64 of `A-Z a-z 0-9 _ - . : @`): a run of this flow
+    /// holding it that has not ended makes this start do what `on_collision` says.
+    pub fn singleton(
+        mut self,
+        key: impl Into<String>,
+        on_collision: crate::Collision,
+    ) -> FlowStart {
+        self.singleton = Some(ax_core::protocol::SingletonRequest {
+            key: key.into(),
+            on_collision: on_collision.as_str().into(),
+        });
+        self
+    }
 }
 
 /// Names one run: `{"run"}`.

@@ -7,9 +7,21 @@ use crate::names::{FLOWS_BUCKET, FLOW_RUNS_BUCKET};
 use crate::typed_kv::{broker, get, put, put_all, scan, KvError};
 use async_nats::jetstream::{self, kv};
 use futures::StreamExt;
+use serde::{Deserialize, Serialize};
 
 /// Errors of the flow store: those of every typed KV store.
 pub type FlowStoreError = KvError;
+
+/// A flow singleton key's value: the run holding it.
+#[derive(Debug, Serialize, Deserialize)]
+struct SingletonHolder {
+    run: String,
+}
+
+/// The `AX_FLOW_RUNS` key of flow `flow`'s singleton key `key`.
+fn singleton_key(flow: &str, key: &str) -> String {
+    format!("=singleton.{flow}.{}", crate::names::hex_token(key))
+}
 
 /// Both flow buckets.
 #[derive(Debug, Clone)]
@@ -136,6 +148,42 @@ impl FlowStore {
             .zip(&values)
             .map(|((key, rev), value)| (key, value, rev))
             .collect();
+        put_all(&self.client, &self.runs, &writes).await
+    }
+
+    /// The run holding singleton key `key` of flow `flow` and the key's revision (`None`:
+    /// never held). The key is `=singleton.<flow>.<key in hex>` (three tokens: neither a
+    /// run's key nor a step's).
+    pub async fn singleton_holder(
+        &self,
+        flow: &str,
+        key: &str,
+    ) -> Result<Option<(String, u64)>, FlowStoreError> {
+        let found: Option<(SingletonHolder, u64)> =
+            get(&self.runs, &singleton_key(flow, key)).await?;
+        Ok(found.map(|(h, rev)| (h.run, rev)))
+    }
+
+    /// Creates `run` holding singleton key `key` of its flow, together (one atomic batch):
+    /// only if the key's revision is still `revision` (`None`: never written), else
+    /// [`FlowStoreError::Stale`] and nothing is stored.
+    pub async fn create_holding(
+        &self,
+        run: &FlowRun,
+        key: &str,
+        revision: Option<u64>,
+    ) -> Result<(), FlowStoreError> {
+        let holder = SingletonHolder {
+            run: run.id.clone(),
+        };
+        let values = [
+            serde_json::to_value(run).expect("serializes"),
+            serde_json::to_value(&holder).expect("serializes"),
+        ];
+        let writes = [
+            (run.id.clone(), &values[0], None),
+            (singleton_key(&run.flow, key), &values[1], revision),
+        ];
         put_all(&self.client, &self.runs, &writes).await
     }
 

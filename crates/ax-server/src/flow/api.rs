@@ -4,19 +4,19 @@
 
 use super::def::{FlowDef, Plan};
 use super::model::{valid_run_id, FlowRun, RunState, StepRun, StepState};
+use super::start::{cancel_run, start_run, Start};
 use super::store::{FlowStore, FlowStoreError};
 use super::RerunMode;
 use crate::context::Context;
+use crate::ops::actions::Ops;
 use ax_core::metrics as m;
 use ax_core::protocol::{ErrorCode, WireError};
+use ax_core::singleton::Singleton;
 use ax_core::time::now_ms;
 use ax_sdk::api::{unknown_operation, Api, Request};
 use ax_sdk::flow::{FlowName, FlowRequest, FlowRerun, FlowStart, RunRef};
 use serde_json::{json, Value};
 use std::sync::Arc;
-
-/// Most compare-and-set attempts on a run that keeps changing.
-const MAX_ATTEMPTS: usize = 20;
 
 pub(crate) struct FlowApi {
     pub(crate) ctx: Arc<Context>,
@@ -49,7 +49,13 @@ fn flow_name(name: &str, field: &str) -> Result<(), WireError> {
 }
 
 impl FlowApi {
-    pub(crate) async fn handle(&self, op: &str, body: &[u8]) -> Result<Value, WireError> {
+    /// Answers `op`; `ops` cancels a singleton key's holder's running tasks.
+    pub(crate) async fn handle(
+        &self,
+        ops: &Ops,
+        op: &str,
+        body: &[u8],
+    ) -> Result<Value, WireError> {
         match FlowRequest::decode(op, body)? {
             FlowRequest::Put(value) => {
                 let def = FlowDef::decode(value)?;
@@ -104,6 +110,7 @@ impl FlowApi {
                 flow,
                 input,
                 business_id,
+                singleton,
             }) => {
                 flow_name(&flow, "flow")?;
                 if let Some(id) = &business_id {
@@ -115,7 +122,17 @@ impl FlowApi {
                     .await
                     .map_err(WireError::unavailable)?
                     .ok_or_else(|| not_found(format!("no flow {flow:?}")))?;
-                self.start(def, input, None, business_id).await
+                match singleton {
+                    Some(s) => {
+                        let s = Singleton::from_request(&s)?;
+                        let start = Start {
+                            business_id,
+                            ..Start::default()
+                        };
+                        super::singleton::start(&self.store, ops, &s, def, input, start).await
+                    }
+                    None => self.start(def, input, None, business_id).await,
+                }
             }
             FlowRequest::Get(RunRef { run }) => {
                 let (run, steps) = self.load(&run).await?;
@@ -185,35 +202,7 @@ impl FlowApi {
     }
 
     async fn cancel(&self, id: &str) -> Result<Value, WireError> {
-        if !valid_run_id(id) {
-            return Err(WireError::field("run", "not a run id"));
-        }
-        for _ in 0..MAX_ATTEMPTS {
-            let (mut run, rev) = self
-                .store
-                .run(id)
-                .await
-                .map_err(WireError::unavailable)?
-                .ok_or_else(|| not_found(format!("no run {id:?}")))?;
-            if run.state != RunState::Running || run.cancel_requested {
-                return Ok(
-                    json!({"run": id, "state": run.state, "cancel_requested": run.cancel_requested}),
-                );
-            }
-            run.cancel_requested = true;
-            run.updated_at_ms = now_ms();
-            match self.store.put_run(&run, Some(rev)).await {
-                Ok(_) => {
-                    return Ok(json!({"run": id, "state": run.state, "cancel_requested": true}))
-                }
-                Err(FlowStoreError::Stale(_)) => continue,
-                Err(e) => return Err(WireError::unavailable(e)),
-            }
-        }
-        Err(WireError::new(
-            ErrorCode::Unavailable,
-            "the run keeps changing; retry",
-        ))
+        cancel_run(&self.store, id).await
     }
 
     async fn rerun(&self, req: FlowRerun) -> Result<Value, WireError> {
@@ -306,74 +295,6 @@ impl FlowApi {
             .collect();
         Ok(json!({"run": run.id, "steps": names}))
     }
-}
-
-/// Where a new run comes from (all optional).
-#[derive(Debug, Default)]
-pub(crate) struct Start {
-    /// A fixed run id (a trigger's fire); default a fresh NUID.
-    pub(crate) id: Option<String>,
-    /// The run this one re-runs.
-    pub(crate) rerun_of: Option<String>,
-    /// The trigger, its source and scheduled time.
-    pub(crate) trigger: Option<(String, String, u64)>,
-    /// The business id every step task carries.
-    pub(crate) business_id: Option<String>,
-}
-
-/// Stores a new run of `def` (`running`); the engine's leader starts its root steps.
-/// With a fixed id that exists already (a fire made again), nothing changes. Returns the
-/// run id and flow name.
-pub(crate) async fn start_run(
-    store: &FlowStore,
-    limits: &ax_core::task::Limits,
-    def: FlowDef,
-    input: Value,
-    start: Start,
-) -> Result<(String, String), WireError> {
-    def.validate(limits)?;
-    let now = now_ms();
-    let fixed = start.id.is_some();
-    let (trigger, trigger_source, scheduled_at_ms) = match start.trigger {
-        Some((t, s, at)) => (Some(t), Some(s), Some(at)),
-        None => (None, None, None),
-    };
-    let run = FlowRun {
-        id: start.id.unwrap_or_else(|| nuid::next().to_string()),
-        flow: def.name.clone(),
-        def,
-        input,
-        state: RunState::Running,
-        reason: None,
-        created_at_ms: now,
-        updated_at_ms: now,
-        finished_at_ms: None,
-        rerun_of: start.rerun_of,
-        reruns: 0,
-        cancel_requested: false,
-        trigger,
-        trigger_source,
-        scheduled_at_ms,
-        business_id: start.business_id,
-        extra: Default::default(),
-    };
-    match store.put_run(&run, None).await {
-        Ok(_) => {
-            metrics::counter!(m::FLOW_RUNS_STARTED, "flow" => run.flow.clone()).increment(1);
-        }
-        Err(FlowStoreError::Stale(_)) if fixed => {} // started by an earlier try of this fire
-        Err(FlowStoreError::TooLarge { bytes, .. }) => {
-            return Err(WireError::field(
-                "input",
-                format!(
-                    "the run (definition + input) would be {bytes} bytes, over the server's \
-                     max payload"
-                ),
-            ))
-        }
-        Err(e) => return Err(WireError::unavailable(e)),
-    }
-    Ok((run.id, run.flow))
 }
 
 /// The steps a re-run starts again: those that did not succeed; with

@@ -6,7 +6,8 @@
 //!   deterministic ids of step tasks.
 //! - [`advance`]: the state machine, a pure function of the steps and their tasks' ends.
 //! - `engine` / `actor` / `shared`: the leader inside `ax server` that drives running runs.
-//! - `api`: `ax.flow.<op>` requests (put, run, get, list, cancel, rerun, …).
+//! - `api`: `ax.flow.<op>` requests (put, run, get, list, cancel, rerun, …); `singleton`:
+//!   a start holding a singleton key (above `api` and the task operations).
 //! - [`store`]: the two KV buckets.
 
 mod actor;
@@ -15,5 +16,7 @@ pub(crate) mod api;
 pub(crate) mod engine;
 mod input;
 mod shared;
+mod singleton;
+pub(crate) mod start;
 
 pub use ax_sdk::flow::*;

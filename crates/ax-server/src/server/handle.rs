@@ -159,7 +159,7 @@ impl Apis {
         }
         match (api, &self.triggers) {
             (Api::Task, _) => self.tasks.handle(op, body).await,
-            (Api::Flow, _) => self.flows.handle(op, body).await,
+            (Api::Flow, _) => self.flows.handle(&self.tasks, op, body).await,
             (Api::Limit, _) => self.limits.handle(op, body).await,
             (Api::Trigger, Some(t)) => t.handle(op, body).await,
             (Api::Trigger, None) => Err(ax_sdk::api::unknown_operation(api, op)),

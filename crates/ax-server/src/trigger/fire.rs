@@ -5,8 +5,8 @@
 use super::model::TriggerDef;
 use super::plan::{Source, TriggerState};
 use crate::context::Context;
-use crate::flow::api::{start_run, Start};
 use crate::flow::model::trigger_run_id;
+use crate::flow::start::{start_run, Start};
 use ax_core::protocol::{ErrorCode, WireError};
 use ax_core::task::{Lineage, TaskMeta};
 use std::collections::HashSet;
