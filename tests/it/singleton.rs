@@ -192,6 +192,10 @@ struct Aborted {
 }
 
 async fn abort_first_submit(hook: &str) -> Aborted {
+    abort_submit(hook, spec("k", Collision::CancelNew)).await
+}
+
+async fn abort_submit(hook: &str, first: TaskSpec) -> Aborted {
     let nats = LocalNats::start().unwrap();
     let url = nats.url();
     let args = ["server", "--queue", "q"];
@@ -201,7 +205,7 @@ async fn abort_first_submit(hook: &str) -> Aborted {
     let ax = Client::new(client.clone());
     let lost = tokio::spawn({
         let ax = ax.clone();
-        async move { ax.submit("q", spec("k", Collision::CancelNew)).await }
+        async move { ax.submit("q", first).await }
     });
     let aborted = aborting.exited_within(Duration::from_secs(10)).await;
     assert!(
@@ -248,6 +252,36 @@ async fn a_key_claimed_by_an_aborted_submit_frees_itself_after_its_grace() {
         at.elapsed()
     );
     assert_ne!(accepted.id, named);
+    assert!(
+        aborted.lost.await.unwrap().is_err(),
+        "the aborted server answered"
+    );
+    assert_eq!(ready_messages(client).await, 1, "one task stored");
+}
+
+/// A retry of a submit whose first attempt claimed the key and died before storing its
+/// task (the same idempotency key) takes the key at once instead of being refused for the
+/// grace naming its own lost attempt; another submit is still refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_takes_over_the_key_its_own_lost_attempt_claimed() {
+    let keyed = || spec("k", Collision::CancelNew).idempotency_key("order-7");
+    let aborted = abort_submit("AX_TEST_ABORT_AFTER_CLAIM", keyed()).await;
+    let (client, ax, at) = (&aborted.client, &aborted.ax, aborted.at);
+    let other = spec("k", Collision::CancelNew).idempotency_key("order-8");
+    let lost = holder(ax.submit("q", other.clone()).await.unwrap_err());
+    let retried = ax.submit("q", keyed()).await.unwrap();
+    assert!(
+        at.elapsed() < ax_core::singleton::GRACE / 2,
+        "taken at once, not after the grace: {:?}",
+        at.elapsed()
+    );
+    assert_ne!(retried.id, lost, "a new task, not the lost attempt's id");
+    assert!(!retried.duplicate);
+    // The retry holds the key now: another submit is refused naming it, and a second
+    // retry answers it as a duplicate.
+    assert_eq!(holder(ax.submit("q", other).await.unwrap_err()), retried.id);
+    let again = ax.submit("q", keyed()).await.unwrap();
+    assert!(again.duplicate && again.id == retried.id, "{again:?}");
     assert!(
         aborted.lost.await.unwrap().is_err(),
         "the aborted server answered"

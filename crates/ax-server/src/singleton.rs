@@ -13,7 +13,7 @@ use crate::ops::actions::Ops;
 use async_nats::jetstream::kv::Operation;
 use ax_core::debounce::Window;
 use ax_core::protocol::{ErrorCode, SubmitAccepted, WireError};
-use ax_core::singleton::{Collision, Singleton, GRACE};
+use ax_core::singleton::{Collision, Holder, Singleton, GRACE};
 use ax_core::task::TaskMeta;
 use bytes::Bytes;
 use std::time::Duration;
@@ -59,7 +59,15 @@ async fn submit_singleton(
     let ctx = &ops.ctx;
     ctx.queues.check(&ctx.js, &meta.queue).await?;
     let kv_key = s.kv_key(&meta.queue);
-    let id = Bytes::from(meta.id.clone());
+    let idempotency_key = meta.idempotency_key.clone();
+    let holder = |task_id: &str| {
+        Holder {
+            task_id: task_id.to_string(),
+            idempotency_key: idempotency_key.clone(),
+        }
+        .encode()
+    };
+    let id = holder(&meta.id);
     let until = tokio::time::Instant::now() + CLAIM_FOR;
     let revision = loop {
         if tokio::time::Instant::now() > until {
@@ -85,7 +93,7 @@ async fn submit_singleton(
         Ok(accepted) if accepted.id == claimed => Ok(accepted),
         Ok(accepted) => {
             // Its idempotency key named another task: that one holds the singleton key.
-            let named = Bytes::from(accepted.id.clone());
+            let named = holder(&accepted.id);
             if let Err(e) = ctx.idempotency.update(&kv_key, named, revision).await {
                 debug!(key = %kv_key, cause = %e, "singleton key not moved to the task an idempotency key named");
             }
@@ -124,7 +132,14 @@ async fn collide(
         return Ok(Collided::Again);
     };
     if entry.operation == Operation::Put {
-        let holder = String::from_utf8_lossy(&entry.value).into_owned();
+        let Holder {
+            task_id: holder,
+            idempotency_key: holder_key,
+        } = Holder::decode(&entry.value);
+        // An earlier attempt of this very submit (its retry: the same idempotency key)
+        // that is not stored: taken over at once. Should that attempt still store its
+        // task, the idempotency key makes one of the two the other's duplicate.
+        let own_attempt = holder_key.is_some() && holder_key == meta.idempotency_key;
         let mut found = ctx
             .tasks
             .get_latest(&holder)
@@ -144,7 +159,7 @@ async fn collide(
         let alive = match &found {
             Some((rec, _)) => !rec.state.is_terminal(),
             // Its submit may be storing it now.
-            None => u128::from(age) < GRACE.as_millis(),
+            None => u128::from(age) < GRACE.as_millis() && !own_attempt,
         };
         if alive {
             if let (Some(key), Some((rec, _))) = (&meta.idempotency_key, &found) {
@@ -189,7 +204,15 @@ async fn collide(
     }
     match ctx
         .idempotency
-        .update(kv_key, Bytes::from(meta.id.clone()), entry.revision)
+        .update(
+            kv_key,
+            Holder {
+                task_id: meta.id.clone(),
+                idempotency_key: meta.idempotency_key.clone(),
+            }
+            .encode(),
+            entry.revision,
+        )
         .await
     {
         Ok(revision) => Ok(Collided::Taken(revision)),

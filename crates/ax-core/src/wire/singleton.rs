@@ -83,9 +83,60 @@ impl Singleton {
     }
 }
 
+/// Who holds a key, as its entry's value says: the task's id, then a space and the
+/// idempotency key of the submit that claimed it, if it had one (task ids hold no space).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Holder {
+    /// The task that holds the key.
+    pub task_id: String,
+    /// The idempotency key of the submit that claimed it for that task.
+    pub idempotency_key: Option<String>,
+}
+
+impl Holder {
+    /// The entry's value.
+    pub fn encode(&self) -> bytes::Bytes {
+        match &self.idempotency_key {
+            Some(k) => format!("{} {k}", self.task_id).into(),
+            None => self.task_id.clone().into(),
+        }
+    }
+
+    /// Reads an entry's value.
+    pub fn decode(value: &[u8]) -> Holder {
+        let value = String::from_utf8_lossy(value);
+        match value.split_once(' ') {
+            Some((id, key)) => Holder {
+                task_id: id.to_string(),
+                idempotency_key: Some(key.to_string()),
+            },
+            None => Holder {
+                task_id: value.into_owned(),
+                idempotency_key: None,
+            },
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_holder_reads_back_as_written() {
+        for h in [
+            Holder {
+                task_id: "q.abc".into(),
+                idempotency_key: Some("order 42: paid".into()),
+            },
+            Holder {
+                task_id: "q.abc".into(),
+                idempotency_key: None,
+            },
+        ] {
+            assert_eq!(Holder::decode(&h.encode()), h);
+        }
+    }
 
     fn req(key: &str, on: &str) -> SingletonRequest {
         SingletonRequest {
