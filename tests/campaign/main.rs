@@ -6,8 +6,8 @@
 //! submits (bad input, a full queue), triggers with each overlap policy and fixed-delay,
 //! manual runs (queues `q`, `hot`); flows with fan-out,
 //! gather, chains, failures, cancels and re-runs (`flows`), a per-key rate, a per-key cap and
-//! a singleton (`limits`), and cancels, retries, "run now", pause and resume (`ops`), on
-//! queue `x`. Nemesis (`cluster`): `kill -9` of one or two of the three ax servers, `kill -9`
+//! a singleton (`limits`), singleton keys and a rate that drops its excess (`admission`),
+//! and cancels, retries, "run now", pause and resume (`ops`), on queue `x`. Nemesis (`cluster`): `kill -9` of one or two of the three ax servers, `kill -9`
 //! of a worker, `SIGSTOP` of a worker past the ack wait, and the nats-server (single node:
 //! kill and restart; R3: one node at a time); a second one kills and pauses queue `x`'s
 //! workers. Handlers append every start and end with its fencing token to a journal file
@@ -20,7 +20,9 @@
 //! accounted as skipped by its overlap policy); no fire was stored twice; every refused
 //! submit stored nothing; flow runs end as their policy says and step tasks run once per
 //! epoch, after their parents; limits hold (starts per window, holders at once) as the
-//! journals count them; operations take effect (nothing starts after its cancel was
+//! journals count them; singleton keys refuse only for a task that had not ended and never
+//! let two tasks of a key live at once, and a dropping rate admits no more than its bound
+//! (`checker_admission`); operations take effect (nothing starts after its cancel was
 //! acknowledged, nor in a paused queue).
 //!
 //! Which seeds run: the fixed list of [`seeds`] (what `./dev test`, and so CI, replays:
@@ -29,7 +31,9 @@
 //! run prints its seed first. `AX_CAMPAIGN_SECS` (default 40) sets the load time of each
 //! run. A long run: `./dev campaign 600`.
 
+mod admission;
 mod checker;
+mod checker_admission;
 mod checker_batches;
 mod checker_flows;
 mod checker_limits;
@@ -406,7 +410,7 @@ async fn run(cluster: bool, seed: u64, secs: u64) -> usize {
     let manual = serde_json::json!({"name": "t-manual", "kind": "interval", "every_ms": 3_600_000,
         "tasks": [{"name": "tick", "queue": "q", "priority": "low", "payload": {"sleep_ms": 300}}]});
     ax.trigger("put", &manual).await.unwrap();
-    for def in limits::defs() {
+    for def in limits::defs().into_iter().chain([admission::drop_def()]) {
         put("a limit to be stored", async || {
             ax.limits("put", &def).await
         })
@@ -427,6 +431,7 @@ async fn run(cluster: bool, seed: u64, secs: u64) -> usize {
     let flow_log: Arc<Mutex<flows::FlowLog>> = Arc::default();
     let limit_log: Arc<Mutex<limits::LimitLog>> = Arc::default();
     let ops_log: Arc<Mutex<ops::OpsLog>> = Arc::default();
+    let admission_log: Arc<Mutex<admission::AdmissionLog>> = Arc::default();
     let until = Instant::now() + Duration::from_secs(secs);
     let started = Instant::now();
     // The load on queue `x` (flows, limits, operations) and its nemesis run by default;
@@ -456,6 +461,11 @@ async fn run(cluster: bool, seed: u64, secs: u64) -> usize {
         async {
             if extended {
                 ops::load(ax.clone(), log.clone(), ops_log.clone(), seed, until).await
+            }
+        },
+        async {
+            if extended {
+                admission::load(ax.clone(), log.clone(), admission_log.clone(), seed, until).await
             }
         },
     );
@@ -534,6 +544,7 @@ async fn run(cluster: bool, seed: u64, secs: u64) -> usize {
         flows: std::mem::take(&mut *flow_log.lock().unwrap()),
         limits: std::mem::take(&mut *limit_log.lock().unwrap()),
         ops: std::mem::take(&mut *ops_log.lock().unwrap()),
+        admission: std::mem::take(&mut *admission_log.lock().unwrap()),
         paused_ms,
     };
     let mut report = verdict::check_core(&ax, &js, &seen, &mut verdict).await;

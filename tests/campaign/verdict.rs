@@ -3,7 +3,9 @@
 use crate::checker::{self, Histories, Invocation, TriggerRun};
 use crate::checker_flows::{self, RunSeen};
 use crate::cluster::Timeline;
-use crate::{checker_limits, checker_ops, flows, hex, limits, ops, Log, TRIGGERS};
+use crate::{
+    checker_admission, checker_limits, checker_ops, flows, hex, limits, ops, Log, TRIGGERS,
+};
 use ax_sdk::flow::model::parse_step_task;
 use ax_sdk::flow::{FlowRun, RunState, StepRun};
 use ax_sdk::{Client, TaskRecord, TaskState};
@@ -35,6 +37,7 @@ pub struct Seen {
     pub flows: flows::FlowLog,
     pub limits: limits::LimitLog,
     pub ops: ops::OpsLog,
+    pub admission: crate::admission::AdmissionLog,
     /// When the triggers were paused (the end of their window).
     pub paused_ms: u64,
 }
@@ -247,6 +250,22 @@ pub async fn check_new(ax: &Client, seen: &Seen, verdict: &mut Verdict) -> Vec<S
         most.push(format!("{limit} {at_once}/{cap}"));
     }
     let rated_starts: usize = rated.values().map(Vec::len).sum();
+    // Admission: singleton keys and the dropping rate.
+    let a = &seen.admission;
+    verdict.add(
+        "singleton keys",
+        checker_admission::check_singletons(&a.singletons, histories),
+    );
+    let (v, drop_tightest) = checker_admission::check_drops(
+        &a.drops,
+        crate::admission::DROP_RATE,
+        crate::admission::DROP_BURST,
+    );
+    verdict.add("dropped rate", v);
+    let count = |notes: &mut dyn Iterator<Item = bool>| notes.filter(|ok| *ok).count();
+    let singles_ok = count(&mut a.singletons.iter().map(|n| n.seen.outcome.is_ok()));
+    let cancels_in_progress = a.singletons.iter().filter(|n| n.cancel_in_progress).count();
+    let drops_ok = count(&mut a.drops.iter().map(|d| d.outcome.is_ok()));
     // Operations.
     let o = &seen.ops;
     verdict.add(
@@ -283,6 +302,16 @@ pub async fn check_new(ax: &Client, seen: &Seen, verdict: &mut Verdict) -> Vec<S
             rated.len(),
             tightest.max(0.0) / limits::RATE,
             most.join(", ")
+        ),
+        format!(
+            "admission: singleton keys {singles_ok} of {} submits accepted ({cancels_in_progress} \
+             cancel_in_progress); dropping rate {drops_ok} of {} accepted, at most {:.2} over \
+             rate × w in a span (burst {}); {} unanswered",
+            a.singletons.len(),
+            a.drops.len(),
+            drop_tightest.max(0.0),
+            crate::admission::DROP_BURST,
+            a.unanswered
         ),
         format!(
             "operations: {} cancels, {} retries, {} run-nows acknowledged, {} pauses, {} refused, \

@@ -1,0 +1,162 @@
+//! Admission rules, from what the producer saw (each submit's first send and answer) and
+//! the tasks' final records:
+//!
+//! - **singleton refusals**: a `cancel_new` refusal names a task of its key that had not
+//!   ended when the refused submit was first sent (its record's `finished_at_ms` is later,
+//!   or it never finished); or one never stored, and then every refusal naming it falls
+//!   within its grace;
+//! - **singleton exclusion**: of one key, a task accepted after another was answered
+//!   accepted finds that one ended or its cancel requested by the time it is answered —
+//!   two tasks of a key never wait or run at once, whatever servers were killed (submits
+//!   in flight together are not compared: their order is the broker's);
+//! - **dropped rate**: in any span `[t1, t2]`, the accepted submits sent and answered
+//!   within it (their tokens were taken in it) are at most `burst + rate × (t2 − t1)`; a
+//!   `rate_limited` refusal's `retry_after_ms` is at most one token's interval.
+
+use crate::admission::{Admitted, SingletonNote};
+use crate::checker::Histories;
+use ax_core::protocol::ErrorCode;
+use std::collections::{BTreeMap, HashMap};
+
+/// A key naming a task that was never stored (its server died between the claim and the
+/// store) holds for `ax_core::singleton::GRACE` (10 s) from the claim: every refusal naming
+/// it falls within that span, plus a second for the claim's own time.
+const UNSTORED_SPAN_MS: u64 = 11_000;
+
+/// When a task stopped holding its key by its final record: ended, or its cancel requested
+/// (a running attempt whose worker is stopped ends when it wakes). `None`: never.
+fn released_ms(histories: &Histories, id: &str) -> Option<u64> {
+    let (_, rec) = histories.get(id)?.last()?;
+    let ended = rec.finished_at_ms.filter(|_| rec.state.is_terminal());
+    match (ended, rec.cancel_requested_at_ms) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+pub fn check_singletons(notes: &[SingletonNote], histories: &Histories) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut unstored: BTreeMap<&str, Vec<&Admitted>> = BTreeMap::new();
+    let key_of: HashMap<&str, &str> = notes
+        .iter()
+        .filter_map(|n| {
+            n.seen
+                .outcome
+                .as_ref()
+                .ok()
+                .map(|id| (id.as_str(), n.key.as_str()))
+        })
+        .collect();
+    for n in notes {
+        let Err(e) = &n.seen.outcome else { continue };
+        if e.code != ErrorCode::Running {
+            continue;
+        }
+        let Some(holder) = e.task_id.as_deref() else {
+            out.push(format!(
+                "singleton {}: a running refusal names no task",
+                n.key
+            ));
+            continue;
+        };
+        if key_of.get(holder).is_some_and(|k| *k != n.key) {
+            out.push(format!(
+                "singleton {}: refused naming {holder}, a task of key {}",
+                n.key, key_of[holder]
+            ));
+        }
+        if !histories.contains_key(holder) {
+            // Never stored (its server died after claiming the key): it holds for the
+            // grace only, checked below over all the refusals naming it.
+            unstored.entry(holder).or_default().push(&n.seen);
+            continue;
+        }
+        if let Some(at) = released_ms(histories, holder) {
+            if at < n.seen.first_sent_ms {
+                out.push(format!(
+                    "singleton {}: refused (sent at {}) naming {holder}, which had ended or been cancelled at {at}",
+                    n.key, n.seen.first_sent_ms
+                ));
+            }
+        }
+    }
+    for (holder, refusals) in unstored {
+        let last_sent = refusals.iter().map(|r| r.first_sent_ms).max().unwrap_or(0);
+        let first_answered = refusals.iter().map(|r| r.answered_ms).min().unwrap_or(0);
+        let span = last_sent.saturating_sub(first_answered);
+        if span > UNSTORED_SPAN_MS {
+            out.push(format!(
+                "singleton: {} refusals name {holder}, which was never stored, over {span} ms (more than its grace)",
+                refusals.len()
+            ));
+        }
+    }
+    // Exclusion, per key.
+    let mut accepted: BTreeMap<&str, Vec<(&Admitted, &str)>> = BTreeMap::new();
+    for n in notes {
+        if let Ok(id) = &n.seen.outcome {
+            accepted.entry(&n.key).or_default().push((&n.seen, id));
+        }
+    }
+    for (key, tasks) in accepted {
+        for (b, b_id) in &tasks {
+            for (a, a_id) in &tasks {
+                if a_id == b_id || a.answered_ms >= b.first_sent_ms {
+                    continue;
+                }
+                match released_ms(histories, a_id) {
+                    Some(at) if at <= b.answered_ms => {}
+                    at => out.push(format!(
+                        "singleton {key}: {b_id} accepted at {} while {a_id} (accepted at {}) still held the key (released: {at:?})",
+                        b.answered_ms, a.answered_ms
+                    )),
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The dropping limit's rule; also the largest count over its bound's `burst` part (how
+/// tight the spans came), printed.
+pub fn check_drops(drops: &[Admitted], rate: f64, burst: u32) -> (Vec<String>, f64) {
+    let mut out = Vec::new();
+    let interval_ms = 1000.0 / rate;
+    for d in drops {
+        if let Err(e) = &d.outcome {
+            if e.code == ErrorCode::RateLimited {
+                match e.retry_after_ms {
+                    Some(ms) if (ms as f64) <= interval_ms + 1.0 => {}
+                    other => out.push(format!(
+                        "dropped: a refusal's retry_after_ms {other:?} is over one interval ({interval_ms} ms)"
+                    )),
+                }
+            }
+        }
+    }
+    let mut spans: Vec<(u64, u64)> = drops
+        .iter()
+        .filter(|d| d.outcome.is_ok())
+        .map(|d| (d.first_sent_ms, d.answered_ms))
+        .collect();
+    spans.sort();
+    let mut tightest = f64::MIN;
+    for (i, &(t1, _)) in spans.iter().enumerate() {
+        let mut ends: Vec<u64> = spans[i..].iter().map(|&(_, a)| a).collect();
+        ends.sort();
+        for (k, &t2) in ends.iter().enumerate() {
+            let count = (k + 1) as f64;
+            let bound = f64::from(burst) + rate * (t2 - t1) as f64 / 1000.0;
+            tightest = tightest.max(count - bound + f64::from(burst));
+            if count > bound + 1e-6 {
+                out.push(format!(
+                    "dropped: {} submits accepted within [{t1}, {t2}] ({} ms), over burst + rate × w = {bound:.2}",
+                    k + 1,
+                    t2 - t1
+                ));
+                break;
+            }
+        }
+    }
+    (out, tightest)
+}
