@@ -324,9 +324,32 @@ pub fn check_trigger(t: &TriggerRun<'_>, records: &[&TaskRecord]) -> Vec<String>
     let scheduled_fires =
         state["fires"].as_u64().unwrap_or(0) - state["manual"].as_u64().unwrap_or(0);
     if scheduled_fires != fired as u64 {
+        // Each fire's first task as its record ends (attempts, when created and by whom),
+        // so the next occurrence says which fire the state missed.
+        let mut made: Vec<String> = records
+            .iter()
+            .filter(|r| r.trigger.as_deref() == Some(t.name))
+            .filter(|r| r.trigger_source.as_deref() == Some("schedule") && r.id.ends_with(".0"))
+            .map(|r| {
+                format!(
+                    "{}:{}/{} created {} by {}",
+                    r.scheduled_at_ms.unwrap_or_default(),
+                    r.state,
+                    r.attempt,
+                    r.created_at_ms,
+                    r.worker.as_deref().unwrap_or("-")
+                )
+            })
+            .collect();
+        made.sort();
         v.push(format!(
-            "{}: state counts {scheduled_fires} scheduled fires, {fired} were made",
-            t.name
+            "{}: state counts {scheduled_fires} scheduled fires, {fired} were made (state: last \
+             scheduled {}, skipped {}, last fire {}; fires made: {})",
+            t.name,
+            t.state["last_scheduled_ms"],
+            t.state["skipped"],
+            t.state["last_fire"],
+            made.join(", ")
         ));
     }
     let (Some(created), Some(last)) = (

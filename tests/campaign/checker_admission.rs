@@ -8,13 +8,14 @@
 //! - **singleton exclusion**: of one key, a task accepted after another was answered
 //!   accepted finds that one ended or its cancel requested by the time it is answered —
 //!   two tasks of a key never wait or run at once, whatever servers were killed (submits
-//!   in flight together are not compared: their order is the broker's);
+//!   in flight together are not compared: their order is the broker's); and no attempt of
+//!   the earlier one starts after (the journal);
 //! - **dropped rate**: in any span `[t1, t2]`, the accepted submits sent and answered
 //!   within it (their tokens were taken in it) are at most `burst + rate × (t2 − t1)`; a
 //!   `rate_limited` refusal's `retry_after_ms` is at most one token's interval.
 
 use crate::admission::{Admitted, SingletonNote};
-use crate::checker::Histories;
+use crate::checker::{Histories, Invocation};
 use ax_core::protocol::ErrorCode;
 use std::collections::{BTreeMap, HashMap};
 
@@ -34,7 +35,11 @@ fn released_ms(histories: &Histories, id: &str) -> Option<u64> {
     }
 }
 
-pub fn check_singletons(notes: &[SingletonNote], histories: &Histories) -> Vec<String> {
+pub fn check_singletons(
+    notes: &[SingletonNote],
+    histories: &Histories,
+    journal: &HashMap<String, Vec<Invocation>>,
+) -> Vec<String> {
     let mut out = Vec::new();
     let mut unstored: BTreeMap<&str, Vec<&Admitted>> = BTreeMap::new();
     let key_of: HashMap<&str, &str> = notes
@@ -104,6 +109,17 @@ pub fn check_singletons(notes: &[SingletonNote], histories: &Histories) -> Vec<S
                 if a_id == b_id || a.answered_ms >= b.first_sent_ms {
                     continue;
                 }
+                // Released before b was answered: no attempt of it starts after.
+                for run in journal.get(*a_id).into_iter().flatten() {
+                    if run.start_ms > b.answered_ms {
+                        out.push(format!(
+                            "singleton {key}: {a_id} started (attempt {}, worker {}) {} ms after {b_id} took its key",
+                            run.attempt,
+                            run.worker,
+                            run.start_ms - b.answered_ms
+                        ));
+                    }
+                }
                 match released_ms(histories, a_id) {
                     Some(at) if at <= b.answered_ms => {}
                     at => out.push(format!(
@@ -159,4 +175,122 @@ pub fn check_drops(drops: &[Admitted], rate: f64, burst: u32) -> (Vec<String>, f
         }
     }
     (out, tightest)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ax_core::protocol::WireError;
+    use serde_json::json;
+
+    fn history(id: &str, state: &str, finished: Option<u64>) -> Vec<(u64, ax_sdk::TaskRecord)> {
+        let rec = serde_json::from_value(json!({"id": id, "queue": "x", "name": "skeyed",
+            "priority": "normal", "state": state, "attempt": 1, "max_attempts": 5,
+            "created_at_ms": 0, "updated_at_ms": 0, "finished_at_ms": finished}))
+        .unwrap();
+        vec![(1, rec)]
+    }
+
+    fn note(key: &str, sent: u64, answered: u64, outcome: Result<&str, &str>) -> SingletonNote {
+        SingletonNote {
+            key: key.into(),
+            cancel_in_progress: false,
+            seen: Admitted {
+                first_sent_ms: sent,
+                answered_ms: answered,
+                outcome: outcome.map(str::to_string).map_err(|holder| {
+                    let mut e = WireError::new(ErrorCode::Running, "held");
+                    e.task_id = Some(holder.to_string());
+                    e
+                }),
+            },
+        }
+    }
+
+    #[test]
+    fn two_live_tasks_of_a_key_and_a_refusal_for_an_ended_holder_are_caught() {
+        let histories = Histories::from([
+            ("x.a".to_string(), history("x.a", "succeeded", Some(2000))),
+            ("x.b".to_string(), history("x.b", "succeeded", Some(4000))),
+        ]);
+        let mut journal = HashMap::new();
+        // a held the key until 2000; b accepted after; a refusal at 1500 named a.
+        let fine = [
+            note("s0", 0, 10, Ok("x.a")),
+            note("s0", 1500, 1510, Err("x.a")),
+            note("s0", 1990, 2100, Ok("x.b")),
+        ];
+        assert!(check_singletons(&fine, &histories, &journal).is_empty());
+        // An attempt of a starting after b took the key.
+        let late_start = Invocation {
+            attempt: 2,
+            start_ms: 2500,
+            worker: "x0".into(),
+            ..Default::default()
+        };
+        journal.insert("x.a".to_string(), vec![late_start]);
+        assert_eq!(check_singletons(&fine, &histories, &journal).len(), 1);
+        journal.clear();
+        // b accepted while a still held the key.
+        let both = [
+            note("s0", 0, 10, Ok("x.a")),
+            note("s0", 1000, 1010, Ok("x.b")),
+        ];
+        assert_eq!(check_singletons(&both, &histories, &journal).len(), 1);
+        // A refusal sent after a had ended, naming it.
+        let late = [
+            note("s0", 0, 10, Ok("x.a")),
+            note("s0", 2500, 2510, Err("x.a")),
+        ];
+        assert_eq!(check_singletons(&late, &histories, &journal).len(), 1);
+        // Refusals naming a task never stored: within the grace, then past it.
+        let grace = [
+            note("s1", 100, 110, Err("x.gone")),
+            note("s1", 9000, 9010, Err("x.gone")),
+        ];
+        assert!(check_singletons(&grace, &histories, &journal).is_empty());
+        let past = [
+            note("s1", 100, 110, Err("x.gone")),
+            note("s1", 12000, 12010, Err("x.gone")),
+        ];
+        assert_eq!(check_singletons(&past, &histories, &journal).len(), 1);
+    }
+
+    fn drop_note(sent: u64, answered: u64, accepted: bool) -> Admitted {
+        Admitted {
+            first_sent_ms: sent,
+            answered_ms: answered,
+            outcome: if accepted {
+                Ok(format!("x.{sent}"))
+            } else {
+                let mut e = WireError::new(ErrorCode::RateLimited, "over");
+                e.retry_after_ms = Some(250);
+                Err(e)
+            },
+        }
+    }
+
+    #[test]
+    fn accepted_drops_over_the_bound_are_caught() {
+        // Rate 4/s, burst 3: 3 at once, then one per 250 ms.
+        let fine: Vec<Admitted> = [0, 1, 2, 250, 500, 750]
+            .iter()
+            .map(|&t| drop_note(t, t + 5, true))
+            .chain([drop_note(3, 8, false)])
+            .collect();
+        let (v, _) = check_drops(&fine, 4.0, 3);
+        assert!(v.is_empty(), "{v:?}");
+        // A fourth inside the first 100 ms.
+        let over: Vec<Admitted> = [0, 1, 2, 50]
+            .iter()
+            .map(|&t| drop_note(t, t + 5, true))
+            .collect();
+        assert!(!check_drops(&over, 4.0, 3).0.is_empty());
+        // A refusal that says to wait longer than one interval.
+        let mut slow = drop_note(0, 5, false);
+        if let Err(e) = &mut slow.outcome {
+            e.retry_after_ms = Some(900);
+        }
+        assert_eq!(check_drops(&[slow], 4.0, 3).0.len(), 1);
+    }
 }

@@ -254,7 +254,7 @@ pub async fn check_new(ax: &Client, seen: &Seen, verdict: &mut Verdict) -> Vec<S
     let a = &seen.admission;
     verdict.add(
         "singleton keys",
-        checker_admission::check_singletons(&a.singletons, histories),
+        checker_admission::check_singletons(&a.singletons, histories, journal),
     );
     let (v, drop_tightest) = checker_admission::check_drops(
         &a.drops,

@@ -62,6 +62,9 @@ use tracing::{debug, error, warn};
 
 /// Most triggers fired at once by the leader.
 const MAX_CONCURRENT_FIRES: usize = 512;
+/// How long a fire job fires one scheduled time again while the broker answers
+/// `unavailable`, before it leaves the trigger to be repaired and planned again.
+const FIRE_RETRY_FOR: Duration = Duration::from_secs(15);
 
 pub(crate) struct Engine {
     pub(crate) ctx: Arc<Context>,
@@ -547,12 +550,29 @@ async fn execute(
     let mut ids = Vec::new();
     for &scheduled in &plan.fires {
         let tag = scheduled_tag(scheduled);
-        match fire(ctx, &def, scheduled, Source::Schedule, &tag, None).await {
-            Ok(mut fired) => ids.append(&mut fired),
-            Err(e) => {
-                // Busy or unavailable: keep the state as it was and try again shortly.
-                warn!(trigger = %name, cause = %e, "fire not accepted; retrying in 1 s");
-                return Outcome::Unrecorded;
+        let until = tokio::time::Instant::now() + FIRE_RETRY_FOR;
+        loop {
+            match fire(ctx, &def, scheduled, Source::Schedule, &tag, None).await {
+                Ok(mut fired) => {
+                    ids.append(&mut fired);
+                    break;
+                }
+                // Its publish may be stored though unanswered: the same fire again is a
+                // no-op if so (message id, create-if-absent record), and a plan made
+                // instead could count the time skipped while its task runs.
+                Err(e)
+                    if e.code == ax_core::protocol::ErrorCode::Unavailable
+                        && tokio::time::Instant::now() < until =>
+                {
+                    warn!(trigger = %name, scheduled, cause = %e, "fire not accepted; firing the same time again in 1 s");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+                Err(e) => {
+                    // Busy (nothing stored), or unavailable for too long: keep the state as
+                    // it was; the trigger is looked at again (its fires repaired) shortly.
+                    warn!(trigger = %name, cause = %e, "fire not accepted; retrying in 1 s");
+                    return Outcome::Unrecorded;
+                }
             }
         }
     }
