@@ -11,6 +11,7 @@
 //! |---|---|
 //! | [`streams`] | the declarative topology in `streams/` and `apply` |
 //! | [`submit`] | admission |
+//! | `intake` / `singleton` | the entry of a single submit; singleton keys claimed at submit |
 //! | [`schedule`] | delayed tasks: timer index and dispatch |
 //! | `fair` | fair shares between tenants: held tasks released in weighted fair order |
 //! | [`server`] | `ax server`: admission, dispatch and the services below |
@@ -25,6 +26,7 @@ pub mod console;
 mod context;
 mod fair;
 pub mod flow;
+mod intake;
 mod lease;
 pub mod limits;
 pub mod ops;

@@ -7,11 +7,11 @@
 //! a task that has ended (or that no one stored within [`GRACE`]) by a compare-and-set on
 //! its revision: of two submits racing for one key, one wins and the other looks again.
 //! A singleton task is stored with its record, so a collision finds its state with one
-//! read. Above `submit` and `ops`: cancelling the holder is a task operation.
+//! read. Above `submit` and `ops`: cancelling the holder is a task operation; below
+//! `intake`, the entry of every single submit.
 
 use crate::ops::actions::Ops;
 use async_nats::jetstream::kv::Operation;
-use ax_core::debounce::Window;
 use ax_core::protocol::{ErrorCode, SubmitAccepted, WireError};
 use ax_core::singleton::{Collision, Holder, Singleton, GRACE};
 use ax_core::task::TaskMeta;
@@ -25,21 +25,6 @@ const CLAIM_FOR: Duration = Duration::from_secs(30);
 /// Pause before looking at a key again (its holder not stored yet, or a lost race).
 const AGAIN_AFTER: Duration = Duration::from_millis(50);
 
-/// Handles one submit request for `queue` (any kind: one over a rate limit that drops its
-/// excess is refused; one with a singleton key claims it).
-pub(crate) async fn submit(
-    ops: &Ops,
-    queue: &str,
-    body: &[u8],
-) -> Result<SubmitAccepted, WireError> {
-    let (meta, payload, window) = ax_core::debounce::decode_submit(queue, body, &ops.ctx.limits)?;
-    ops.ctx.drops.check(&meta).await?;
-    match window {
-        Some(Window::Singleton(s)) => submit_singleton(ops, &s, meta, payload).await,
-        window => ops.ctx.submit_decoded(meta, payload, window).await,
-    }
-}
-
 /// What looking at a held key decided.
 enum Collided {
     /// The key is this submit's now, at this revision.
@@ -50,7 +35,7 @@ enum Collided {
     Again,
 }
 
-async fn submit_singleton(
+pub(crate) async fn submit_singleton(
     ops: &Ops,
     s: &Singleton,
     meta: TaskMeta,

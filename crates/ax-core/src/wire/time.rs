@@ -16,6 +16,14 @@ pub fn now_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
+/// Microseconds since the Unix epoch (0 before it): the clock of the limits' token
+/// buckets (GCRA theoretical arrival times).
+pub fn now_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+}
+
 /// Text that is not an RFC 3339 date-time with an offset.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{text:?} is not an RFC 3339 time such as 2026-12-01T08:00:00Z or 2026-12-01T09:00:00.5+01:00: {problem}")]

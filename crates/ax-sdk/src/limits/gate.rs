@@ -157,12 +157,6 @@ pub(crate) struct Gate {
     live: Arc<crate::worker::options::Live>,
 }
 
-fn micros() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_micros() as u64)
-}
-
 impl Gate {
     /// A gate for `queue` that follows the limit definitions from now on (waiting for the
     /// buckets, with one log line, if they do not exist yet), for worker `holder`, showing
@@ -712,7 +706,7 @@ impl Gate {
             let (bucket, rev) = read_bucket(entry.as_ref());
             let tat = bucket.tat;
             // Tokens are taken for a moment a lead ahead: the claim runs meanwhile.
-            let now = micros() + self.lead().as_micros() as u64;
+            let now = crate::time::now_us() + self.lead().as_micros() as u64;
             // The rate in force (an adaptive limit's follows pressure).
             let rate = bucket.rate(def, now);
             if def.adaptive.is_some() && !def.per_key {
@@ -800,7 +794,7 @@ impl Gate {
                     break;
                 };
                 let (bucket, rev) = read_bucket(entry.as_ref());
-                let now = micros();
+                let now = crate::time::now_us();
                 let Some(next) = bucket.pressured(def, now, started_ms.saturating_mul(1000)) else {
                     break;
                 };
@@ -891,7 +885,7 @@ fn read_bucket(entry: Option<&kv::Entry>) -> (BucketState, Option<u64>) {
 
 /// The instant of a moment in µs since the epoch (now, if it has passed).
 fn instant_of(at_us: u64) -> tokio::time::Instant {
-    tokio::time::Instant::now() + Duration::from_micros(at_us.saturating_sub(micros()))
+    tokio::time::Instant::now() + Duration::from_micros(at_us.saturating_sub(crate::time::now_us()))
 }
 
 /// Hand the delivery back for `delay`, over `limit` for `reason`.

@@ -52,12 +52,6 @@ impl Default for Drops {
     }
 }
 
-fn micros() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_micros() as u64)
-}
-
 impl Drops {
     /// Takes a token of every dropping limit that applies to `meta`; refuses the submit
     /// (`rate_limited`) at the first that has none. A queue with no dropping limit costs
@@ -216,7 +210,7 @@ async fn take(state: &kv::Store, def: &LimitDef, limit_key: Option<&str>) -> Res
             Some(e) => (None, Some(e.revision)),
             None => (None, None),
         };
-        let next = match gcra::take(tat, micros(), interval, def.burst()) {
+        let next = match gcra::take(tat, ax_core::time::now_us(), interval, def.burst()) {
             Ok(next) => next,
             Err(wait_us) => {
                 let mut e = WireError::new(

@@ -67,7 +67,7 @@ pub(crate) async fn submit(ops: &crate::ops::actions::Ops, req: Request) {
     } else {
         let result = guarded(
             "submit",
-            Box::pin(crate::singleton::submit(ops, &queue, &msg.payload)),
+            Box::pin(crate::intake::submit(ops, &queue, &msg.payload)),
         )
         .await;
         let label = ctx.queues.label(&queue);

@@ -56,8 +56,8 @@ enum Named {
 
 impl Context {
     /// Admits a decoded single submit: into its window, if it joins one, else as is. A
-    /// singleton key is claimed above, in `crate::singleton`, which calls this for every
-    /// other submit.
+    /// singleton key is claimed above, in `crate::singleton`; `crate::intake` calls this for
+    /// every other submit.
     pub(crate) async fn submit_decoded(
         &self,
         meta: TaskMeta,
