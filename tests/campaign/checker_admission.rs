@@ -24,12 +24,17 @@ use std::collections::{BTreeMap, HashMap};
 /// it falls within that span, plus a second for the claim's own time.
 const UNSTORED_SPAN_MS: u64 = 11_000;
 
+/// When a task ended by its final record (`None`: never).
+fn ended_ms(histories: &Histories, id: &str) -> Option<u64> {
+    let (_, rec) = histories.get(id)?.last()?;
+    rec.finished_at_ms.filter(|_| rec.state.is_terminal())
+}
+
 /// When a task stopped holding its key by its final record: ended, or its cancel requested
 /// (a running attempt whose worker is stopped ends when it wakes). `None`: never.
 fn released_ms(histories: &Histories, id: &str) -> Option<u64> {
     let (_, rec) = histories.get(id)?.last()?;
-    let ended = rec.finished_at_ms.filter(|_| rec.state.is_terminal());
-    match (ended, rec.cancel_requested_at_ms) {
+    match (ended_ms(histories, id), rec.cancel_requested_at_ms) {
         (Some(a), Some(b)) => Some(a.min(b)),
         (a, b) => a.or(b),
     }
@@ -76,10 +81,12 @@ pub fn check_singletons(
             unstored.entry(holder).or_default().push(&n.seen);
             continue;
         }
-        if let Some(at) = released_ms(histories, holder) {
+        // Ended, not merely asked to stop: a holder whose cancel was requested (its worker
+        // frozen) still holds until its attempt ends or a new submit takes the key.
+        if let Some(at) = ended_ms(histories, holder) {
             if at < n.seen.first_sent_ms {
                 out.push(format!(
-                    "singleton {}: refused (sent at {}) naming {holder}, which had ended or been cancelled at {at}",
+                    "singleton {}: refused (sent at {}) naming {holder}, which had ended at {at}",
                     n.key, n.seen.first_sent_ms
                 ));
             }
@@ -243,6 +250,17 @@ mod tests {
             note("s0", 2500, 2510, Err("x.a")),
         ];
         assert_eq!(check_singletons(&late, &histories, &journal).len(), 1);
+        // A holder asked to stop (its worker frozen) still holds: a refusal naming it is
+        // fine, and a task accepted after its cancel was requested too.
+        let mut frozen = history("x.f", "running", None);
+        frozen[0].1.cancel_requested_at_ms = Some(1000);
+        let histories = Histories::from([("x.f".to_string(), frozen)]);
+        let asked = [
+            note("s2", 0, 10, Ok("x.f")),
+            note("s2", 1500, 1510, Err("x.f")),
+            note("s2", 1600, 1700, Ok("x.g")),
+        ];
+        assert!(check_singletons(&asked, &histories, &journal).is_empty());
         // Refusals naming a task never stored: within the grace, then past it.
         let grace = [
             note("s1", 100, 110, Err("x.gone")),
