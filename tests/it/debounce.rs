@@ -336,3 +336,34 @@ async fn the_cli_debounces_under_a_key_and_refuses_a_period_alone() {
     let alone = crate::limits::ax_cli(&env, &["submit", "--name", "x", "--debounce", "5s"]).await;
     assert!(!alone.status.success(), "--debounce needs --debounce-key");
 }
+
+/// A closed window whose message's delete was lost leaves that message, open, under the
+/// key's subject, older than the window's fired copy. Dispatching the copy purges the
+/// subject up to it: the key's next submit opens a new window and runs, rather than join
+/// the old message's window, which already ran (its payload would be lost).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_window_whose_delete_was_lost_is_not_joined_after_it_ran() {
+    let faults = ax_core::faults::Faults::armed();
+    faults.lose_window_deletes();
+    let env = Env::start(Env::server().faults(faults)).await;
+    let runs: Runs = Arc::default();
+    let (stop, handle) = env.spawn_worker(recording_worker(runs.clone()));
+    let first = env.ax.submit("q", spec("k", 200, 1)).await.unwrap();
+    env.wait_state(&first.id, TaskState::Succeeded, Duration::from_secs(10))
+        .await;
+    for n in 2..=3 {
+        let next = env.ax.submit("q", spec("k", 200, n)).await.unwrap();
+        assert_ne!(next.id, first.id, "submit {n} joined the window that ran");
+        env.wait_state(&next.id, TaskState::Succeeded, Duration::from_secs(10))
+            .await;
+    }
+    stop.cancel();
+    handle.await.unwrap();
+    let mut ran: Vec<u64> = runs.lock().unwrap().iter().map(|(_, n, _)| *n).collect();
+    ran.sort();
+    assert_eq!(
+        ran,
+        vec![1, 2, 3],
+        "every window ran once, with its payload"
+    );
+}

@@ -14,7 +14,8 @@
 //!   a late cancel-signal subscription, a pause between an operator's retry publish and its record write, a service that
 //!   panics or fails to start, a trigger's fire job or a flow run's turn that panics, a
 //!   management request that panics (`AX_TEST_PANIC_REQUEST=<marker>`), a group commit
-//!   that panics, trigger-state writes that fail, small pages of `ax.trigger.names`.
+//!   that panics, trigger-state writes that fail, small pages of `ax.trigger.names`, lost
+//!   deletes of closed debounce windows.
 //!
 //! [`Supervisor::faults`]: crate::supervisor::Supervisor::faults
 
@@ -98,6 +99,7 @@ struct Armed {
     names_page_bytes: AtomicU64,
     panic_request: Mutex<Option<String>>,
     panic_group: std::sync::atomic::AtomicBool,
+    lose_window_deletes: std::sync::atomic::AtomicBool,
     state_writes: Mutex<BTreeMap<String, StateWriteFault>>,
     once: Mutex<BTreeSet<Once>>,
 }
@@ -192,6 +194,15 @@ impl Faults {
         }
     }
 
+    /// Makes the delete of every closed debounce window's message fail, as a lost delete
+    /// does (the message stays in `AX_DELAYED` under its window's subject, older than the
+    /// window's fired copy).
+    pub fn lose_window_deletes(&self) {
+        if let Some(a) = self.on() {
+            a.lose_window_deletes.store(true, Ordering::SeqCst);
+        }
+    }
+
     /// Makes every `ax.trigger.names` page hold at most `bytes` of names (0: the server's
     /// own limit).
     pub fn names_page_bytes(&self, bytes: u64) {
@@ -261,6 +272,13 @@ impl Faults {
     }
 
     // --- Checks (the code under test) ---
+
+    /// Whether a closed debounce window's delete is to be lost
+    /// ([`Faults::lose_window_deletes`]).
+    pub fn window_delete_lost(&self) -> bool {
+        self.on()
+            .is_some_and(|a| a.lose_window_deletes.load(Ordering::SeqCst))
+    }
 
     /// Aborts the process here if this is the pass at `point` a test asked for.
     pub fn pass(&self, point: Abort) {

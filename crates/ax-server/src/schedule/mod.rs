@@ -413,6 +413,13 @@ async fn dispatch(
             return Outcome::Bad;
         }
     };
+    // A closed debounce window's fired copy: its window's subject is purged up to it, not
+    // only it deleted, so no older message of the window (one whose delete was lost)
+    // becomes the subject's last again, to be read as the open window by the key's next
+    // submit (which would then join a window that already ran).
+    let window = headers
+        .get(debounce::FIRED)
+        .and_then(|_| debounce::window_subject_of(&id));
     if let Err(e) = publish_headers(js, subject.clone(), headers, &id, payload).await {
         // Parked without its body (read back when it is retried): refusals are rare, and
         // keeping the headers would cost a copy of every one on the way out.
@@ -428,7 +435,17 @@ async fn dispatch(
     metrics::counter!(m::DELAYED_DISPATCHED).increment(1);
     faults.pass(ax_core::faults::Abort::AfterDispatch);
     // The task lives on in the ready stream.
-    if let Err(e) = delete_delayed(js, seq).await {
+    let removed = match window {
+        Some(window) => stream
+            .purge()
+            .filter(window)
+            .sequence(seq + 1)
+            .await
+            .map(|_| ())
+            .map_err(|e| e.to_string()),
+        None => delete_delayed(js, seq).await,
+    };
+    if let Err(e) = removed {
         debug!(seq, cause = %e, "delayed message not deleted; a restart re-publishes it (deduplicated)");
     }
     Outcome::Done { subject }
@@ -466,7 +483,12 @@ async fn close_window(
                 Some(_) => faults.pass(ax_core::faults::Abort::AfterClose),
                 None => debug!(seq, "debounce window replaced by a later submit; dropped"),
             }
-            if let Err(e) = delete_delayed(js, seq).await {
+            let deleted = if faults.window_delete_lost() {
+                Err("lost (injected fault)".to_string())
+            } else {
+                delete_delayed(js, seq).await
+            };
+            if let Err(e) = deleted {
                 debug!(seq, cause = %e, "closed debounce window not deleted; dropped when re-indexed");
             }
             Outcome::Gone
