@@ -3,44 +3,14 @@
 //! running step's handler told — and starts (`cancel_in_progress`); racing starts leave one
 //! holder; a run that ended frees its key.
 
+use crate::singleton::{worker, Runs};
 use crate::support::{eventually, Env};
 use ax_core::protocol::ErrorCode;
 use ax_sdk::flow::{FlowStart, RunState};
-use ax_sdk::worker::{Task, Worker};
-use ax_sdk::{ClientError, Collision, Output};
+use ax_sdk::{ClientError, Collision};
 use serde_json::json;
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-
-/// Handler starts and ends per task id.
-#[derive(Default)]
-struct Runs {
-    started: HashMap<String, u32>,
-    finished: HashMap<String, u32>,
-}
-
-/// A worker on `q` whose handler takes `work` unless its payload says `"quick"`.
-fn worker(runs: Arc<Mutex<Runs>>, work: Duration) -> Worker {
-    Worker::builder("q")
-        .concurrency(8)
-        .handler(move |task: Task| {
-            let runs = runs.clone();
-            async move {
-                *runs
-                    .lock()
-                    .unwrap()
-                    .started
-                    .entry(task.id.clone())
-                    .or_default() += 1;
-                tokio::time::sleep(work).await;
-                *runs.lock().unwrap().finished.entry(task.id).or_default() += 1;
-                Ok(Output::none())
-            }
-        })
-        .build()
-        .unwrap()
-}
 
 /// A flow of two steps on `q`: `a`, then `b`.
 async fn put_flow(env: &Env) {

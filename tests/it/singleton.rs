@@ -15,13 +15,13 @@ use std::time::{Duration, Instant};
 
 /// Handler starts and ends per task id.
 #[derive(Default)]
-struct Runs {
-    started: HashMap<String, u32>,
-    finished: HashMap<String, u32>,
+pub(crate) struct Runs {
+    pub(crate) started: HashMap<String, u32>,
+    pub(crate) finished: HashMap<String, u32>,
 }
 
 /// A worker on `q` whose handler takes `work` (long enough to be cancelled while running).
-fn worker(runs: Arc<Mutex<Runs>>, work: Duration) -> Worker {
+pub(crate) fn worker(runs: Arc<Mutex<Runs>>, work: Duration) -> Worker {
     Worker::builder("q")
         .concurrency(8)
         .handler(move |task: Task| {
