@@ -16,8 +16,11 @@ pub(crate) async fn submit(
     let (meta, payload, window) = ax_core::debounce::decode_submit(queue, body, &ops.ctx.limits)?;
     ops.ctx.drops.check(&meta).await?;
     match window {
+        // Boxed: the rarer paths' futures are large, and kept inline they would make every
+        // submit's future that large, moved into its box per request (callgrind: ~10,000
+        // instructions of memcpy a submit; docs/PERFORMANCE.md).
         Some(Window::Singleton(s)) => {
-            crate::singleton::submit_singleton(ops, &s, meta, payload).await
+            Box::pin(crate::singleton::submit_singleton(ops, &s, meta, payload)).await
         }
         window => ops.ctx.submit_decoded(meta, payload, window).await,
     }

@@ -66,8 +66,9 @@ impl Context {
     ) -> Result<SubmitAccepted, WireError> {
         use ax_core::debounce::Window;
         match window {
-            Some(Window::Debounce(d)) => self.submit_debounced(meta, payload, d).await,
-            Some(Window::Batch(b)) => self.submit_batched(meta, payload, b).await,
+            // Boxed, as `intake` boxes the singleton path: a plain submit's future stays small.
+            Some(Window::Debounce(d)) => Box::pin(self.submit_debounced(meta, payload, d)).await,
+            Some(Window::Batch(b)) => Box::pin(self.submit_batched(meta, payload, b)).await,
             Some(Window::Singleton(_)) => Err(WireError::new(
                 ErrorCode::Unavailable,
                 "a singleton submit reached the plain submit path (a bug)",
