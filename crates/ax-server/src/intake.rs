@@ -3,6 +3,7 @@
 //! (`singleton`: claiming its key first) or as any other submit (`submit`).
 
 use crate::ops::actions::Ops;
+use crate::submit::unrecorded;
 use ax_core::debounce::Window;
 use ax_core::protocol::{SubmitAccepted, WireError};
 
@@ -14,14 +15,17 @@ pub(crate) async fn submit(
     body: &[u8],
 ) -> Result<SubmitAccepted, WireError> {
     let (meta, payload, window) = ax_core::debounce::decode_submit(queue, body, &ops.ctx.limits)?;
-    ops.ctx.drops.check(&meta).await?;
+    // Boxed, as are the rarer paths below: their futures are large, and kept inline they
+    // would make every submit's future that large, moved into its box per request
+    // (callgrind: thousands of instructions of memcpy a submit; docs/PERFORMANCE.md).
+    if ops.ctx.drops.may_apply(&meta) {
+        Box::pin(ops.ctx.drops.check(&meta)).await?;
+    }
     match window {
-        // Boxed: the rarer paths' futures are large, and kept inline they would make every
-        // submit's future that large, moved into its box per request (callgrind: ~10,000
-        // instructions of memcpy a submit; docs/PERFORMANCE.md).
+        None => ops.ctx.submit_prepared(unrecorded(meta), payload).await,
         Some(Window::Singleton(s)) => {
             Box::pin(crate::singleton::submit_singleton(ops, &s, meta, payload)).await
         }
-        window => ops.ctx.submit_decoded(meta, payload, window).await,
+        Some(window) => Box::pin(ops.ctx.submit_window(meta, payload, window)).await,
     }
 }

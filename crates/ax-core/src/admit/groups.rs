@@ -59,7 +59,8 @@ impl Groups {
         match group.publish(msg).await {
             Ok(seq) => Ok(seq),
             Err(e) if meta.run_at_ms.is_some() && is_stored_already(&e) => {
-                stored_delayed_seq(js, &subject).await
+                // Boxed: rare, and inline it would double every submit's future.
+                Box::pin(stored_delayed_seq(js, &subject)).await
             }
             Err(e) => Err(refusal(&subject, &e)),
         }

@@ -44,6 +44,13 @@ impl Queues {
         if self.known.read().expect("not poisoned").contains(queue) {
             return Ok(());
         }
+        // Boxed: a look-up happens once per queue, and inline it would make every
+        // submit's future larger by its size.
+        Box::pin(self.look_up(js, queue)).await
+    }
+
+    /// Asks the broker whether `queue` is declared, and remembers it if it is.
+    async fn look_up(&self, js: &jetstream::Context, queue: &str) -> Result<(), WireError> {
         let undeclared = || {
             WireError::new(
                 ErrorCode::UnknownQueue,

@@ -53,6 +53,18 @@ impl Default for Drops {
 }
 
 impl Drops {
+    /// Whether [`Drops::check`] has anything to do for `meta`: the definitions are not read
+    /// yet, or its queue has a dropping limit. A submit asks this first, so the check's
+    /// large future is made only when it is needed (`crate::intake`).
+    pub(crate) fn may_apply(&self, meta: &TaskMeta) -> bool {
+        !*self.ready.borrow()
+            || self
+                .by_queue
+                .read()
+                .expect("not poisoned")
+                .contains_key(&meta.queue)
+    }
+
     /// Takes a token of every dropping limit that applies to `meta`; refuses the submit
     /// (`rate_limited`) at the first that has none. A queue with no dropping limit costs
     /// one map look-up.

@@ -59,9 +59,11 @@ impl Context {
                 Err(e) => answers[i] = Some(Err(e)),
                 Ok((meta, payload)) => {
                     // Over a rate limit that drops its excess: refused, nothing stored.
-                    if let Err(e) = self.drops.check(&meta).await {
-                        answers[i] = Some(Err(e));
-                        continue;
+                    if self.drops.may_apply(&meta) {
+                        if let Err(e) = self.drops.check(&meta).await {
+                            answers[i] = Some(Err(e));
+                            continue;
+                        }
                     }
                     let again = meta
                         .idempotency_key

@@ -55,37 +55,51 @@ enum Named {
 }
 
 impl Context {
-    /// Admits a decoded single submit: into its window, if it joins one, else as is. A
-    /// singleton key is claimed above, in `crate::singleton`; `crate::intake` calls this for
-    /// every other submit.
-    pub(crate) async fn submit_decoded(
+    /// Admits a decoded single submit into the debounce window or batch it joins.
+    /// `crate::intake` admits every other submit (a singleton key claimed in
+    /// `crate::singleton`, a plain one by [`Context::submit_prepared`]).
+    pub(crate) async fn submit_window(
         &self,
         meta: TaskMeta,
         payload: Bytes,
-        window: Option<ax_core::debounce::Window>,
+        window: ax_core::debounce::Window,
     ) -> Result<SubmitAccepted, WireError> {
         use ax_core::debounce::Window;
         match window {
-            // Boxed, as `intake` boxes the singleton path: a plain submit's future stays small.
-            Some(Window::Debounce(d)) => Box::pin(self.submit_debounced(meta, payload, d)).await,
-            Some(Window::Batch(b)) => Box::pin(self.submit_batched(meta, payload, b)).await,
-            Some(Window::Singleton(_)) => Err(WireError::new(
+            Window::Debounce(d) => Box::pin(self.submit_debounced(meta, payload, d)).await,
+            Window::Batch(b) => Box::pin(self.submit_batched(meta, payload, b)).await,
+            Window::Singleton(_) => Err(WireError::new(
                 ErrorCode::Unavailable,
-                "a singleton submit reached the plain submit path (a bug)",
+                "a singleton submit reached the window submit path (a bug)",
             )),
-            None => self.submit_prepared(unrecorded(meta), payload).await,
         }
     }
 
     /// Admits a validated task (idempotency, store); used by submits and trigger fires.
     pub(crate) async fn submit_prepared(
         &self,
+        meta: TaskMeta,
+        payload: Bytes,
+    ) -> Result<SubmitAccepted, WireError> {
+        self.queues.check(&self.js, &meta.queue).await?;
+        if meta.idempotency_key.is_none() {
+            self.store(&meta, payload).await?;
+            return Ok(accepted(&meta));
+        }
+        // Boxed: the key's reads and writes make a future several times the size of a
+        // plain submit's, which every submit would otherwise carry (and move) with it
+        // (docs/PERFORMANCE.md, "Counted in instructions").
+        Box::pin(self.submit_with_key(meta, payload)).await
+    }
+
+    /// [`Context::submit_prepared`] of a task with an idempotency key.
+    async fn submit_with_key(
+        &self,
         mut meta: TaskMeta,
         payload: Bytes,
     ) -> Result<SubmitAccepted, WireError> {
         let queue = meta.queue.clone();
         let queue = queue.as_str();
-        self.queues.check(&self.js, queue).await?;
         // The key this submit created, so a definite refusal can release it.
         let mut claimed: Option<(String, u64)> = None;
         if let Some(key) = meta.idempotency_key.clone() {
@@ -269,6 +283,12 @@ impl Context {
             self.faults.pass(ax_core::faults::Abort::AfterPublish);
             return Ok(seq);
         }
+        // Boxed, as `submit_prepared` boxes the keyed path: the plain path stays small.
+        Box::pin(self.store_recorded(meta, payload)).await
+    }
+
+    /// [`Context::store`] of a task published alone: recorded, or without group commit.
+    async fn store_recorded(&self, meta: &TaskMeta, payload: Bytes) -> Result<u64, WireError> {
         let subject = ax_core::admit::subject(meta);
         let seq = publish_task(&self.js, subject, meta, payload).await?;
         self.faults.pass(ax_core::faults::Abort::AfterPublish);
