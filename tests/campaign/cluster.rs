@@ -84,6 +84,8 @@ impl Procs {
                 "x",
                 "--queue",
                 "xl",
+                "--queue",
+                crate::fairness::FQ,
                 "--ack-wait",
                 ACK_WAIT,
                 "--capacity",
@@ -139,6 +141,32 @@ impl Procs {
 
     pub fn x_worker(&mut self, i: usize) -> (AxProc, String) {
         self.spawn_worker("x", i)
+    }
+
+    /// Queue `fq`'s one worker (the fairness load's; never faulted), with priority aging.
+    pub fn fq_worker(&self) -> AxProc {
+        let journal = self.journal.display().to_string();
+        let slots = crate::fairness::FQ_SLOTS.to_string();
+        let aging = format!("{}ms", crate::fairness::AGING_MS);
+        AxProc::spawn(
+            &self.url,
+            &[
+                "worker",
+                "--example",
+                "--queue",
+                crate::fairness::FQ,
+                "--fail-rate",
+                "0",
+                "--concurrency",
+                &slots,
+                "--aging",
+                &aging,
+                "--journal",
+                &journal,
+                "--id",
+                "f",
+            ],
+        )
     }
 
     /// The small queue `hot`'s one worker.

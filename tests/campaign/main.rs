@@ -7,7 +7,9 @@
 //! manual runs (queues `q`, `hot`); flows with fan-out,
 //! gather, chains, failures, cancels and re-runs (`flows`), a per-key rate, a per-key cap and
 //! a singleton (`limits`), singleton keys and a rate that drops its excess (`admission`),
-//! and cancels, retries, "run now", pause and resume (`ops`), on queue `x`. Nemesis (`cluster`): `kill -9` of one or two of the three ax servers, `kill -9`
+//! and cancels, retries, "run now", pause and resume (`ops`), on queue `x`; tenants'
+//! backlogs under fair shares and a `normal` backlog with `low` tasks behind it
+//! (`fairness`), on queue `fq`. Nemesis (`cluster`): `kill -9` of one or two of the three ax servers, `kill -9`
 //! of a worker, `SIGSTOP` of a worker past the ack wait, and the nats-server (single node:
 //! kill and restart; R3: one node at a time); a second one kills and pauses queue `x`'s
 //! workers. Handlers append every start and end with its fencing token to a journal file
@@ -22,7 +24,8 @@
 //! epoch, after their parents; limits hold (starts per window, holders at once) as the
 //! journals count them; singleton keys refuse only for a task that had not ended and never
 //! let two tasks of a key live at once, and a dropping rate admits no more than its bound
-//! (`checker_admission`); operations take effect (nothing starts after its cancel was
+//! (`checker_admission`); a small tenant passes a big one's backlog and an aged `low`
+//! task is not starved (`checker_fairness`); operations take effect (nothing starts after its cancel was
 //! acknowledged, nor in a paused queue).
 //!
 //! Which seeds run: the fixed list of [`seeds`] (what `./dev test`, and so CI, replays:
@@ -35,10 +38,12 @@ mod admission;
 mod checker;
 mod checker_admission;
 mod checker_batches;
+mod checker_fairness;
 mod checker_flows;
 mod checker_limits;
 mod checker_ops;
 mod cluster;
+mod fairness;
 mod flows;
 mod journal;
 mod limits;
@@ -402,6 +407,7 @@ async fn run(cluster: bool, seed: u64, secs: u64) -> usize {
     ax_testkit::net::wait_ready_within(&client, first_answer).await;
     procs.all_up();
     let _hot = procs.hot_worker();
+    let _fq = procs.fq_worker();
     let ax = Client::new(client.clone());
     let js = async_nats::jetstream::new(client.clone());
     for (name, policy) in TRIGGERS {
@@ -416,6 +422,10 @@ async fn run(cluster: bool, seed: u64, secs: u64) -> usize {
         })
         .await;
     }
+    put("the fair shares of fq to be stored", async || {
+        ax.limits("fair_put", &fairness::fair_def()).await
+    })
+    .await;
     for def in flows::defs() {
         put("a flow to be stored", async || ax.flow("put", &def).await).await;
     }
@@ -432,6 +442,7 @@ async fn run(cluster: bool, seed: u64, secs: u64) -> usize {
     let limit_log: Arc<Mutex<limits::LimitLog>> = Arc::default();
     let ops_log: Arc<Mutex<ops::OpsLog>> = Arc::default();
     let admission_log: Arc<Mutex<admission::AdmissionLog>> = Arc::default();
+    let fairness_log: Arc<Mutex<fairness::FairnessLog>> = Arc::default();
     let until = Instant::now() + Duration::from_secs(secs);
     let started = Instant::now();
     // The load on queue `x` (flows, limits, operations) and its nemesis run by default;
@@ -466,6 +477,11 @@ async fn run(cluster: bool, seed: u64, secs: u64) -> usize {
         async {
             if extended {
                 admission::load(ax.clone(), log.clone(), admission_log.clone(), seed, until).await
+            }
+        },
+        async {
+            if extended {
+                fairness::load(ax.clone(), log.clone(), fairness_log.clone(), seed, until).await
             }
         },
     );
@@ -545,6 +561,8 @@ async fn run(cluster: bool, seed: u64, secs: u64) -> usize {
         limits: std::mem::take(&mut *limit_log.lock().unwrap()),
         ops: std::mem::take(&mut *ops_log.lock().unwrap()),
         admission: std::mem::take(&mut *admission_log.lock().unwrap()),
+        fairness: std::mem::take(&mut *fairness_log.lock().unwrap()),
+        cluster,
         paused_ms,
     };
     let mut report = verdict::check_core(&ax, &js, &seen, &mut verdict).await;

@@ -4,7 +4,8 @@ use crate::checker::{self, Histories, Invocation, TriggerRun};
 use crate::checker_flows::{self, RunSeen};
 use crate::cluster::Timeline;
 use crate::{
-    checker_admission, checker_limits, checker_ops, flows, hex, limits, ops, Log, TRIGGERS,
+    checker_admission, checker_fairness, checker_limits, checker_ops, flows, hex, limits, ops, Log,
+    TRIGGERS,
 };
 use ax_sdk::flow::model::parse_step_task;
 use ax_sdk::flow::{FlowRun, RunState, StepRun};
@@ -38,6 +39,9 @@ pub struct Seen {
     pub limits: limits::LimitLog,
     pub ops: ops::OpsLog,
     pub admission: crate::admission::AdmissionLog,
+    pub fairness: crate::fairness::FairnessLog,
+    /// An R3 cluster (not one node).
+    pub cluster: bool,
     /// When the triggers were paused (the end of their window).
     pub paused_ms: u64,
 }
@@ -102,8 +106,14 @@ pub async fn check_core(
         ));
     }
     let trigger_tasks = records.iter().filter(|r| r.trigger.is_some()).count() as u64;
+    // Fires are the low messages but for the fairness load's low tasks (one message each:
+    // a retried submit keeps its id, and the ready stream drops the second copy).
+    let fq_low = records
+        .iter()
+        .filter(|r| r.queue == crate::fairness::FQ && r.priority == ax_sdk::Priority::Low)
+        .count() as u64;
     let mut low = js.get_stream("AX_READY_LOW").await.unwrap();
-    let stored_fires = low.info().await.unwrap().state.last_sequence;
+    let stored_fires = low.info().await.unwrap().state.last_sequence - fq_low;
     if stored_fires != trigger_tasks {
         violations.push(format!(
             "{stored_fires} trigger task messages stored for {trigger_tasks} trigger tasks: a fire was stored twice"
@@ -266,6 +276,12 @@ pub async fn check_new(ax: &Client, seen: &Seen, verdict: &mut Verdict) -> Vec<S
     let singles_ok = count(&mut a.singletons.iter().map(|n| n.seen.outcome.is_ok()));
     let cancels_in_progress = a.singletons.iter().filter(|n| n.cancel_in_progress).count();
     let drops_ok = count(&mut a.drops.iter().map(|d| d.outcome.is_ok()));
+    // Fair shares and priority aging on `fq`.
+    let f = &seen.fairness;
+    let (v, fair) = checker_fairness::check_fair(&f.episodes, journal, timeline, seen.cluster);
+    verdict.add("fair shares", v);
+    let (v, aging) = checker_fairness::check_aging(&f.episodes, journal, timeline, seen.cluster);
+    verdict.add("aging", v);
     // Operations.
     let o = &seen.ops;
     verdict.add(
@@ -312,6 +328,21 @@ pub async fn check_new(ax: &Client, seen: &Seen, verdict: &mut Verdict) -> Vec<S
             drop_tightest.max(0.0),
             crate::admission::DROP_BURST,
             a.unanswered
+        ),
+        format!(
+            "fairness: {} episodes; small tasks judged {} of {} (the rest waited through a \
+             fault), most big starts passing one {} (bound {}); low tasks judged {} of {}, \
+             longest wait {} ms (bound {} ms); {} unanswered",
+            f.episodes.len(),
+            fair.judged,
+            fair.seen,
+            fair.most,
+            fair.bound,
+            aging.judged,
+            aging.seen,
+            aging.most,
+            aging.bound,
+            f.unanswered
         ),
         format!(
             "operations: {} cancels, {} retries, {} run-nows acknowledged, {} pauses, {} refused, \
