@@ -18,7 +18,7 @@ pub(crate) struct FairArgs {
     /// The weight of every tenant not named.
     #[arg(long)]
     default_weight: Option<u32>,
-    /// Most tasks of the queue waiting on a ready subject undelivered (default 256).
+    /// Most tasks of the queue waiting on a ready subject undelivered (default 64).
     #[arg(long)]
     depth: Option<u32>,
 }

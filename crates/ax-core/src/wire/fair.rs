@@ -10,8 +10,10 @@ use std::collections::BTreeMap;
 pub const MAX_WEIGHTS: usize = 10_000;
 /// The largest weight.
 pub const MAX_WEIGHT: u32 = 1_000;
-/// The default of [`FairDef::depth`].
-pub const DEFAULT_DEPTH: u32 = 256;
+/// The default of [`FairDef::depth`]: a tenant that becomes busy waits behind about this
+/// many tasks, and a smaller depth than the workers' slots can leave them idle between
+/// release rounds (docs/PERFORMANCE.md, "Fair shares").
+pub const DEFAULT_DEPTH: u32 = 64;
 
 /// The `AX_LIMITS` key of a queue's fair-share definition: `<queue>.=fair`.
 pub fn fair_key(queue: &str) -> String {

@@ -10,8 +10,9 @@
 //! backlog of 100,000 holds at most its share of `depth` of them.
 //!
 //! A release publishes the task's message to its ready subject (`Nats-Msg-Id` = task id),
-//! then purges what the tenant had released from `AX_FAIR` (one purge per tenant and
-//! round: `filter` = the tenant's subjects, `seq` = one past its last released). Killed
+//! then asks for what the tenant had released to be purged from `AX_FAIR` (one purge per
+//! tenant, `filter` = the tenant's subjects, `seq` = one past its last released; done by
+//! a task of its own, [`purge`], so the next round does not wait for it). Killed
 //! between the two, the next leader re-publishes the unpurged ones: within the ready
 //! stream's two-minute duplicate window that stores nothing; later, the copy's claim
 //! finds the task's record naming another message and retires it (docs/PROTOCOL.md §3).
@@ -40,6 +41,7 @@ mod defs;
 mod error;
 mod feed;
 pub(crate) mod lanes;
+mod purge;
 mod release;
 
 /// The key of the fair dispatcher's lease in `AX_LEASES`.
@@ -126,6 +128,14 @@ impl FairDispatcher {
             }
             .run(),
         );
+        let purges = Arc::new(purge::Purges::default());
+        {
+            let (purges, stream) = (purges.clone(), stream.clone());
+            tasks.spawn(async move {
+                purges.run(stream).await;
+                Ok(())
+            });
+        }
         tasks.spawn(
             release::Rounds {
                 js: js.clone(),
@@ -133,6 +143,7 @@ impl FairDispatcher {
                 faults: self.ctx.faults.clone(),
                 id: self.id.clone(),
                 stream,
+                purges,
                 lanes,
                 caught_up,
                 added,

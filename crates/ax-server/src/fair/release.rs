@@ -33,6 +33,8 @@ pub(crate) struct Rounds {
     pub(crate) faults: ax_core::faults::Faults,
     pub(crate) id: String,
     pub(crate) stream: stream::Stream,
+    /// Where a round asks for its tenants' purges ([`super::purge`]).
+    pub(crate) purges: Arc<super::purge::Purges>,
     pub(crate) lanes: Arc<Mutex<Lanes>>,
     pub(crate) caught_up: Arc<AtomicBool>,
     pub(crate) added: Arc<Notify>,
@@ -128,9 +130,7 @@ impl Rounds {
                 if let Some(last) = done.checked_sub(1).map(|i| tasks[i].seq) {
                     self.faults.pass(ax_core::faults::Abort::AfterRelease);
                     let filter = names::fair_tenant_filter(&queue, priority, &hex);
-                    if let Err(e) = self.stream.purge().filter(filter).sequence(last + 1).await {
-                        debug!(%queue, cause = %e, "released tasks not purged from AX_FAIR; a later leader re-publishes them (deduplicated)");
-                    }
+                    self.purges.ask(filter, last + 1);
                 }
                 let rest = tasks.into_iter().skip(done).collect::<Vec<_>>();
                 (hex, done, rest)
