@@ -28,7 +28,7 @@ use std::collections::HashMap;
 pub const LAG_STARTS: u64 = 10;
 /// A low task's wait beyond twice the aging threshold: the worker's look at the oldest
 /// waiting task (every 100 ms), its fetch and claim, on a loaded machine.
-pub const AGING_SLACK_MS: u64 = 1_000;
+pub const AGING_SLACK_MS: u64 = 1_500;
 const BEFORE_MS: u64 = 2_000;
 const AFTER_RESTART_MS: u64 = 3_000;
 const AFTER_NODE_RESTART_MS: u64 = 10_000;

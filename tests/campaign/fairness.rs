@@ -32,7 +32,7 @@ pub const SMALL_WEIGHT: u64 = 2;
 /// Tasks per episode: the backlog, then the waiters.
 const FAIR_BACKLOG: usize = 60;
 const FAIR_WAITERS: usize = 4;
-const AGING_BACKLOG: usize = 100;
+const AGING_BACKLOG: usize = 130;
 const AGING_WAITERS: usize = 3;
 /// Handler times (ms): the backlogs outlast the checked bounds several times over.
 const FAIR_SLEEP_MS: u64 = 30;
