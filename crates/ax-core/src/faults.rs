@@ -77,6 +77,9 @@ pub enum StateWriteFault {
     Lost,
     /// Written, but the writer gets a broker error (the acknowledgement was lost).
     AckLost,
+    /// Not written, and neither are the records of the trigger's fires meanwhile (their
+    /// messages are): the broker unreachable for the KV buckets only.
+    LostWithRecords,
 }
 
 /// A fault that fires once (or `n` times), keyed by what it names.

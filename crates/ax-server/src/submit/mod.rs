@@ -295,6 +295,12 @@ impl Context {
         if meta.unrecorded {
             return Ok(seq);
         }
+        let lost =
+            (meta.lineage.as_ref()).and_then(|l| self.faults.trigger_state_write(&l.trigger));
+        if lost == Some(ax_core::faults::StateWriteFault::LostWithRecords) {
+            warn!(task_id = %meta.id, "injected fault: the fire's record not written");
+            return Ok(seq);
+        }
         let mut record = meta.record();
         if meta.run_at_ms.is_none() {
             // The record names its ready message: a worker may start the first attempt of

@@ -74,7 +74,10 @@ impl TriggerStore {
     ) -> Result<u64, TriggerStoreError> {
         use ax_core::faults::StateWriteFault;
         let fault = self.faults.trigger_state_write(name);
-        if fault == Some(StateWriteFault::Lost) {
+        if matches!(
+            fault,
+            Some(StateWriteFault::Lost | StateWriteFault::LostWithRecords)
+        ) {
             return Err(broker(name, "update", "injected fault: broker unreachable"));
         }
         let written = write(&self.states, name, state, revision).await;

@@ -3,7 +3,7 @@
 //! watches, the timer and the fire outcomes, calls these, and does the broker work they
 //! ask for (load, record, fire).
 
-use super::held::{tracks_every_fire, Held, Outcome, RECHECK, RETRY_MS};
+use super::held::{known_fire, tracks_every_fire, Held, Outcome, RECHECK, RETRY_MS};
 use ax_core::state::TaskRecord;
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, HashSet, VecDeque};
@@ -273,10 +273,13 @@ pub(super) fn apply(h: &mut Held, outcome: Outcome, token: u64, now: u64) -> App
             }
             Applied::Wake(wake)
         }
-        Outcome::Unrecorded => {
+        Outcome::Unrecorded { made } => {
             // A fire may have been made but not recorded (and the state write's outcome is
             // unknown): read the state again and record what is missing before planning
-            // anything.
+            // anything; what this job fired counts fired whatever its records say.
+            for t in made {
+                known_fire(&mut h.made, t);
+            }
             h.unsure = true;
             h.fresh = false;
             Applied::Wake(Some(now + RETRY_MS))
@@ -387,11 +390,19 @@ mod tests {
         book.fire_starved("u".into());
         book.fire_started("t");
         let due = book
-            .fire_done("t".into(), Outcome::Unrecorded, 1, 1500, 0)
+            .fire_done(
+                "t".into(),
+                Outcome::Unrecorded { made: vec![1000] },
+                1,
+                1500,
+                0,
+            )
             .unwrap();
         assert_eq!(due, vec!["u".to_string()]);
         let h = &book.held["t"];
         assert!(h.unsure && !h.fresh);
+        // What the job fired is kept for the repair, which counts it fired.
+        assert_eq!(h.made, VecDeque::from([1000]));
         let mut woken = Vec::new();
         book.take_woken(1500 + RETRY_MS - 1, &mut woken);
         assert!(woken.is_empty());

@@ -51,6 +51,10 @@ pub(super) struct Held {
     /// the creation of their tasks, seen late through a lagging watch, is never adopted
     /// again (it would count one fire twice). The latest [`KNOWN_FIRES`].
     pub(super) known: std::collections::VecDeque<u64>,
+    /// Scheduled times this leader fired whose state write failed
+    /// ([`Outcome::Unrecorded`]): fired, whatever their records say, until the stored
+    /// state has them. The latest [`KNOWN_FIRES`].
+    pub(super) made: std::collections::VecDeque<u64>,
 }
 
 /// Notes in `known` ([`Held::known`]) that scheduled time `t` fired.
@@ -104,7 +108,13 @@ pub(super) enum Outcome {
     /// A fire was refused (busy, unavailable: its task may be stored all the same), or made
     /// and its state write failed, went unanswered or kept conflicting: the stored state
     /// may lack it. Recorded before anything else is planned.
-    Unrecorded,
+    Unrecorded {
+        /// The scheduled times this job fired (their publishes answered): the repair counts
+        /// them fired without reading their records, which the same fault may have kept
+        /// from being written (the task is then found by its message only, and a plan
+        /// would count its time skipped while it runs).
+        made: Vec<u64>,
+    },
     /// Nothing was fired and the state changed elsewhere: plan again from this state.
     Reload(TriggerState, u64),
     /// A newer leader wrote the state.

@@ -175,6 +175,7 @@ impl Engine {
             unstored: false,
             dirty: false,
             known: Default::default(),
+            made: Default::default(),
         };
         self.settle(&mut h);
         Ok(h)
@@ -479,7 +480,7 @@ impl Term<'_> {
                     .await
                     .unwrap_or_else(|_| {
                         error!(trigger = %name, "fire job panicked (a bug); its fires are recovered before the next");
-                        Outcome::Unrecorded
+                        Outcome::Unrecorded { made: Vec::new() }
                     });
                 drop(permit);
                 let _ = done.send((name, outcome));
@@ -548,6 +549,7 @@ async fn execute(
         }
     }
     let mut ids = Vec::new();
+    let mut made = Vec::new();
     for &scheduled in &plan.fires {
         let tag = scheduled_tag(scheduled);
         let until = tokio::time::Instant::now() + FIRE_RETRY_FOR;
@@ -555,6 +557,7 @@ async fn execute(
             match fire(ctx, &def, scheduled, Source::Schedule, &tag, None).await {
                 Ok(mut fired) => {
                     ids.append(&mut fired);
+                    made.push(scheduled);
                     break;
                 }
                 // Its publish may be stored though unanswered: the same fire again is a
@@ -571,7 +574,7 @@ async fn execute(
                     // Busy (nothing stored), or unavailable for too long: keep the state as
                     // it was; the trigger is looked at again (its fires repaired) shortly.
                     warn!(trigger = %name, cause = %e, "fire not accepted; retrying in 1 s");
-                    return Outcome::Unrecorded;
+                    return Outcome::Unrecorded { made };
                 }
             }
         }
@@ -606,16 +609,16 @@ async fn execute(
             Err(e) => {
                 warn!(trigger = %name, cause = %e, fired = plan.fires.len(),
                     "trigger state not written; nothing more is fired until it is");
-                return Outcome::Unrecorded;
+                return Outcome::Unrecorded { made };
             }
         }
         // Changed elsewhere (a manual run, or a newer leader).
         let (current, rev) = match store.state(&name).await {
             Ok(Some(found)) => found,
-            Ok(None) => return Outcome::Unrecorded, // deleted meanwhile
+            Ok(None) => return Outcome::Unrecorded { made }, // deleted meanwhile
             Err(e) => {
                 warn!(trigger = %name, cause = %e, "trigger state not read; nothing more is fired until it is");
-                return Outcome::Unrecorded;
+                return Outcome::Unrecorded { made };
             }
         };
         if current.leader > token {
@@ -630,5 +633,5 @@ async fn execute(
         revision = rev;
     }
     warn!(trigger = %name, "trigger state kept changing; fire made but not recorded yet");
-    Outcome::Unrecorded
+    Outcome::Unrecorded { made }
 }

@@ -38,9 +38,17 @@ impl Engine {
                 .collect()
         };
         let tasks = &self.ctx.tasks;
+        // Fired by this leader and its state write failed: fired, whatever the records say
+        // (the same fault may have kept its record from being written).
+        h.made.retain(|t| candidates.contains(t));
+        let made: Vec<u64> = h.made.iter().copied().collect();
         let checks = candidates.iter().map(|&t| {
             let first = ids_of(t).into_iter().next();
+            let made = made.contains(&t);
             async move {
+                if made {
+                    return (t, Some(true));
+                }
                 let exists = match first {
                     Some(id) => tasks
                         .get_latest(&id)
@@ -277,6 +285,7 @@ pub(super) mod tests {
             unstored: false,
             dirty: false,
             known: Default::default(),
+            made: Default::default(),
         }
     }
 
