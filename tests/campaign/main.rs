@@ -52,6 +52,7 @@ mod ops;
 #[path = "../it/procs.rs"]
 mod procs;
 mod seeds;
+mod trace;
 use ax_testkit::env as support;
 mod verdict;
 
@@ -565,6 +566,9 @@ async fn run(cluster: bool, seed: u64, secs: u64) -> usize {
         cluster,
         paused_ms,
     };
+    let accepted_ids = seen.log.accepted.clone();
+    let seen_histories: std::collections::HashSet<String> =
+        seen.histories.keys().cloned().collect();
     let mut report = verdict::check_core(&ax, &js, &seen, &mut verdict).await;
     report.extend(verdict::check_new(&ax, &seen, &mut verdict).await);
     let seen_keys = seen.limits.keyed;
@@ -591,6 +595,20 @@ async fn run(cluster: bool, seed: u64, secs: u64) -> usize {
         let kept = std::env::temp_dir().join(format!("ax-campaign-{seed}.keys.json"));
         if std::fs::write(&kept, serde_json::to_vec(&keys).unwrap_or_default()).is_ok() {
             println!("  limited tasks' keys kept in {}", kept.display());
+        }
+        let missing: Vec<String> = accepted_ids
+            .iter()
+            .filter(|id| !seen_histories.contains(*id))
+            .cloned()
+            .collect();
+        if !missing.is_empty() {
+            println!(
+                "  where the {} accepted tasks without a record are:",
+                missing.len()
+            );
+            for line in trace::missing(&js, &missing).await {
+                println!("    {line}");
+            }
         }
         let t = timeline.lock().unwrap();
         println!(

@@ -27,7 +27,12 @@ impl AxProc {
             .args(args)
             .args(["--metrics-addr", metrics])
             .env("NATS_URL", url)
-            .env("RUST_LOG", "warn")
+            // AX_PROC_LOG sets the children's log filter (default `warn`), e.g.
+            // `warn,ax_server::schedule=debug` to read a campaign failure's path.
+            .env(
+                "RUST_LOG",
+                std::env::var("AX_PROC_LOG").unwrap_or_else(|_| "warn".into()),
+            )
             .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
