@@ -367,3 +367,58 @@ async fn a_window_whose_delete_was_lost_is_not_joined_after_it_ran() {
         "every window ran once, with its payload"
     );
 }
+
+/// Two fired copies of one key's windows wait in `AX_DELAYED` at once (a ready subject
+/// refused the older for now, e.g. during a node restart), and the newer is dispatched
+/// first. Its dispatch must not remove the older copy with the stale messages below it
+/// (found by the R3 campaign seed 4955772603497125947: a window of key `d5-1`, parked,
+/// was purged by the next window's dispatch and never ran). Stood in for here by the
+/// older copy due 1.5 s after the newer one, both written while no server runs, and a
+/// horizon short enough that the older one's body is read back when it is due (as a
+/// parked task's is).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dispatching_a_newer_window_keeps_an_older_fired_one_that_waits() {
+    let mut env = Env::start(Env::server()).await;
+    env.stop_server().await;
+    let stored = |n: u64, due: u64| {
+        let req = ax_core::protocol::SubmitRequest {
+            name: "sync".into(),
+            payload: Some(serde_json::json!({ "n": n })),
+            ..Default::default()
+        };
+        let limits = ax_core::task::Limits::default();
+        let (mut meta, body) = ax_core::task::TaskMeta::from_request("q", req, &limits).unwrap();
+        meta.id = format!("q.=d.6b.window{n}");
+        meta.run_at_ms = Some(due);
+        meta.unrecorded = true;
+        let mut headers = meta.to_headers();
+        headers.insert(ax_core::debounce::FIRED, "1");
+        let subject = ax_core::debounce::window_subject_of(&meta.id).unwrap();
+        (subject, headers, body)
+    };
+    let now = now_ms();
+    for (n, due) in [(1, now + 1_500), (2, now)] {
+        let (subject, headers, body) = stored(n, due);
+        env.js
+            .publish_with_headers(subject, headers, body)
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    let horizon = Duration::from_millis(300);
+    env.start_server(Env::server().dispatch_horizon(horizon))
+        .await;
+    let runs: Runs = Arc::default();
+    let (stop, handle) = env.spawn_worker(recording_worker(runs.clone()));
+    for n in 1..=2 {
+        let id = format!("q.=d.6b.window{n}");
+        env.wait_state(&id, TaskState::Succeeded, Duration::from_secs(10))
+            .await;
+    }
+    stop.cancel();
+    handle.await.unwrap();
+    let mut ran: Vec<u64> = runs.lock().unwrap().iter().map(|(_, n, _)| *n).collect();
+    ran.sort();
+    assert_eq!(ran, vec![1, 2], "both windows ran, once each");
+}

@@ -18,7 +18,7 @@
 
 use crate::submit::publish_headers;
 use async_nats::jetstream::{self, consumer, stream};
-use ax_core::admit::{delete_delayed, publish_expecting};
+use ax_core::admit::delete_delayed;
 use ax_core::debounce;
 use ax_core::faults::Faults;
 use ax_core::follow::Reconnects;
@@ -37,6 +37,7 @@ use tracing::{debug, warn};
 
 mod index;
 pub(crate) mod partitions;
+mod window;
 
 /// Errors of the scheduler loop.
 #[derive(Debug, thiserror::Error)]
@@ -404,7 +405,7 @@ async fn dispatch(
         },
     };
     if debounce::is_open(&headers) {
-        return close_window(js, seq, due, headers, payload, faults).await;
+        return window::close(js, seq, due, headers, payload, faults).await;
     }
     let (subject, id) = match TaskMeta::ready_route(&headers) {
         Ok((subject, id)) => (subject, id.to_string()),
@@ -413,10 +414,7 @@ async fn dispatch(
             return Outcome::Bad;
         }
     };
-    // A closed debounce window's fired copy: its window's subject is purged up to it, not
-    // only it deleted, so no older message of the window (one whose delete was lost)
-    // becomes the subject's last again, to be read as the open window by the key's next
-    // submit (which would then join a window that already ran).
+    // A closed window's fired copy (a debounce window or a batch): [`window::retire`].
     let window = headers
         .get(debounce::FIRED)
         .and_then(|_| debounce::window_subject_of(&id));
@@ -436,71 +434,11 @@ async fn dispatch(
     faults.pass(ax_core::faults::Abort::AfterDispatch);
     // The task lives on in the ready stream.
     let removed = match window {
-        Some(window) => stream
-            .purge()
-            .filter(window)
-            .sequence(seq + 1)
-            .await
-            .map(|_| ())
-            .map_err(|e| e.to_string()),
+        Some(window) => window::retire(js, stream, &window, seq).await,
         None => delete_delayed(js, seq).await,
     };
     if let Err(e) = removed {
         debug!(seq, cause = %e, "delayed message not deleted; a restart re-publishes it (deduplicated)");
     }
     Outcome::Done { subject }
-}
-
-/// Closes a debounce window that is due (`ax_core::debounce`): stores its copy marked
-/// fired and due now, only if the window is still its subject's last message, then
-/// deletes the window's message. The copy is dispatched as any due task when the index
-/// reads it; a window a later submit replaced is only deleted (that submit's message is
-/// the window now). Killed between the two writes, the window's message is re-indexed
-/// and its close, expecting a sequence that is no longer the last, deletes it.
-async fn close_window(
-    js: &jetstream::Context,
-    seq: u64,
-    due: u64,
-    mut headers: async_nats::HeaderMap,
-    payload: bytes::Bytes,
-    faults: &Faults,
-) -> Outcome {
-    let subject = headers
-        .get(header::ID)
-        .and_then(|id| debounce::window_subject_of(id.as_str()));
-    let Some(subject) = subject else {
-        warn!(
-            seq,
-            "debounce window without a debounced task id; left in place"
-        );
-        return Outcome::Bad;
-    };
-    headers.insert(debounce::FIRED, "1");
-    headers.insert(header::RUN_AT_MS, now_ms().to_string().as_str());
-    match publish_expecting(js, subject, headers, seq, payload).await {
-        Ok(closed) => {
-            match closed {
-                Some(_) => faults.pass(ax_core::faults::Abort::AfterClose),
-                None => debug!(seq, "debounce window replaced by a later submit; dropped"),
-            }
-            let deleted = if faults.window_delete_lost() {
-                Err("lost (injected fault)".to_string())
-            } else {
-                delete_delayed(js, seq).await
-            };
-            if let Err(e) = deleted {
-                debug!(seq, cause = %e, "closed debounce window not deleted; dropped when re-indexed");
-            }
-            Outcome::Gone
-        }
-        Err(e) => {
-            debug!(seq, cause = %e.message, "debounce window not closed; retried");
-            Outcome::Refused {
-                group: "(debounce)".into(),
-                due,
-                seq,
-                body: None,
-            }
-        }
-    }
 }

@@ -1,0 +1,98 @@
+//! Debounce windows and batches in `AX_DELAYED` (`ax_core::debounce`, `ax_core::batching`):
+//! closing a due window, and retiring a closed window's fired copy once it is dispatched.
+
+use super::Outcome;
+use async_nats::jetstream::{self, stream};
+use ax_core::admit::{delete_delayed, publish_expecting};
+use ax_core::debounce;
+use ax_core::faults::Faults;
+use ax_core::task::header;
+use ax_core::time::now_ms;
+use tracing::{debug, warn};
+
+/// Deletes a dispatched fired copy (`seq`) and every *open* message below it on its
+/// window's subject: such a message was replaced (a later submit's, or the close's copy)
+/// and only its delete was lost; left there it would become the subject's last once the
+/// copy is gone, and a submit would join a window that already ran. Older *fired* copies
+/// are left alone: they are earlier windows of the key still to be dispatched (a ready
+/// subject refused them for now), and removing them lost their tasks (an R3 campaign
+/// seed: two windows of one key parked during a node restart, the newer dispatched
+/// first). The walk reads the subject's messages from its first (`next_by_subject`): one
+/// read when the copy is the subject's only message, as it nearly always is.
+pub(super) async fn retire(
+    js: &jetstream::Context,
+    stream: &stream::Stream,
+    window: &str,
+    seq: u64,
+) -> Result<(), String> {
+    let mut from = 1;
+    while from < seq {
+        let msg = match stream.direct_get_next_for_subject(window, Some(from)).await {
+            Ok(msg) => msg,
+            Err(e) if e.kind() == stream::DirectGetErrorKind::NotFound => break,
+            Err(e) => return Err(e.to_string()),
+        };
+        if msg.sequence >= seq {
+            break;
+        }
+        if debounce::is_open(&msg.headers) {
+            delete_delayed(js, msg.sequence).await?;
+        }
+        from = msg.sequence + 1;
+    }
+    delete_delayed(js, seq).await
+}
+
+/// Closes a debounce window that is due (`ax_core::debounce`): stores its copy marked
+/// fired and due now, only if the window is still its subject's last message, then
+/// deletes the window's message. The copy is dispatched as any due task when the index
+/// reads it; a window a later submit replaced is only deleted (that submit's message is
+/// the window now). Killed between the two writes, the window's message is re-indexed
+/// and its close, expecting a sequence that is no longer the last, deletes it.
+pub(super) async fn close(
+    js: &jetstream::Context,
+    seq: u64,
+    due: u64,
+    mut headers: async_nats::HeaderMap,
+    payload: bytes::Bytes,
+    faults: &Faults,
+) -> Outcome {
+    let subject = headers
+        .get(header::ID)
+        .and_then(|id| debounce::window_subject_of(id.as_str()));
+    let Some(subject) = subject else {
+        warn!(
+            seq,
+            "debounce window without a debounced task id; left in place"
+        );
+        return Outcome::Bad;
+    };
+    headers.insert(debounce::FIRED, "1");
+    headers.insert(header::RUN_AT_MS, now_ms().to_string().as_str());
+    match publish_expecting(js, subject, headers, seq, payload).await {
+        Ok(closed) => {
+            match closed {
+                Some(_) => faults.pass(ax_core::faults::Abort::AfterClose),
+                None => debug!(seq, "debounce window replaced by a later submit; dropped"),
+            }
+            let deleted = if faults.window_delete_lost() {
+                Err("lost (injected fault)".to_string())
+            } else {
+                delete_delayed(js, seq).await
+            };
+            if let Err(e) = deleted {
+                debug!(seq, cause = %e, "closed debounce window not deleted; dropped when re-indexed");
+            }
+            Outcome::Gone
+        }
+        Err(e) => {
+            debug!(seq, cause = %e.message, "debounce window not closed; retried");
+            Outcome::Refused {
+                group: "(debounce)".into(),
+                due,
+                seq,
+                body: None,
+            }
+        }
+    }
+}
