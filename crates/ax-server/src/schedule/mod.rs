@@ -28,6 +28,7 @@ use ax_core::task::{header, TaskMeta};
 use ax_core::time::now_ms;
 use futures::StreamExt;
 use index::{Body, Due, Index};
+use outcome::Outcome;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 use tokio::task::JoinSet;
@@ -36,6 +37,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 mod index;
+mod outcome;
 pub(crate) mod partitions;
 mod window;
 
@@ -113,23 +115,6 @@ impl Totals {
 
 /// Most concurrent read-aheads of delayed messages.
 const MAX_LOADS: usize = 256;
-
-/// How one dispatch ended.
-enum Outcome {
-    /// Published to `subject` (and the delayed message deleted).
-    Done { subject: String },
-    /// The delayed message is gone: another server moved it, or it was removed by hand.
-    Gone,
-    /// Not dispatchable (bad headers): left in the stream, dropped from the index.
-    Bad,
-    /// Publish refused or failed, or the read failed: park under `group`.
-    Refused {
-        group: String,
-        due: u64,
-        seq: u64,
-        body: Option<Body>,
-    },
-}
 
 impl Scheduler {
     /// The filter of the subjects new delayed messages are stored under. Once the replay

@@ -1,7 +1,7 @@
 //! Debounce windows and batches in `AX_DELAYED` (`ax_core::debounce`, `ax_core::batching`):
 //! closing a due window, and retiring a closed window's fired copy once it is dispatched.
 
-use super::Outcome;
+use super::outcome::Outcome;
 use async_nats::jetstream::{self, stream};
 use ax_core::admit::{delete_delayed, publish_expecting};
 use ax_core::debounce;
