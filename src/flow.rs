@@ -135,6 +135,7 @@ fn colour(state: &str) -> &'static str {
         "failed" => "salmon",
         "upstream_failed" => "orange",
         "running" => "lightblue",
+        "sleeping" => "lavender",
         "cancelled" | "skipped" => "lightgrey",
         _ => "white",
     }
@@ -169,10 +170,18 @@ fn print_run(run: &Value) {
                 )
             })
             .unwrap_or_default();
+        // A step that waits shows what for, in place of its state.
+        let (state, error) = match s["waiting"]["until_ms"].as_u64() {
+            Some(until) => (
+                "sleeping",
+                format!("until {}", ax_core::time::format_rfc3339_ms(until)),
+            ),
+            None => (s["state"].as_str().unwrap_or("?"), error),
+        };
         println!(
             "{:<20} {:<16} {:>5} {:>6} {:>8} {:<12} {:<12} {}",
             s["name"].as_str().unwrap_or("?"),
-            s["state"].as_str().unwrap_or("?"),
+            state,
             s["epoch"],
             s["items"].as_u64().map_or("-".into(), |n| n.to_string()),
             s["attempts"].as_u64().map_or("-".into(), |n| n.to_string()),
@@ -188,7 +197,10 @@ fn print_dot(run: &Value) {
     println!("  rankdir=LR; node [shape=box, style=filled];");
     for s in run["steps"].as_array().into_iter().flatten() {
         let name = s["name"].as_str().unwrap_or("?");
-        let state = s["state"].as_str().unwrap_or("waiting");
+        let state = match s["waiting"]["kind"].as_str() {
+            Some("sleep") => "sleeping",
+            _ => s["state"].as_str().unwrap_or("waiting"),
+        };
         println!(
             "  {name:?} [label=\"{name}\\n{state}\", fillcolor={}];",
             colour(state)

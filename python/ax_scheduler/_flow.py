@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextvars
 import inspect
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Callable, Generic, Protocol, cast, overload
 
 from . import _json
@@ -104,16 +105,35 @@ class _Builder:
         self.flow = flow
         self.steps: list[dict[str, Any]] = []
         self.names: set[str] = set()
+        # The last ax.sleep of the body: every step called after it waits for it.
+        self.barrier: str | None = None
+
+    def _name(self, base: str) -> str:
+        step, n = base, 2
+        while step in self.names:
+            step, n = f"{base}_{n}", n + 1
+        return step
+
+    def sleep(self, spec: dict[str, Any]) -> None:
+        """A sleep step after every step so far that nothing waits for yet."""
+        needed = {n for s in self.steps for n in s.get("needs", [])}
+        leaves = [s["name"] for s in self.steps if s["name"] not in needed]
+        if len(leaves) > 64:
+            raise FlowDefinitionError(f"flow {self.flow}: ax.sleep would wait for {len(leaves)} steps, at most 64")
+        step = self._name("sleep")
+        step_def: dict[str, Any] = {"name": step, "sleep": spec}
+        if leaves:
+            step_def["needs"] = leaves
+        self.steps.append(step_def)
+        self.names.add(step)
+        self.barrier = step
 
     def call(self, td: Any, args: tuple[Any, ...], kwargs: dict[str, Any], fan_out: bool) -> Value:
         try:
             named: dict[str, Any] = td.named_arguments(args, kwargs)
         except InvalidInput as e:
             raise FlowDefinitionError(f"flow {self.flow}: {e}") from None
-        step = td.name
-        n = 2
-        while step in self.names:
-            step, n = f"{td.name}_{n}", n + 1
+        step = self._name(td.name)
         needs: list[str] = []
         sources: dict[str, Any] = {}
         for_each = None
@@ -138,6 +158,8 @@ class _Builder:
                 sources[param] = {"list": [self._source(td, param, v, needs) for v in cast(list[Any], value)]}
             else:
                 sources[param] = self._source(td, param, value, needs)
+        if self.barrier is not None and self.barrier not in needs:
+            needs.append(self.barrier)
         o = td.options
         task: dict[str, Any] = {"name": td.name, "queue": o.queue, "payload": {"ax_args": sources}}
         if o.priority != "normal":
@@ -166,6 +188,37 @@ class _Builder:
                 "list or dict; pass run values as whole arguments")
         _json.dumps(value, f"flow {self.flow}: task {td.name}: argument {param!r}")
         return {"value": value}
+
+
+def sleep(duration: timedelta | float | None = None, /, *, until: datetime | str | None = None,
+          queue: str | None = None) -> None:
+    """In an ``@ax.flow`` body: a durable sleep (PROTOCOL.md §6, "Waits"). Every step
+    called after it in the body starts once it ends: ``duration`` (a ``timedelta`` or
+    seconds) after the steps before it ended, or ``until`` a time (an aware ``datetime`` or
+    RFC 3339 text; a past one ends it at once). Held by the broker as a delayed task of
+    ``queue`` (default: the flow's first task's queue) that no worker runs, so it outlives
+    every process; ``ax flow get`` shows the step ``sleeping``."""
+    builder = tracing()
+    if builder is None:
+        raise FlowDefinitionError("ax.sleep is a step of an @ax.flow body; in a task, use time.sleep or "
+                                  "asyncio.sleep")
+    spec: dict[str, Any] = {}
+    if (duration is None) == (until is None):
+        raise FlowDefinitionError(f"flow {builder.flow}: ax.sleep takes a duration or until=, one of them")
+    if duration is not None:
+        seconds = duration.total_seconds() if isinstance(duration, timedelta) else float(duration)
+        if not seconds > 0 or seconds == float("inf"):
+            raise FlowDefinitionError(f"flow {builder.flow}: ax.sleep needs a duration over 0 s, not {duration!r}")
+        spec["for_ms"] = max(1, round(seconds * 1000))
+    elif isinstance(until, datetime):
+        if until.tzinfo is None:
+            raise FlowDefinitionError(f"flow {builder.flow}: ax.sleep(until=) needs an aware datetime (a time zone)")
+        spec["until"] = until.isoformat()
+    else:
+        spec["until"] = until
+    if queue is not None:
+        spec["queue"] = queue
+    builder.sleep(spec)
 
 
 class FlowDef(Generic[P]):

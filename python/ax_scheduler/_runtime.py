@@ -217,7 +217,7 @@ class Runtime:
         names = {t.name for t in tasks}
         for fd in FLOWS.values():
             steps = fd.definition()["steps"]
-            if any(s["task"]["name"] in names for s in steps):
+            if any(s.get("task", {}).get("name") in names for s in steps):
                 client.put_flow(fd)
         for t in tasks:
             o = t.options

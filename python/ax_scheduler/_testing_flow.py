@@ -26,14 +26,27 @@ import json
 import logging
 import random
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, Iterable, Mapping, cast
 
 from . import _json
+from ._options import TaskOptions
 from ._task import REGISTRY, TaskDef
 from ._testing_task import FakeClock, Policy, Result, Runner, TaskRun, output_value, typed_output
 from .errors import FlowDefinitionError, FlowFailed, InvalidInput
 
 log = logging.getLogger("ax_scheduler.testing")
+
+# A sleep step's wait task (crates/ax-sdk/src/flow/def.rs): here a no-op run at the wake
+# time on the fake clock, its output null, as the server's dispatcher ends it.
+SLEEP_TASK = "ax.sleep"
+
+
+def _woke(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+_SLEEP: TaskDef[..., Any] = TaskDef(_woke, SLEEP_TASK, TaskOptions(retries=0))
 
 MAX_STEPS = 1_000
 MAX_NEEDS = 64
@@ -164,6 +177,10 @@ def plan(definition: dict[str, Any]) -> Plan:
         if step.get("on_failure", "fail") not in ("fail", "notify_only"):
             raise _bad(f"steps[{i}].on_failure", f"on_failure must be fail or notify_only, not "
                                                  f"{step.get('on_failure')!r}")
+        if "sleep" in step:
+            _check_sleep(i, step)
+            parents.append(mine)
+            continue
         template: dict[str, Any] = step.get("task") or {}
         for key in template:
             if key in TEMPLATE_REFUSED:
@@ -175,6 +192,20 @@ def plan(definition: dict[str, Any]) -> Plan:
             raise _bad(f"steps[{i}].task.queue", "a valid queue is required")
         parents.append(mine)
     return Plan(parents, _topological(steps, parents))
+
+
+def _check_sleep(i: int, step: dict[str, Any]) -> None:
+    """A sleep step as the server checks it: one of ``for_ms`` and ``until``, no task of its
+    own, no fan-out."""
+    sleep: dict[str, Any] = step["sleep"]
+    if ("for_ms" in sleep) == ("until" in sleep):
+        raise _bad(f"steps[{i}].sleep", "give for_ms or until, one of them")
+    if "for_ms" in sleep and not (isinstance(sleep["for_ms"], int) and sleep["for_ms"] > 0):
+        raise _bad(f"steps[{i}].sleep.for_ms", f"must be a positive number of ms, not {sleep['for_ms']!r}")
+    if "task" in step:
+        raise _bad(f"steps[{i}].task", "a sleep step has no task")
+    if step.get("for_each") is not None:
+        raise _bad(f"steps[{i}].for_each", "a sleep step does not fan out")
 
 
 def _topological(steps: list[dict[str, Any]], parents: list[list[int]]) -> list[int]:
@@ -396,8 +427,8 @@ class FlowSim:
         self.rng = rng
         self.runner = runner
         self.defs: list[dict[str, Any]] = self.definition["steps"]
-        self.tasks: list[TaskDef[..., Any]] = [self._task_of(i, s["task"], replace or {})
-                                               for i, s in enumerate(self.defs)]
+        self.tasks: list[TaskDef[..., Any]] = [self._task_of(i, self._template(i), replace or {})
+                                               for i in range(len(self.defs))]
         n = len(self.defs)
         self.steps = [StepRecord() for _ in range(n)]
         self.progress = [Progress() for _ in range(n)]
@@ -408,7 +439,26 @@ class FlowSim:
         self._rank = {step: k for k, step in enumerate(self.plan.order)}
         self._pending: dict[tuple[int, int], _Job] = {}
 
+    def _template(self, i: int) -> dict[str, Any]:
+        """Step ``i``'s task: its own, or a sleep's wait task (which the server fills in,
+        on the sleep's queue or the flow's first task's)."""
+        step = self.defs[i]
+        if "task" in step or "sleep" not in step:
+            return step["task"]
+        first = next((s["task"]["queue"] for s in self.defs if "task" in s), "default")
+        return {"name": SLEEP_TASK, "queue": step["sleep"].get("queue", first)}
+
+    def _wake_ms(self, i: int, started_ms: int) -> int:
+        """When sleep step ``i``, started at ``started_ms``, ends (ms on the fake clock)."""
+        sleep: dict[str, Any] = self.defs[i]["sleep"]
+        if "until" in sleep:
+            text = str(sleep["until"]).replace("Z", "+00:00")
+            return int(datetime.fromisoformat(text).timestamp() * 1000)
+        return started_ms + int(sleep["for_ms"])
+
     def _task_of(self, i: int, template: dict[str, Any], replace: Mapping[str, Any]) -> TaskDef[..., Any]:
+        if "sleep" in self.defs[i]:
+            return _SLEEP
         name = template.get("name")
         if not isinstance(name, str):
             raise _bad(f"steps[{i}].task.name", f"a step's task needs a name, not {name!r}")
@@ -421,7 +471,6 @@ class FlowSim:
                 raise InvalidInput(f"replace[{name!r}] must be a function or an @ax.task, not {stand_in!r}")
             if original is not None:
                 return TaskDef(stand_in, name, original.options)
-            from ._options import TaskOptions  # here: only a stand-in for a task of no @ax.task needs it
 
             return TaskDef(stand_in, name, TaskOptions(queue=template["queue"]))
         if original is None:
@@ -463,7 +512,7 @@ class FlowSim:
                                 "input": self.input, "parents": parents}
         if errors:
             base["errors"] = errors
-        args = step["task"].get("payload")
+        args = self._template(i).get("payload")
 
         def payload(item: tuple[int, Any] | None) -> dict[str, Any]:
             body = dict(base)
@@ -488,7 +537,7 @@ class FlowSim:
         return [payload((k, v)) for k, v in enumerate(items)]
 
     def _build(self, i: int) -> list[_Job]:
-        template = self.defs[i]["task"]
+        template = self._template(i)
         td = self.tasks[i]
         jobs: list[_Job] = []
         for k, body in enumerate(self._payloads(i)):
@@ -528,8 +577,9 @@ class FlowSim:
                 self.jobs[i] = jobs
                 self.steps[i].items = len(jobs)
                 self.progress[i] = Progress(total=len(jobs))
+                due = self._wake_ms(i, now) if "sleep" in self.defs[i] else now
                 for job in jobs:
-                    self._schedule(job, now)
+                    self._schedule(job, due)
             for i in cancel:
                 self.queued_cancelled[i] = True
                 for job in self.jobs[i]:
@@ -595,7 +645,7 @@ class FlowSim:
                 typed = [typed_output(td, j.run.outcome.output, j.run.outcome.is_json) if j.run.outcome else None
                          for j in self.jobs[i]]
                 output = typed if d.get("for_each") is not None else (typed[-1] if typed else None)
-            steps[d["name"]] = StepResult(d["name"], d["task"]["name"], rec.state, output, raw, rec.error,
+            steps[d["name"]] = StepResult(d["name"], self._template(i)["name"], rec.state, output, raw, rec.error,
                                           rec.items, rec.attempts, results)
         return FlowResult(self.definition["name"], self.run_id, state, reason, self.input, steps, self.clock)
 

@@ -141,7 +141,8 @@ class LocalAx:
             except FlowDefinitionError as e:  # a runtime refuses it when it stores it; not here
                 log.warning("ax.testing: flow %s has no definition (%s): its queues are not declared", fd.name, e)
                 continue
-            queues |= {s["task"]["queue"] for s in steps}
+            queues |= {s["task"]["queue"] for s in steps if "task" in s}  # a sleep step has none
+            queues |= {s["sleep"]["queue"] for s in steps if "queue" in s.get("sleep", {})}
         for definition in SCHEDULES.values():
             queues |= {t.get("queue", "default") for t in definition.get("tasks", [])}
         return queues

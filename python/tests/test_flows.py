@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import threading
+import time
+from datetime import datetime, timedelta
 
 import pytest
 
@@ -202,3 +204,84 @@ def test_a_singleton_flow_is_refused_while_a_run_of_its_key_runs(runtime, client
                 {"on_collision": "cancel_in_progress"}):
         with pytest.raises(ax.InvalidInput) as e:
             ax.flow(name="bad_singleton", **bad)(lambda: None)
+
+
+WOKE: list = []
+
+
+@ax.task(queue=Q)
+def ordered(order: dict) -> dict:
+    return {"order": order["id"]}
+
+
+@ax.task(queue=Q)
+def remind(order: dict, placed: dict) -> str:
+    WOKE.append(time.time() * 1000)
+    return f"reminded {placed['order']}"
+
+
+@ax.flow(name="py_sleep")
+def sleep_flow(order):
+    placed = ordered(order)
+    ax.sleep(1.5)
+    remind(order, placed)
+
+
+@ax.flow(name="py_sleep_days")
+def sleep_days_flow(order):
+    placed = ordered(order)
+    ax.sleep(timedelta(days=3))
+    remind(order, placed)
+
+
+def test_a_sleep_in_a_flow_body_holds_what_follows_until_it_ends(runtime, client):
+    steps = {s["name"]: s for s in sleep_flow.definition()["steps"]}
+    assert steps["sleep"]["needs"] == ["ordered"], "the sleep follows the steps before it"
+    assert "sleep" in steps["remind"]["needs"], "what follows the sleep waits for it"
+    runtime(ordered, remind)
+    WOKE.clear()
+    run = sleep_flow.trigger({"id": 7}, client=client)
+    until = None
+    for _ in range(200):
+        view = {s["name"]: s for s in client.flow_run(run)["steps"]}
+        if view["sleep"].get("waiting"):
+            until = view["sleep"]["waiting"]["until_ms"]
+            assert view["sleep"]["waiting"]["kind"] == "sleep"
+            assert view["remind"]["state"] == "waiting"
+            break
+        time.sleep(0.05)
+    assert until is not None, "the step was seen sleeping"
+    outputs = client.flow_result(run, timeout=30)
+    assert outputs["remind"] == "reminded 7"
+    assert outputs["sleep"] is None, "a sleep's output is None"
+    assert WOKE and WOKE[0] >= until, f"remind ran {until - WOKE[0]:.0f} ms before the sleep ended"
+
+
+def test_a_sleep_of_days_passes_on_the_fake_clock_at_once():
+    started = time.monotonic()
+    run = ax.testing.run_flow(sleep_days_flow, {"id": 1})
+    assert time.monotonic() - started < 5
+    assert run.state == "succeeded", run
+    assert run.steps["sleep"].state == "succeeded" and run.steps["sleep"].output is None
+    assert run.steps["remind"].output == "reminded 1"
+
+
+def test_a_sleep_outside_a_flow_body_or_of_no_time_is_refused(scratch_flows):
+    with pytest.raises(ax.FlowDefinitionError, match="flow body"):
+        ax.sleep(1)
+
+    @ax.flow(name="py_bad_sleep")
+    def bad(order):
+        ordered(order)
+        ax.sleep(0)
+
+    with pytest.raises(ax.FlowDefinitionError, match="over 0 s"):
+        bad.definition()
+
+    @ax.flow(name="py_naive_sleep")
+    def naive(order):
+        ordered(order)
+        ax.sleep(until=datetime(2030, 1, 1))
+
+    with pytest.raises(ax.FlowDefinitionError, match="aware"):
+        naive.definition()

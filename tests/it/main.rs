@@ -21,6 +21,7 @@ mod faults;
 mod fields;
 mod first_attempt;
 mod flow_singleton;
+mod flow_waits;
 mod flows;
 mod follow;
 mod group_commit;

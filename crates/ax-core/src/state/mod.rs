@@ -243,6 +243,31 @@ impl TaskStore {
         }
     }
 
+    /// Ends a flow's wait task (`Ax-Wait`, which no worker runs) `succeeded` if it has
+    /// not ended: compare-and-set from `scheduled`, `pending` or `retrying`, read again on a
+    /// lost race. Returns the state it ends in (a cancelled wait stays cancelled), or
+    /// `None` when there is no record.
+    pub async fn succeed_unstarted(&self, id: &str) -> Result<Option<TaskState>, StateError> {
+        loop {
+            let Some((rec, revision)) = self.get(id).await? else {
+                return Ok(None);
+            };
+            if !matches!(
+                rec.state,
+                TaskState::Scheduled | TaskState::Pending | TaskState::Retrying
+            ) {
+                return Ok(Some(rec.state));
+            }
+            let mut done = rec.transition(TaskState::Succeeded);
+            done.attempt = done.attempt.max(1);
+            match self.cas(&done, revision).await {
+                Ok(_) => return Ok(Some(TaskState::Succeeded)),
+                Err(StateError::Stale { .. }) => continue,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
     /// A live feed of every write to a flow step task's record (keys `*.fl.>`), from now
     /// on, delivered by an ordered consumer.
     pub async fn watch_flow_tasks(&self) -> Result<kv::Watch, kv::WatchError> {

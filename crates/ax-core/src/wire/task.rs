@@ -75,6 +75,34 @@ pub mod header {
     /// The tenant whose fair share the task is dispatched in (docs/PROTOCOL.md §7, "Fair
     /// shares"): its message waits in `AX_FAIR` until the fair dispatcher releases it.
     pub const FAIR_KEY: &str = "Ax-Fair-Key";
+    /// On a flow's wait task (docs/PROTOCOL.md §6, "Waits"): what it waits for (`sleep`).
+    /// No worker runs such a task: the server that dispatches it when due records it
+    /// `succeeded` instead of publishing it to its ready subject.
+    pub const WAIT: &str = "Ax-Wait";
+}
+
+/// What a flow's wait task waits for (header `Ax-Wait`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Wait {
+    /// Its due time: a durable sleep, ended by the dispatch of its delayed message.
+    Sleep,
+}
+
+impl Wait {
+    /// The header value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Wait::Sleep => "sleep",
+        }
+    }
+
+    /// The wait a header value names (`None` for none this version knows).
+    pub fn parse(value: &str) -> Option<Wait> {
+        match value {
+            "sleep" => Some(Wait::Sleep),
+            _ => None,
+        }
+    }
 }
 
 /// Where a trigger-made task came from: which trigger, why, for which scheduled time.
@@ -218,6 +246,8 @@ pub struct TaskMeta {
     pub defaulted: Defaulted,
     /// The submit stored no record: the claim creates it (header `Ax-Unrecorded`).
     pub unrecorded: bool,
+    /// A flow's wait task: what it waits for (header `Ax-Wait`; no worker runs it).
+    pub wait: Option<Wait>,
 }
 
 /// Which options of a task took the server's defaults because the producer left them
@@ -546,6 +576,7 @@ impl TaskMeta {
             lineage: None,
             defaulted,
             unrecorded: false,
+            wait: None,
         };
         Ok((meta, payload))
     }
@@ -627,6 +658,9 @@ impl TaskMeta {
         }
         if self.unrecorded {
             h.insert(header::UNRECORDED, "1");
+        }
+        if let Some(wait) = self.wait {
+            h.insert(header::WAIT, wait.as_str());
         }
         if let Some(l) = &self.lineage {
             h.insert(header::TRIGGER, l.trigger.as_str());
@@ -766,6 +800,7 @@ impl TaskMeta {
                 .get(header::DEFAULTED)
                 .map_or_else(Defaulted::default, |v| Defaulted::from_header(v.as_str())),
             unrecorded: h.get(header::UNRECORDED).is_some_and(|v| v.as_str() == "1"),
+            wait: h.get(header::WAIT).and_then(|v| Wait::parse(v.as_str())),
         })
     }
 }

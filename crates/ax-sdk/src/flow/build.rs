@@ -12,8 +12,9 @@
 //! assert!(def.validate(&Default::default()).is_ok());
 //! ```
 
-use super::def::{FailurePolicy, FlowDef, OnFailure, StepDef, TriggerRule};
+use super::def::{FailurePolicy, FlowDef, OnFailure, SleepDef, StepDef, TriggerRule, SLEEP_TASK};
 use crate::client::TaskSpec;
+use std::time::Duration;
 
 impl FlowDef {
     /// A flow with no steps yet and the default failure policy (`fail_fast`).
@@ -51,7 +52,51 @@ impl StepDef {
             trigger: TriggerRule::default(),
             on_failure: OnFailure::default(),
             task,
+            sleep: None,
         }
+    }
+
+    /// A durable sleep of `duration` from the step's start (held in `queue`'s delayed
+    /// tasks, never by a process): the step then succeeds, its output `null`.
+    pub fn sleep_for(
+        name: impl Into<String>,
+        queue: impl Into<String>,
+        duration: Duration,
+    ) -> StepDef {
+        Self::sleeping(
+            name,
+            queue,
+            SleepDef {
+                for_ms: Some(duration.as_millis().min(u128::from(u64::MAX)) as u64),
+                ..SleepDef::default()
+            },
+        )
+    }
+
+    /// A durable sleep until `until` (RFC 3339; a past time ends it at once).
+    pub fn sleep_until(
+        name: impl Into<String>,
+        queue: impl Into<String>,
+        until: impl Into<String>,
+    ) -> StepDef {
+        Self::sleeping(
+            name,
+            queue,
+            SleepDef {
+                until: Some(until.into()),
+                ..SleepDef::default()
+            },
+        )
+    }
+
+    fn sleeping(name: impl Into<String>, queue: impl Into<String>, sleep: SleepDef) -> StepDef {
+        let queue = queue.into();
+        let mut step = StepDef::new(name, queue.clone(), TaskSpec::new(SLEEP_TASK));
+        step.sleep = Some(SleepDef {
+            queue: Some(queue),
+            ..sleep
+        });
+        step
     }
 
     /// The steps this one waits for.

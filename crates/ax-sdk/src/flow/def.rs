@@ -100,8 +100,45 @@ pub struct StepDef {
     pub on_failure: OnFailure,
     /// The task it submits: a submit request with a `queue`, and without `delay_ms`,
     /// `run_at` or `idempotency_key` (the flow keys each step's tasks itself). Its
-    /// `payload`, if any, reaches the task as `args` (see `flow::input`).
+    /// `payload`, if any, reaches the task as `args` (see `flow::input`). A sleep step
+    /// gives none: [`FlowDef::decode`] fills in its wait task ([`SLEEP_TASK`]).
+    #[serde(default)]
     pub task: SubmitRequest,
+    /// A durable sleep instead of a task: the step succeeds (output `null`) once the time
+    /// it names has come.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sleep: Option<SleepDef>,
+}
+
+/// The name of a sleep step's wait task.
+pub const SLEEP_TASK: &str = "ax.sleep";
+
+/// How long a sleep step sleeps: `for_ms` from the step's start, or `until` a time.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SleepDef {
+    /// Milliseconds from the step's start (1 ..= the server's max delay, 30 days by
+    /// default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub for_ms: Option<u64>,
+    /// A time (RFC 3339); one in the past ends the sleep at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub until: Option<String>,
+    /// The queue whose delayed tasks hold the sleep's timer (no worker of it runs
+    /// anything for it); default: the queue of the flow's first step with a task.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue: Option<String>,
+}
+
+impl SleepDef {
+    /// When a sleep that started at `started_ms` ends, ms since the epoch.
+    pub fn wake_at_ms(&self, started_ms: u64) -> u64 {
+        match (&self.until, self.for_ms) {
+            (Some(until), _) => crate::time::parse_rfc3339_ms(until).unwrap_or(started_ms),
+            (None, Some(ms)) => started_ms.saturating_add(ms),
+            (None, None) => started_ms,
+        }
+    }
 }
 
 /// A flow definition. Decode with [`FlowDef::decode`], check with [`FlowDef::validate`].
@@ -132,10 +169,28 @@ fn invalid(field: String, message: impl Into<String>) -> WireError {
 }
 
 impl FlowDef {
-    /// Decodes a definition, refusing unknown fields by name.
+    /// Decodes a definition, refusing unknown fields by name; a sleep step without a task
+    /// gets its wait task ([`SLEEP_TASK`] on the sleep's queue).
     pub fn decode(value: serde_json::Value) -> Result<FlowDef, WireError> {
-        serde_json::from_value(value)
-            .map_err(|e| WireError::new(ErrorCode::BadRequest, e.to_string()))
+        let mut def: FlowDef = serde_json::from_value(value)
+            .map_err(|e| WireError::new(ErrorCode::BadRequest, e.to_string()))?;
+        let first_queue = def
+            .steps
+            .iter()
+            .find(|s| s.sleep.is_none())
+            .and_then(|s| s.task.queue.clone());
+        for step in &mut def.steps {
+            if let Some(sleep) = &step.sleep {
+                if step.task == SubmitRequest::default() {
+                    step.task = SubmitRequest {
+                        name: SLEEP_TASK.into(),
+                        queue: sleep.queue.clone().or_else(|| first_queue.clone()),
+                        ..SubmitRequest::default()
+                    };
+                }
+            }
+        }
+        Ok(def)
     }
 
     /// Checks every field and the graph; the error names the field (`steps[2].needs`) and,
@@ -201,6 +256,12 @@ impl FlowDef {
                     "one_failed needs at least one parent",
                 ));
             }
+            if let Some(sleep) = &step.sleep {
+                check_sleep(step, sleep, limits).map_err(|mut e| {
+                    e.field = Some(field(e.field.as_deref().unwrap_or("sleep")));
+                    e
+                })?;
+            }
             check_template(&step.task, limits).map_err(|mut e| {
                 e.field = Some(field(&format!("task.{}", e.field.as_deref().unwrap_or(""))));
                 e
@@ -210,6 +271,55 @@ impl FlowDef {
         let order = topological(&self.steps, &parents)?;
         Ok(Plan { parents, order })
     }
+}
+
+/// A sleep step: one of `for_ms` (within the max delay) and `until` (RFC 3339), no task
+/// of its own, no fan-out, a queue for its timer.
+fn check_sleep(
+    step: &StepDef,
+    sleep: &SleepDef,
+    limits: &crate::task::Limits,
+) -> Result<(), WireError> {
+    match (sleep.for_ms, &sleep.until) {
+        (Some(_), Some(_)) | (None, None) => {
+            return Err(WireError::field(
+                "sleep",
+                "give for_ms or until, one of them",
+            ))
+        }
+        (Some(ms), None) => {
+            let most = limits.max_delay.as_millis() as u64;
+            if ms == 0 || ms > most {
+                return Err(WireError::field(
+                    "sleep.for_ms",
+                    format!("must be 1..={most} (the server's max delay)"),
+                ));
+            }
+        }
+        (None, Some(until)) => {
+            crate::time::parse_rfc3339_ms(until)
+                .map_err(|e| WireError::field("sleep.until", e.to_string()))?;
+        }
+    }
+    if step.task.name != SLEEP_TASK {
+        return Err(WireError::field(
+            "task",
+            "a sleep step has no task (its timer is a wait task ax runs itself)",
+        ));
+    }
+    if step.for_each.is_some() {
+        return Err(WireError::field(
+            "for_each",
+            "a sleep step does not fan out",
+        ));
+    }
+    if !step.task.queue.as_deref().is_some_and(names::valid_queue) {
+        return Err(WireError::field(
+            "sleep.queue",
+            "a valid queue is required when no step of the flow has a task to take it from",
+        ));
+    }
+    Ok(())
 }
 
 /// A step's task template is checked as its submit would be.
@@ -393,5 +503,30 @@ mod tests {
         assert_eq!(def.steps[1].for_each.as_deref(), Some("a"));
         assert_eq!(def.steps[2].trigger, TriggerRule::AllDone);
         assert!(def.validate(&Limits::default()).is_ok());
+    }
+
+    #[test]
+    fn a_sleep_step_gets_its_wait_task_and_wakes_by_its_start_or_its_time() {
+        let def = FlowDef::decode(json!({"name": "f", "steps": [
+            {"name": "a", "task": {"name": "a", "queue": "media"}},
+            {"name": "z", "needs": ["a"], "sleep": {"for_ms": 500}},
+            {"name": "y", "sleep": {"until": "2030-01-01T00:00:00Z", "queue": "other"}}]}))
+        .unwrap();
+        assert!(def.validate(&Limits::default()).is_ok());
+        let (z, y) = (&def.steps[1], &def.steps[2]);
+        assert_eq!(
+            (z.task.name.as_str(), z.task.queue.as_deref()),
+            (SLEEP_TASK, Some("media"))
+        );
+        assert_eq!(y.task.queue.as_deref(), Some("other"), "its own queue wins");
+        let sleep = z.sleep.as_ref().unwrap();
+        assert_eq!(sleep.wake_at_ms(1_000), 1_500);
+        assert_eq!(
+            y.sleep.as_ref().unwrap().wake_at_ms(1_000),
+            1_893_456_000_000
+        );
+        // Stored and read back, it is the same definition (the wait task is kept).
+        let again = FlowDef::decode(serde_json::to_value(&def).unwrap()).unwrap();
+        assert_eq!(again, def);
     }
 }

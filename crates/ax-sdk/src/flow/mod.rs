@@ -10,7 +10,7 @@ mod request;
 mod rerun;
 pub mod store;
 
-pub use def::{FailurePolicy, FlowDef, Plan, StepDef, TriggerRule};
+pub use def::{FailurePolicy, FlowDef, Plan, SleepDef, StepDef, TriggerRule, SLEEP_TASK};
 pub use model::{FlowRun, RunState, StepRun, StepState};
 pub use request::{FlowName, FlowRequest, FlowRerun, FlowStart, RunFilter, RunRef};
 pub use rerun::RerunMode;

@@ -344,6 +344,13 @@ fn view(run: &FlowRun, steps: &[StepRun]) -> Value {
             if let Some(over) = &def.for_each {
                 v["for_each"] = json!(over);
             }
+            if let Some(sleep) = &def.sleep {
+                v["sleep"] = json!(sleep);
+                // Where the sleep is: `sleeping` until `wake_at_ms` while its step runs.
+                if let (StepState::Running, Some(started)) = (s.state, s.started_at_ms) {
+                    v["waiting"] = json!({"kind": "sleep", "until_ms": sleep.wake_at_ms(started)});
+                }
+            }
             if s.items.is_some() {
                 v["task_id"] = json!(super::model::step_task_id(
                     queue, &run.id, &def.name, s.epoch, 0

@@ -14,12 +14,13 @@
 //! the tasks' records (and `AX_RESULTS`); its input held, or read back from the run key.
 
 use super::actor::{Built, Run, CONCURRENCY};
-use super::def::MAX_FAN_OUT;
+use super::def::{SleepDef, MAX_FAN_OUT};
 use super::model::StepState;
 use super::shared::Shared;
 use ax_core::protocol::ErrorCode;
 use ax_core::state::ErrorInfo;
-use ax_core::task::TaskMeta;
+use ax_core::task::{TaskMeta, Wait};
+use ax_core::time::now_ms;
 use ax_sdk::output::TaskOutput;
 use futures::StreamExt;
 use serde_json::{json, Map, Value};
@@ -251,6 +252,9 @@ impl Run {
         i: usize,
         only: Option<&[u32]>,
     ) -> Result<Vec<Built>, ErrorInfo> {
+        if let Some(sleep) = &self.shape().def.steps[i].sleep {
+            return self.sleep_task(sh, i, sleep).map(|t| vec![t]);
+        }
         let payloads = self.payloads(sh, i).await?;
         let limits = &sh.ctx.limits;
         let template = &self.shape().def.steps[i].task;
@@ -279,6 +283,34 @@ impl Run {
             built.push((k, meta, body));
         }
         Ok(built)
+    }
+}
+
+impl Run {
+    /// A sleep step's wait task: due when the sleep ends (counted from the step's
+    /// recorded start, so a task submitted again is the same task), marked `Ax-Wait:
+    /// sleep` so the dispatcher records it `succeeded` instead of handing it to a worker.
+    fn sleep_task(&self, sh: &Shared, i: usize, sleep: &SleepDef) -> Result<Built, ErrorInfo> {
+        let shape = self.shape();
+        let step = &shape.def.steps[i];
+        let started = self.steps[i].record().started_at_ms.unwrap_or_else(now_ms);
+        let wake = sleep.wake_at_ms(started);
+        let mut req = step.task.clone();
+        req.payload = Some(json!({
+            "flow": shape.flow, "run": self.id.as_ref(), "step": step.name, "wake_at_ms": wake,
+        }));
+        req.business_id = self.business_id.as_deref().map(str::to_string);
+        let queue = req.queue.clone().unwrap_or_default();
+        let (mut meta, body) =
+            TaskMeta::from_request(&queue, req, &sh.ctx.limits).map_err(|e| ErrorInfo {
+                detail: None,
+                class: "invalid_step_task".into(),
+                message: e.message,
+            })?;
+        meta.run_at_ms = Some(wake);
+        meta.wait = Some(Wait::Sleep);
+        meta.id = self.task_id(i, 0);
+        Ok((0, meta, body))
     }
 }
 

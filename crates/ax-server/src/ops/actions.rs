@@ -389,6 +389,12 @@ impl Ops {
             }
             Err(e) => return Err(e),
         };
+        if headers.get(ax_core::task::header::WAIT).is_some() {
+            // A flow's wait (a sleep): run now ends it now; no worker runs it.
+            let state = self.tasks.succeed_unstarted(id).await.map_err(state_err)?;
+            self.delete(&stream, old_seq).await;
+            return Ok(json!({"id": id, "state": state}));
+        }
         let subject = names::ready_subject(&rec.queue, rec.priority);
         let ack = self.publish(subject, headers, &msg_id, payload).await?;
         let scheduled = rec.state == TaskState::Scheduled;

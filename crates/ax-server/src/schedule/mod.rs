@@ -39,6 +39,7 @@ use tracing::{debug, warn};
 mod index;
 mod outcome;
 pub(crate) mod partitions;
+mod wake;
 mod window;
 
 /// Errors of the scheduler loop.
@@ -83,6 +84,8 @@ pub(crate) struct Scheduler {
     pub(crate) totals: std::sync::Arc<Totals>,
     /// Faults a test armed (an abort between a dispatch and its delete).
     pub(crate) faults: ax_core::faults::Faults,
+    /// Task records: a flow's wait task ([`wake`]) is ended here, not by a worker.
+    pub(crate) tasks: ax_core::state::TaskStore,
 }
 
 /// Per-scheduler counts behind the process-wide gauges `ax_pending_dispatch` and
@@ -171,12 +174,18 @@ impl Scheduler {
                 let rest = due.split_off(due.len().min(BATCH));
                 let batch = std::mem::replace(&mut due, rest);
                 let (js, stream, token) = (self.js.clone(), stream.clone(), shutdown.clone());
-                let faults = self.faults.clone();
+                let (faults, tasks) = (self.faults.clone(), self.tasks.clone());
                 dispatching.spawn(async move {
                     let n = batch.len();
+                    let to = To {
+                        js: &js,
+                        stream: &stream,
+                        faults: &faults,
+                        tasks: &tasks,
+                    };
                     tokio::select! {
                         _ = token.cancelled() => (0..n).map(|_| (None, Outcome::Gone)).collect(),
-                        out = dispatch_batch(&js, &stream, batch, &faults) => out,
+                        out = dispatch_batch(&to, batch) => out,
                     }
                 });
             }
@@ -335,12 +344,7 @@ const BATCH: usize = 256;
 /// tasks due by now are read (if their bodies are not held) and published together, their
 /// publish acks awaited together, and their delayed messages deleted together. One task
 /// per batch rather than per message keeps a burst of 100,000 cheap to start.
-async fn dispatch_batch(
-    js: &jetstream::Context,
-    stream: &stream::Stream,
-    mut batch: Vec<Due>,
-    faults: &Faults,
-) -> Vec<(Option<String>, Outcome)> {
+async fn dispatch_batch(to: &To<'_>, mut batch: Vec<Due>) -> Vec<(Option<String>, Outcome)> {
     batch.sort_by_key(|d| d.due);
     let mut out = Vec::with_capacity(batch.len());
     let mut rest = batch.into_iter().peekable();
@@ -353,20 +357,26 @@ async fn dispatch_batch(
         }
         let round = ready.into_iter().map(|d| async move {
             let probe_of = d.probe_of.clone();
-            (probe_of, dispatch(js, stream, d, faults).await)
+            (probe_of, dispatch(to, d).await)
         });
         out.extend(futures::future::join_all(round).await);
     }
     out
 }
 
+/// What a dispatch works with.
+struct To<'a> {
+    js: &'a jetstream::Context,
+    stream: &'a stream::Stream,
+    faults: &'a Faults,
+    tasks: &'a ax_core::state::TaskStore,
+}
+
 /// Moves one delayed task to its ready subject (it is due).
-async fn dispatch(
-    js: &jetstream::Context,
-    stream: &stream::Stream,
-    d: Due,
-    faults: &Faults,
-) -> Outcome {
+async fn dispatch(to: &To<'_>, d: Due) -> Outcome {
+    let To {
+        js, stream, faults, ..
+    } = *to;
     let Due { due, seq, body, .. } = d;
     let (headers, payload) = match body {
         Some(body) => body,
@@ -391,6 +401,9 @@ async fn dispatch(
     };
     if debounce::is_open(&headers) {
         return window::close(js, seq, due, headers, payload, faults).await;
+    }
+    if let Some(wait) = headers.get(header::WAIT) {
+        return wake::wake(to.js, to.tasks, seq, due, wait.as_str(), &headers).await;
     }
     let (subject, id) = match TaskMeta::ready_route(&headers) {
         Ok((subject, id)) => (subject, id.to_string()),

@@ -314,6 +314,7 @@ impl Server {
             slot: 0,
             totals: Arc::new(Totals::new(names::DELAYED_PARTITIONS as usize)),
             faults: ctx.faults.clone(),
+            tasks: ctx.tasks.clone(),
         };
         let (id, ttl) = (self.id.clone(), self.partition_ttl);
         services.spawn("delayed-dispatch", move |token| {

@@ -396,13 +396,19 @@ function dag(steps) {
   const nodes = steps.map((s) => `<g class="step" data-step="${esc(s.name)}" data-state="${esc(s.state)}">
     <rect x="${pos[s.name].x}" y="${pos[s.name].y}" width="${W}" height="${H}" fill="${fill[s.state] || "#fff"}"/>
     <text x="${pos[s.name].x + 10}" y="${pos[s.name].y + 18}" font-weight="600">${esc(s.name)}</text>
-    <text x="${pos[s.name].x + 10}" y="${pos[s.name].y + 34}" fill="#475467">${esc(s.state)}${s.epoch ? ` · epoch ${s.epoch}` : ""}</text></g>`);
+    <text x="${pos[s.name].x + 10}" y="${pos[s.name].y + 34}" fill="#475467">${esc(stepState(s))}${s.epoch ? ` · epoch ${s.epoch}` : ""}</text></g>`);
   return `<svg class="dag" width="${width}" height="${height}"><defs><marker id="arrow" viewBox="0 0 10 10" refX="10" refY="5" markerWidth="6" markerHeight="6" orient="auto"><path d="M0,0L10,5L0,10z" fill="#98a2b3"/></marker></defs>${edges.join("")}${nodes.join("")}</svg>`;
+}
+
+// A step's state as shown: a running step that waits says what for and until when.
+function stepState(s) {
+  if (s.waiting && s.waiting.kind === "sleep") return `sleeping until ${new Date(s.waiting.until_ms).toISOString().replace(".000", "")}`;
+  return s.state;
 }
 
 async function run(id) {
   const r = await call("flow", "get", { run: id });
-  const rows = r.steps.map((s) => `<tr><td>${esc(s.name)}</td><td>${badge(s.state)}</td><td>${s.epoch ?? 0}</td>
+  const rows = r.steps.map((s) => `<tr><td>${esc(s.name)}</td><td>${s.waiting ? esc(stepState(s)) : badge(s.state)}</td><td>${s.epoch ?? 0}</td>
     <td>${s.task_id ? `<a class="mono" href="#/task/${encodeURIComponent(s.task_id)}">${esc(s.task_id)}</a>` : ""}</td>
     <td>${s.error ? esc(`${s.error.class}: ${s.error.message}`) : ""}</td></tr>`).join("");
   show(`<h1>Run <span class="mono">${esc(id)}</span> of ${esc(r.flow)}</h1>
