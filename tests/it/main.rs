@@ -47,6 +47,7 @@ mod submit;
 mod supervisor;
 mod support;
 mod trigger_hold;
+mod trigger_repair;
 mod triggers;
 mod typed_kv;
 mod waits;

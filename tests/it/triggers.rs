@@ -30,7 +30,7 @@ pub async fn fired(env: &Env, trigger: &str) -> Vec<TaskRecord> {
     recs
 }
 
-fn quick_worker(
+pub(crate) fn quick_worker(
     env: &Env,
     sleep: Duration,
 ) -> (

@@ -28,6 +28,9 @@ pub(super) struct Book {
     pub(super) dormant: HashMap<String, u64>,
     /// How far ahead a trigger is held whole (`None`: always).
     pub(super) hold_ms: Option<u64>,
+    /// Created task records of triggers with a fire in flight when they landed: looked at
+    /// as a previous leader's late fires once that fire's outcome is applied (by trigger).
+    landed: HashMap<String, Vec<(String, TaskRecord)>>,
 }
 
 /// What a write to a trigger task's record changed.
@@ -148,8 +151,15 @@ impl Book {
         if !rec.state.is_terminal() {
             // A task created by a fire this leader did not make (attempt 0, no fire of its
             // own in flight): a previous leader's, landed late.
-            if rec.attempt == 0 && !in_flight {
-                if let Some(t) = h.adopt(id, rec, now) {
+            if rec.attempt == 0 {
+                if in_flight {
+                    // Not decided now: the fire in flight may be the one that made it, or
+                    // not (the R3 campaign seed 4955772603497125947: a fire its leader could
+                    // not record was claimed while the next one was in flight, and never
+                    // counted). Looked at when that fire's outcome lands.
+                    let landed = self.landed.entry(name.to_string()).or_default();
+                    landed.push((id.to_string(), rec.clone()));
+                } else if let Some(t) = h.adopt(id, rec, now) {
                     return Seen::Adopted(name.to_string(), t);
                 }
             }
@@ -207,12 +217,21 @@ impl Book {
         free_slots: usize,
     ) -> Result<Vec<String>, &'static str> {
         self.in_flight.remove(&name);
+        let landed = self.landed.remove(&name).unwrap_or_default();
         let mut due = Vec::new();
         if let Some(h) = self.held.get_mut(&name) {
             let at = match apply(h, outcome, token, now) {
                 Applied::Wake(at) => at,
                 Applied::StepDown(why) => return Err(why),
             };
+            // Tasks created while the fire was in flight: a previous leader's late fires
+            // unless this one made them (then they are its tasks, and `adopt` leaves them).
+            for (id, rec) in landed {
+                if let Some(t) = h.adopt(&id, &rec, now) {
+                    tracing::warn!(trigger = %name, scheduled = t,
+                        "a previous leader's fire landed while a fire was in flight; recorded it as fired");
+                }
+            }
             match (self.rest(&name, at, now), at) {
                 (Rest::Rested, _) => {}
                 // Planned now: the plan stores its state, then it rests.
@@ -305,6 +324,7 @@ pub(super) fn apply(h: &mut Held, outcome: Outcome, token: u64, now: u64) -> App
 mod tests {
     use super::super::recover::tests::{created, held};
     use super::*;
+    use crate::trigger::plan::Source;
     use ax_core::state::TaskState;
 
     fn book() -> Book {
@@ -409,6 +429,41 @@ mod tests {
         assert_eq!(book.next_wake(), Some(1500 + RETRY_MS));
         book.take_woken(1500 + RETRY_MS, &mut woken);
         assert_eq!(woken, vec!["t".to_string()]);
+    }
+
+    /// A previous leader's fire whose task record is created (by its claim) while this
+    /// leader's next fire is in flight is counted when that fire lands, not dropped.
+    #[test]
+    fn a_late_fire_landing_while_a_fire_is_in_flight_is_counted_when_it_lands() {
+        let mut book = book();
+        {
+            let h = book.held.get_mut("t").unwrap();
+            h.state.last_scheduled_ms = Some(1000);
+            h.state.skipped = 1;
+        }
+        book.fire_started("t");
+        let late = "q.tr.t.1000.0";
+        assert_eq!(
+            book.task_record("t", late, &created(late, 1000), 1500),
+            Seen::Nothing
+        );
+        let mut state = book.held["t"].state.clone();
+        state.last_scheduled_ms = Some(2000);
+        state.record_fire(&[2000], 2001, Source::Schedule, &["q.tr.t.2000.0".into()]);
+        let landed = Outcome::Stored {
+            state,
+            revision: 2,
+            ids: vec!["q.tr.t.2000.0".into()],
+            next_wake_ms: Some(3000),
+        };
+        book.fire_done("t".into(), landed, 1, 2002, 1).unwrap();
+        let h = &book.held["t"];
+        assert_eq!(
+            (h.state.fires, h.state.skipped),
+            (2, 0),
+            "1000 and 2000 fired"
+        );
+        assert!(h.unstored, "written before the next plan");
     }
 
     #[test]
