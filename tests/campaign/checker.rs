@@ -147,7 +147,9 @@ pub fn check_tasks(
         let Some((_, last)) = history.last() else {
             continue;
         };
-        if last.state == TaskState::Succeeded {
+        // A flow's sleep is ended by the server, never by a worker: its own rule
+        // (`checker_flows::check_sleeps`) judges it.
+        if last.state == TaskState::Succeeded && last.name != ax_sdk::flow::SLEEP_TASK {
             // The token of the attempt that succeeded: the revision of its `running` write;
             // or, for a first attempt that started without one (docs/PROTOCOL.md §3), the
             // record's creation revision (its `running` write, if it lasted over a second,

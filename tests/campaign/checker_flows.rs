@@ -11,7 +11,11 @@
 //!   epoch the run made (epoch ≤ the step's last ≤ the run's re-runs), of an item the step
 //!   has, never for a step its policy ended without running (`upstream_failed`, `skipped`);
 //! - **parents first**: a step task (rule `all_success`) starts only after every parent had
-//!   all its tasks of one epoch succeed.
+//!   all its tasks of one epoch succeed (a sleep step's wait task included: its child
+//!   starts after it ended);
+//! - **a sleep ends once, never early, never on a worker**: a sleep step's wait task
+//!   (`ax.sleep`) reaches one final state once (`succeeded`, or `cancelled` by its run's
+//!   cancel), `succeeded` no earlier than its due time, and no handler ever starts it.
 
 use crate::checker::{Histories, Invocation};
 use crate::flows::RunNote;
@@ -37,7 +41,7 @@ fn expected_steps(flow: &str, succeeds: bool) -> Vec<(&'static str, &'static [St
             ("item", &[UpstreamFailed]),
             ("gather", &[UpstreamFailed]),
         ],
-        ("chain", _) => vec![("a", OK), ("b", OK), ("c", OK), ("d", OK)],
+        ("chain", _) => vec![("a", OK), ("nap", OK), ("b", OK), ("c", OK), ("d", OK)],
         // `side` ran beside the failure: finished first, or cancelled by fail_fast.
         ("ff", _) => vec![
             ("a", OK),
@@ -286,6 +290,50 @@ pub fn check_steps(
     v
 }
 
+/// Rule "a sleep ends once, never early, never on a worker"; answers the rule's
+/// violations and how many sleeps it judged.
+pub fn check_sleeps(
+    histories: &Histories,
+    journal: &HashMap<String, Vec<Invocation>>,
+) -> (Vec<String>, usize) {
+    let mut v = Vec::new();
+    let mut judged = 0;
+    for (id, history) in histories {
+        let Some((_, last)) = history.last() else {
+            continue;
+        };
+        if last.name != ax_sdk::flow::SLEEP_TASK {
+            continue;
+        }
+        judged += 1;
+        let ends: Vec<&ax_sdk::TaskRecord> = history
+            .iter()
+            .map(|(_, r)| r)
+            .filter(|r| r.state.is_terminal())
+            .collect();
+        match ends.as_slice() {
+            [] => v.push(format!("{id}: a sleep never ended (last {})", last.state)),
+            [end] => {
+                let (done, due) = (end.finished_at_ms.unwrap_or(0), end.run_at_ms.unwrap_or(0));
+                if end.state == TaskState::Succeeded && done < due {
+                    v.push(format!(
+                        "{id}: a sleep ended at {done}, {} ms before its due time",
+                        due - done
+                    ));
+                }
+                if !matches!(end.state, TaskState::Succeeded | TaskState::Cancelled) {
+                    v.push(format!("{id}: a sleep ended {}", end.state));
+                }
+            }
+            more => v.push(format!("{id}: a sleep ended {} times", more.len())),
+        }
+        if journal.get(id).is_some_and(|starts| !starts.is_empty()) {
+            v.push(format!("{id}: a worker ran a sleep's wait task"));
+        }
+    }
+    (v, judged)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -449,5 +497,64 @@ mod tests {
         journal.insert("x.fl.r1.after.0.0".to_string(), vec![start(50)]);
         let v = check_steps(&runs, &journal, &histories);
         assert_eq!(v.len(), 3, "{v:#?}");
+    }
+
+    #[test]
+    fn a_sleep_ended_twice_early_or_on_a_worker_is_reported() {
+        let rec = |state: &str, finished: Option<u64>| -> ax_sdk::TaskRecord {
+            let mut v = json!({"id": "x.fl.r1.nap.0.0", "queue": "x", "name": "ax.sleep",
+                "priority": "normal", "state": state, "attempt": 1, "max_attempts": 5,
+                "created_at_ms": 0, "updated_at_ms": 0, "run_at_ms": 1_000});
+            if let Some(at) = finished {
+                v["finished_at_ms"] = json!(at);
+            }
+            serde_json::from_value(v).unwrap()
+        };
+        let mut histories = Histories::new();
+        let id = "x.fl.r1.nap.0.0".to_string();
+        histories.insert(
+            id.clone(),
+            vec![
+                (1, rec("scheduled", None)),
+                (2, rec("succeeded", Some(1_005))),
+            ],
+        );
+        let none = HashMap::new();
+        assert_eq!(
+            check_sleeps(&histories, &none),
+            (vec![], 1),
+            "on time, once"
+        );
+        histories.insert(
+            id.clone(),
+            vec![
+                (1, rec("scheduled", None)),
+                (2, rec("succeeded", Some(990))),
+            ],
+        );
+        assert_eq!(check_sleeps(&histories, &none).0.len(), 1, "early");
+        histories.insert(
+            id.clone(),
+            vec![
+                (1, rec("succeeded", Some(1_005))),
+                (2, rec("succeeded", Some(1_010))),
+            ],
+        );
+        assert_eq!(check_sleeps(&histories, &none).0.len(), 1, "twice");
+        histories.insert(
+            id.clone(),
+            vec![
+                (1, rec("scheduled", None)),
+                (2, rec("succeeded", Some(1_005))),
+            ],
+        );
+        let mut journal = HashMap::new();
+        let start = Invocation {
+            attempt: 1,
+            start_ms: 1_001,
+            ..Default::default()
+        };
+        journal.insert(id.clone(), vec![start]);
+        assert_eq!(check_sleeps(&histories, &journal).0.len(), 1, "on a worker");
     }
 }

@@ -19,6 +19,9 @@ use std::time::{Duration, Instant};
 /// The flows: a fan-out and its gather, a chain, a failure under `fail_fast` (with a
 /// cleanup on `one_failed` and a branch beside it) and under `continue` (with an
 /// `all_done` step after it). A step named `poison` fails for good (the example handler).
+/// How long the `chain` flow's `nap` step sleeps.
+pub const NAP_MS: u64 = 700;
+
 pub fn defs() -> Vec<Value> {
     let step = |name: &str, needs: &[&str], task: &str, queue: &str| {
         json!({"name": name, "needs": needs,
@@ -34,8 +37,12 @@ pub fn defs() -> Vec<Value> {
     vec![
         json!({"name": "fan", "steps": [
             step("list", &[], "list", "xl"), item, step("gather", &["item"], "step", "x")]}),
+        // `nap` is a durable sleep (a wait task the dispatching server ends): it sleeps
+        // through the faults, its end held by the broker.
         json!({"name": "chain", "steps": [
-            step("a", &[], "step", "x"), step("b", &["a"], "step", "x"),
+            step("a", &[], "step", "x"),
+            {"name": "nap", "needs": ["a"], "sleep": {"for_ms": NAP_MS}},
+            step("b", &["nap"], "step", "x"),
             step("c", &["b"], "step", "x"), step("d", &["c"], "step", "x")]}),
         json!({"name": "ff", "failure": "fail_fast", "steps": [
             step("a", &[], "step", "x"), step("boom", &["a"], "poison", "x"),

@@ -244,6 +244,8 @@ pub async fn check_new(ax: &Client, seen: &Seen, verdict: &mut Verdict) -> Vec<S
         "flow steps",
         checker_flows::check_steps(&runs, journal, histories),
     );
+    let (v, sleeps) = checker_flows::check_sleeps(histories, journal);
+    verdict.add("flow sleeps", v);
     let ended = |s: RunState| stored.values().filter(|(r, _)| r.state == s).count();
     let reruns: usize = seen.flows.runs.iter().map(|n| n.reruns.len()).sum();
     let cancels: usize = seen.flows.runs.iter().map(|n| n.cancels.len()).sum();
@@ -303,7 +305,8 @@ pub async fn check_new(ax: &Client, seen: &Seen, verdict: &mut Verdict) -> Vec<S
     vec![
         format!(
             "flows: {} runs noted ({} seen), {} succeeded / {} failed / {} cancelled, {reruns} \
-             re-runs and {cancels} cancels acknowledged, {} starts unanswered",
+             re-runs and {cancels} cancels acknowledged, {} starts unanswered, {sleeps} sleeps \
+             judged",
             seen.flows.runs.len(),
             ids.len(),
             ended(RunState::Succeeded),
