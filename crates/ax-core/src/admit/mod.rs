@@ -81,6 +81,8 @@ const EXPECTED_EMPTY: &str = EXPECTED_LAST;
 /// JetStream's error code for a publish whose `Nats-Expected-Last-Subject-Sequence` did
 /// not hold.
 const JS_WRONG_LAST_SEQUENCE: u64 = 10071;
+/// "wrong last sequence" of a replicated stream with a write to the subject in flight.
+const JS_WRONG_LAST_SEQUENCE_IN_FLIGHT: u64 = 10164;
 
 /// True if a create-if-absent publish found its subject holding a message already: for a
 /// task's own delayed subject, the task was stored (by an earlier publish of the same
@@ -178,16 +180,29 @@ pub fn refusal(subject: &str, e: &PublishError) -> WireError {
     }
 }
 
+/// What a [`publish_expecting`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Expected {
+    /// Stored under this stream sequence.
+    Stored(u64),
+    /// The subject's last message is not the one expected (JetStream 10071): it moved on.
+    MovedOn,
+    /// A replicated stream had another write to the subject in flight (JetStream 10164,
+    /// no sequence given): that write may yet land or fail, so the subject has not surely
+    /// moved on. A writer that appends reads again and retries; a close retries later.
+    InFlight,
+}
+
 /// Publishes `headers` and `payload` to `subject` of `AX_DELAYED` only if the subject's
-/// last message has sequence `expect` (0: none): the stored sequence, `Ok(None)` if the
-/// subject moved on (JetStream 10071), or the refusal.
+/// last message has sequence `expect` (0: none): what it found ([`Expected`]), or the
+/// refusal.
 pub async fn publish_expecting(
     js: &jetstream::Context,
     subject: String,
     mut headers: async_nats::HeaderMap,
     expect: u64,
     payload: Bytes,
-) -> Result<Option<u64>, WireError> {
+) -> Result<Expected, WireError> {
     headers = crate::atomic::without_publish_headers(headers);
     headers.insert(EXPECTED_LAST, expect.to_string().as_str());
     let publish = jetstream::message::PublishMessage::build()
@@ -195,10 +210,20 @@ pub async fn publish_expecting(
         .payload(payload);
     let ack = send(js, &subject, publish).await;
     match ack {
-        Ok(ack) => Ok(Some(ack.sequence)),
-        Err(e) if is_stored_already(&e) => Ok(None),
+        Ok(ack) => Ok(Expected::Stored(ack.sequence)),
+        Err(e) if is_stored_already(&e) => Ok(Expected::MovedOn),
+        Err(e) if js_error_code(&e) == Some(JS_WRONG_LAST_SEQUENCE_IN_FLIGHT) => {
+            Ok(Expected::InFlight)
+        }
         Err(e) => Err(refusal(&subject, &e)),
     }
+}
+
+/// The JetStream error code of a refused publish, if it carries one.
+fn js_error_code(err: &PublishError) -> Option<u64> {
+    std::error::Error::source(err)
+        .and_then(|s| s.downcast_ref::<jetstream::Error>())
+        .map(|e| e.error_code().0)
 }
 
 /// Deletes message `seq` of `stream` without the secure erase (overwriting the stored

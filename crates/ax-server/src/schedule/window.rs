@@ -3,9 +3,10 @@
 
 use super::outcome::Outcome;
 use async_nats::jetstream::{self, stream};
-use ax_core::admit::{delete_delayed, publish_expecting};
+use ax_core::admit::{delete_delayed, publish_expecting, Expected};
 use ax_core::debounce;
 use ax_core::faults::Faults;
+use ax_core::protocol::WireError;
 use ax_core::task::header;
 use ax_core::time::now_ms;
 use tracing::{debug, warn};
@@ -69,11 +70,19 @@ pub(super) async fn close(
     };
     headers.insert(debounce::FIRED, "1");
     headers.insert(header::RUN_AT_MS, now_ms().to_string().as_str());
-    match publish_expecting(js, subject, headers, seq, payload).await {
+    let closed = match publish_expecting(js, subject, headers, seq, payload).await {
+        // Another write to the window in flight (a submit joining it, on a replicated
+        // stream): it may yet fail, and the window must not be dropped for it. Retried.
+        Ok(Expected::InFlight) => Err(WireError::unavailable("a write to the window in flight")),
+        closed => closed,
+    };
+    match closed {
         Ok(closed) => {
             match closed {
-                Some(_) => faults.pass(ax_core::faults::Abort::AfterClose),
-                None => debug!(seq, "debounce window replaced by a later submit; dropped"),
+                Expected::Stored(_) => faults.pass(ax_core::faults::Abort::AfterClose),
+                Expected::MovedOn | Expected::InFlight => {
+                    debug!(seq, "debounce window replaced by a later submit; dropped")
+                }
             }
             let deleted = if faults.window_delete_lost() {
                 Err("lost (injected fault)".to_string())

@@ -16,7 +16,7 @@ use super::lanes::{Last, Waiting};
 use crate::context::Context;
 use async_nats::jetstream::stream::DirectGetErrorKind;
 use async_nats::HeaderMap;
-use ax_core::admit::{delete_delayed, publish_expecting};
+use ax_core::admit::{delete_delayed, publish_expecting, Expected};
 use ax_core::batching::{self, Batching};
 use ax_core::debounce;
 use ax_core::names::DELAYED_STREAM;
@@ -164,7 +164,7 @@ impl Context {
                 let (headers, list) = (f.headers.clone(), f.list.clone());
                 match publish_expecting(&self.js, subject.to_string(), headers, expect, list).await
                 {
-                    Ok(Some(seq)) => {
+                    Ok(Expected::Stored(seq)) => {
                         replaced.extend(f.replaces);
                         *known = Some(Last {
                             seq,
@@ -180,8 +180,9 @@ impl Context {
                         }
                         expect = seq;
                     }
-                    Ok(None) => {
-                        // Another writer went first: its items again, from a fresh read.
+                    Ok(Expected::MovedOn | Expected::InFlight) => {
+                        // Another writer went first (or its write is in flight): its items
+                        // again, from a fresh read.
                         *known = None;
                         for w in f.items.into_iter().rev() {
                             items.push_front(w);

@@ -6,7 +6,7 @@
 use crate::context::Context;
 use async_nats::jetstream::stream::DirectGetErrorKind;
 use async_nats::HeaderMap;
-use ax_core::admit::{delete_delayed, publish_expecting};
+use ax_core::admit::{delete_delayed, publish_expecting, Expected};
 use ax_core::debounce::{self, Debounce, Keep};
 use ax_core::names::DELAYED_STREAM;
 use ax_core::protocol::{ErrorCode, SubmitAccepted, WireError};
@@ -77,7 +77,7 @@ impl Context {
             };
             let expect = last.as_ref().map_or(0, |m| m.sequence);
             match publish_expecting(&self.js, subject.clone(), headers, expect, body).await? {
-                Some(_) => {
+                Expected::Stored(_) => {
                     if let Some(old) = replaces {
                         // A message left behind is dropped by the dispatcher when due (its
                         // close expects its sequence, which is no longer the last).
@@ -92,10 +92,11 @@ impl Context {
                         state: TaskState::Scheduled,
                     });
                 }
-                // Another writer of the key went first, or the replica read lags the
-                // leader: read again (after a pause once it keeps happening).
-                None if tries < 4 => continue,
-                None => {
+                // Another writer of the key went first (or has a write in flight), or the
+                // replica read lags the leader: read again (after a pause once it keeps
+                // happening).
+                Expected::MovedOn | Expected::InFlight if tries < 4 => continue,
+                Expected::MovedOn | Expected::InFlight => {
                     tokio::time::sleep(std::time::Duration::from_millis(5 * tries as u64)).await
                 }
             }
