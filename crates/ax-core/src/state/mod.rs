@@ -219,28 +219,16 @@ impl TaskStore {
         id: &str,
         reason: &str,
     ) -> Result<Option<TaskState>, StateError> {
-        loop {
-            let Some((rec, revision)) = self.get(id).await? else {
-                return Ok(None);
-            };
-            if !matches!(
-                rec.state,
-                TaskState::Scheduled | TaskState::Pending | TaskState::Retrying
-            ) {
-                return Ok(Some(rec.state));
-            }
+        self.end_unstarted(id, |rec| {
             let mut cancelled = rec.transition(TaskState::Cancelled);
             cancelled.last_error = Some(ErrorInfo {
                 detail: None,
                 class: "cancelled".into(),
                 message: reason.to_string(),
             });
-            match self.cas(&cancelled, revision).await {
-                Ok(_) => return Ok(Some(TaskState::Cancelled)),
-                Err(StateError::Stale { .. }) => continue,
-                Err(e) => return Err(e),
-            }
-        }
+            cancelled
+        })
+        .await
     }
 
     /// Ends a flow's wait task (`Ax-Wait`, which no worker runs) `succeeded` if it has
@@ -248,6 +236,22 @@ impl TaskStore {
     /// lost race. Returns the state it ends in (a cancelled wait stays cancelled), or
     /// `None` when there is no record.
     pub async fn succeed_unstarted(&self, id: &str) -> Result<Option<TaskState>, StateError> {
+        self.end_unstarted(id, |rec| {
+            let mut done = rec.transition(TaskState::Succeeded);
+            done.attempt = done.attempt.max(1);
+            done
+        })
+        .await
+    }
+
+    /// Moves task `id` from `scheduled`, `pending` or `retrying` to the record `end`
+    /// makes of it, by compare-and-set, read again on a lost race; the state it ends in
+    /// (others are left as they are), or `None` when there is no record.
+    async fn end_unstarted(
+        &self,
+        id: &str,
+        end: impl Fn(TaskRecord) -> TaskRecord,
+    ) -> Result<Option<TaskState>, StateError> {
         loop {
             let Some((rec, revision)) = self.get(id).await? else {
                 return Ok(None);
@@ -258,10 +262,10 @@ impl TaskStore {
             ) {
                 return Ok(Some(rec.state));
             }
-            let mut done = rec.transition(TaskState::Succeeded);
-            done.attempt = done.attempt.max(1);
-            match self.cas(&done, revision).await {
-                Ok(_) => return Ok(Some(TaskState::Succeeded)),
+            let ended = end(rec);
+            let state = ended.state;
+            match self.cas(&ended, revision).await {
+                Ok(_) => return Ok(Some(state)),
                 Err(StateError::Stale { .. }) => continue,
                 Err(e) => return Err(e),
             }
