@@ -1,7 +1,8 @@
 //! Flow overhead and many runs at once: a linear flow of
 //! AX_BENCH_FLOW_STEPS (default 1,000) steps, a fan-out of AX_BENCH_FANOUT (default
 //! 10,000) tasks gathered by one step against the same tasks submitted without a flow,
-//! and AX_BENCH_FLOW_RUNS (default 20,000) concurrent runs of a 4-step diamond.
+//! and AX_BENCH_FLOW_RUNS (default 20,000) concurrent runs of a 4-step diamond; part
+//! `sleep`: AX_BENCH_SLEEP_RUNS (default 20,000) runs sleeping AX_BENCH_SLEEP_MS (60,000).
 //!
 //! Run: `./dev bench flows` (all three), or name the parts: `./dev bench flows many`,
 //! `./dev bench flows linear fan` (or `AX_BENCH_FLOW_PARTS=many`). Edge overhead is read
@@ -12,6 +13,8 @@
 //! p99 ≤ 10 ms and ≤ 2 KiB of the leader's memory per waiting run).
 
 mod common;
+#[path = "flows_parts/sleep.rs"]
+mod sleep;
 
 use ax_sdk::flow::{FlowDef, RunState, StepDef};
 use ax_sdk::worker::{Task, Worker};
@@ -39,6 +42,9 @@ fn main() {
         // First, so that the process's peak RSS (VmHWM) is this part's.
         if parts.iter().any(|p| p == "many") {
             many(runs, &warns).await;
+        }
+        if parts.iter().any(|p| p == "sleep") {
+            sleep::sleeping(env_or("AX_BENCH_SLEEP_RUNS", 20_000)).await;
         }
         if !parts.iter().any(|p| p == "linear" || p == "fan") {
             return;
@@ -182,9 +188,9 @@ async fn fan_out(ax: &Client, ran: &AtomicUsize, fan: usize) {
 }
 
 /// The parts to run: the bench's arguments (cargo's own `--bench` left out), else
-/// `AX_BENCH_FLOW_PARTS` (comma-separated), else all of `many`, `linear`, `fan`.
+/// `AX_BENCH_FLOW_PARTS` (comma-separated), else all of `many`, `linear`, `fan`, `sleep`.
 fn parts() -> Vec<String> {
-    let known = ["many", "linear", "fan"];
+    let known = ["many", "linear", "fan", "sleep"];
     let mut parts: Vec<String> = std::env::args()
         .skip(1)
         .filter(|a| !a.starts_with('-'))
