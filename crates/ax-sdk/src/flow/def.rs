@@ -130,17 +130,6 @@ pub struct SleepDef {
     pub queue: Option<String>,
 }
 
-impl SleepDef {
-    /// When a sleep that started at `started_ms` ends, ms since the epoch.
-    pub fn wake_at_ms(&self, started_ms: u64) -> u64 {
-        match (&self.until, self.for_ms) {
-            (Some(until), _) => crate::time::parse_rfc3339_ms(until).unwrap_or(started_ms),
-            (None, Some(ms)) => started_ms.saturating_add(ms),
-            (None, None) => started_ms,
-        }
-    }
-}
-
 /// A flow definition. Decode with [`FlowDef::decode`], check with [`FlowDef::validate`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -506,7 +495,7 @@ mod tests {
     }
 
     #[test]
-    fn a_sleep_step_gets_its_wait_task_and_wakes_by_its_start_or_its_time() {
+    fn a_sleep_step_gets_its_wait_task() {
         let def = FlowDef::decode(json!({"name": "f", "steps": [
             {"name": "a", "task": {"name": "a", "queue": "media"}},
             {"name": "z", "needs": ["a"], "sleep": {"for_ms": 500}},
@@ -519,12 +508,6 @@ mod tests {
             (SLEEP_TASK, Some("media"))
         );
         assert_eq!(y.task.queue.as_deref(), Some("other"), "its own queue wins");
-        let sleep = z.sleep.as_ref().unwrap();
-        assert_eq!(sleep.wake_at_ms(1_000), 1_500);
-        assert_eq!(
-            y.sleep.as_ref().unwrap().wake_at_ms(1_000),
-            1_893_456_000_000
-        );
         // Stored and read back, it is the same definition (the wait task is kept).
         let again = FlowDef::decode(serde_json::to_value(&def).unwrap()).unwrap();
         assert_eq!(again, def);

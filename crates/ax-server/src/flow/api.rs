@@ -348,7 +348,8 @@ fn view(run: &FlowRun, steps: &[StepRun]) -> Value {
                 v["sleep"] = json!(sleep);
                 // Where the sleep is: `sleeping` until `wake_at_ms` while its step runs.
                 if let (StepState::Running, Some(started)) = (s.state, s.started_at_ms) {
-                    v["waiting"] = json!({"kind": "sleep", "until_ms": sleep.wake_at_ms(started)});
+                    let until = super::input::wake_at_ms(sleep, started);
+                    v["waiting"] = json!({"kind": "sleep", "until_ms": until});
                 }
             }
             if s.items.is_some() {

@@ -286,6 +286,16 @@ impl Run {
     }
 }
 
+/// When a sleep that started at `started_ms` ends, ms since the epoch (`until`, or
+/// `for_ms` after the start).
+pub(crate) fn wake_at_ms(sleep: &SleepDef, started_ms: u64) -> u64 {
+    match (&sleep.until, sleep.for_ms) {
+        (Some(until), _) => ax_core::time::parse_rfc3339_ms(until).unwrap_or(started_ms),
+        (None, Some(ms)) => started_ms.saturating_add(ms),
+        (None, None) => started_ms,
+    }
+}
+
 impl Run {
     /// A sleep step's wait task: due when the sleep ends (counted from the step's
     /// recorded start, so a task submitted again is the same task), marked `Ax-Wait:
@@ -294,7 +304,7 @@ impl Run {
         let shape = self.shape();
         let step = &shape.def.steps[i];
         let started = self.steps[i].record().started_at_ms.unwrap_or_else(now_ms);
-        let wake = sleep.wake_at_ms(started);
+        let wake = wake_at_ms(sleep, started);
         let mut req = step.task.clone();
         req.payload = Some(json!({
             "flow": shape.flow, "run": self.id.as_ref(), "step": step.name, "wake_at_ms": wake,
@@ -328,6 +338,20 @@ fn kind(v: &Value) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_sleep_wakes_by_its_start_or_its_time() {
+        let for_ms = SleepDef {
+            for_ms: Some(500),
+            ..SleepDef::default()
+        };
+        assert_eq!(wake_at_ms(&for_ms, 1_000), 1_500);
+        let until = SleepDef {
+            until: Some("2030-01-01T00:00:00Z".into()),
+            ..SleepDef::default()
+        };
+        assert_eq!(wake_at_ms(&until, 1_000), 1_893_456_000_000);
+    }
 
     #[test]
     fn a_payload_names_parents_errors_and_items() {
