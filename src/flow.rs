@@ -107,7 +107,7 @@ pub(crate) enum Mode {
 }
 
 /// JSON given inline, as `@FILE`, or as `-` (standard input).
-fn json_arg(text: &str) -> Result<Value> {
+pub(crate) fn json_arg(text: &str) -> Result<Value> {
     let (source, body) = if text == "-" {
         let mut body = String::new();
         std::io::Read::read_to_string(&mut std::io::stdin(), &mut body)
@@ -118,7 +118,7 @@ fn json_arg(text: &str) -> Result<Value> {
         (path.to_string(), body)
     } else {
         return serde_json::from_str(text)
-            .with_context(|| format!("--input {text:?} is not JSON (give JSON text, @FILE or -)"));
+            .with_context(|| format!("{text:?} is not JSON (give JSON text, @FILE or -)"));
     };
     serde_json::from_str(&body).with_context(|| format!("{source} does not hold JSON"))
 }
@@ -135,7 +135,7 @@ fn colour(state: &str) -> &'static str {
         "failed" => "salmon",
         "upstream_failed" => "orange",
         "running" => "lightblue",
-        "sleeping" => "lavender",
+        "sleeping" | "waiting for event" => "lavender",
         "cancelled" | "skipped" => "lightgrey",
         _ => "white",
     }
@@ -171,12 +171,21 @@ fn print_run(run: &Value) {
             })
             .unwrap_or_default();
         // A step that waits shows what for, in place of its state.
-        let (state, error) = match s["waiting"]["until_ms"].as_u64() {
-            Some(until) => (
+        let waiting = &s["waiting"];
+        let (state, error) = match (waiting["kind"].as_str(), waiting["until_ms"].as_u64()) {
+            (Some("event"), Some(until)) => (
+                "waiting",
+                format!(
+                    "for event {} until {}",
+                    waiting["event"].as_str().unwrap_or("?"),
+                    ax_core::time::format_rfc3339_ms(until)
+                ),
+            ),
+            (_, Some(until)) => (
                 "sleeping",
                 format!("until {}", ax_core::time::format_rfc3339_ms(until)),
             ),
-            None => (s["state"].as_str().unwrap_or("?"), error),
+            (_, None) => (s["state"].as_str().unwrap_or("?"), error),
         };
         println!(
             "{:<20} {:<16} {:>5} {:>6} {:>8} {:<12} {:<12} {}",
@@ -199,6 +208,7 @@ fn print_dot(run: &Value) {
         let name = s["name"].as_str().unwrap_or("?");
         let state = match s["waiting"]["kind"].as_str() {
             Some("sleep") => "sleeping",
+            Some("event") => "waiting for event",
             _ => s["state"].as_str().unwrap_or("waiting"),
         };
         println!(

@@ -5,6 +5,7 @@
 mod apply_limits;
 mod conn;
 mod demo;
+mod event;
 mod exporter;
 mod fair;
 mod flow;
@@ -87,6 +88,11 @@ enum Command {
     Flow {
         #[command(subcommand)]
         command: flow::FlowCommand,
+    },
+    /// Events that flows wait for (publish).
+    Event {
+        #[command(subcommand)]
+        command: event::EventCommand,
     },
     /// Manage triggers (cron, interval, once, event).
     Trigger {
@@ -229,6 +235,7 @@ async fn run(cli: Cli) -> Result<()> {
         Command::Streams { command } => streams::run(command, conn).await,
         Command::Trigger { command } => trigger::run(command, conn).await,
         Command::Flow { command } => flow::run(command, conn, cli.output).await,
+        Command::Event { command } => event::run(command, conn).await,
         Command::Limits { command } => limits::run(command, conn, cli.output).await,
         Command::Apply { file, no_prune } => apply(&file, no_prune, conn).await,
         Command::Demo(args) => demo::run(args, conn).await,

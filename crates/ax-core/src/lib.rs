@@ -14,6 +14,7 @@
 //! | | [`state`] | task records in the `AX_TASKS` KV bucket ([`unclaimed`]: a task with no record yet) |
 //! | | [`results`] | outputs too large for their record, in `AX_RESULTS` |
 //! | | [`idempotency`] | idempotency keys in `AX_IDEMPOTENCY` |
+//! | | [`waits`] | the flows' pending waits for events, in `AX_WAITS` |
 //! | | [`typed_kv`], [`kv_read`], [`key_wait`], [`atomic`] | JSON in KV by create or compare-and-set; reads from the stream leader; waiting for a key; atomic batch publish (ADR-50) and group commit |
 //! | process | [`supervisor`], [`follow`], [`retry`], [`faults`] | named services restarted with backoff; following a stream across broker restarts; retrying a broker call; faults a test arms on a value |
 //! | | [`metrics`] | Prometheus metric names (the process installs the exporter) |
@@ -34,6 +35,7 @@ pub mod state;
 pub mod supervisor;
 pub mod typed_kv;
 pub mod unclaimed;
+pub mod waits;
 pub mod wire;
 
-pub use wire::{backoff, batching, debounce, error, names, protocol, singleton, task, time};
+pub use wire::{backoff, batching, debounce, error, event, names, protocol, singleton, task, time};

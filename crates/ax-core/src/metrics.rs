@@ -79,6 +79,14 @@ pub const INDEX_UNREADABLE: &str = "ax_index_unreadable_records_total";
 /// Gauge, worker `{queue, task}`: failed attempts in a row per task name in one worker
 /// process, reset by a success.
 pub const CONSECUTIVE_FAILURES: &str = "ax_task_consecutive_failures";
+/// Gauge, server (the event matcher's leader): flows' waits for events pending.
+pub const EVENT_WAITS_PENDING: &str = "ax_event_waits_pending";
+/// Counter, server (the event matcher's leader): waits for events it ended, or found
+/// ended, `succeeded` when their event came.
+pub const EVENT_WAITS_MET: &str = "ax_event_waits_met_total";
+/// Counter, server (the event matcher's leader): events let go before their lookback
+/// window ended, for want of memory (64 MiB of events are held).
+pub const EVENTS_DROPPED_EARLY: &str = "ax_events_dropped_early_total";
 /// Gauge, server (the flow engine's leader): runs it is driving now.
 pub const FLOW_RUNS_ACTIVE: &str = "ax_flow_runs_active";
 /// Histogram, server (the flow engine's leader) `{flow}`: seconds from the last parent
@@ -193,6 +201,18 @@ pub fn describe() {
         "Delayed tasks in this server's timer index"
     );
     describe_histogram!(DISPATCH_LAG, Unit::Seconds, "Due time to ready publish");
+    describe_gauge!(
+        EVENT_WAITS_PENDING,
+        "Flows' waits for events pending (the event matcher's leader)"
+    );
+    describe_counter!(
+        EVENT_WAITS_MET,
+        "Waits for events ended by a matching event"
+    );
+    describe_counter!(
+        EVENTS_DROPPED_EARLY,
+        "Events let go before their lookback window ended, for want of memory"
+    );
     describe_counter!(SUCCEEDED, "Attempts that succeeded");
     describe_counter!(FAILED, "Attempts that failed");
     describe_counter!(RETRIED, "Failed attempts scheduled for retry");

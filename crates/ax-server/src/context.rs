@@ -29,6 +29,8 @@ pub(crate) struct Context {
     pub(crate) lanes: crate::submit::lanes::Lanes,
     /// The rate limits whose excess a submit drops (`limits::drops`).
     pub(crate) drops: crate::limits::drops::Drops,
+    /// The flows' pending waits for events (a wait's submit registers it first).
+    pub(crate) waits: ax_core::waits::Waits,
 }
 
 impl Context {
@@ -59,6 +61,7 @@ impl Context {
             .then(|| ax_core::admit::Groups::start(&js, group_commit, &faults));
         Ok(Context {
             ready,
+            waits: ax_core::waits::Waits::new(js.clone()),
             js,
             tasks,
             idempotency,

@@ -17,6 +17,7 @@
 //! | [`server`] | `ax server`: admission, dispatch and the services below |
 //! | [`trigger`] | cron / interval / once / event triggers, their engine and API |
 //! | [`flow`] | the flow engine (one leader), its API and re-runs |
+//! | `event_wait` | the event matcher (one leader): ends the flows' waits for events |
 //! | [`limits`] | the limits API |
 //! | [`ops`] | the task index, operations, alerts |
 //! | [`console`] | the web console |
@@ -24,6 +25,7 @@
 
 pub mod console;
 mod context;
+mod event_wait;
 mod fair;
 pub mod flow;
 mod intake;

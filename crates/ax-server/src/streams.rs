@@ -17,7 +17,7 @@ use serde_json::Value;
 use std::time::Duration;
 
 /// The stream definitions, by file name.
-pub const STREAM_FILES: [(&str, &str); 19] = [
+pub const STREAM_FILES: [(&str, &str); 21] = [
     (
         "AX_READY_HIGH.json",
         include_str!("../../../streams/AX_READY_HIGH.json"),
@@ -89,6 +89,14 @@ pub const STREAM_FILES: [(&str, &str); 19] = [
     (
         "KV_AX_ALERTS.json",
         include_str!("../../../streams/KV_AX_ALERTS.json"),
+    ),
+    (
+        "KV_AX_WAITS.json",
+        include_str!("../../../streams/KV_AX_WAITS.json"),
+    ),
+    (
+        "AX_EVENTS.json",
+        include_str!("../../../streams/AX_EVENTS.json"),
     ),
     (
         "AX_TASK_EVENTS.json",

@@ -231,15 +231,37 @@ impl TaskStore {
         .await
     }
 
-    /// Ends a flow's wait task (`Ax-Wait`, which no worker runs) `succeeded` if it has
-    /// not ended: compare-and-set from `scheduled`, `pending` or `retrying`, read again on a
-    /// lost race. Returns the state it ends in (a cancelled wait stays cancelled), or
-    /// `None` when there is no record.
-    pub async fn succeed_unstarted(&self, id: &str) -> Result<Option<TaskState>, StateError> {
+    /// Ends a flow's wait task (`Ax-Wait`, which no worker runs) `succeeded` with
+    /// `output` (an event's payload; `None` for a sleep) if it has not ended:
+    /// compare-and-set from `scheduled`, `pending` or `retrying`, read again on a lost
+    /// race. Returns the state it ends in (a cancelled wait stays cancelled), or `None`
+    /// when there is no record.
+    pub async fn succeed_unstarted(
+        &self,
+        id: &str,
+        output: Option<crate::wire::output::StoredOutput>,
+    ) -> Result<Option<TaskState>, StateError> {
         self.end_unstarted(id, |rec| {
             let mut done = rec.transition(TaskState::Succeeded);
             done.attempt = done.attempt.max(1);
+            done.output = output.clone();
             done
+        })
+        .await
+    }
+
+    /// Ends a flow's wait task `dead` with `error` (a wait for an event that timed out) if
+    /// it has not ended, as [`TaskStore::succeed_unstarted`] does.
+    pub async fn fail_unstarted(
+        &self,
+        id: &str,
+        error: ErrorInfo,
+    ) -> Result<Option<TaskState>, StateError> {
+        self.end_unstarted(id, |rec| {
+            let mut dead = rec.transition(TaskState::Dead);
+            dead.attempt = dead.attempt.max(1);
+            dead.last_error = Some(error.clone());
+            dead
         })
         .await
     }

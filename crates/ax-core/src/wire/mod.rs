@@ -7,6 +7,7 @@ pub mod backoff;
 pub mod batching;
 pub mod debounce;
 pub mod error;
+pub mod event;
 pub mod fair;
 pub mod names;
 pub mod output;

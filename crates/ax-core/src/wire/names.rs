@@ -60,6 +60,26 @@ pub const ALERTS_BUCKET: &str = "AX_ALERTS";
 /// Stream keeping every task-state change (sourced from `KV_AX_TASKS`) for the retention
 /// period: the task-event history.
 pub const EVENTS_STREAM: &str = "AX_TASK_EVENTS";
+/// Stream of events that flows wait for (docs/PROTOCOL.md §6, "Events"): subjects
+/// `ax.events.<name>`, published by anyone; kept a week for the waits' lookback.
+pub const EVENT_STREAM: &str = "AX_EVENTS";
+/// Subject prefix of events: `ax.events.<name>` (`<name>`: 1..=8 dot-separated tokens).
+pub const EVENT_PREFIX: &str = "ax.events.";
+/// KV bucket of the flows' pending event waits: key = the wait task's id, value an
+/// [`crate::event::WaitRegistration`].
+pub const WAITS_BUCKET: &str = "AX_WAITS";
+
+/// The subject of event `name`: `ax.events.<name>`.
+pub fn event_subject(name: &str) -> String {
+    format!("{EVENT_PREFIX}{name}")
+}
+
+/// Checks an event name: 1..=8 dot-separated tokens of `A-Z a-z 0-9 _ -`, 200 bytes at
+/// most (`order.paid`).
+pub fn valid_event_name(name: &str) -> bool {
+    name.len() <= 200 && name.split('.').count() <= 8 && name.split('.').all(|t| valid_token(t, 64))
+}
+
 /// Subject prefix of the task operations API: `ax.task.<op>` (docs/PROTOCOL.md §8: get,
 /// list, events, payload, cancel, retry, replay, cancel_many, run_now, pause, resume,
 /// queues, series, purge).

@@ -75,7 +75,8 @@ pub mod header {
     /// The tenant whose fair share the task is dispatched in (docs/PROTOCOL.md §7, "Fair
     /// shares"): its message waits in `AX_FAIR` until the fair dispatcher releases it.
     pub const FAIR_KEY: &str = "Ax-Fair-Key";
-    /// On a flow's wait task (docs/PROTOCOL.md §6, "Waits"): what it waits for (`sleep`).
+    /// On a flow's wait task (docs/PROTOCOL.md §6, "Waits"): what it waits for (`sleep`,
+    /// `event`, `event-or-null`).
     /// No worker runs such a task: the server that dispatches it when due records it
     /// `succeeded` instead of publishing it to its ready subject.
     pub const WAIT: &str = "Ax-Wait";
@@ -86,20 +87,29 @@ pub mod header {
 pub enum Wait {
     /// Its due time: a durable sleep, ended by the dispatch of its delayed message.
     Sleep,
+    /// An event (`AX_WAITS` holds what it matches); its due time is its timeout, which
+    /// ends it as the policy says.
+    Event(crate::wire::event::OnTimeout),
 }
 
 impl Wait {
-    /// The header value.
+    /// The header value: `sleep`, `event` (fails on timeout) or `event-or-null`.
     pub fn as_str(self) -> &'static str {
+        use crate::wire::event::OnTimeout;
         match self {
             Wait::Sleep => "sleep",
+            Wait::Event(OnTimeout::Fail) => "event",
+            Wait::Event(OnTimeout::Continue) => "event-or-null",
         }
     }
 
     /// The wait a header value names (`None` for none this version knows).
     pub fn parse(value: &str) -> Option<Wait> {
+        use crate::wire::event::OnTimeout;
         match value {
             "sleep" => Some(Wait::Sleep),
+            "event" => Some(Wait::Event(OnTimeout::Fail)),
+            "event-or-null" => Some(Wait::Event(OnTimeout::Continue)),
             _ => None,
         }
     }

@@ -12,7 +12,10 @@
 //! assert!(def.validate(&Default::default()).is_ok());
 //! ```
 
-use super::def::{FailurePolicy, FlowDef, OnFailure, SleepDef, StepDef, TriggerRule, SLEEP_TASK};
+use super::def::{
+    FailurePolicy, FlowDef, OnFailure, SleepDef, StepDef, TriggerRule, WaitForEventDef, SLEEP_TASK,
+    WAIT_FOR_EVENT_TASK,
+};
 use crate::client::TaskSpec;
 use std::time::Duration;
 
@@ -53,7 +56,25 @@ impl StepDef {
             on_failure: OnFailure::default(),
             task,
             sleep: None,
+            wait_for_event: None,
         }
+    }
+
+    /// A wait for an event (held in `queue`'s delayed tasks until its timeout, never by
+    /// a process): the step succeeds with the first matching event's payload, or times
+    /// out as `wait.on_timeout` says. `wait.queue` is set to `queue`.
+    pub fn wait_for_event(
+        name: impl Into<String>,
+        queue: impl Into<String>,
+        wait: WaitForEventDef,
+    ) -> StepDef {
+        let queue = queue.into();
+        let mut step = StepDef::new(name, queue.clone(), TaskSpec::new(WAIT_FOR_EVENT_TASK));
+        step.wait_for_event = Some(WaitForEventDef {
+            queue: Some(queue),
+            ..wait
+        });
+        step
     }
 
     /// A durable sleep of `duration` from the step's start (held in `queue`'s delayed

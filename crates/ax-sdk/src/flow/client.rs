@@ -33,6 +33,52 @@ impl Client {
         .await
     }
 
+    /// Publishes event `name` (`ax.events.<name>`, stored in `AX_EVENTS`) with `payload`;
+    /// the flows' waits for it whose `match` it meets end with it as their output. With
+    /// `id`, a publish retried within two minutes is the same event (`Nats-Msg-Id`).
+    /// Returns its `AX_EVENTS` sequence. Refused: a bad name (`invalid_field`), a payload
+    /// over 512 KiB (`payload_too_large`); no stream or no broker: `unavailable`.
+    pub async fn publish_event(
+        &self,
+        name: &str,
+        payload: &Value,
+        id: Option<&str>,
+    ) -> Result<u64, ClientError> {
+        use crate::protocol::{ErrorCode, WireError};
+        if !crate::names::valid_event_name(name) {
+            return Err(WireError::field(
+                "event",
+                "1..=8 dot-separated tokens of A-Z a-z 0-9 _ - (200 bytes at most)",
+            )
+            .into());
+        }
+        let mut headers = async_nats::HeaderMap::new();
+        if let Some(id) = id {
+            headers.insert("Nats-Msg-Id", id);
+        }
+        let body = serde_json::to_vec(payload).expect("a JSON value serializes");
+        let most = ax_core::wire::output::MAX_OUTPUT_BYTES;
+        if body.len() > most {
+            return Err(WireError::new(
+                ErrorCode::PayloadTooLarge,
+                format!(
+                    "the event is {} bytes, at most {most} (it becomes a step's output)",
+                    body.len()
+                ),
+            )
+            .into());
+        }
+        let js = async_nats::jetstream::new(self.nats.clone());
+        let unavailable = |e: String| WireError::new(ErrorCode::Unavailable, e);
+        let ack = js
+            .publish_with_headers(crate::names::event_subject(name), headers, body.into())
+            .await
+            .map_err(|e| unavailable(format!("publishing the event: {e}")))?
+            .await
+            .map_err(|e| unavailable(format!("storing the event in AX_EVENTS: {e}")))?;
+        Ok(ack.sequence)
+    }
+
     /// Starts a run as `start` says (its input, the business id its step tasks carry);
     /// returns the run id.
     pub async fn start_flow(&self, start: FlowStart) -> Result<String, ClientError> {

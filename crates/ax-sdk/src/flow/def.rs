@@ -108,6 +108,68 @@ pub struct StepDef {
     /// it names has come.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sleep: Option<SleepDef>,
+    /// A wait for an event instead of a task: the step succeeds with the first matching
+    /// event's payload as its output, or times out as its `on_timeout` says.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wait_for_event: Option<WaitForEventDef>,
+}
+
+impl StepDef {
+    /// The queue a wait step (a sleep or a wait for an event) names for its wait task;
+    /// `None` for a step that runs a task.
+    fn wait_queue(&self) -> Option<Option<&String>> {
+        match (&self.sleep, &self.wait_for_event) {
+            (Some(s), _) => Some(s.queue.as_ref()),
+            (None, Some(w)) => Some(w.queue.as_ref()),
+            (None, None) => None,
+        }
+    }
+}
+
+/// The name of a wait for an event's wait task.
+pub const WAIT_FOR_EVENT_TASK: &str = "ax.wait_for_event";
+
+/// What a step waits for: the first event `event` (published on `ax.events.<event>`)
+/// whose payload has the values `match` names, stored at most `lookback_ms` before the
+/// step started, or after; until `timeout_ms` from the step's start.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WaitForEventDef {
+    /// The event name: 1..=8 dot-separated tokens of `A-Z a-z 0-9 _ -`.
+    pub event: String,
+    /// Dotted field path of the event's payload → the value it must equal. A string
+    /// value `"$input.order_id"` or `"$parents.<step>.field"` is read from the step's
+    /// input document (what a task of the step would get) when the step starts; `"$$…"`
+    /// is the literal `"$…"`. Empty: any event of the name.
+    #[serde(default, rename = "match")]
+    pub matches: serde_json::Map<String, serde_json::Value>,
+    /// How long the step waits (1 ..= the server's max delay, the default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_ms: Option<u64>,
+    /// What a timeout does: `fail` the step (default) or `continue` with output `null`.
+    #[serde(default)]
+    pub on_timeout: ax_core::event::OnTimeout,
+    /// How long before the step's start a matching event still counts (default
+    /// 300,000: 5 minutes; at most 3,600,000).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lookback_ms: Option<u64>,
+    /// The queue whose delayed tasks hold the wait's timeout (no worker of it runs
+    /// anything for it); default: the queue of the flow's first step with a task.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue: Option<String>,
+}
+
+/// A wait's lookback when its step gives none (5 minutes).
+const DEFAULT_LOOKBACK_MS: u64 = 300_000;
+/// The longest lookback a wait may ask for (an hour: what a server keeps of recent
+/// events in memory to match new waits against).
+const MAX_LOOKBACK_MS: u64 = 3_600_000;
+
+impl WaitForEventDef {
+    /// The lookback in ms (its default filled in).
+    pub fn lookback(&self) -> u64 {
+        self.lookback_ms.unwrap_or(DEFAULT_LOOKBACK_MS)
+    }
 }
 
 /// The name of a sleep step's wait task.
@@ -158,25 +220,30 @@ fn invalid(field: String, message: impl Into<String>) -> WireError {
 }
 
 impl FlowDef {
-    /// Decodes a definition, refusing unknown fields by name; a sleep step without a task
-    /// gets its wait task ([`SLEEP_TASK`] on the sleep's queue).
+    /// Decodes a definition, refusing unknown fields by name; a wait step (a sleep, a
+    /// wait for an event) without a task gets its wait task ([`SLEEP_TASK`],
+    /// [`WAIT_FOR_EVENT_TASK`], on the wait's queue).
     pub fn decode(value: serde_json::Value) -> Result<FlowDef, WireError> {
         let mut def: FlowDef = serde_json::from_value(value)
             .map_err(|e| WireError::new(ErrorCode::BadRequest, e.to_string()))?;
         let first_queue = def
             .steps
             .iter()
-            .find(|s| s.sleep.is_none())
+            .find(|s| s.wait_queue().is_none())
             .and_then(|s| s.task.queue.clone());
         for step in &mut def.steps {
-            if let Some(sleep) = &step.sleep {
-                if step.task == SubmitRequest::default() {
-                    step.task = SubmitRequest {
-                        name: SLEEP_TASK.into(),
-                        queue: sleep.queue.clone().or_else(|| first_queue.clone()),
-                        ..SubmitRequest::default()
-                    };
-                }
+            let name = match (&step.sleep, &step.wait_for_event) {
+                (Some(_), _) => SLEEP_TASK,
+                (None, Some(_)) => WAIT_FOR_EVENT_TASK,
+                (None, None) => continue,
+            };
+            if step.task == SubmitRequest::default() {
+                let queue = step.wait_queue().flatten().cloned();
+                step.task = SubmitRequest {
+                    name: name.into(),
+                    queue: queue.or_else(|| first_queue.clone()),
+                    ..SubmitRequest::default()
+                };
             }
         }
         Ok(def)
@@ -251,6 +318,12 @@ impl FlowDef {
                     e
                 })?;
             }
+            if let Some(wait) = &step.wait_for_event {
+                check_wait_for_event(step, wait, limits).map_err(|mut e| {
+                    e.field = Some(field(e.field.as_deref().unwrap_or("wait_for_event")));
+                    e
+                })?;
+            }
             check_template(&step.task, limits).map_err(|mut e| {
                 e.field = Some(field(&format!("task.{}", e.field.as_deref().unwrap_or(""))));
                 e
@@ -305,6 +378,67 @@ fn check_sleep(
     if !step.task.queue.as_deref().is_some_and(names::valid_queue) {
         return Err(WireError::field(
             "sleep.queue",
+            "a valid queue is required when no step of the flow has a task to take it from",
+        ));
+    }
+    Ok(())
+}
+
+/// A wait for an event: a valid event name and match paths, a timeout within the max
+/// delay, a lookback within an hour, no task of its own, no fan-out, a queue.
+fn check_wait_for_event(
+    step: &StepDef,
+    wait: &WaitForEventDef,
+    limits: &crate::task::Limits,
+) -> Result<(), WireError> {
+    if step.sleep.is_some() {
+        return Err(WireError::field(
+            "wait_for_event",
+            "a step sleeps or waits for an event, not both",
+        ));
+    }
+    if !names::valid_event_name(&wait.event) {
+        return Err(WireError::field(
+            "wait_for_event.event",
+            "1..=8 dot-separated tokens of A-Z a-z 0-9 _ - (200 bytes at most)",
+        ));
+    }
+    for path in wait.matches.keys() {
+        if path.is_empty() || path.len() > 200 || path.split('.').any(str::is_empty) {
+            return Err(WireError::field(
+                "wait_for_event.match",
+                format!("{path:?} is not a dotted field path"),
+            ));
+        }
+    }
+    let most = limits.max_delay.as_millis() as u64;
+    if wait.timeout_ms.is_some_and(|ms| ms == 0 || ms > most) {
+        return Err(WireError::field(
+            "wait_for_event.timeout_ms",
+            format!("must be 1..={most} (the server's max delay)"),
+        ));
+    }
+    if wait.lookback() > MAX_LOOKBACK_MS {
+        return Err(WireError::field(
+            "wait_for_event.lookback_ms",
+            format!("at most {MAX_LOOKBACK_MS} (an hour)"),
+        ));
+    }
+    if step.task.name != WAIT_FOR_EVENT_TASK {
+        return Err(WireError::field(
+            "task",
+            "a wait for an event has no task (its timeout is a wait task ax runs itself)",
+        ));
+    }
+    if step.for_each.is_some() {
+        return Err(WireError::field(
+            "for_each",
+            "a wait for an event does not fan out",
+        ));
+    }
+    if !step.task.queue.as_deref().is_some_and(names::valid_queue) {
+        return Err(WireError::field(
+            "wait_for_event.queue",
             "a valid queue is required when no step of the flow has a task to take it from",
         ));
     }

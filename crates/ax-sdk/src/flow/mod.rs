@@ -10,7 +10,11 @@ mod request;
 mod rerun;
 pub mod store;
 
-pub use def::{FailurePolicy, FlowDef, Plan, SleepDef, StepDef, TriggerRule, SLEEP_TASK};
+pub use ax_core::event::OnTimeout;
+pub use def::{
+    FailurePolicy, FlowDef, Plan, SleepDef, StepDef, TriggerRule, WaitForEventDef, SLEEP_TASK,
+    WAIT_FOR_EVENT_TASK,
+};
 pub use model::{FlowRun, RunState, StepRun, StepState};
 pub use request::{FlowName, FlowRequest, FlowRerun, FlowStart, RunFilter, RunRef};
 pub use rerun::RerunMode;

@@ -136,7 +136,7 @@ impl FlowApi {
             }
             FlowRequest::Get(RunRef { run }) => {
                 let (run, steps) = self.load(&run).await?;
-                Ok(view(&run, &steps))
+                Ok(view(&run, &steps, self.ctx.limits.max_delay))
             }
             FlowRequest::List(req) => {
                 if let Some(flow) = &req.flow {
@@ -324,7 +324,7 @@ fn summary(run: &FlowRun) -> Value {
 }
 
 /// A run with its steps, as `get` answers it.
-fn view(run: &FlowRun, steps: &[StepRun]) -> Value {
+fn view(run: &FlowRun, steps: &[StepRun], max_delay: std::time::Duration) -> Value {
     let mut out = summary(run);
     out["input"] = run.input.clone();
     out["failure"] = json!(run.def.failure);
@@ -348,8 +348,16 @@ fn view(run: &FlowRun, steps: &[StepRun]) -> Value {
                 v["sleep"] = json!(sleep);
                 // Where the sleep is: `sleeping` until `wake_at_ms` while its step runs.
                 if let (StepState::Running, Some(started)) = (s.state, s.started_at_ms) {
-                    let until = super::input::wake_at_ms(sleep, started);
+                    let until = super::waits::wake_at_ms(sleep, started);
                     v["waiting"] = json!({"kind": "sleep", "until_ms": until});
+                }
+            }
+            if let Some(wait) = &def.wait_for_event {
+                v["wait_for_event"] = json!(wait);
+                // `waiting for event <name>` until its timeout while its step runs.
+                if let (StepState::Running, Some(started)) = (s.state, s.started_at_ms) {
+                    let until = super::waits::timeout_at_ms(wait, started, max_delay);
+                    v["waiting"] = json!({"kind": "event", "event": wait.event, "until_ms": until});
                 }
             }
             if s.items.is_some() {

@@ -14,13 +14,12 @@
 //! the tasks' records (and `AX_RESULTS`); its input held, or read back from the run key.
 
 use super::actor::{Built, Run, CONCURRENCY};
-use super::def::{SleepDef, MAX_FAN_OUT};
+use super::def::MAX_FAN_OUT;
 use super::model::StepState;
 use super::shared::Shared;
 use ax_core::protocol::ErrorCode;
 use ax_core::state::ErrorInfo;
-use ax_core::task::{TaskMeta, Wait};
-use ax_core::time::now_ms;
+use ax_core::task::TaskMeta;
 use ax_sdk::output::TaskOutput;
 use futures::StreamExt;
 use serde_json::{json, Map, Value};
@@ -252,8 +251,12 @@ impl Run {
         i: usize,
         only: Option<&[u32]>,
     ) -> Result<Vec<Built>, ErrorInfo> {
-        if let Some(sleep) = &self.shape().def.steps[i].sleep {
+        let step = &self.shape().def.steps[i];
+        if let Some(sleep) = &step.sleep {
             return self.sleep_task(sh, i, sleep).map(|t| vec![t]);
+        }
+        if let Some(wait) = &step.wait_for_event {
+            return self.event_task(sh, i, wait).await.map(|t| vec![t]);
         }
         let payloads = self.payloads(sh, i).await?;
         let limits = &sh.ctx.limits;
@@ -286,45 +289,7 @@ impl Run {
     }
 }
 
-/// When a sleep that started at `started_ms` ends, ms since the epoch (`until`, or
-/// `for_ms` after the start).
-pub(crate) fn wake_at_ms(sleep: &SleepDef, started_ms: u64) -> u64 {
-    match (&sleep.until, sleep.for_ms) {
-        (Some(until), _) => ax_core::time::parse_rfc3339_ms(until).unwrap_or(started_ms),
-        (None, Some(ms)) => started_ms.saturating_add(ms),
-        (None, None) => started_ms,
-    }
-}
-
-impl Run {
-    /// A sleep step's wait task: due when the sleep ends (counted from the step's
-    /// recorded start, so a task submitted again is the same task), marked `Ax-Wait:
-    /// sleep` so the dispatcher records it `succeeded` instead of handing it to a worker.
-    fn sleep_task(&self, sh: &Shared, i: usize, sleep: &SleepDef) -> Result<Built, ErrorInfo> {
-        let shape = self.shape();
-        let step = &shape.def.steps[i];
-        let started = self.steps[i].record().started_at_ms.unwrap_or_else(now_ms);
-        let wake = wake_at_ms(sleep, started);
-        let mut req = step.task.clone();
-        req.payload = Some(json!({
-            "flow": shape.flow, "run": self.id.as_ref(), "step": step.name, "wake_at_ms": wake,
-        }));
-        req.business_id = self.business_id.as_deref().map(str::to_string);
-        let queue = req.queue.clone().unwrap_or_default();
-        let (mut meta, body) =
-            TaskMeta::from_request(&queue, req, &sh.ctx.limits).map_err(|e| ErrorInfo {
-                detail: None,
-                class: "invalid_step_task".into(),
-                message: e.message,
-            })?;
-        meta.run_at_ms = Some(wake);
-        meta.wait = Some(Wait::Sleep);
-        meta.id = self.task_id(i, 0);
-        Ok((0, meta, body))
-    }
-}
-
-fn kind(v: &Value) -> &'static str {
+pub(super) fn kind(v: &Value) -> &'static str {
     match v {
         Value::Null => "null",
         Value::Bool(_) => "a boolean",
@@ -338,20 +303,6 @@ fn kind(v: &Value) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_sleep_wakes_by_its_start_or_its_time() {
-        let for_ms = SleepDef {
-            for_ms: Some(500),
-            ..SleepDef::default()
-        };
-        assert_eq!(wake_at_ms(&for_ms, 1_000), 1_500);
-        let until = SleepDef {
-            until: Some("2030-01-01T00:00:00Z".into()),
-            ..SleepDef::default()
-        };
-        assert_eq!(wake_at_ms(&until, 1_000), 1_893_456_000_000);
-    }
 
     #[test]
     fn a_payload_names_parents_errors_and_items() {

@@ -18,5 +18,6 @@ mod input;
 mod shared;
 mod singleton;
 pub(crate) mod start;
+pub(crate) mod waits;
 
 pub use ax_sdk::flow::*;

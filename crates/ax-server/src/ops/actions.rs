@@ -391,7 +391,11 @@ impl Ops {
         };
         if headers.get(ax_core::task::header::WAIT).is_some() {
             // A flow's wait (a sleep): run now ends it now; no worker runs it.
-            let state = self.tasks.succeed_unstarted(id).await.map_err(state_err)?;
+            let state = self
+                .tasks
+                .succeed_unstarted(id, None)
+                .await
+                .map_err(state_err)?;
             self.delete(&stream, old_seq).await;
             return Ok(json!({"id": id, "state": state}));
         }

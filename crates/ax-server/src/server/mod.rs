@@ -278,6 +278,17 @@ impl Server {
                 .run(token)
             });
         }
+        if self.flow_engine {
+            let (ctx, lease_ttl, id) = (ctx.clone(), self.lease_ttl, self.id.clone());
+            services.spawn("event-matcher", move |token| {
+                crate::event_wait::EventWaits {
+                    ctx: ctx.clone(),
+                    lease_ttl,
+                    id: id.clone(),
+                }
+                .run(token)
+            });
+        }
         if self.triggers {
             let ctx = ctx.clone();
             services.spawn("event-router", move |token| {

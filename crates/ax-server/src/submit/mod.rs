@@ -82,6 +82,9 @@ impl Context {
         payload: Bytes,
     ) -> Result<SubmitAccepted, WireError> {
         self.queues.check(&self.js, &meta.queue).await?;
+        if let Some(ax_core::task::Wait::Event(_)) = meta.wait {
+            self.register_wait(&payload).await?;
+        }
         if meta.idempotency_key.is_none() {
             self.store(&meta, payload).await?;
             return Ok(accepted(&meta));
@@ -90,6 +93,25 @@ impl Context {
         // plain submit's, which every submit would otherwise carry (and move) with it
         // (docs/PERFORMANCE.md, "Counted in instructions").
         Box::pin(self.submit_with_key(meta, payload)).await
+    }
+
+    /// Stores a wait for an event's registration (its task's payload) in `AX_WAITS`
+    /// before its task is stored: an accepted wait is one the matcher knows.
+    async fn register_wait(&self, payload: &Bytes) -> Result<(), WireError> {
+        let reg: ax_core::event::WaitRegistration =
+            serde_json::from_slice(payload).map_err(|e| {
+                WireError::new(
+                    ErrorCode::BadRequest,
+                    format!("a wait for an event's payload is not its registration: {e}"),
+                )
+            })?;
+        self.waits.put(&reg).await.map_err(|e| {
+            WireError::new(
+                ErrorCode::Unavailable,
+                format!("storing the wait in {}: {e}", names::WAITS_BUCKET),
+            )
+        })?;
+        Ok(())
     }
 
     /// [`Context::submit_prepared`] of a task with an idempotency key.

@@ -1,0 +1,46 @@
+//! The `AX_WAITS` bucket: the flows' pending waits for events (docs/PROTOCOL.md §6,
+//! "Events"), one key per wait task (its id), the value a [`WaitRegistration`]. Opened
+//! on first use, so a server started against a broker without the bucket runs, and its
+//! waits' submits answer `unavailable` until `ax streams apply` (or a server) makes it.
+
+use crate::names::WAITS_BUCKET;
+use crate::wire::event::WaitRegistration;
+use async_nats::jetstream::{self, kv};
+use std::sync::Arc;
+use tokio::sync::OnceCell;
+
+/// The `AX_WAITS` bucket, opened on first use (shared by clones).
+#[derive(Clone, Debug)]
+pub struct Waits {
+    js: jetstream::Context,
+    kv: Arc<OnceCell<kv::Store>>,
+}
+
+impl Waits {
+    /// The bucket over `js` (not opened yet).
+    pub fn new(js: jetstream::Context) -> Waits {
+        Waits {
+            js,
+            kv: Arc::default(),
+        }
+    }
+
+    /// The opened bucket.
+    pub async fn store(&self) -> Result<&kv::Store, async_nats::Error> {
+        self.kv
+            .get_or_try_init(|| async { Ok(self.js.get_key_value(WAITS_BUCKET).await?) })
+            .await
+    }
+
+    /// Stores `reg` under its task id (the same value again is harmless: a submit
+    /// retried writes it again).
+    pub async fn put(&self, reg: &WaitRegistration) -> Result<u64, async_nats::Error> {
+        let value = serde_json::to_vec(reg).expect("a registration serializes");
+        Ok(self.store().await?.put(&reg.task, value.into()).await?)
+    }
+
+    /// Removes task `id`'s registration (its wait ended).
+    pub async fn remove(&self, id: &str) -> Result<(), async_nats::Error> {
+        Ok(self.store().await?.purge(id).await?)
+    }
+}
