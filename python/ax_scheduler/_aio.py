@@ -156,6 +156,10 @@ class AsyncClient:
 
     # -- the rest -----------------------------------------------------------------------
 
+    async def publish_event(self, name: str, payload: Any = None, *, id: str | None = None) -> int:
+        """``Client.publish_event`` from a coroutine."""
+        return await self._run(_ops.publish_event(name, {} if payload is None else payload, id))
+
     async def call(self, api: str, op: str, body: Any = None) -> Any:
         return await self._run(_ops.call(api, op, body))
 

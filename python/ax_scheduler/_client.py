@@ -231,6 +231,13 @@ class Client:
 
     # -- the rest -----------------------------------------------------------------------
 
+    def publish_event(self, name: str, payload: Any = None, *, id: str | None = None) -> int:
+        """Publishes event ``name`` (``ax.events.<name>``, kept in ``AX_EVENTS``) with a JSON
+        ``payload``: the flows' waits for it (``ax.wait_for_event``) whose match it meets end
+        with it. With ``id``, a publish retried within two minutes is one event. Returns its
+        sequence; a bad name raises ``InvalidInput``, no broker ``Unavailable``."""
+        return self._run(_ops.publish_event(name, {} if payload is None else payload, id))
+
     def call(self, api: str, op: str, body: Any = None) -> Any:
         """Calls ``ax.<api>.<op>`` (``task``, ``flow``, ``limit``, ``trigger``) with a JSON
         body; the ``ok`` value. Refusals raise the typed errors of ``ax.errors``."""

@@ -14,7 +14,7 @@ import contextvars
 import inspect
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Callable, Generic, Protocol, cast, overload
+from typing import TYPE_CHECKING, Any, Callable, Generic, Mapping, Protocol, cast, overload
 
 from . import _json
 from ._options import _BATCH_KEY, COLLISIONS  # pyright: ignore[reportPrivateUsage]
@@ -116,17 +116,29 @@ class _Builder:
 
     def sleep(self, spec: dict[str, Any]) -> None:
         """A sleep step after every step so far that nothing waits for yet."""
+        self._barrier("sleep", "sleep", spec, [])
+
+    def wait_for_event(self, spec: dict[str, Any], needs: list[str]) -> Value:
+        """A wait for an event after every step so far that nothing waits for yet (and the
+        steps its match reads); its output is the event."""
+        return Value(self.flow, ("step", self._barrier("wait", "wait_for_event", spec, needs)))
+
+    def _barrier(self, base: str, key: str, spec: dict[str, Any], needs: list[str]) -> str:
+        """A wait step (``key``: ``sleep``, ``wait_for_event``) after the body's leaves so
+        far and ``needs``; every step called after it waits for it."""
         needed = {n for s in self.steps for n in s.get("needs", [])}
         leaves = [s["name"] for s in self.steps if s["name"] not in needed]
+        leaves += [n for n in needs if n not in leaves]
         if len(leaves) > 64:
-            raise FlowDefinitionError(f"flow {self.flow}: ax.sleep would wait for {len(leaves)} steps, at most 64")
-        step = self._name("sleep")
-        step_def: dict[str, Any] = {"name": step, "sleep": spec}
+            raise FlowDefinitionError(f"flow {self.flow}: ax.{key} would wait for {len(leaves)} steps, at most 64")
+        step = self._name(base)
+        step_def: dict[str, Any] = {"name": step, key: spec}
         if leaves:
             step_def["needs"] = leaves
         self.steps.append(step_def)
         self.names.add(step)
         self.barrier = step
+        return step
 
     def call(self, td: Any, args: tuple[Any, ...], kwargs: dict[str, Any], fan_out: bool) -> Value:
         try:
@@ -219,6 +231,78 @@ def sleep(duration: timedelta | float | None = None, /, *, until: datetime | str
     if queue is not None:
         spec["queue"] = queue
     builder.sleep(spec)
+
+
+def _reference(flow: str, field: str, value: Any, needs: list[str]) -> Any:
+    """A ``match`` value as the server reads it: a run value becomes ``"$input.a.b"`` or
+    ``"$parents.<step>.a"`` (its step a need), a string starting with ``$`` is escaped,
+    anything else is itself (JSON)."""
+    if isinstance(value, Value):
+        kind, step = value._source  # pyright: ignore[reportPrivateUsage]
+        path = value._path  # pyright: ignore[reportPrivateUsage]
+        if kind == "item" or any(not isinstance(p, str) or not p or "." in p for p in path):
+            raise FlowDefinitionError(
+                f"flow {flow}: ax.wait_for_event match {field!r}: {value!r} is not the input or a task's "
+                "output indexed by field names (no list indexes, no dots in a name)")
+        if kind == "step" and step is not None:
+            if step not in needs:
+                needs.append(step)
+            return "$" + ".".join(["parents", step, *cast(tuple[str, ...], path)])
+        return "$" + ".".join(["input", *cast(tuple[str, ...], path)])
+    if _has_value(value):
+        raise FlowDefinitionError(f"flow {flow}: ax.wait_for_event match {field!r} holds a run value inside a "
+                                  "list or dict; match on each field by its own path")
+    _json.dumps(value, f"flow {flow}: ax.wait_for_event match {field!r}")
+    if isinstance(value, str) and value.startswith("$"):
+        return "$" + value
+    return value
+
+
+def _ms(what: str, flow: str, value: timedelta | float) -> int:
+    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    if not seconds > 0 or seconds == float("inf"):
+        raise FlowDefinitionError(f"flow {flow}: {what} must be over 0 s, not {value!r}")
+    return max(1, round(seconds * 1000))
+
+
+def wait_for_event(event: str, /, *, match: Mapping[str, Any] | None = None,
+                   timeout: timedelta | float | None = None, on_timeout: str = "fail",
+                   lookback: timedelta | float | None = None, queue: str | None = None) -> Any:
+    """In an ``@ax.flow`` body: wait for event ``event`` (PROTOCOL.md §6, "Events"),
+    published with ``ax.publish_event`` (or on ``ax.events.<event>``), whose payload has the
+    values ``match`` names (dotted field path → a constant, the run's input or a task's
+    result indexed by field names). Returns the event's payload, to pass to tasks called
+    after it; every step called after it starts once it ends. An event published up to
+    ``lookback`` (default 5 minutes, at most an hour) before the wait began counts.
+    ``timeout`` (default the server's max delay, 30 days) ends it as ``on_timeout`` says:
+    ``"fail"`` the step (class ``wait_timed_out``), or ``"continue"`` with ``None``. Held by
+    the broker (no process waits), shown ``waiting for event`` by ``ax flow get``."""
+    builder = tracing()
+    if builder is None:
+        raise FlowDefinitionError("ax.wait_for_event is a step of an @ax.flow body; to wait for a task, "
+                                  "use its handle")
+    flow = builder.flow
+    if on_timeout not in ("fail", "continue"):
+        raise FlowDefinitionError(f"flow {flow}: on_timeout is 'fail' or 'continue', not {on_timeout!r}")
+    needs: list[str] = []
+    matches = {str(k): _reference(flow, str(k), v, needs) for k, v in (match or {}).items()}
+    spec: dict[str, Any] = {"event": event, "match": matches, "on_timeout": on_timeout}
+    if timeout is not None:
+        spec["timeout_ms"] = _ms("ax.wait_for_event's timeout", flow, timeout)
+    if lookback is not None:
+        spec["lookback_ms"] = _ms("ax.wait_for_event's lookback", flow, lookback)
+    if queue is not None:
+        spec["queue"] = queue
+    return builder.wait_for_event(spec, needs)
+
+
+def publish_event(name: str, payload: Any = None, *, id: str | None = None,
+                  client: Client | AsyncClient | None = None) -> int:
+    """Publishes event ``name`` with ``payload`` over ``client`` (default: the process's
+    client): ``Client.publish_event``. From a coroutine, use ``AsyncClient.publish_event``."""
+    from ._client import Client
+
+    return Client.of(client).publish_event(name, payload, id=id)
 
 
 class FlowDef(Generic[P]):

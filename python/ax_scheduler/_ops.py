@@ -152,6 +152,12 @@ def call(api: str, op: str, body: Any = None) -> Op[Any]:
     return json.loads(reply)
 
 
+def publish_event(name: str, payload: Any, id: str | None) -> Op[int]:
+    """Event ``name`` published with ``payload`` (JSON); its ``AX_EVENTS`` sequence."""
+    seq: int = yield Io("publish_event", (name, _json.dumps(payload, "the event's payload"), id))
+    return seq
+
+
 def task_call(op: str, task_id: str, **more: Any) -> Op[Any]:
     """A task request by id: ``events`` (its history), ``cancel``, ``retry``, ``run_now``."""
     return call("task", op, {"id": task_id, **more})

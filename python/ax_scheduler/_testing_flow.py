@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Iterable, Mapping, cast
 
-from . import _json
+from . import _json, _testing_wait as _wait
 from ._options import TaskOptions
 from ._task import REGISTRY, TaskDef
 from ._testing_task import FakeClock, Policy, Result, Runner, TaskRun, output_value, typed_output
@@ -177,6 +177,10 @@ def plan(definition: dict[str, Any]) -> Plan:
         if step.get("on_failure", "fail") not in ("fail", "notify_only"):
             raise _bad(f"steps[{i}].on_failure", f"on_failure must be fail or notify_only, not "
                                                  f"{step.get('on_failure')!r}")
+        if "wait_for_event" in step:
+            _wait.check(i, step, _bad)
+            parents.append(mine)
+            continue
         if "sleep" in step:
             _check_sleep(i, step)
             parents.append(mine)
@@ -416,8 +420,10 @@ class FlowSim:
 
     def __init__(self, definition: dict[str, Any], input: Any, *, run_id: str, clock: FakeClock,
                  rng: random.Random | None, replace: Mapping[str, Any] | None, runner: Runner,
-                 business_id: str | None = None) -> None:
+                 business_id: str | None = None, events: Iterable[Any] | None = None) -> None:
         self.business_id = business_id
+        self.events = _wait.published(events, clock.now_ms())
+        self._wait_due: dict[int, int] = {}
         self.definition = json.loads(json.dumps(definition))  # a copy, as the run keeps it
         self.plan = plan(self.definition)
         # The run's input travels as JSON (the `run` request), dataclasses and models included.
@@ -443,9 +449,11 @@ class FlowSim:
         """Step ``i``'s task: its own, or a sleep's wait task (which the server fills in,
         on the sleep's queue or the flow's first task's)."""
         step = self.defs[i]
-        if "task" in step or "sleep" not in step:
+        if "task" in step or ("sleep" not in step and "wait_for_event" not in step):
             return step["task"]
         first = next((s["task"]["queue"] for s in self.defs if "task" in s), "default")
+        if "wait_for_event" in step:
+            return {"name": _wait.WAIT_TASK, "queue": step["wait_for_event"].get("queue", first)}
         return {"name": SLEEP_TASK, "queue": step["sleep"].get("queue", first)}
 
     def _wake_ms(self, i: int, started_ms: int) -> int:
@@ -457,8 +465,8 @@ class FlowSim:
         return started_ms + int(sleep["for_ms"])
 
     def _task_of(self, i: int, template: dict[str, Any], replace: Mapping[str, Any]) -> TaskDef[..., Any]:
-        if "sleep" in self.defs[i]:
-            return _SLEEP
+        if "sleep" in self.defs[i] or "wait_for_event" in self.defs[i]:
+            return _SLEEP  # a wait's own task is made when it starts (``_build``)
         name = template.get("name")
         if not isinstance(name, str):
             raise _bad(f"steps[{i}].task.name", f"a step's task needs a name, not {name!r}")
@@ -540,7 +548,16 @@ class FlowSim:
         template = self._template(i)
         td = self.tasks[i]
         jobs: list[_Job] = []
-        for k, body in enumerate(self._payloads(i)):
+        bodies = self._payloads(i)
+        wait = self.defs[i].get("wait_for_event")
+        if wait is not None:
+            try:
+                due, met = _wait.meet(wait, bodies[0], self.events, self.clock.now_ms())
+            except _wait.BadMatch as e:
+                raise StepBuildError("bad_match", str(e)) from None
+            td = TaskDef(met, _wait.WAIT_TASK, TaskOptions(retries=0))
+            self._wait_due[i] = due
+        for k, body in enumerate(bodies):
             task_id = f"{template['queue']}.fl.{self.run_id}.{self.defs[i]['name']}.0.{k}"
             try:
                 run = TaskRun(td, body, task_id=task_id, clock=self.clock, policy=Policy.of(td, template),
@@ -577,7 +594,7 @@ class FlowSim:
                 self.jobs[i] = jobs
                 self.steps[i].items = len(jobs)
                 self.progress[i] = Progress(total=len(jobs))
-                due = self._wake_ms(i, now) if "sleep" in self.defs[i] else now
+                due = self._wake_ms(i, now) if "sleep" in self.defs[i] else self._wait_due.pop(i, now)
                 for job in jobs:
                     self._schedule(job, due)
             for i in cancel:

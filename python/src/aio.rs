@@ -122,6 +122,22 @@ impl AsyncConnection {
         })
     }
 
+    /// Awaitable: the `AX_EVENTS` sequence of event `name` published with a JSON `payload`.
+    #[pyo3(signature = (name, payload, id = None))]
+    fn publish_event<'py>(
+        &self,
+        py: Python<'py>,
+        name: String,
+        payload: &[u8],
+        id: Option<String>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let fut = ops::publish_event(&self.client, name, payload, id)?;
+        pyo3_async_runtimes::tokio::future_into_py(
+            py,
+            async move { fut.await.map_err(Failed::raise) },
+        )
+    }
+
     /// Awaitable: the run's JSON once it has ended.
     #[pyo3(signature = (run, timeout = None))]
     fn wait_flow<'py>(

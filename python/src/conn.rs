@@ -141,6 +141,20 @@ impl Connection {
         Ok(PyBytes::new(py, &wait(py, fut)?.map_err(Failed::raise)?))
     }
 
+    /// Publishes event `name` (`ax.events.<name>`) with a JSON `payload`; returns its
+    /// `AX_EVENTS` sequence. `id`: a publish retried with it is one event.
+    #[pyo3(signature = (name, payload, id = None))]
+    fn publish_event(
+        &self,
+        py: Python<'_>,
+        name: String,
+        payload: &[u8],
+        id: Option<String>,
+    ) -> PyResult<u64> {
+        let fut = ops::publish_event(&self.client, name, payload, id)?;
+        wait(py, fut)?.map_err(Failed::raise)
+    }
+
     /// Waits until flow run `run` has ended, at most `timeout` seconds; returns the run as
     /// JSON.
     #[pyo3(signature = (run, timeout = None))]

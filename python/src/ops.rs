@@ -157,6 +157,20 @@ pub(crate) fn call(
     })
 }
 
+/// Publishes event `name` with a JSON `payload` (`id`: its `Nats-Msg-Id`); its
+/// `AX_EVENTS` sequence.
+pub(crate) fn publish_event(
+    client: &Client,
+    name: String,
+    payload: &[u8],
+    id: Option<String>,
+) -> Result<impl Future<Output = Result<u64, Failed>> + Send + 'static, PyErr> {
+    let payload: serde_json::Value = serde_json::from_slice(payload)
+        .map_err(|e| errors::invalid(format!("the event's payload is not JSON: {e}")))?;
+    let client = client.clone();
+    Ok(async move { Ok(client.publish_event(&name, &payload, id.as_deref()).await?) })
+}
+
 /// Waits until the flow run has ended; the run.
 pub(crate) fn wait_flow(
     client: &Client,

@@ -142,3 +142,15 @@ def eventually(check, timeout: float = 20.0, what: str = "condition"):
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} not met within {timeout} s")
         time.sleep(0.05)
+
+
+@pytest.fixture
+def scratch_flows():
+    """Flows a test defines that must not reach the runtimes of later tests (a runtime
+    stores every registered flow of its tasks, and refuses to start on a broken one)."""
+    from ax_scheduler._flow import FLOWS
+
+    before = set(FLOWS)
+    yield
+    for name in set(FLOWS) - before:
+        del FLOWS[name]

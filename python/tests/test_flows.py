@@ -126,18 +126,6 @@ def plain_helper(event):
     return event["payment_id"].upper()
 
 
-@pytest.fixture
-def scratch_flows():
-    """Flows a test defines that must not reach the runtimes of later tests (a runtime
-    stores every registered flow of its tasks, and refuses to start on a broken one)."""
-    from ax_scheduler._flow import FLOWS
-
-    before = set(FLOWS)
-    yield
-    for name in set(FLOWS) - before:
-        del FLOWS[name]
-
-
 def test_a_flow_body_that_works_on_run_values_outside_a_task_is_refused(client, scratch_flows):
     @ax.flow(name="py_bad_flow")
     def bad(event):

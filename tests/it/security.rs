@@ -296,6 +296,45 @@ async fn each_role_has_least_privilege() {
         "{:?}",
         ended.reason
     );
+    // A flow that waits for an event: the server registers and matches it under its own
+    // grants; a producer publishes the event, but may not publish an alert.
+    let wait = ax_sdk::flow::WaitForEventDef {
+        event: "order.paid".into(),
+        matches: serde_json::json!({"order_id": "$input.order"})
+            .as_object()
+            .cloned()
+            .unwrap(),
+        ..Default::default()
+    };
+    let paid = ax_sdk::flow::FlowDef::new("secure_paid")
+        .step(ax_sdk::flow::StepDef::wait_for_event("w", "default", wait))
+        .step(ax_sdk::flow::StepDef::new("t", "default", TaskSpec::new("t")).needs(["w"]));
+    admin_view.put_flow(&paid).await.unwrap();
+    let run = producer
+        .run_flow("secure_paid", serde_json::json!({"order": 5}))
+        .await
+        .unwrap();
+    producer
+        .publish_event("order.paid", &serde_json::json!({"order_id": 5}), None)
+        .await
+        .expect("a producer publishes events");
+    let ended = tokio::time::timeout(Duration::from_secs(30), admin_view.wait_flow(&run))
+        .await
+        .expect("the waiting run ends")
+        .unwrap();
+    assert_eq!(
+        ended.state,
+        ax_sdk::flow::RunState::Succeeded,
+        "{:?}",
+        ended.reason
+    );
+    assert!(
+        producer
+            .publish_event("alert.default", &serde_json::json!({}), None)
+            .await
+            .is_err(),
+        "a producer published an alert"
+    );
     assert!(producer
         .clone()
         .wait_for_server(Duration::ZERO)
