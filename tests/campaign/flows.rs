@@ -21,6 +21,10 @@ use std::time::{Duration, Instant};
 /// `all_done` step after it). A step named `poison` fails for good (the example handler).
 /// How long the `chain` flow's `nap` step sleeps.
 pub const NAP_MS: u64 = 700;
+/// How long the `paid` flow's `w` step waits for its event (then it goes on, output null).
+pub const PAID_TIMEOUT_MS: u64 = 8000;
+/// The event the `paid` flow waits for.
+pub const PAID_EVENT: &str = "camp.paid";
 
 pub fn defs() -> Vec<Value> {
     let step = |name: &str, needs: &[&str], task: &str, queue: &str| {
@@ -44,6 +48,14 @@ pub fn defs() -> Vec<Value> {
             {"name": "nap", "needs": ["a"], "sleep": {"for_ms": NAP_MS}},
             step("b", &["nap"], "step", "x"),
             step("c", &["b"], "step", "x"), step("d", &["c"], "step", "x")]}),
+        // `w` waits for event `camp.paid` of the run's order (published before the run, in
+        // its first 2 s, or never), or 8 s, then goes on.
+        json!({"name": "paid", "steps": [
+            step("a", &[], "step", "x"),
+            {"name": "w", "needs": ["a"], "wait_for_event": {"event": PAID_EVENT,
+                "match": {"order": "$input.order"}, "timeout_ms": PAID_TIMEOUT_MS,
+                "on_timeout": "continue"}},
+            step("b", &["w"], "step", "x")]}),
         json!({"name": "ff", "failure": "fail_fast", "steps": [
             step("a", &[], "step", "x"), step("boom", &["a"], "poison", "x"),
             step("after", &["boom"], "step", "x"), cleanup, step("side", &["a"], "step", "x")]}),
@@ -68,8 +80,20 @@ pub struct RerunAck {
     pub ack_ms: u64,
 }
 
+/// The event of a `paid` run's order.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Paid {
+    /// Never published.
+    #[default]
+    Never,
+    /// Published and stored: acknowledged at this time.
+    Acked(u64),
+    /// Published without an answer: stored or not.
+    Unknown,
+}
+
 /// A run the campaign started (or got from a `whole` re-run), and what it asked of it.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct RunNote {
     pub run: String,
     pub flow: String,
@@ -78,6 +102,8 @@ pub struct RunNote {
     pub reruns: Vec<RerunAck>,
     /// Requests about it that got no answer (their effect is unknown).
     pub unanswered: usize,
+    /// A `paid` run: its order's event.
+    pub paid: Paid,
 }
 
 /// What the flow load did.
@@ -195,9 +221,7 @@ async fn follow(
                     run: new,
                     flow,
                     input,
-                    cancels: Vec::new(),
-                    reruns: Vec::new(),
-                    unanswered: 0,
+                    ..RunNote::default()
                 });
             }
         }
@@ -206,20 +230,41 @@ async fn follow(
     }
 }
 
-/// Starts a run every 0.6–1.4 s until `until`, each followed (cancel, re-run) on its own.
+/// Publishes the event of `order` (its id the order: a retry is one event).
+async fn pay(ax: &Client, order: &str) -> Paid {
+    let event = json!({ "order": order });
+    match ax.publish_event(PAID_EVENT, &event, Some(order)).await {
+        Ok(_) => Paid::Acked(now_ms()),
+        Err(_) => Paid::Unknown,
+    }
+}
+
+/// Starts a run every 0.6–1.4 s until `until`, each followed (cancel, re-run) on its own;
+/// a `paid` run's event is published before it starts, in its first 2 s, or never.
 pub async fn load(ax: Client, log: Arc<Mutex<FlowLog>>, seed: u64, until: Instant) {
     let mut rng = StdRng::seed_from_u64(seed ^ 0xf10f_10f1);
     let mut follows = Vec::new();
     while Instant::now() < until {
         let (flow, input) = match rng.random_range(0..100) {
-            0..=34 => (
+            0..=29 => (
                 "fan",
                 json!({"n": rng.random_range(1..=5), "fail_first": rng.random_bool(0.3)}),
             ),
-            35..=59 => ("chain", json!({})),
-            60..=79 => ("ff", json!({})),
-            _ => ("cont", json!({})),
+            30..=51 => ("chain", json!({})),
+            52..=67 => ("ff", json!({})),
+            68..=83 => ("cont", json!({})),
+            _ => (
+                "paid",
+                json!({"order": format!("o{}", rng.random::<u32>())}),
+            ),
         };
+        let order = input["order"].as_str().map(str::to_string);
+        // When its event comes: 0 before the run, 1 in its first 2 s, 2 never.
+        let when = rng.random_range(0..3);
+        let mut paid = Paid::Never;
+        if let (Some(order), 0) = (&order, when) {
+            paid = pay(&ax, order).await;
+        }
         match ax.flow("run", &json!({"flow": flow, "input": input})).await {
             Ok(v) => {
                 let run = v["run"].as_str().unwrap_or_default().to_string();
@@ -227,12 +272,20 @@ pub async fn load(ax: Client, log: Arc<Mutex<FlowLog>>, seed: u64, until: Instan
                     run: run.clone(),
                     flow: flow.to_string(),
                     input: input.clone(),
-                    cancels: Vec::new(),
-                    reruns: Vec::new(),
-                    unanswered: 0,
+                    paid,
+                    ..RunNote::default()
                 });
                 let mut rng = StdRng::seed_from_u64(rng.random());
                 let (ax, log) = (ax.clone(), log.clone());
+                if let (Some(order), 1) = (order, when) {
+                    let pause = Duration::from_millis(rng.random_range(0..2000));
+                    let (ax, log, run) = (ax.clone(), log.clone(), run.clone());
+                    follows.push(tokio::spawn(async move {
+                        tokio::time::sleep(pause).await;
+                        let paid = pay(&ax, &order).await;
+                        note(&log, &run, |n| n.paid = paid);
+                    }));
+                }
                 follows.push(tokio::spawn(async move {
                     follow(ax, log, run, flow.to_string(), input, &mut rng).await
                 }));

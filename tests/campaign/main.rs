@@ -42,6 +42,7 @@ mod checker_fairness;
 mod checker_flows;
 mod checker_limits;
 mod checker_ops;
+mod checker_waits;
 mod cluster;
 mod fairness;
 mod flows;

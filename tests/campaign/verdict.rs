@@ -246,6 +246,8 @@ pub async fn check_new(ax: &Client, seen: &Seen, verdict: &mut Verdict) -> Vec<S
     );
     let (v, sleeps) = checker_flows::check_sleeps(histories, journal);
     verdict.add("flow sleeps", v);
+    let (v, waits) = crate::checker_waits::check_waits(histories, journal, &seen.flows.runs);
+    verdict.add("flow waits", v);
     let ended = |s: RunState| stored.values().filter(|(r, _)| r.state == s).count();
     let reruns: usize = seen.flows.runs.iter().map(|n| n.reruns.len()).sum();
     let cancels: usize = seen.flows.runs.iter().map(|n| n.cancels.len()).sum();
@@ -306,13 +308,19 @@ pub async fn check_new(ax: &Client, seen: &Seen, verdict: &mut Verdict) -> Vec<S
         format!(
             "flows: {} runs noted ({} seen), {} succeeded / {} failed / {} cancelled, {reruns} \
              re-runs and {cancels} cancels acknowledged, {} starts unanswered, {sleeps} sleeps \
-             judged",
+             and {waits} waits for events judged ({paid} events acknowledged)",
             seen.flows.runs.len(),
             ids.len(),
             ended(RunState::Succeeded),
             ended(RunState::Failed),
             ended(RunState::Cancelled),
             seen.flows.unanswered_starts,
+            paid = seen
+                .flows
+                .runs
+                .iter()
+                .filter(|n| matches!(n.paid, crate::flows::Paid::Acked(_)))
+                .count(),
         ),
         format!(
             "limits: {rated_starts} rated starts over {} keys ({left_out} left out after a \
