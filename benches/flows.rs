@@ -2,7 +2,9 @@
 //! AX_BENCH_FLOW_STEPS (default 1,000) steps, a fan-out of AX_BENCH_FANOUT (default
 //! 10,000) tasks gathered by one step against the same tasks submitted without a flow,
 //! and AX_BENCH_FLOW_RUNS (default 20,000) concurrent runs of a 4-step diamond; part
-//! `sleep`: AX_BENCH_SLEEP_RUNS (default 20,000) runs sleeping AX_BENCH_SLEEP_MS (60,000).
+//! `sleep`: AX_BENCH_SLEEP_RUNS (default 20,000) runs sleeping AX_BENCH_SLEEP_MS (60,000);
+//! part `events`: AX_BENCH_EVENT_RUNS (default 10,000) runs waiting for an event each,
+//! the events published at AX_BENCH_EVENT_RATE (1,000/s).
 //!
 //! Run: `./dev bench flows` (all three), or name the parts: `./dev bench flows many`,
 //! `./dev bench flows linear fan` (or `AX_BENCH_FLOW_PARTS=many`). Edge overhead is read
@@ -13,6 +15,8 @@
 //! p99 ≤ 10 ms and ≤ 2 KiB of the leader's memory per waiting run).
 
 mod common;
+#[path = "flows_parts/events.rs"]
+mod events;
 #[path = "flows_parts/sleep.rs"]
 mod sleep;
 
@@ -45,6 +49,9 @@ fn main() {
         }
         if parts.iter().any(|p| p == "sleep") {
             sleep::sleeping(env_or("AX_BENCH_SLEEP_RUNS", 20_000)).await;
+        }
+        if parts.iter().any(|p| p == "events") {
+            events::waiting(env_or("AX_BENCH_EVENT_RUNS", 10_000)).await;
         }
         if !parts.iter().any(|p| p == "linear" || p == "fan") {
             return;
@@ -188,9 +195,10 @@ async fn fan_out(ax: &Client, ran: &AtomicUsize, fan: usize) {
 }
 
 /// The parts to run: the bench's arguments (cargo's own `--bench` left out), else
-/// `AX_BENCH_FLOW_PARTS` (comma-separated), else all of `many`, `linear`, `fan`, `sleep`.
+/// `AX_BENCH_FLOW_PARTS` (comma-separated), else all of `many`, `linear`, `fan`, `sleep`,
+/// `events`.
 fn parts() -> Vec<String> {
-    let known = ["many", "linear", "fan", "sleep"];
+    let known = ["many", "linear", "fan", "sleep", "events"];
     let mut parts: Vec<String> = std::env::args()
         .skip(1)
         .filter(|a| !a.starts_with('-'))

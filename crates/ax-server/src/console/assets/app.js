@@ -402,7 +402,9 @@ function dag(steps) {
 
 // A step's state as shown: a running step that waits says what for and until when.
 function stepState(s) {
-  if (s.waiting && s.waiting.kind === "sleep") return `sleeping until ${new Date(s.waiting.until_ms).toISOString().replace(".000", "")}`;
+  const until = s.waiting ? new Date(s.waiting.until_ms).toISOString().replace(".000", "") : "";
+  if (s.waiting && s.waiting.kind === "sleep") return `sleeping until ${until}`;
+  if (s.waiting && s.waiting.kind === "event") return `waiting for event ${s.waiting.event} until ${until}`;
   return s.state;
 }
 

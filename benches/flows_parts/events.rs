@@ -1,0 +1,170 @@
+//! Part `events`: `runs` runs of a flow that waits for its own event (`bench.paid`,
+//! matched on the run's input `i`) and then runs one task, on an ax server and a worker
+//! in this process; once every wait is registered, one event per run is published at
+//! `AX_BENCH_EVENT_RATE` (default 1,000) a second. Per event: publish → the wait's end
+//! (its wait task's `finished_at_ms`, the matcher's part) and publish → the next step's
+//! task starting on the worker (the whole path). Printed, not asserted.
+
+use crate::common::{env_or, percentiles};
+use ax_core::time::now_ms;
+use ax_sdk::flow::{FlowDef, StepDef, WaitForEventDef};
+use ax_sdk::worker::{Task, Worker};
+use ax_sdk::{Client, Output, TaskSpec, TaskState};
+use ax_server::Server;
+use ax_testkit::LocalNats;
+use futures::StreamExt;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+
+pub async fn waiting(runs: usize) {
+    let rate = env_or("AX_BENCH_EVENT_RATE", 1000) as f64;
+    let nats = LocalNats::start().expect("nats-server (run via ./dev bench flows)");
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let stop = CancellationToken::new();
+    let server = tokio::spawn(
+        Server::builder()
+            .queues(["ev"])
+            .build()
+            .run(client.clone(), stop.clone()),
+    );
+    let ax = Client::new(client.clone());
+    let wait = WaitForEventDef {
+        event: "bench.paid".into(),
+        matches: serde_json::json!({"i": "$input.i"})
+            .as_object()
+            .cloned()
+            .unwrap(),
+        timeout_ms: Some(3_600_000),
+        ..Default::default()
+    };
+    let def = FlowDef::new("paid")
+        .step(StepDef::wait_for_event("w", "ev", wait))
+        .step(StepDef::new("b", "ev", TaskSpec::new("ship")).needs(["w"]));
+    while ax.put_flow(&def).await.is_err() {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The worker notes when each run's `b` starts, by the run's input.
+    let started: Arc<Mutex<HashMap<u64, u64>>> = Arc::default();
+    let worker = Worker::builder("ev")
+        .concurrency(256)
+        .handler({
+            let started = started.clone();
+            move |task: Task| {
+                let at = now_ms();
+                let started = started.clone();
+                async move {
+                    let p: serde_json::Value = task.json().unwrap_or_default();
+                    if let Some(i) = p["input"]["i"].as_u64() {
+                        started.lock().unwrap().entry(i).or_insert(at);
+                    }
+                    Output::json(&1)
+                }
+            }
+        })
+        .build()
+        .unwrap();
+    let worker = tokio::spawn(worker.run(client.clone(), stop.clone()));
+    println!(
+        "waiting runs: {runs} runs waiting for an event each, then one task; events published at {rate:.0}/s; \
+         one nats-server; ax server, worker and client in this process"
+    );
+    let t = Instant::now();
+    let mut starts = futures::stream::iter(0..runs)
+        .map(|i| {
+            let ax = ax.clone();
+            async move {
+                ax.run_flow("paid", serde_json::json!({ "i": i }))
+                    .await
+                    .unwrap()
+            }
+        })
+        .buffer_unordered(256);
+    while starts.next().await.is_some() {}
+    let js = async_nats::jetstream::new(client.clone());
+    loop {
+        let mut waits = js.get_stream("KV_AX_WAITS").await.unwrap();
+        if waits.info().await.unwrap().state.messages >= runs as u64 {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(600),
+            "the waits did not all register in 600 s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    println!(
+        "  {runs} runs started and waiting in {:.1} s",
+        t.elapsed().as_secs_f64()
+    );
+    // One event per run, paced at `rate`; each publish's time noted before it is sent.
+    let published: Arc<Mutex<HashMap<u64, u64>>> = Arc::default();
+    let t = Instant::now();
+    let mut acks = futures::stream::FuturesUnordered::new();
+    for i in 0..runs as u64 {
+        let due = t + Duration::from_secs_f64(i as f64 / rate);
+        tokio::time::sleep_until(due.into()).await;
+        published.lock().unwrap().insert(i, now_ms());
+        let ax = ax.clone();
+        acks.push(async move {
+            ax.publish_event("bench.paid", &serde_json::json!({ "i": i }), None)
+                .await
+                .unwrap()
+        });
+        while let Some(Some(_)) = futures::FutureExt::now_or_never(acks.next()) {}
+    }
+    while acks.next().await.is_some() {}
+    let sent = t.elapsed();
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while started.lock().unwrap().len() < runs && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The waits' ends, from their tasks' records.
+    let kv = js.get_key_value("AX_TASKS").await.unwrap();
+    let mut feed = kv.watch_with_history("ev.fl.*.w.>").await.unwrap();
+    let mut ended = HashMap::new();
+    while ended.len() < runs {
+        let Ok(Some(Ok(entry))) = tokio::time::timeout(Duration::from_secs(10), feed.next()).await
+        else {
+            break;
+        };
+        let Ok(rec) = serde_json::from_slice::<ax_sdk::TaskRecord>(&entry.value) else {
+            continue;
+        };
+        let i = rec
+            .output
+            .as_ref()
+            .and_then(|o| o.json.as_ref())
+            .and_then(|v| v["i"].as_u64());
+        if let (TaskState::Succeeded, Some(i)) = (rec.state, i) {
+            ended.insert(i, rec.finished_at_ms.unwrap_or(0));
+        }
+    }
+    let published = published.lock().unwrap();
+    let lag = |at: &HashMap<u64, u64>| -> Vec<f64> {
+        at.iter()
+            .filter_map(|(i, at)| Some(*at as f64 - *published.get(i)? as f64))
+            .collect()
+    };
+    let started = started.lock().unwrap();
+    let (m50, m99, mmax) = percentiles(lag(&ended));
+    let (s50, s99, smax) = percentiles(lag(&started));
+    println!(
+        "  {} events published in {:.1} s ({:.0}/s); {} waits ended, {} next steps started",
+        runs,
+        sent.as_secs_f64(),
+        runs as f64 / sent.as_secs_f64(),
+        ended.len(),
+        started.len()
+    );
+    println!(
+        "  publish → wait ended (matcher): p50 {m50:.0} ms, p99 {m99:.0} ms, max {mmax:.0} ms"
+    );
+    println!(
+        "  publish → next step's task started: p50 {s50:.0} ms, p99 {s99:.0} ms, max {smax:.0} ms"
+    );
+    stop.cancel();
+    let _ = worker.await;
+    server.await.unwrap().unwrap();
+}
