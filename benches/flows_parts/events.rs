@@ -141,13 +141,13 @@ pub async fn waiting(runs: usize) {
             ended.insert(i, rec.finished_at_ms.unwrap_or(0));
         }
     }
-    let published = published.lock().unwrap();
+    let published = std::mem::take(&mut *published.lock().unwrap());
     let lag = |at: &HashMap<u64, u64>| -> Vec<f64> {
         at.iter()
             .filter_map(|(i, at)| Some(*at as f64 - *published.get(i)? as f64))
             .collect()
     };
-    let started = started.lock().unwrap();
+    let started = std::mem::take(&mut *started.lock().unwrap());
     let (m50, m99, mmax) = percentiles(lag(&ended));
     let (s50, s99, smax) = percentiles(lag(&started));
     println!(
