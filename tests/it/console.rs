@@ -81,7 +81,7 @@ async fn find_a_dead_task_by_error_class_retry_it_and_watch_it_succeed() {
         // panicked shows its restart and, to a logged-in user, why.
         b.until("every service up on the overview", 15,
             "const r = [...document.querySelectorAll('#services tr[data-service]')]; \
-             return r.length === 10 && r.every((t) => t.querySelector('.up').textContent.trim() === 'up')").await;
+             return r.length === 11 && r.every((t) => t.querySelector('.up').textContent.trim() === 'up')").await;
         faults.panic_service("alerts");
         crate::support::eventually(Duration::from_secs(15), "the alerts service restarted", || async {
             env.ax.submit("q", TaskSpec::new("send").json(&98)).await.unwrap();

@@ -367,3 +367,40 @@ async fn bad_waits_and_bad_events_are_refused_by_field() {
     };
     assert_eq!(e.code, ax_core::protocol::ErrorCode::PayloadTooLarge);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_runs_wait_leaves_the_waits_at_once() {
+    let env = Env::start(Env::server()).await;
+    let def = FlowDef::new("abandoned").step(StepDef::wait_for_event(
+        "w",
+        "q",
+        paid(Duration::from_secs(3600), OnTimeout::Fail, None),
+    ));
+    env.ax.put_flow(&def).await.unwrap();
+    let run = env
+        .ax
+        .run_flow("abandoned", json!({"order": 1}))
+        .await
+        .unwrap();
+    let w = waiting(&env.ax, &run, "w").await;
+    let w_id = w["task_id"].as_str().unwrap().to_string();
+    let waits = env.js.get_key_value("AX_WAITS").await.unwrap();
+    assert!(waits.get(&w_id).await.unwrap().is_some(), "registered");
+    env.ax.flow("cancel", &json!({ "run": run })).await.unwrap();
+    assert_eq!(finish(&env.ax, &run).await.state, RunState::Cancelled);
+    assert_eq!(env.record(&w_id).await.state, TaskState::Cancelled);
+    // Not kept until an hour (and a minute) from now: removed with the cancel.
+    crate::support::eventually(
+        Duration::from_secs(10),
+        "the registration's removal",
+        || async { waits.get(&w_id).await.unwrap().is_none().then_some(()) },
+    )
+    .await;
+    // An event for it now ends nothing.
+    env.ax
+        .publish_event("order.paid", &json!({"order_id": 1}), None)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(env.record(&w_id).await.state, TaskState::Cancelled);
+}

@@ -677,8 +677,17 @@ impl Run {
         .buffer_unordered(CONCURRENCY)
         .collect()
         .await;
+        let waits_for_event = self.shape().def.steps[i].wait_for_event.is_some();
         for (k, answer) in answers {
             if answer.map_err(|e| Fault::Other(e.to_string()))? == Some(TaskState::Cancelled) {
+                if waits_for_event {
+                    // The matcher need not keep a cancelled wait until its timeout; if this
+                    // removal fails, its sweep removes it then.
+                    let id = self.task_id(i, k);
+                    if let Err(e) = sh.ctx.waits.remove(&id).await {
+                        debug!(task_id = %id, cause = %e, "a cancelled wait's registration not removed; the matcher's sweep will");
+                    }
+                }
                 let done = Done {
                     state: TaskState::Cancelled,
                     error: None,
