@@ -18,7 +18,7 @@ from ax_scheduler._embedded import LocalNats
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 # Every queue the tests use, declared by the session's ax server.
-QUEUES = ["default", "py_tasks", "py_flows", "py_shared", "py_faults", "py_gil"]
+QUEUES = ["default", "py_tasks", "py_flows", "py_shared", "py_faults", "py_gil", "py_capacity"]
 ACK_WAIT = 2.0
 
 
