@@ -157,8 +157,8 @@ pub fn check_aging(
         judged.most = judged.most.max(waited);
         if waited > bound {
             out.push(format!(
-                "aging: low task {} (answered at {}) started {waited} ms later (bound {bound} ms)",
-                low.id, low.answered_ms
+                "aging: low task {} (first sent at {}, answered at {}) started {waited} ms later (bound {bound} ms)",
+                low.id, low.first_sent_ms, low.answered_ms
             ));
         }
     }

@@ -148,7 +148,11 @@ impl Procs {
         let journal = self.journal.display().to_string();
         let slots = crate::fairness::FQ_SLOTS.to_string();
         let aging = format!("{}ms", crate::fairness::AGING_MS);
-        AxProc::spawn(
+        // Its aging follower's debug lines (a look that failed) beside the children's
+        // filter: an aging violation's path (RELIABILITY rule 16) is then in the log.
+        let log = std::env::var("AX_PROC_LOG").unwrap_or_else(|_| "warn".into());
+        let log = format!("{log},ax_sdk::worker::aging=debug");
+        AxProc::spawn_env(
             &self.url,
             &[
                 "worker",
@@ -166,6 +170,7 @@ impl Procs {
                 "--id",
                 "f",
             ],
+            &[("RUST_LOG", &log)],
         )
     }
 

@@ -15,7 +15,10 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
-use tracing::debug;
+use tracing::{debug, warn};
+
+/// A look at the oldest waiting task slower than this is logged (aging lags behind it).
+const SLOW_LOOK: Duration = Duration::from_secs(1);
 
 /// How many levels each priority is raised now (high, normal, low), shared with the fetch
 /// loop.
@@ -52,7 +55,15 @@ pub(crate) async fn follow(
     let tick = (threshold / 4).clamp(Duration::from_millis(100), Duration::from_secs(1));
     loop {
         for p in [Priority::Normal, Priority::Low] {
-            match oldest_waiting(&js, &queue, &consumers[p.index()], p).await {
+            let asked = std::time::Instant::now();
+            let look = oldest_waiting(&js, &queue, &consumers[p.index()], p).await;
+            let took = asked.elapsed();
+            if took > SLOW_LOOK {
+                // The levels were stale meanwhile: say so (a broker slow to answer).
+                warn!(queue = %queue, priority = %p, took_ms = took.as_millis() as u64,
+                    "aging: a look at the oldest waiting task was slow; aging lagged behind");
+            }
+            match look {
                 Ok(age) => levels.set(p, age.map_or(0, |a| level(p, a, threshold))),
                 // Left as it was: the next look decides.
                 Err(e) => {
