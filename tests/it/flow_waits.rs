@@ -236,3 +236,31 @@ async fn bad_sleeps_are_refused_by_field() {
     let run = env.ax.run_flow("ok", Value::Null).await.unwrap();
     assert_eq!(finish(&env.ax, &run).await.state, RunState::Succeeded);
 }
+
+/// A wait task's message can be due before its record is written (the submit stores the
+/// message first), or its submit can die in between: the dispatcher then creates the
+/// record the message stands for and ends the wait, instead of dropping the message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_due_wait_whose_record_is_not_written_yet_still_ends() {
+    let env = Env::start(Env::server()).await;
+    let req = SubmitRequest {
+        name: ax_sdk::flow::SLEEP_TASK.into(),
+        queue: Some("q".into()),
+        ..SubmitRequest::default()
+    };
+    let (mut meta, payload) =
+        ax_core::task::TaskMeta::from_request("q", req, &ax_core::task::Limits::default()).unwrap();
+    meta.run_at_ms = Some(ax_core::time::now_ms());
+    meta.wait = Some(ax_core::task::Wait::Sleep);
+    let subject = ax_core::admit::subject(&meta);
+    ax_core::admit::publish_task(&env.js, subject, &meta, payload)
+        .await
+        .unwrap();
+    let id = meta.id.clone();
+    let ended = crate::support::eventually(Duration::from_secs(20), "the wait's end", || async {
+        let (rec, _) = env.ax.task(&id).await.ok()??;
+        rec.state.is_terminal().then_some(rec)
+    })
+    .await;
+    assert_eq!(ended.state, TaskState::Succeeded, "{ended:?}");
+}

@@ -5,7 +5,9 @@
 //! on a lost race, so two servers dispatching the same message, or the matcher and a
 //! timeout, end it once), then its delayed message is deleted. Killed in between, the
 //! message is dispatched again and finds the record ended: only the delete is left to do.
-//! A wait that ended meanwhile (an event, the run's cancel) keeps its record. The
+//! A wait that ended meanwhile (an event, the run's cancel) keeps its record. A wait whose
+//! record does not exist yet (the submit stores the message first, and may die before the
+//! record) gets the record its message stands for, created here, and ends. The
 //! registration of a wait for an event is removed by the matcher (`event_wait`).
 
 use super::outcome::Outcome;
@@ -33,23 +35,21 @@ pub(super) async fn wake(
         );
         return Outcome::Bad;
     };
-    let ended = match Wait::parse(wait) {
-        Some(Wait::Sleep) | Some(Wait::Event(OnTimeout::Continue)) => {
-            tasks.succeed_unstarted(&id, None).await
-        }
-        Some(Wait::Event(OnTimeout::Fail)) => {
-            let error = ErrorInfo {
-                detail: None,
-                class: "wait_timed_out".into(),
-                message: "no matching event came before the wait's timeout".into(),
-            };
-            tasks.fail_unstarted(&id, error).await
-        }
-        None => {
-            warn!(seq, task_id = %id, wait, "wait task of a kind this server does not know; left in place");
-            return Outcome::Bad;
-        }
+    let Some(kind) = Wait::parse(wait) else {
+        warn!(seq, task_id = %id, wait, "wait task of a kind this server does not know; left in place");
+        return Outcome::Bad;
     };
+    let mut ended = end(tasks, &id, kind).await;
+    if let Ok(None) = ended {
+        // No record yet: its submit stores the message first and the record after (or
+        // died in between, and no worker will ever claim a wait task). The record the
+        // message stands for is created here (the submit's own create then finds it),
+        // and the wait ended as due.
+        ended = match create_from(tasks, headers, seq).await {
+            Ok(()) => end(tasks, &id, kind).await,
+            Err(e) => Err(e),
+        };
+    }
     match ended {
         Ok(Some(state)) => debug!(task_id = %id, %state, wait, "wait ended by its time"),
         Ok(None) => warn!(task_id = %id, "wait without a record; its message is dropped"),
@@ -68,4 +68,41 @@ pub(super) async fn wake(
     }
     metrics::counter!(ax_core::metrics::DELAYED_DISPATCHED).increment(1);
     Outcome::Gone
+}
+
+/// Ends wait task `id` as its kind says when its time has come.
+async fn end(
+    tasks: &TaskStore,
+    id: &str,
+    kind: Wait,
+) -> Result<Option<ax_core::state::TaskState>, ax_core::state::StateError> {
+    match kind {
+        Wait::Sleep | Wait::Event(OnTimeout::Continue) => tasks.succeed_unstarted(id, None).await,
+        Wait::Event(OnTimeout::Fail) => {
+            let error = ErrorInfo {
+                detail: None,
+                class: "wait_timed_out".into(),
+                message: "no matching event came before the wait's timeout".into(),
+            };
+            tasks.fail_unstarted(id, error).await
+        }
+    }
+}
+
+/// Creates the `scheduled` record the delayed message at `seq` stands for (one that
+/// exists already is fine).
+async fn create_from(
+    tasks: &TaskStore,
+    headers: &async_nats::HeaderMap,
+    seq: u64,
+) -> Result<(), ax_core::state::StateError> {
+    let Ok(meta) = ax_core::task::TaskMeta::from_headers(headers) else {
+        return Ok(()); // not a task's headers: left to the warning above
+    };
+    let mut record = meta.record();
+    record.delayed_seq = Some(seq);
+    match tasks.create(&record).await {
+        Ok(_) | Err(ax_core::state::StateError::Exists(_)) => Ok(()),
+        Err(e) => Err(e),
+    }
 }
