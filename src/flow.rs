@@ -135,7 +135,7 @@ fn colour(state: &str) -> &'static str {
         "failed" => "salmon",
         "upstream_failed" => "orange",
         "running" => "lightblue",
-        "sleeping" | "waiting for event" => "lavender",
+        "sleeping" | "waiting for event" | "waiting for approval" => "lavender",
         "cancelled" | "skipped" => "lightgrey",
         _ => "white",
     }
@@ -181,6 +181,13 @@ fn print_run(run: &Value) {
                     ax_core::time::format_rfc3339_ms(until)
                 ),
             ),
+            (Some("approval"), Some(until)) => (
+                "waiting",
+                format!(
+                    "for approval until {}",
+                    ax_core::time::format_rfc3339_ms(until)
+                ),
+            ),
             (_, Some(until)) => (
                 "sleeping",
                 format!("until {}", ax_core::time::format_rfc3339_ms(until)),
@@ -209,6 +216,7 @@ fn print_dot(run: &Value) {
         let state = match s["waiting"]["kind"].as_str() {
             Some("sleep") => "sleeping",
             Some("event") => "waiting for event",
+            Some("approval") => "waiting for approval",
             _ => s["state"].as_str().unwrap_or("waiting"),
         };
         println!(

@@ -3,6 +3,7 @@
 //! console script (`ax_scheduler._core.cli`) both call it.
 
 mod apply_limits;
+mod approval;
 mod conn;
 mod demo;
 mod event;
@@ -88,6 +89,11 @@ enum Command {
     Flow {
         #[command(subcommand)]
         command: flow::FlowCommand,
+    },
+    /// The flows' approvals (list, approve, reject).
+    Approval {
+        #[command(subcommand)]
+        command: approval::ApprovalCommand,
     },
     /// Events that flows wait for (publish).
     Event {
@@ -236,6 +242,7 @@ async fn run(cli: Cli) -> Result<()> {
         Command::Trigger { command } => trigger::run(command, conn).await,
         Command::Flow { command } => flow::run(command, conn, cli.output).await,
         Command::Event { command } => event::run(command, conn).await,
+        Command::Approval { command } => approval::run(command, conn, cli.output).await,
         Command::Limits { command } => limits::run(command, conn, cli.output).await,
         Command::Apply { file, no_prune } => apply(&file, no_prune, conn).await,
         Command::Demo(args) => demo::run(args, conn).await,

@@ -20,6 +20,7 @@ mod fair;
 mod faults;
 mod fields;
 mod first_attempt;
+mod flow_approvals;
 mod flow_events;
 mod flow_singleton;
 mod flow_waits;

@@ -39,6 +39,46 @@ impl Waits {
         Ok(self.store().await?.put(&reg.task, value.into()).await?)
     }
 
+    /// Stores `reg` under its task id unless one is stored already, and answers the one
+    /// stored: an approval's retried submit keeps the secret its first one drew.
+    pub async fn create_or_get(
+        &self,
+        reg: &WaitRegistration,
+    ) -> Result<WaitRegistration, async_nats::Error> {
+        let store = self.store().await?;
+        let value = serde_json::to_vec(reg).expect("a registration serializes");
+        match store.create(&reg.task, value.into()).await {
+            Ok(_) => Ok(reg.clone()),
+            Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {
+                match self.get(&reg.task).await? {
+                    Some(stored) => Ok(stored),
+                    None => Err(format!("the wait {} went while it was read", reg.task).into()),
+                }
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Task `id`'s registration, if it has one (one that does not decode is none).
+    pub async fn get(&self, id: &str) -> Result<Option<WaitRegistration>, async_nats::Error> {
+        let entry = self.store().await?.get(id).await?;
+        Ok(entry.and_then(|v| serde_json::from_slice(&v).ok()))
+    }
+
+    /// Every registration stored (ones that do not decode are left out).
+    pub async fn all(&self) -> Result<Vec<WaitRegistration>, async_nats::Error> {
+        use futures::StreamExt;
+        let store = self.store().await?;
+        let mut keys = store.keys().await?;
+        let mut out = Vec::new();
+        while let Some(key) = keys.next().await {
+            if let Some(reg) = self.get(&key?).await? {
+                out.push(reg);
+            }
+        }
+        Ok(out)
+    }
+
     /// Removes task `id`'s registration (its wait ended).
     pub async fn remove(&self, id: &str) -> Result<(), async_nats::Error> {
         Ok(self.store().await?.purge(id).await?)

@@ -31,6 +31,9 @@ pub(crate) struct Context {
     pub(crate) drops: crate::limits::drops::Drops,
     /// The flows' pending waits for events (a wait's submit registers it first).
     pub(crate) waits: ax_core::waits::Waits,
+    /// The console's public URL (`--console-url`), if this server serves one: an
+    /// approval's announcement gives its hook's URL under it.
+    pub(crate) console_url: Option<String>,
 }
 
 impl Context {
@@ -71,6 +74,7 @@ impl Context {
             faults,
             lanes: Default::default(),
             drops: Default::default(),
+            console_url: None,
         })
     }
 }

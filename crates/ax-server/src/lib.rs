@@ -23,6 +23,7 @@
 //! | [`console`] | the web console |
 #![warn(missing_docs, unreachable_pub, rustdoc::broken_intra_doc_links)]
 
+mod approval;
 pub mod console;
 mod context;
 mod event_wait;

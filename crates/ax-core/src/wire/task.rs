@@ -76,7 +76,7 @@ pub mod header {
     /// shares"): its message waits in `AX_FAIR` until the fair dispatcher releases it.
     pub const FAIR_KEY: &str = "Ax-Fair-Key";
     /// On a flow's wait task (docs/PROTOCOL.md §6, "Waits"): what it waits for (`sleep`,
-    /// `event`, `event-or-null`).
+    /// `event`, `event-or-null`, `approval`, `approval-or-null`).
     /// No worker runs such a task: the server that dispatches it when due records it
     /// `succeeded` instead of publishing it to its ready subject.
     pub const WAIT: &str = "Ax-Wait";
@@ -90,16 +90,22 @@ pub enum Wait {
     /// An event (`AX_WAITS` holds what it matches); its due time is its timeout, which
     /// ends it as the policy says.
     Event(crate::wire::event::OnTimeout),
+    /// An approval (`AX_WAITS` holds its token's secret); its due time is its timeout,
+    /// which ends it as the policy says.
+    Approval(crate::wire::event::OnTimeout),
 }
 
 impl Wait {
-    /// The header value: `sleep`, `event` (fails on timeout) or `event-or-null`.
+    /// The header value: `sleep`, `event` (fails on timeout), `event-or-null`,
+    /// `approval` (fails on timeout) or `approval-or-null`.
     pub fn as_str(self) -> &'static str {
         use crate::wire::event::OnTimeout;
         match self {
             Wait::Sleep => "sleep",
             Wait::Event(OnTimeout::Fail) => "event",
             Wait::Event(OnTimeout::Continue) => "event-or-null",
+            Wait::Approval(OnTimeout::Fail) => "approval",
+            Wait::Approval(OnTimeout::Continue) => "approval-or-null",
         }
     }
 
@@ -110,6 +116,8 @@ impl Wait {
             "sleep" => Some(Wait::Sleep),
             "event" => Some(Wait::Event(OnTimeout::Fail)),
             "event-or-null" => Some(Wait::Event(OnTimeout::Continue)),
+            "approval" => Some(Wait::Approval(OnTimeout::Fail)),
+            "approval-or-null" => Some(Wait::Approval(OnTimeout::Continue)),
             _ => None,
         }
     }

@@ -13,8 +13,8 @@
 //! ```
 
 use super::def::{
-    FailurePolicy, FlowDef, OnFailure, SleepDef, StepDef, TriggerRule, WaitForEventDef, SLEEP_TASK,
-    WAIT_FOR_EVENT_TASK,
+    ApprovalDef, FailurePolicy, FlowDef, OnFailure, SleepDef, StepDef, TriggerRule,
+    WaitForEventDef, APPROVAL_TASK, SLEEP_TASK, WAIT_FOR_EVENT_TASK,
 };
 use crate::client::TaskSpec;
 use std::time::Duration;
@@ -57,7 +57,25 @@ impl StepDef {
             task,
             sleep: None,
             wait_for_event: None,
+            approval: None,
         }
+    }
+
+    /// An approval (its timeout held in `queue`'s delayed tasks, never by a process):
+    /// the step succeeds when its token is approved, fails when it is rejected, or times
+    /// out as `approval.on_timeout` says. `approval.queue` is set to `queue`.
+    pub fn approval(
+        name: impl Into<String>,
+        queue: impl Into<String>,
+        approval: ApprovalDef,
+    ) -> StepDef {
+        let queue = queue.into();
+        let mut step = StepDef::new(name, queue.clone(), TaskSpec::new(APPROVAL_TASK));
+        step.approval = Some(ApprovalDef {
+            queue: Some(queue),
+            ..approval
+        });
+        step
     }
 
     /// A wait for an event (held in `queue`'s delayed tasks until its timeout, never by

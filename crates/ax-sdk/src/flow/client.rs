@@ -16,6 +16,31 @@ impl Client {
         self.management(FLOW_API_PREFIX, op, body).await
     }
 
+    /// Approves or rejects an approval (docs/PROTOCOL.md §6, "Approvals"), by its token
+    /// (`ax.flow.approve`) or its wait task id (`ax.flow.approve_task`, an operator's).
+    /// Answers `{"task", "run", "step", "decision": "approved" |
+    /// "rejected"}`; the same decision again answers the same (idempotent). Refused: an
+    /// unknown or wrong token (`not_found`), an approval already ended otherwise
+    /// (`conflict`, the message says how).
+    pub async fn complete_approval(
+        &self,
+        completion: &ax_core::event::ApprovalCompletion,
+    ) -> Result<Value, ClientError> {
+        match completion.task {
+            Some(_) => {
+                self.call(&FlowRequest::ApproveTask(completion.clone()))
+                    .await
+            }
+            None => self.call(&FlowRequest::Approve(completion.clone())).await,
+        }
+    }
+
+    /// The approvals waiting: `[{"task", "flow", "run", "step", "message", "until_ms"}]`
+    /// (their tokens are not shown).
+    pub async fn approvals(&self) -> Result<Value, ClientError> {
+        self.call(&FlowRequest::Approvals {}).await
+    }
+
     /// Stores a flow definition (checked by the server first; refused with
     /// `invalid_field` naming the field, or the steps of a cycle).
     pub async fn put_flow(&self, def: &FlowDef) -> Result<(), ClientError> {

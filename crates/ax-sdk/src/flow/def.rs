@@ -112,18 +112,52 @@ pub struct StepDef {
     /// event's payload as its output, or times out as its `on_timeout` says.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub wait_for_event: Option<WaitForEventDef>,
+    /// An approval instead of a task: the step waits until its token is completed
+    /// (approved: it succeeds with `{"decision": "approved", "payload"}`; rejected: it
+    /// fails, class `approval_rejected`) or times out as its `on_timeout` says.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approval: Option<ApprovalDef>,
 }
 
 impl StepDef {
-    /// The queue a wait step (a sleep or a wait for an event) names for its wait task;
-    /// `None` for a step that runs a task.
-    fn wait_queue(&self) -> Option<Option<&String>> {
-        match (&self.sleep, &self.wait_for_event) {
-            (Some(s), _) => Some(s.queue.as_ref()),
-            (None, Some(w)) => Some(w.queue.as_ref()),
-            (None, None) => None,
+    /// The wait task's name and queue of a wait step (a sleep, a wait for an event, an
+    /// approval); `None` for a step that runs a task.
+    fn wait_kind(&self) -> Option<(&'static str, Option<&String>)> {
+        if let Some(s) = &self.sleep {
+            return Some((SLEEP_TASK, s.queue.as_ref()));
         }
+        if let Some(w) = &self.wait_for_event {
+            return Some((WAIT_FOR_EVENT_TASK, w.queue.as_ref()));
+        }
+        let a = self.approval.as_ref()?;
+        Some((APPROVAL_TASK, a.queue.as_ref()))
     }
+}
+
+/// The name of an approval's wait task.
+pub const APPROVAL_TASK: &str = "ax.approval";
+
+/// An approval step: a token is drawn when the step starts (announced on
+/// `ax.events.approval.requested`, docs/PROTOCOL.md §6, "Approvals"); whoever presents it
+/// approves (with a payload) or rejects, once, until `timeout_ms` from the step's start.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ApprovalDef {
+    /// What the approver is asked (at most 1,000 bytes), shown in the console and the
+    /// announcement.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    /// How long the step waits (1 ..= the server's max delay, the default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_ms: Option<u64>,
+    /// What a timeout does: `fail` the step (default; class `approval_timed_out`) or
+    /// `continue` with output `null`.
+    #[serde(default)]
+    pub on_timeout: ax_core::event::OnTimeout,
+    /// The queue whose delayed tasks hold the approval's timeout (no worker of it runs
+    /// anything for it); default: the queue of the flow's first step with a task.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue: Option<String>,
 }
 
 /// The name of a wait for an event's wait task.
@@ -229,16 +263,14 @@ impl FlowDef {
         let first_queue = def
             .steps
             .iter()
-            .find(|s| s.wait_queue().is_none())
+            .find(|s| s.wait_kind().is_none())
             .and_then(|s| s.task.queue.clone());
         for step in &mut def.steps {
-            let name = match (&step.sleep, &step.wait_for_event) {
-                (Some(_), _) => SLEEP_TASK,
-                (None, Some(_)) => WAIT_FOR_EVENT_TASK,
-                (None, None) => continue,
+            let Some((name, queue)) = step.wait_kind() else {
+                continue;
             };
             if step.task == SubmitRequest::default() {
-                let queue = step.wait_queue().flatten().cloned();
+                let queue = queue.cloned();
                 step.task = SubmitRequest {
                     name: name.into(),
                     queue: queue.or_else(|| first_queue.clone()),
@@ -324,6 +356,12 @@ impl FlowDef {
                     e
                 })?;
             }
+            if let Some(approval) = &step.approval {
+                check_approval(step, approval, limits).map_err(|mut e| {
+                    e.field = Some(field(e.field.as_deref().unwrap_or("approval")));
+                    e
+                })?;
+            }
             check_template(&step.task, limits).map_err(|mut e| {
                 e.field = Some(field(&format!("task.{}", e.field.as_deref().unwrap_or(""))));
                 e
@@ -363,25 +401,7 @@ fn check_sleep(
                 .map_err(|e| WireError::field("sleep.until", e.to_string()))?;
         }
     }
-    if step.task.name != SLEEP_TASK {
-        return Err(WireError::field(
-            "task",
-            "a sleep step has no task (its timer is a wait task ax runs itself)",
-        ));
-    }
-    if step.for_each.is_some() {
-        return Err(WireError::field(
-            "for_each",
-            "a sleep step does not fan out",
-        ));
-    }
-    if !step.task.queue.as_deref().is_some_and(names::valid_queue) {
-        return Err(WireError::field(
-            "sleep.queue",
-            "a valid queue is required when no step of the flow has a task to take it from",
-        ));
-    }
-    Ok(())
+    wait_step_shape(step, SLEEP_TASK, "sleep")
 }
 
 /// A wait for an event: a valid event name and match paths, a timeout within the max
@@ -424,21 +444,54 @@ fn check_wait_for_event(
             format!("at most {MAX_LOOKBACK_MS} (an hour)"),
         ));
     }
-    if step.task.name != WAIT_FOR_EVENT_TASK {
+    wait_step_shape(step, WAIT_FOR_EVENT_TASK, "wait_for_event")
+}
+
+/// An approval: one kind of wait per step, a message within 1,000 bytes, a timeout
+/// within the max delay, no task of its own, no fan-out, a queue.
+fn check_approval(
+    step: &StepDef,
+    approval: &ApprovalDef,
+    limits: &crate::task::Limits,
+) -> Result<(), WireError> {
+    if step.sleep.is_some() || step.wait_for_event.is_some() {
+        return Err(WireError::field(
+            "approval",
+            "a step sleeps, waits for an event or waits for an approval: one of them",
+        ));
+    }
+    if approval.message.as_ref().is_some_and(|m| m.len() > 1_000) {
+        return Err(WireError::field("approval.message", "at most 1,000 bytes"));
+    }
+    let most = limits.max_delay.as_millis() as u64;
+    if approval.timeout_ms.is_some_and(|ms| ms == 0 || ms > most) {
+        return Err(WireError::field(
+            "approval.timeout_ms",
+            format!("must be 1..={most} (the server's max delay)"),
+        ));
+    }
+    wait_step_shape(step, APPROVAL_TASK, "approval")
+}
+
+/// A wait step of kind `kind` runs its wait task `task` (none of its own), does not fan
+/// out and has a queue for its timer.
+fn wait_step_shape(step: &StepDef, task: &str, kind: &str) -> Result<(), WireError> {
+    let what = kind.replace('_', " ");
+    if step.task.name != task {
         return Err(WireError::field(
             "task",
-            "a wait for an event has no task (its timeout is a wait task ax runs itself)",
+            format!("a {what} step has no task (its timer is a wait task ax runs itself)"),
         ));
     }
     if step.for_each.is_some() {
         return Err(WireError::field(
             "for_each",
-            "a wait for an event does not fan out",
+            format!("a {what} step does not fan out"),
         ));
     }
     if !step.task.queue.as_deref().is_some_and(names::valid_queue) {
         return Err(WireError::field(
-            "wait_for_event.queue",
+            &format!("{kind}.queue"),
             "a valid queue is required when no step of the flow has a task to take it from",
         ));
     }

@@ -10,10 +10,10 @@ mod request;
 mod rerun;
 pub mod store;
 
-pub use ax_core::event::OnTimeout;
+pub use ax_core::event::{ApprovalCompletion, Decision, OnTimeout};
 pub use def::{
-    FailurePolicy, FlowDef, Plan, SleepDef, StepDef, TriggerRule, WaitForEventDef, SLEEP_TASK,
-    WAIT_FOR_EVENT_TASK,
+    ApprovalDef, FailurePolicy, FlowDef, Plan, SleepDef, StepDef, TriggerRule, WaitForEventDef,
+    APPROVAL_TASK, SLEEP_TASK, WAIT_FOR_EVENT_TASK,
 };
 pub use model::{FlowRun, RunState, StepRun, StepState};
 pub use request::{FlowName, FlowRequest, FlowRerun, FlowStart, RunFilter, RunRef};

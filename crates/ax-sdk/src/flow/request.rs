@@ -31,6 +31,12 @@ pub enum FlowRequest {
     Cancel(RunRef),
     /// Re-run an ended run.
     Rerun(FlowRerun),
+    /// Approve or reject an approval by its token (whoever holds it).
+    Approve(ax_core::event::ApprovalCompletion),
+    /// Approve or reject an approval by its wait task id (an operator).
+    ApproveTask(ax_core::event::ApprovalCompletion),
+    /// The approvals waiting (without their tokens).
+    Approvals {},
     /// An operation this enum does not have (never sent).
     #[doc(hidden)]
     #[serde(other)]

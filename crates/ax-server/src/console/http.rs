@@ -299,6 +299,9 @@ async fn route(
             None => error(StatusCode::UNAUTHORIZED, "login", "log in"),
         },
         (&Method::POST, p) if p.starts_with("/api/") => api(state, req).await,
+        (&Method::POST, p) if p.starts_with(super::hook::PREFIX) => {
+            approval_hook(state, req, peer).await
+        }
         _ => respond(StatusCode::NOT_FOUND, "text/plain", "not found"),
     }
 }
@@ -364,18 +367,35 @@ async fn body(state: &State, req: Request<Incoming>) -> Result<Bytes, Response<B
     }
 }
 
+/// 429 with `Retry-After`: the caller's address failed too often.
+fn throttled(wait: Duration, message: &str) -> Response<Body> {
+    let mut r = error(StatusCode::TOO_MANY_REQUESTS, "throttled", message);
+    r.headers_mut().insert(
+        header::RETRY_AFTER,
+        HeaderValue::from(wait.as_secs().max(1)),
+    );
+    r
+}
+
+/// `POST /hooks/approvals/<token>/approve|reject` (`hook.rs`): no session, the token is
+/// the credential; wrong tokens count as failed logins of the caller's address.
+async fn approval_hook(state: &State, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
+    if let Err(wait) = state.sessions.may_try(peer.ip()) {
+        return throttled(wait, "too many wrong tokens: wait");
+    }
+    let path = req.uri().path().to_string();
+    let bytes = match body(state, req).await {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    let (status, value) =
+        super::hook::approval(&state.sessions, &state.apis, &path, &bytes, peer.ip()).await;
+    json_reply(status, &value)
+}
+
 async fn login(state: &State, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
     if let Err(wait) = state.sessions.may_try(peer.ip()) {
-        let mut r = error(
-            StatusCode::TOO_MANY_REQUESTS,
-            "throttled",
-            "too many failed logins: wait",
-        );
-        r.headers_mut().insert(
-            header::RETRY_AFTER,
-            HeaderValue::from(wait.as_secs().max(1)),
-        );
-        return r;
+        return throttled(wait, "too many failed logins: wait");
     }
     let secure = secure(state, &req);
     let bytes = match body(state, req).await {

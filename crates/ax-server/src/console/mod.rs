@@ -15,6 +15,7 @@
 mod config;
 mod conns;
 mod guard;
+mod hook;
 mod http;
 mod session;
 

@@ -677,10 +677,11 @@ impl Run {
         .buffer_unordered(CONCURRENCY)
         .collect()
         .await;
-        let waits_for_event = self.shape().def.steps[i].wait_for_event.is_some();
+        let def = &self.shape().def.steps[i];
+        let registered = def.wait_for_event.is_some() || def.approval.is_some();
         for (k, answer) in answers {
             if answer.map_err(|e| Fault::Other(e.to_string()))? == Some(TaskState::Cancelled) {
-                if waits_for_event {
+                if registered {
                     // The matcher need not keep a cancelled wait until its timeout; if this
                     // removal fails, its sweep removes it then.
                     let id = self.task_id(i, k);

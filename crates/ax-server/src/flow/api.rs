@@ -157,6 +157,19 @@ impl FlowApi {
             }
             FlowRequest::Cancel(RunRef { run }) => self.cancel(&run).await,
             FlowRequest::Rerun(req) => self.rerun(req).await,
+            // By token: whoever holds it (producers may call this); by task: an operator.
+            FlowRequest::Approve(req) if req.task.is_some() => Err(WireError::field(
+                "task",
+                "approve takes the token; by task id it is approve_task",
+            )),
+            FlowRequest::ApproveTask(req) if req.token.is_some() => Err(WireError::field(
+                "token",
+                "approve_task takes the task id; by token it is approve",
+            )),
+            FlowRequest::Approve(req) | FlowRequest::ApproveTask(req) => {
+                crate::approval::complete(&self.ctx, req).await
+            }
+            FlowRequest::Approvals {} => crate::approval::pending(&self.ctx).await,
             FlowRequest::Unknown => Err(unknown_operation(Api::Flow, op)),
         }
     }
@@ -356,8 +369,18 @@ fn view(run: &FlowRun, steps: &[StepRun], max_delay: std::time::Duration) -> Val
                 v["wait_for_event"] = json!(wait);
                 // `waiting for event <name>` until its timeout while its step runs.
                 if let (StepState::Running, Some(started)) = (s.state, s.started_at_ms) {
-                    let until = super::waits::timeout_at_ms(wait, started, max_delay);
+                    let until = super::waits::timeout_at_ms(wait.timeout_ms, started, max_delay);
                     v["waiting"] = json!({"kind": "event", "event": wait.event, "until_ms": until});
+                }
+            }
+            if let Some(approval) = &def.approval {
+                v["approval"] = json!(approval);
+                // `waiting for approval` until its timeout while its step runs.
+                if let (StepState::Running, Some(started)) = (s.state, s.started_at_ms) {
+                    let until =
+                        super::waits::timeout_at_ms(approval.timeout_ms, started, max_delay);
+                    v["waiting"] = json!({"kind": "approval", "message": approval.message,
+                                          "until_ms": until});
                 }
             }
             if s.items.is_some() {

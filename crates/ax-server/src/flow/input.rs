@@ -258,6 +258,9 @@ impl Run {
         if let Some(wait) = &step.wait_for_event {
             return self.event_task(sh, i, wait).await.map(|t| vec![t]);
         }
+        if let Some(approval) = &step.approval {
+            return self.approval_task(sh, i, approval).map(|t| vec![t]);
+        }
         let payloads = self.payloads(sh, i).await?;
         let limits = &sh.ctx.limits;
         let template = &self.shape().def.steps[i].task;

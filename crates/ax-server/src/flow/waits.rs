@@ -8,13 +8,18 @@
 //!   is accepted (`submit`); the matcher (`crate::event_wait`) ends it `succeeded` with the
 //!   first matching event; a timeout ends it by its policy (`schedule::wake`).
 //!
-//! Both are counted from the step's recorded start, so a task submitted again is the
+//! - An approval's task is due at its timeout; its payload names the step and its
+//!   message. The submit draws the token's secret and stores it in `AX_WAITS` (never in
+//!   the message), then announces the token (`submit`); a completion that presents it
+//!   ends the wait (`flow::approval`); a timeout ends it by its policy.
+//!
+//! All are counted from the step's recorded start, so a task submitted again is the
 //! same task.
 
 use super::actor::{Built, Run};
-use super::def::{SleepDef, WaitForEventDef};
+use super::def::{ApprovalDef, SleepDef, WaitForEventDef};
 use super::shared::Shared;
-use ax_core::event::WaitRegistration;
+use ax_core::event::{ApprovalWait, WaitRegistration};
 use ax_core::state::ErrorInfo;
 use ax_core::task::{TaskMeta, Wait};
 use ax_core::time::now_ms;
@@ -31,12 +36,10 @@ pub(crate) fn wake_at_ms(sleep: &SleepDef, started_ms: u64) -> u64 {
     }
 }
 
-/// When a wait for an event that started at `started_ms` times out (its `timeout_ms`,
-/// or the server's max delay).
-pub(crate) fn timeout_at_ms(wait: &WaitForEventDef, started_ms: u64, max_delay: Duration) -> u64 {
-    let timeout = wait
-        .timeout_ms
-        .unwrap_or(max_delay.as_millis().min(u128::from(u64::MAX)) as u64);
+/// When a wait that started at `started_ms` times out (its `timeout_ms`, or the
+/// server's max delay).
+pub(crate) fn timeout_at_ms(timeout_ms: Option<u64>, started_ms: u64, max_delay: Duration) -> u64 {
+    let timeout = timeout_ms.unwrap_or(max_delay.as_millis().min(u128::from(u64::MAX)) as u64);
     started_ms.saturating_add(timeout)
 }
 
@@ -97,7 +100,7 @@ impl Run {
         wait: &WaitForEventDef,
     ) -> Result<Built, ErrorInfo> {
         let started = self.steps[i].record().started_at_ms.unwrap_or_else(now_ms);
-        let until = timeout_at_ms(wait, started, sh.ctx.limits.max_delay);
+        let until = timeout_at_ms(wait.timeout_ms, started, sh.ctx.limits.max_delay);
         let doc = self
             .payloads(sh, i)
             .await?
@@ -110,9 +113,40 @@ impl Run {
             matches: matches.into_iter().collect(),
             since_ms: started.saturating_sub(wait.lookback()),
             until_ms: until,
+            approval: None,
         };
         let body = serde_json::to_value(&reg).expect("a registration serializes");
         self.wait_task(sh, i, body, until, Wait::Event(wait.on_timeout))
+    }
+
+    /// An approval's wait task: due at its timeout, `Ax-Wait: approval` (or
+    /// `approval-or-null`), its payload the [`WaitRegistration`] (no event, no secret
+    /// yet: the submit draws it).
+    pub(super) fn approval_task(
+        &self,
+        sh: &Shared,
+        i: usize,
+        approval: &ApprovalDef,
+    ) -> Result<Built, ErrorInfo> {
+        let started = self.steps[i].record().started_at_ms.unwrap_or_else(now_ms);
+        let until = timeout_at_ms(approval.timeout_ms, started, sh.ctx.limits.max_delay);
+        let shape = self.shape();
+        let reg = WaitRegistration {
+            task: self.task_id(i, 0),
+            event: String::new(),
+            matches: Default::default(),
+            since_ms: started,
+            until_ms: until,
+            approval: Some(ApprovalWait {
+                flow: shape.flow.to_string(),
+                run: self.id.to_string(),
+                step: shape.def.steps[i].name.clone(),
+                message: approval.message.clone(),
+                secret: None,
+            }),
+        };
+        let body = serde_json::to_value(&reg).expect("a registration serializes");
+        self.wait_task(sh, i, body, until, Wait::Approval(approval.on_timeout))
     }
 
     /// Step `i`'s wait task: `fields` beside the flow, run and step in its payload.
@@ -183,8 +217,8 @@ mod tests {
             ..WaitForEventDef::default()
         };
         let day = Duration::from_secs(86_400);
-        assert_eq!(timeout_at_ms(&wait, 1_000, day), 1_500);
+        assert_eq!(timeout_at_ms(wait.timeout_ms, 1_000, day), 1_500);
         let open = WaitForEventDef::default();
-        assert_eq!(timeout_at_ms(&open, 1_000, day), 86_401_000);
+        assert_eq!(timeout_at_ms(open.timeout_ms, 1_000, day), 86_401_000);
     }
 }

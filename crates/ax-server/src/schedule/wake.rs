@@ -77,12 +77,22 @@ async fn end(
     kind: Wait,
 ) -> Result<Option<ax_core::state::TaskState>, ax_core::state::StateError> {
     match kind {
-        Wait::Sleep | Wait::Event(OnTimeout::Continue) => tasks.succeed_unstarted(id, None).await,
+        Wait::Sleep | Wait::Event(OnTimeout::Continue) | Wait::Approval(OnTimeout::Continue) => {
+            tasks.succeed_unstarted(id, None).await
+        }
         Wait::Event(OnTimeout::Fail) => {
             let error = ErrorInfo {
                 detail: None,
                 class: "wait_timed_out".into(),
                 message: "no matching event came before the wait's timeout".into(),
+            };
+            tasks.fail_unstarted(id, error).await
+        }
+        Wait::Approval(OnTimeout::Fail) => {
+            let error = ErrorInfo {
+                detail: None,
+                class: crate::approval::TIMED_OUT.into(),
+                message: "no one approved or rejected before the approval's timeout".into(),
             };
             tasks.fail_unstarted(id, error).await
         }

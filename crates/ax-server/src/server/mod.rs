@@ -112,16 +112,16 @@ impl Server {
         if !self.prepare_topology(&js, &shutdown).await? {
             return Ok(()); // shut down while waiting
         }
-        let ctx = Arc::new(
-            Context::open(
-                js.clone(),
-                self.limits.clone(),
-                &self.queues,
-                self.group_commit,
-                self.faults.clone(),
-            )
-            .await?,
-        );
+        let mut ctx = Context::open(
+            js.clone(),
+            self.limits.clone(),
+            &self.queues,
+            self.group_commit,
+            self.faults.clone(),
+        )
+        .await?;
+        ctx.console_url = self.console.as_ref().and_then(|c| c.url.clone());
+        let ctx = Arc::new(ctx);
         let (service, mut requests, mut management) = self.endpoints(&client).await?;
         let trigger_api = if self.triggers {
             Some(Arc::new(TriggerApi {

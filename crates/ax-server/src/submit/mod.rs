@@ -82,8 +82,12 @@ impl Context {
         payload: Bytes,
     ) -> Result<SubmitAccepted, WireError> {
         self.queues.check(&self.js, &meta.queue).await?;
-        if let Some(ax_core::task::Wait::Event(_)) = meta.wait {
-            self.register_wait(&payload).await?;
+        match meta.wait {
+            Some(ax_core::task::Wait::Event(_)) => self.register_wait(&payload).await?,
+            Some(ax_core::task::Wait::Approval(_)) => {
+                crate::approval::register(self, &payload).await?
+            }
+            _ => {}
         }
         if meta.idempotency_key.is_none() {
             self.store(&meta, payload).await?;

@@ -361,7 +361,7 @@ async function task(id) {
 }
 
 async function runs() {
-  const list = await call("flow", "list", { limit: 1000 });
+  const [list, approvals] = await Promise.all([call("flow", "list", { limit: 1000 }), call("flow", "approvals", {})]);
   // Per flow, over the last hour: runs started per minute, and the p50 time of the runs
   // that ended in each minute; from the runs the flow store keeps.
   const now = Date.now(), start = Math.floor((now - 3600000) / 60000) * 60000;
@@ -375,7 +375,15 @@ async function runs() {
   };
   const charts = flows.length ? `<div class="charts">${chart({ id: "chart-flow-runs", title: "runs started per minute, by flow", series: flows.map((f) => perFlow(f, started)) })}
     ${chart({ id: "chart-flow-time", title: "run time p50 (ms), by flow", unit: " ms", series: flows.map((f) => perFlow(f, p50)) })}</div>` : "";
-  show(`<h1>Flow runs</h1>${charts}<table id="runs"><tr><th>run</th><th>flow</th><th>state</th><th>started</th><th>took</th><th>reason</th></tr>
+  // Approvals waiting: approve or reject by the wait task (an admin's session; the
+  // token is for whoever the approval's announcement went to).
+  const decide = (a, decision) => `flow/approve_task/${JSON.stringify({ task: a.task, decision })}`;
+  const waiting = approvals.length ? `<h2>Approvals waiting</h2><table id="approvals">
+    <tr><th>run</th><th>flow</th><th>step</th><th>message</th><th>since</th><th>times out</th><th></th></tr>
+    ${approvals.map((a) => `<tr><td class="mono"><a href="#/run/${esc(a.run)}">${esc(a.run)}</a></td><td>${esc(a.flow)}</td><td>${esc(a.step)}</td>
+    <td>${esc(a.message || "")}</td><td>${when(a.since_ms)}</td><td>${when(a.until_ms)}</td>
+    <td>${btn("Approve", decide(a, "approve"), "primary")} ${btn("Reject", decide(a, "reject"), "danger")}</td></tr>`).join("")}</table>` : "";
+  show(`<h1>Flow runs</h1>${waiting}${charts}<table id="runs"><tr><th>run</th><th>flow</th><th>state</th><th>started</th><th>took</th><th>reason</th></tr>
     ${list.slice(0, 100).map((r) => `<tr><td class="mono"><a href="#/run/${esc(r.run)}">${esc(r.run)}</a></td><td>${esc(r.flow)}</td>
     <td>${badge(r.state)}</td><td>${when(r.created_at_ms)}</td><td>${r.finished_at_ms ? dur(r.finished_at_ms - r.created_at_ms) : "-"}</td><td>${esc(r.reason || "")}</td></tr>`).join("")}</table>`);
 }
@@ -405,6 +413,7 @@ function stepState(s) {
   const until = s.waiting ? new Date(s.waiting.until_ms).toISOString().replace(".000", "") : "";
   if (s.waiting && s.waiting.kind === "sleep") return `sleeping until ${until}`;
   if (s.waiting && s.waiting.kind === "event") return `waiting for event ${s.waiting.event} until ${until}`;
+  if (s.waiting && s.waiting.kind === "approval") return `waiting for approval until ${until}`;
   return s.state;
 }
 
