@@ -24,7 +24,7 @@ from ._client import Client
 from ._context import TaskContext, context, heartbeat
 from ._core import __version__
 from ._events import Event, events, on_event
-from ._flow import FlowDef, FlowStarter, flow, publish_event, sleep, wait_for_event
+from ._flow import FlowDef, FlowStarter, approval, flow, publish_event, sleep, wait_for_event
 from ._runtime import Runtime
 from ._schedule import schedule
 from ._handle import Handle, Submitter, Submitting
@@ -64,5 +64,5 @@ __all__ = [
     "AsyncClient", "AxError", "Client", "Conflict", "Event", "FlowDef", "FlowDefinitionError", "FlowFailed",
     "FlowStarter", "Handle", "InvalidInput", "NonRetryable", "NotFound", "PermissionDenied", "Runtime", "Submitter", "Submitting",
     "TaskContext", "TaskDef", "TaskFailed", "TimedOut", "Unavailable", "__version__", "context", "errors", "events",
-    "flow", "heartbeat", "on_event", "publish_event", "register", "schedule", "sleep", "task", "wait_for_event",
+    "approval", "flow", "heartbeat", "on_event", "publish_event", "register", "schedule", "sleep", "task", "wait_for_event",
 ]

@@ -154,6 +154,18 @@ class AsyncClient:
     async def cancel_flow(self, run: str) -> Any:
         return await self._run(_ops.run_call("cancel", run))
 
+    async def approve(self, token: str, payload: Any = None) -> dict[str, Any]:
+        """``Client.approve`` from a coroutine."""
+        return await self._run(_ops.complete_approval(token, "approve", payload=payload))
+
+    async def reject(self, token: str, reason: str | None = None) -> dict[str, Any]:
+        """``Client.reject`` from a coroutine."""
+        return await self._run(_ops.complete_approval(token, "reject", reason=reason))
+
+    async def approvals(self) -> list[dict[str, Any]]:
+        """``Client.approvals`` from a coroutine."""
+        return await self._run(_ops.call("flow", "approvals"))
+
     # -- the rest -----------------------------------------------------------------------
 
     async def publish_event(self, name: str, payload: Any = None, *, id: str | None = None) -> int:

@@ -229,6 +229,22 @@ class Client:
     def cancel_flow(self, run: str) -> Any:
         return self._run(_ops.run_call("cancel", run))
 
+    def approve(self, token: str, payload: Any = None) -> dict[str, Any]:
+        """Approves the approval whose announcement gave ``token`` (PROTOCOL.md §6,
+        "Approvals"): its step succeeds with ``{"decision": "approved", "payload"}``.
+        Again answers the same; after a rejection or a timeout raises ``Conflict``; an
+        unknown or wrong token raises ``NotFound``."""
+        return self._run(_ops.complete_approval(token, "approve", payload=payload))
+
+    def reject(self, token: str, reason: str | None = None) -> dict[str, Any]:
+        """Rejects it: its step fails, class ``approval_rejected``, ``reason`` its message."""
+        return self._run(_ops.complete_approval(token, "reject", reason=reason))
+
+    def approvals(self) -> list[dict[str, Any]]:
+        """The approvals waiting, oldest first (``task``, ``flow``, ``run``, ``step``,
+        ``message``, ``since_ms``, ``until_ms``; no tokens)."""
+        return self._run(_ops.call("flow", "approvals"))
+
     # -- the rest -----------------------------------------------------------------------
 
     def publish_event(self, name: str, payload: Any = None, *, id: str | None = None) -> int:

@@ -123,8 +123,13 @@ class _Builder:
         steps its match reads); its output is the event."""
         return Value(self.flow, ("step", self._barrier("wait", "wait_for_event", spec, needs)))
 
+    def approval(self, spec: dict[str, Any]) -> Value:
+        """An approval after every step so far that nothing waits for yet; its output is
+        the decision."""
+        return Value(self.flow, ("step", self._barrier("approval", "approval", spec, [])))
+
     def _barrier(self, base: str, key: str, spec: dict[str, Any], needs: list[str]) -> str:
-        """A wait step (``key``: ``sleep``, ``wait_for_event``) after the body's leaves so
+        """A wait step (``key``: ``sleep``, ``wait_for_event``, ``approval``) after the body's leaves so
         far and ``needs``; every step called after it waits for it."""
         needed = {n for s in self.steps for n in s.get("needs", [])}
         leaves = [s["name"] for s in self.steps if s["name"] not in needed]
@@ -294,6 +299,37 @@ def wait_for_event(event: str, /, *, match: Mapping[str, Any] | None = None,
     if queue is not None:
         spec["queue"] = queue
     return builder.wait_for_event(spec, needs)
+
+
+def approval(message: str | None = None, /, *, timeout: timedelta | float | None = None,
+             on_timeout: str = "fail", queue: str | None = None) -> Any:
+    """In an ``@ax.flow`` body: wait for someone to approve (PROTOCOL.md §6, "Approvals").
+    When the step starts, ax draws a token and announces it on
+    ``ax.events.approval.requested`` (with the console's hook URL); whoever holds it
+    approves (``Client.approve(token, payload)``, ``ax approval approve``, the hook or the
+    console's button) or rejects, once. Returns the decision,
+    ``{"decision": "approved", "payload": ...}``, to pass to tasks called after it; every
+    step called after it starts once it ends. A rejection fails the step (class
+    ``approval_rejected``). ``timeout`` (default the server's max delay) ends it as
+    ``on_timeout`` says: ``"fail"`` (class ``approval_timed_out``) or ``"continue"`` with
+    ``None``. Held by the broker; ``ax flow get`` shows it ``waiting for approval``."""
+    builder = tracing()
+    if builder is None:
+        raise FlowDefinitionError("ax.approval is a step of an @ax.flow body")
+    flow = builder.flow
+    if on_timeout not in ("fail", "continue"):
+        raise FlowDefinitionError(f"flow {flow}: on_timeout is 'fail' or 'continue', not {on_timeout!r}")
+    spec: dict[str, Any] = {"on_timeout": on_timeout}
+    if message is not None:
+        if _has_value(message) or not isinstance(cast(Any, message), str):
+            raise FlowDefinitionError(f"flow {flow}: ax.approval's message is text known when the flow is "
+                                      f"defined, not {message!r}")
+        spec["message"] = message
+    if timeout is not None:
+        spec["timeout_ms"] = _ms("ax.approval's timeout", flow, timeout)
+    if queue is not None:
+        spec["queue"] = queue
+    return builder.approval(spec)
 
 
 def publish_event(name: str, payload: Any = None, *, id: str | None = None,

@@ -255,5 +255,15 @@ def run_call(op: str, run: str) -> Op[Any]:
     return call("flow", op, {"run": run})
 
 
+def complete_approval(token: str, decision: str, payload: Any = None, reason: str | None = None) -> Op[Any]:
+    """``ax.flow.approve``: approve (with ``payload``) or reject (with ``reason``) by token."""
+    body: dict[str, Any] = {"token": token, "decision": decision}
+    if payload is not None:
+        body["payload"] = payload
+    if reason is not None:
+        body["reason"] = reason
+    return call("flow", "approve", body)
+
+
 def rerun_flow(run: str, mode: str, payload: Any) -> Op[Any]:
     return call("flow", "rerun", {"run": run, "mode": mode, **({} if payload is None else {"input": payload})})

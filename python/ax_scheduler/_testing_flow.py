@@ -181,6 +181,10 @@ def plan(definition: dict[str, Any]) -> Plan:
             _wait.check(i, step, _bad)
             parents.append(mine)
             continue
+        if "approval" in step:
+            _wait.check_approval(i, step, _bad)
+            parents.append(mine)
+            continue
         if "sleep" in step:
             _check_sleep(i, step)
             parents.append(mine)
@@ -420,9 +424,11 @@ class FlowSim:
 
     def __init__(self, definition: dict[str, Any], input: Any, *, run_id: str, clock: FakeClock,
                  rng: random.Random | None, replace: Mapping[str, Any] | None, runner: Runner,
-                 business_id: str | None = None, events: Iterable[Any] | None = None) -> None:
+                 business_id: str | None = None, events: Iterable[Any] | None = None,
+                 approvals: Mapping[str, Any] | None = None) -> None:
         self.business_id = business_id
         self.events = _wait.published(events, clock.now_ms())
+        self.approvals = dict(approvals or {})
         self._wait_due: dict[int, int] = {}
         self.definition = json.loads(json.dumps(definition))  # a copy, as the run keeps it
         self.plan = plan(self.definition)
@@ -449,9 +455,11 @@ class FlowSim:
         """Step ``i``'s task: its own, or a sleep's wait task (which the server fills in,
         on the sleep's queue or the flow's first task's)."""
         step = self.defs[i]
-        if "task" in step or ("sleep" not in step and "wait_for_event" not in step):
+        if "task" in step or not any(k in step for k in ("sleep", "wait_for_event", "approval")):
             return step["task"]
         first = next((s["task"]["queue"] for s in self.defs if "task" in s), "default")
+        if "approval" in step:
+            return {"name": _wait.APPROVAL_TASK, "queue": step["approval"].get("queue", first)}
         if "wait_for_event" in step:
             return {"name": _wait.WAIT_TASK, "queue": step["wait_for_event"].get("queue", first)}
         return {"name": SLEEP_TASK, "queue": step["sleep"].get("queue", first)}
@@ -465,7 +473,7 @@ class FlowSim:
         return started_ms + int(sleep["for_ms"])
 
     def _task_of(self, i: int, template: dict[str, Any], replace: Mapping[str, Any]) -> TaskDef[..., Any]:
-        if "sleep" in self.defs[i] or "wait_for_event" in self.defs[i]:
+        if any(k in self.defs[i] for k in ("sleep", "wait_for_event", "approval")):
             return _SLEEP  # a wait's own task is made when it starts (``_build``)
         name = template.get("name")
         if not isinstance(name, str):
@@ -556,6 +564,12 @@ class FlowSim:
             except _wait.BadMatch as e:
                 raise StepBuildError("bad_match", str(e)) from None
             td = TaskDef(met, _wait.WAIT_TASK, TaskOptions(retries=0))
+            self._wait_due[i] = due
+        approval = self.defs[i].get("approval")
+        if approval is not None:
+            given = self.approvals.get(self.defs[i]["name"])
+            due, decided = _wait.decide(approval, given, self.clock.now_ms())
+            td = TaskDef(decided, _wait.APPROVAL_TASK, TaskOptions(retries=0))
             self._wait_due[i] = due
         for k, body in enumerate(bodies):
             task_id = f"{template['queue']}.fl.{self.run_id}.{self.defs[i]['name']}.0.{k}"

@@ -1,4 +1,5 @@
-"""The test mode's waits for events (``ax.testing.run_flow(..., events=...)``): a wait
+"""The test mode's waits for events (``ax.testing.run_flow(..., events=...)``) and
+approvals (``approvals=...``): a wait
 step meets the first given event of its name whose payload has the values its ``match``
 names, as the server's matcher does (crates/ax-server/src/flow/waits.rs resolves the
 match; crates/ax-core/src/wire/event.rs compares): ``"$input.a"`` and
@@ -8,6 +9,12 @@ Events are published at the run's start, or ``after`` a time from it (seconds or
 ``timedelta``) on the fake clock. A wait meets an event published from ``lookback``
 before its start until its timeout; none met, it times out: ``fail`` (class
 ``wait_timed_out``) or ``continue`` (output ``None``).
+
+An approval step is decided by ``approvals[step]``: ``("approve", payload)`` (its output
+``{"decision": "approved", "payload": payload}``) or ``("reject", reason)`` (it fails,
+class ``approval_rejected``), with an optional third item ``after`` from the step's
+start; one not given, or given after its timeout, times out (``approval_timed_out``, or
+``None`` with ``continue``).
 """
 
 from __future__ import annotations
@@ -19,8 +26,9 @@ from typing import Any, Callable, Iterable, cast
 
 from .errors import InvalidInput, NonRetryable
 
-# A wait for an event's wait task (crates/ax-sdk/src/flow/def.rs).
+# A wait for an event's and an approval's wait tasks (crates/ax-sdk/src/flow/def.rs).
 WAIT_TASK = "ax.wait_for_event"
+APPROVAL_TASK = "ax.approval"
 DEFAULT_LOOKBACK_MS = 300_000
 MAX_LOOKBACK_MS = 3_600_000
 MAX_DELAY_MS = 30 * 24 * 3600 * 1000
@@ -126,5 +134,60 @@ def meet(wait: dict[str, Any], doc: dict[str, Any], events: list[Published],
 
     def timed_out(*args: Any, **kwargs: Any) -> Any:
         raise NonRetryable("no matching event came before the wait's timeout", error_class="wait_timed_out")
+
+    return until, timed_out
+
+
+def check_approval(i: int, step: dict[str, Any], bad: Callable[[str, str], Exception]) -> None:
+    """An approval as the server checks it."""
+    approval: dict[str, Any] = step["approval"]
+    field = f"steps[{i}].approval"
+    if "sleep" in step or "wait_for_event" in step:
+        raise bad(field, "a step sleeps, waits for an event or waits for an approval: one of them")
+    message = approval.get("message")
+    if message is not None and len(str(message).encode()) > 1000:
+        raise bad(f"{field}.message", "at most 1,000 bytes")
+    timeout = approval.get("timeout_ms")
+    if timeout is not None and not (isinstance(timeout, int) and 0 < timeout <= MAX_DELAY_MS):
+        raise bad(f"{field}.timeout_ms", f"must be 1..={MAX_DELAY_MS} (the server's max delay)")
+    if approval.get("on_timeout", "fail") not in ("fail", "continue"):
+        raise bad(f"{field}.on_timeout", "fail or continue")
+    if "task" in step:
+        raise bad(f"steps[{i}].task", "an approval step has no task")
+    if step.get("for_each") is not None:
+        raise bad(f"steps[{i}].for_each", "an approval step does not fan out")
+
+
+def decide(approval: dict[str, Any], given: Any, started_ms: int) -> tuple[int, Callable[..., Any]]:
+    """When an approval step's task ends and what it does then, by ``given`` (an item of
+    ``run_flow``'s ``approvals``, or None)."""
+    until = started_ms + int(approval.get("timeout_ms", MAX_DELAY_MS))
+    if given is not None:
+        if not isinstance(given, tuple) or len(cast(tuple[Any, ...], given)) not in (2, 3) \
+                or cast(tuple[Any, ...], given)[0] not in ("approve", "reject"):
+            raise InvalidInput(f"approvals: give ('approve', payload) or ('reject', reason), with an optional "
+                               f"after, not {given!r}")
+        item = cast(tuple[Any, ...], given)
+        after = item[2] if len(item) == 3 else 0
+        seconds = after.total_seconds() if isinstance(after, timedelta) else float(after)
+        if not seconds >= 0:
+            raise InvalidInput(f"approvals: after must be 0 s or more, not {after!r}")
+        at = started_ms + round(seconds * 1000)
+        if at <= until:
+            if item[0] == "approve":
+                output = {"decision": "approved", "payload": json.loads(json.dumps(item[1]))}
+                return at, lambda *args, **kwargs: output  # pyright: ignore[reportUnknownLambdaType]
+            reason = "rejected" if item[1] is None else str(item[1])
+
+            def rejected(*args: Any, **kwargs: Any) -> Any:
+                raise NonRetryable(reason, error_class="approval_rejected")
+
+            return at, rejected
+    if approval.get("on_timeout", "fail") == "continue":
+        return until, lambda *args, **kwargs: None  # pyright: ignore[reportUnknownLambdaType]
+
+    def timed_out(*args: Any, **kwargs: Any) -> Any:
+        raise NonRetryable("no one approved or rejected before the approval's timeout",
+                           error_class="approval_timed_out")
 
     return until, timed_out

@@ -82,7 +82,7 @@ def _definition(flow: object) -> dict[str, Any]:
 def run_flow(flow: FlowDef | dict[str, Any], input: Any = None, *, run_id: str = "test-run",
              clock: FakeClock | None = None, rng: random.Random | None = None,
              replace: Mapping[str, Any] | None = None, business_id: str | None = None,
-             events: Iterable[Any] | None = None) -> FlowResult:
+             events: Iterable[Any] | None = None, approvals: Mapping[str, Any] | None = None) -> FlowResult:
     """Runs a flow (an ``@ax.flow``, or a definition dict of PROTOCOL.md §6 whose tasks are
     ``@ax.task`` functions of this process) in this process with ``input``, by the rules
     of the server's flow engine, and returns its ``FlowResult``. ``replace`` maps task
@@ -90,24 +90,28 @@ def run_flow(flow: FlowDef | dict[str, Any], input: Any = None, *, run_id: str =
     ``business_id`` is the run's, which every step task carries. ``events`` are the events
     published meanwhile, ``(name, payload)`` at the run's start or ``(name, payload,
     after)`` (seconds or a ``timedelta`` later, on the fake clock): the run's
-    ``ax.wait_for_event`` steps meet them as the server would.
+    ``ax.wait_for_event`` steps meet them as the server would. ``approvals`` decide the
+    run's ``ax.approval`` steps by step name: ``("approve", payload)`` or ``("reject",
+    reason)``, with an optional ``after`` from the step's start; a step not named times out.
     Step task ids are ``<queue>.fl.<run_id>.<step>.0.<item>``. What the test mode does not
     model is refused with ``NotImplementedError`` naming it."""
     with Runner() as runner:
         sim = FlowSim(_definition(flow), input, run_id=run_id, clock=clock or FakeClock(), rng=rng,
-                      replace=replace, runner=runner, business_id=business_id, events=events)
+                      replace=replace, runner=runner, business_id=business_id, events=events,
+                      approvals=approvals)
         return sim.run()
 
 
 async def run_flow_async(flow: FlowDef | dict[str, Any], input: Any = None, *, run_id: str = "test-run",
                          clock: FakeClock | None = None, rng: random.Random | None = None,
                          replace: Mapping[str, Any] | None = None, business_id: str | None = None,
-                         events: Iterable[Any] | None = None) -> FlowResult:
+                         events: Iterable[Any] | None = None,
+                         approvals: Mapping[str, Any] | None = None) -> FlowResult:
     """``run_flow`` from a coroutine: sync step tasks run on a thread, ``async def`` ones
     on the running loop."""
     loop = asyncio.get_running_loop()
     sim = FlowSim(_definition(flow), input, run_id=run_id, clock=clock or FakeClock(), rng=rng, replace=replace,
-                  runner=Runner(loop), business_id=business_id, events=events)
+                  runner=Runner(loop), business_id=business_id, events=events, approvals=approvals)
     return await asyncio.to_thread(sim.run)
 
 

@@ -342,6 +342,70 @@ async fn each_role_has_least_privilege() {
         .await
         .is_err_and(|e| e.kind() != ax_sdk::ErrorKind::NotFound));
 
+    // An approval: the server stores its secret and announces its token under its own
+    // grants; a producer holding the token approves it, but may neither approve by task
+    // id (an operator's) nor forge an announcement.
+    let admin_nats = connect(&url, "admin", "pw-admin").await.unwrap();
+    let mut announced = admin_nats
+        .subscribe("ax.events.approval.requested")
+        .await
+        .unwrap();
+    let gated = ax_sdk::flow::FlowDef::new("secure_gated")
+        .step(ax_sdk::flow::StepDef::approval(
+            "ok",
+            "default",
+            ax_sdk::flow::ApprovalDef::default(),
+        ))
+        .step(ax_sdk::flow::StepDef::new("t", "default", TaskSpec::new("t")).needs(["ok"]));
+    admin_view.put_flow(&gated).await.unwrap();
+    let run = producer
+        .run_flow("secure_gated", serde_json::json!({}))
+        .await
+        .unwrap();
+    let msg = tokio::time::timeout(Duration::from_secs(20), announced.next())
+        .await
+        .expect("the approval is announced")
+        .unwrap();
+    let announcement: serde_json::Value = serde_json::from_slice(&msg.payload).unwrap();
+    let by = |token: Option<&str>, task: Option<&str>| ax_sdk::flow::ApprovalCompletion {
+        token: token.map(str::to_string),
+        task: task.map(str::to_string),
+        decision: ax_sdk::flow::Decision::Approve,
+        payload: None,
+        reason: None,
+    };
+    let task = announcement["task"].as_str().unwrap();
+    assert!(
+        producer
+            .clone()
+            .wait_for_server(Duration::ZERO)
+            .complete_approval(&by(None, Some(task)))
+            .await
+            .is_err_and(|e| e.kind() != ax_sdk::ErrorKind::NotFound),
+        "a producer approved by task id"
+    );
+    assert!(
+        producer
+            .publish_event("approval.requested", &announcement, None)
+            .await
+            .is_err(),
+        "a producer forged an announcement"
+    );
+    producer
+        .complete_approval(&by(announcement["token"].as_str(), None))
+        .await
+        .expect("a producer approves with the token");
+    let ended = tokio::time::timeout(Duration::from_secs(30), admin_view.wait_flow(&run))
+        .await
+        .expect("the approved run ends")
+        .unwrap();
+    assert_eq!(
+        ended.state,
+        ax_sdk::flow::RunState::Succeeded,
+        "{:?}",
+        ended.reason
+    );
+
     // Limits: the admin sets them; the worker follows them and takes tokens and slots
     // under its own queue's keys.
     assert!(producer
