@@ -43,6 +43,8 @@ fn expected_steps(flow: &str, succeeds: bool) -> Vec<(&'static str, &'static [St
         ],
         ("chain", _) => vec![("a", OK), ("nap", OK), ("b", OK), ("c", OK), ("d", OK)],
         ("paid", _) => vec![("a", OK), ("w", OK), ("b", OK)],
+        ("gate", true) => vec![("a", OK), ("g", OK), ("b", OK)],
+        ("gate", false) => vec![("a", OK), ("g", &[Failed]), ("b", &[UpstreamFailed])],
         // `side` ran beside the failure: finished first, or cancelled by fail_fast.
         ("ff", _) => vec![
             ("a", OK),
@@ -86,6 +88,8 @@ pub fn expected_state(note: &RunNote) -> Option<RunState> {
             }
         }
         "chain" | "paid" => RunState::Succeeded,
+        "gate" if note.decided.iter().any(|(d, _)| d == "rejected") => RunState::Failed,
+        "gate" => RunState::Succeeded,
         _ => RunState::Failed,
     })
 }

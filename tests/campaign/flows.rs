@@ -56,6 +56,7 @@ pub fn defs() -> Vec<Value> {
                 "match": {"order": "$input.order"}, "timeout_ms": PAID_TIMEOUT_MS,
                 "on_timeout": "continue"}},
             step("b", &["w"], "step", "x")]}),
+        crate::approvals::def(),
         json!({"name": "ff", "failure": "fail_fast", "steps": [
             step("a", &[], "step", "x"), step("boom", &["a"], "poison", "x"),
             step("after", &["boom"], "step", "x"), cleanup, step("side", &["a"], "step", "x")]}),
@@ -104,6 +105,8 @@ pub struct RunNote {
     pub unanswered: usize,
     /// A `paid` run: its order's event.
     pub paid: Paid,
+    /// A `gate` run: the decisions its approval's completions were answered with, and when.
+    pub decided: Vec<(String, u64)>,
 }
 
 /// What the flow load did.
@@ -162,7 +165,7 @@ async fn ended(ax: &Client, run: &str, limit: Duration) -> Option<String> {
     None
 }
 
-fn note(log: &Mutex<FlowLog>, run: &str, f: impl FnOnce(&mut RunNote)) {
+pub fn note(log: &Mutex<FlowLog>, run: &str, f: impl FnOnce(&mut RunNote)) {
     let mut log = log.lock().unwrap();
     if let Some(n) = log.runs.iter_mut().find(|n| n.run == run) {
         f(n);
@@ -241,8 +244,15 @@ async fn pay(ax: &Client, order: &str) -> Paid {
 
 /// Starts a run every 0.6–1.4 s until `until`, each followed (cancel, re-run) on its own;
 /// a `paid` run's event is published before it starts, in its first 2 s, or never.
-pub async fn load(ax: Client, log: Arc<Mutex<FlowLog>>, seed: u64, until: Instant) {
+pub async fn load(
+    ax: Client,
+    nats: async_nats::Client,
+    log: Arc<Mutex<FlowLog>>,
+    seed: u64,
+    until: Instant,
+) {
     let mut rng = StdRng::seed_from_u64(seed ^ 0xf10f_10f1);
+    let tokens = crate::approvals::Tokens::listen(nats).await;
     let mut follows = Vec::new();
     while Instant::now() < until {
         let (flow, input) = match rng.random_range(0..100) {
@@ -252,7 +262,8 @@ pub async fn load(ax: Client, log: Arc<Mutex<FlowLog>>, seed: u64, until: Instan
             ),
             30..=51 => ("chain", json!({})),
             52..=67 => ("ff", json!({})),
-            68..=83 => ("cont", json!({})),
+            68..=79 => ("cont", json!({})),
+            80..=89 => ("gate", json!({})),
             _ => (
                 "paid",
                 json!({"order": format!("o{}", rng.random::<u32>())}),
@@ -277,6 +288,16 @@ pub async fn load(ax: Client, log: Arc<Mutex<FlowLog>>, seed: u64, until: Instan
                 });
                 let mut rng = StdRng::seed_from_u64(rng.random());
                 let (ax, log) = (ax.clone(), log.clone());
+                if flow == "gate" {
+                    let decide = crate::approvals::decide(
+                        ax.clone(),
+                        log.clone(),
+                        tokens.clone(),
+                        run.clone(),
+                        rng.random(),
+                    );
+                    follows.push(tokio::spawn(decide));
+                }
                 if let (Some(order), 1) = (order, when) {
                     let pause = Duration::from_millis(rng.random_range(0..2000));
                     let (ax, log, run) = (ax.clone(), log.clone(), run.clone());

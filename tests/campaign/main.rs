@@ -35,8 +35,10 @@
 //! run. A long run: `./dev campaign 600`.
 
 mod admission;
+mod approvals;
 mod checker;
 mod checker_admission;
+mod checker_approvals;
 mod checker_batches;
 mod checker_fairness;
 mod checker_flows;
@@ -463,7 +465,7 @@ async fn run(cluster: bool, seed: u64, secs: u64) -> usize {
         produce(ax.clone(), log.clone(), seed, until),
         async {
             if extended {
-                flows::load(ax.clone(), flow_log.clone(), seed, until).await
+                flows::load(ax.clone(), client.clone(), flow_log.clone(), seed, until).await
             }
         },
         async {

@@ -248,6 +248,9 @@ pub async fn check_new(ax: &Client, seen: &Seen, verdict: &mut Verdict) -> Vec<S
     verdict.add("flow sleeps", v);
     let (v, waits) = crate::checker_waits::check_waits(histories, journal, &seen.flows.runs);
     verdict.add("flow waits", v);
+    let (v, approvals, decided) =
+        crate::checker_approvals::check_approvals(histories, journal, &seen.flows.runs);
+    verdict.add("flow approvals", v);
     let ended = |s: RunState| stored.values().filter(|(r, _)| r.state == s).count();
     let reruns: usize = seen.flows.runs.iter().map(|n| n.reruns.len()).sum();
     let cancels: usize = seen.flows.runs.iter().map(|n| n.cancels.len()).sum();
@@ -308,7 +311,8 @@ pub async fn check_new(ax: &Client, seen: &Seen, verdict: &mut Verdict) -> Vec<S
         format!(
             "flows: {} runs noted ({} seen), {} succeeded / {} failed / {} cancelled, {reruns} \
              re-runs and {cancels} cancels acknowledged, {} starts unanswered, {sleeps} sleeps \
-             and {waits} waits for events judged ({paid} events acknowledged)",
+             and {waits} waits for events judged ({paid} events acknowledged), {approvals} \
+             approvals judged ({decided} with an answered completion)",
             seen.flows.runs.len(),
             ids.len(),
             ended(RunState::Succeeded),

@@ -18,7 +18,7 @@ impl Client {
 
     /// Approves or rejects an approval (docs/PROTOCOL.md §6, "Approvals"), by its token
     /// (`ax.flow.approve`) or its wait task id (`ax.flow.approve_task`, an operator's).
-    /// Answers `{"task", "run", "step", "decision": "approved" |
+    /// Answers `{"task", "flow", "run", "step", "decision": "approved" |
     /// "rejected"}`; the same decision again answers the same (idempotent). Refused: an
     /// unknown or wrong token (`not_found`), an approval already ended otherwise
     /// (`conflict`, the message says how).
@@ -35,8 +35,8 @@ impl Client {
         }
     }
 
-    /// The approvals waiting: `[{"task", "flow", "run", "step", "message", "until_ms"}]`
-    /// (their tokens are not shown).
+    /// The approvals waiting, oldest first: `[{"task", "flow", "run", "step", "message",
+    /// "since_ms", "until_ms"}]` (their tokens are not shown).
     pub async fn approvals(&self) -> Result<Value, ClientError> {
         self.call(&FlowRequest::Approvals {}).await
     }
