@@ -232,6 +232,36 @@ async fn a_failed_flow_step_shows_red_and_is_re_run() {
              document.querySelector('g[data-step=transform]').dataset.state === 'succeeded'").await;
         let done = env.ax.flow_run(&run).await.unwrap().unwrap();
         assert_eq!(done.0.state, ax_sdk::flow::RunState::Succeeded);
+
+        // An approval: listed on the Flows page, shown waiting on its run's graph, and
+        // approved with its button.
+        let gated = FlowDef::new("gated")
+            .step(StepDef::new("extract", "q", TaskSpec::new("ok")))
+            .step(
+                StepDef::approval("sign_off", "q", ax_sdk::flow::ApprovalDef {
+                    message: Some("ship <b>it</b>?".into()),
+                    ..Default::default()
+                })
+                .needs(["extract"]),
+            )
+            .step(StepDef::new("load", "q", TaskSpec::new("ok")).needs(["sign_off"]));
+        env.ax.put_flow(&gated).await.unwrap();
+        let run = env.ax.run_flow("gated", json!({})).await.unwrap();
+        b.go(&format!("{site}/#/runs")).await;
+        b.until("the approval listed", 20, &format!(
+            "const r = document.querySelector('#approvals tr:nth-child(2)');              return !!r && r.textContent.includes('{run}') && r.textContent.includes('ship <b>it</b>?')")).await;
+        b.go(&format!("{site}/#/run/{run}")).await;
+        b.until("the step waiting for approval", 15,
+            "return document.querySelector('g[data-step=sign_off]')?.textContent.includes('waiting for approval until')").await;
+        b.go(&format!("{site}/#/runs")).await;
+        b.until("the approve button", 15, "return !!document.querySelector('#approvals button.primary')").await;
+        b.click("#approvals button.primary").await;
+        let ended = tokio::time::timeout(Duration::from_secs(30), env.ax.wait_flow(&run))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(ended.state, ax_sdk::flow::RunState::Succeeded, "{:?}", ended.reason);
+        b.until("the approval gone from the list", 15, "return !document.querySelector('#approvals')").await;
         b.close().await;
     })
     .await
