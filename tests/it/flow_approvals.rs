@@ -293,6 +293,25 @@ async fn a_rejection_fails_the_step_and_a_timeout_follows_its_policy() {
         .unwrap_err();
     assert_eq!(code(e), ErrorCode::Conflict, "too late");
 
+    // Run now ends it now as its timeout would: by its policy, not approved by no one.
+    env.ax
+        .put_flow(&gated("hurry", Duration::from_secs(60), OnTimeout::Fail))
+        .await
+        .unwrap();
+    let run = env.ax.run_flow("hurry", json!({})).await.unwrap();
+    let task = announced.of(&run).await["task"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    env.ax.run_now(&task).await.unwrap();
+    let ended = finish(&env.ax, &run).await;
+    assert_eq!(ended.state, RunState::Failed);
+    let view = env.ax.flow("get", &json!({ "run": run })).await.unwrap();
+    assert_eq!(
+        view["steps"][1]["error"]["class"], "approval_timed_out",
+        "{view}"
+    );
+
     env.ax
         .put_flow(&gated(
             "optional",

@@ -1,9 +1,11 @@
 //! Approvals (docs/PROTOCOL.md §6, "Approvals"): a flow step that waits until someone
 //! holding its token approves or rejects it.
 //!
-//! - **Register** (the submit of the step's wait task, before it is accepted): draw the
-//!   token's secret, store it in `AX_WAITS` under the wait task's id (a retried submit
-//!   keeps the first secret: create, or read what is there), then announce the token on
+//! - **Register** (the submit of the step's wait task, before it is stored): draw the
+//!   token's secret and store it in `AX_WAITS` under the wait task's id (a retried submit
+//!   keeps the first secret: create, or read what is there).
+//! - **Announce** (the same submit, once the wait task and its record are stored, so a
+//!   completion that follows finds the record): publish the token on
 //!   `ax.events.approval.requested` (stored in `AX_EVENTS`, one event per approval by its
 //!   `Nats-Msg-Id`).
 //! - **Complete** (`ax.flow.approve`, the console's hook and buttons): check the token
@@ -42,8 +44,11 @@ fn unavailable(what: &str, e: impl std::fmt::Display) -> WireError {
 }
 
 /// Stores approval `payload`'s registration with its token's secret (keeping a secret a
-/// first submit drew) and announces the token. Runs before the wait task is accepted.
-pub(crate) async fn register(ctx: &Context, payload: &Bytes) -> Result<(), WireError> {
+/// first submit drew); answers the one stored. Runs before the wait task is stored.
+pub(crate) async fn register(
+    ctx: &Context,
+    payload: &Bytes,
+) -> Result<WaitRegistration, WireError> {
     let mut reg: WaitRegistration = serde_json::from_slice(payload).map_err(|e| {
         WireError::new(
             ErrorCode::BadRequest,
@@ -62,11 +67,21 @@ pub(crate) async fn register(ctx: &Context, payload: &Bytes) -> Result<(), WireE
         .create_or_get(&reg)
         .await
         .map_err(|e| unavailable("storing the approval in AX_WAITS", e))?;
-    let Some(approval) = stored.approval.as_ref() else {
+    if stored.approval.is_none() {
         return Err(WireError::new(
             ErrorCode::Conflict,
             format!("{} is registered as another kind of wait", reg.task),
         ));
+    }
+    Ok(stored)
+}
+
+/// Announces the token of approval `stored` (as [`register`] answered it). Runs once the
+/// wait task and its record are stored, so a completion that follows the announcement
+/// finds the record (a retried submit announces again: one event by its id).
+pub(crate) async fn announce(ctx: &Context, stored: &WaitRegistration) -> Result<(), WireError> {
+    let Some(approval) = stored.approval.as_ref() else {
+        return Ok(());
     };
     let token = approval_token(&stored.task, approval.secret.as_deref().unwrap_or_default());
     let mut announcement = json!({
@@ -205,18 +220,12 @@ pub(crate) async fn complete(ctx: &Context, req: ApprovalCompletion) -> Result<V
         }
     }
     .map_err(|e| unavailable("ending the approval", e))?;
-    if ended.is_none() {
+    let Some(rec) = ended else {
         return Err(WireError::new(
             ErrorCode::Unavailable,
             "the approval's record is not stored yet; retry",
         ));
-    }
-    let (rec, _) = ctx
-        .tasks
-        .get(task)
-        .await
-        .map_err(|e| unavailable("reading the approval's record", e))?
-        .ok_or_else(|| WireError::new(ErrorCode::Unavailable, "the approval's record went"))?;
+    };
     let got = outcome(&rec);
     let wanted = match req.decision {
         Decision::Approve => "approved",

@@ -219,28 +219,30 @@ impl TaskStore {
         id: &str,
         reason: &str,
     ) -> Result<Option<TaskState>, StateError> {
-        self.end_unstarted(id, |rec| {
-            let mut cancelled = rec.transition(TaskState::Cancelled);
-            cancelled.last_error = Some(ErrorInfo {
-                detail: None,
-                class: "cancelled".into(),
-                message: reason.to_string(),
-            });
-            cancelled
-        })
-        .await
+        let ended = self
+            .end_unstarted(id, |rec| {
+                let mut cancelled = rec.transition(TaskState::Cancelled);
+                cancelled.last_error = Some(ErrorInfo {
+                    detail: None,
+                    class: "cancelled".into(),
+                    message: reason.to_string(),
+                });
+                cancelled
+            })
+            .await?;
+        Ok(ended.map(|rec| rec.state))
     }
 
     /// Ends a flow's wait task (`Ax-Wait`, which no worker runs) `succeeded` with
     /// `output` (an event's payload; `None` for a sleep) if it has not ended:
     /// compare-and-set from `scheduled`, `pending` or `retrying`, read again on a lost
-    /// race. Returns the state it ends in (a cancelled wait stays cancelled), or `None`
-    /// when there is no record.
+    /// race. Returns the record it ends with (this end's, or the one that ended it
+    /// before: a cancelled wait stays cancelled), or `None` when there is no record.
     pub async fn succeed_unstarted(
         &self,
         id: &str,
         output: Option<crate::wire::output::StoredOutput>,
-    ) -> Result<Option<TaskState>, StateError> {
+    ) -> Result<Option<TaskRecord>, StateError> {
         self.end_unstarted(id, |rec| {
             let mut done = rec.transition(TaskState::Succeeded);
             done.attempt = done.attempt.max(1);
@@ -256,7 +258,7 @@ impl TaskStore {
         &self,
         id: &str,
         error: ErrorInfo,
-    ) -> Result<Option<TaskState>, StateError> {
+    ) -> Result<Option<TaskRecord>, StateError> {
         self.end_unstarted(id, |rec| {
             let mut dead = rec.transition(TaskState::Dead);
             dead.attempt = dead.attempt.max(1);
@@ -267,13 +269,13 @@ impl TaskStore {
     }
 
     /// Moves task `id` from `scheduled`, `pending` or `retrying` to the record `end`
-    /// makes of it, by compare-and-set, read again on a lost race; the state it ends in
-    /// (others are left as they are), or `None` when there is no record.
+    /// makes of it, by compare-and-set, read again on a lost race; the record it ends
+    /// with (others are left as they are), or `None` when there is no record.
     async fn end_unstarted(
         &self,
         id: &str,
         end: impl Fn(TaskRecord) -> TaskRecord,
-    ) -> Result<Option<TaskState>, StateError> {
+    ) -> Result<Option<TaskRecord>, StateError> {
         loop {
             let Some((rec, revision)) = self.get(id).await? else {
                 return Ok(None);
@@ -282,12 +284,11 @@ impl TaskStore {
                 rec.state,
                 TaskState::Scheduled | TaskState::Pending | TaskState::Retrying
             ) {
-                return Ok(Some(rec.state));
+                return Ok(Some(rec));
             }
             let ended = end(rec);
-            let state = ended.state;
             match self.cas(&ended, revision).await {
-                Ok(_) => return Ok(Some(state)),
+                Ok(_) => return Ok(Some(ended)),
                 Err(StateError::Stale { .. }) => continue,
                 Err(e) => return Err(e),
             }

@@ -64,6 +64,8 @@ pub(crate) struct Index {
     max_bytes: usize,
     /// Events let go before their window ended, for want of memory.
     pub(crate) dropped_early: u64,
+    /// How many of `waits` are approvals (held only for the sweep: they meet no event).
+    approvals: usize,
 }
 
 impl Index {
@@ -78,12 +80,14 @@ impl Index {
             window_ms,
             max_bytes,
             dropped_early: 0,
+            approvals: 0,
         }
     }
 
-    /// How many waits are pending, and how many events are held.
+    /// How many waits for events are pending (approvals left out), and how many events
+    /// are held.
     pub(crate) fn sizes(&self) -> (usize, usize) {
-        (self.waits.len(), self.recent.len())
+        (self.waits.len() - self.approvals, self.recent.len())
     }
 
     /// A wait stored (or stored again): its hit among the recent events, if any.
@@ -97,6 +101,18 @@ impl Index {
         let fields: Arc<[String]> = reg.fields().into();
         let key = reg.key();
         let task = reg.task.clone();
+        if reg.approval.is_some() {
+            // An approval meets no event: it is held for the sweep only.
+            self.approvals += 1;
+            let entry = Entry {
+                reg,
+                fields,
+                key,
+                hit: None,
+            };
+            self.waits.insert(task, entry);
+            return None;
+        }
         let hit = self.by_name.get(&reg.event).and_then(|events| {
             events
                 .iter()
@@ -130,6 +146,10 @@ impl Index {
         let Some(entry) = self.waits.remove(task) else {
             return;
         };
+        if entry.reg.approval.is_some() {
+            self.approvals -= 1;
+            return;
+        }
         let Some(shapes) = self.shapes.get_mut(&entry.reg.event) else {
             return;
         };
@@ -297,6 +317,33 @@ mod tests {
         ix.unregister("w5");
         assert!(ix.event(seen(8, 170, 10), 170).is_empty());
         assert_eq!(ix.hit_of("w2").map(|h| h.event.seq), Some(5));
+    }
+
+    #[test]
+    fn an_approval_is_held_for_the_sweep_but_meets_no_event_and_is_not_counted() {
+        let mut ix = Index::new(60_000, 1 << 20);
+        let approval: WaitRegistration = serde_json::from_value(json!({"task": "a1",
+            "event": "", "since_ms": 0, "until_ms": 100, "match": {},
+            "approval": {"flow": "f", "run": "r", "step": "ok"}}))
+        .unwrap();
+        assert!(ix.register(approval).is_none());
+        assert!(ix.register(reg("w", 7, 0)).is_none());
+        let anything = Seen {
+            seq: 1,
+            at_ms: 10,
+            name: String::new(),
+            raw: "{}".into(),
+            payload: json!({}),
+        };
+        assert!(
+            ix.event(anything, 10).is_empty(),
+            "no event meets an approval"
+        );
+        assert_eq!(ix.sizes().0, 1, "the gauge counts waits for events only");
+        assert_eq!(ix.overdue(200), ["a1".to_string()], "swept once overdue");
+        ix.unregister("a1");
+        ix.unregister("w");
+        assert_eq!(ix.sizes().0, 0);
     }
 
     #[test]

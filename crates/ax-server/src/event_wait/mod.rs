@@ -353,24 +353,22 @@ async fn end(ctx: &Context, results: &ResultStore, hit: &Hit) -> Result<Ended, S
             .await
             .map_err(|e| format!("storing the event's payload: {e}"))?;
     }
-    let state = ctx
+    let rec = ctx
         .tasks
         .succeed_unstarted(&hit.task, Some(stored))
         .await
         .map_err(|e| e.to_string())?;
-    let Some(state) = state else {
+    let Some(rec) = rec else {
         return Ok(Ended::NoRecord);
     };
-    if state == ax_core::state::TaskState::Succeeded {
+    if rec.state == ax_core::state::TaskState::Succeeded {
         metrics::counter!(m::EVENT_WAITS_MET).increment(1);
         debug!(task_id = %hit.task, event_seq = hit.event.seq, "wait met its event");
     }
     // The timeout's message is useless now (its dispatch would find the wait ended).
-    if let Ok(Some((rec, _))) = ctx.tasks.get(&hit.task).await {
-        if let Some(seq) = rec.delayed_seq {
-            if let Err(cause) = ax_core::admit::delete_delayed(&ctx.js, seq).await {
-                debug!(task_id = %hit.task, seq, %cause, "a met wait's timeout message not deleted; its dispatch finds the wait ended");
-            }
+    if let Some(seq) = rec.delayed_seq {
+        if let Err(cause) = ax_core::admit::delete_delayed(&ctx.js, seq).await {
+            debug!(task_id = %hit.task, seq, %cause, "a met wait's timeout message not deleted; its dispatch finds the wait ended");
         }
     }
     ctx.waits

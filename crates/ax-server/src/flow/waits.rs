@@ -10,8 +10,8 @@
 //!
 //! - An approval's task is due at its timeout; its payload names the step and its
 //!   message. The submit draws the token's secret and stores it in `AX_WAITS` (never in
-//!   the message), then announces the token (`submit`); a completion that presents it
-//!   ends the wait (`flow::approval`); a timeout ends it by its policy.
+//!   the message), and announces the token once the task is stored (`crate::approval`);
+//!   a completion that presents it ends the wait; a timeout ends it by its policy.
 //!
 //! All are counted from the step's recorded start, so a task submitted again is the
 //! same task.

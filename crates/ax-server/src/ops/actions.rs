@@ -389,11 +389,16 @@ impl Ops {
             }
             Err(e) => return Err(e),
         };
-        if headers.get(ax_core::task::header::WAIT).is_some() {
-            // A flow's wait (a sleep): run now ends it now; no worker runs it.
-            let state = self
-                .tasks
-                .succeed_unstarted(id, None)
+        if let Some(wait) = headers.get(ax_core::task::header::WAIT) {
+            // A flow's wait: run now ends it now as its time would (a sleep wakes; a wait
+            // for an event or an approval times out by its policy); no worker runs it.
+            let kind = ax_core::task::Wait::parse(wait.as_str()).ok_or_else(|| {
+                conflict(format!(
+                    "task {id} is a wait of a kind this server does not know ({})",
+                    wait.as_str()
+                ))
+            })?;
+            let state = crate::schedule::wake::end(&self.tasks, id, kind)
                 .await
                 .map_err(state_err)?;
             self.delete(&stream, old_seq).await;

@@ -39,7 +39,7 @@ use tracing::{debug, warn};
 mod index;
 mod outcome;
 pub(crate) mod partitions;
-mod wake;
+pub(crate) mod wake;
 mod window;
 
 /// Errors of the scheduler loop.

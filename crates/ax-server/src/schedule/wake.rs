@@ -70,13 +70,14 @@ pub(super) async fn wake(
     Outcome::Gone
 }
 
-/// Ends wait task `id` as its kind says when its time has come.
-async fn end(
+/// Ends wait task `id` as its kind says when its time has come (also a run-now of it:
+/// `ops::actions`).
+pub(crate) async fn end(
     tasks: &TaskStore,
     id: &str,
     kind: Wait,
 ) -> Result<Option<ax_core::state::TaskState>, ax_core::state::StateError> {
-    match kind {
+    let ended = match kind {
         Wait::Sleep | Wait::Event(OnTimeout::Continue) | Wait::Approval(OnTimeout::Continue) => {
             tasks.succeed_unstarted(id, None).await
         }
@@ -96,7 +97,8 @@ async fn end(
             };
             tasks.fail_unstarted(id, error).await
         }
-    }
+    };
+    Ok(ended?.map(|rec| rec.state))
 }
 
 /// Creates the `scheduled` record the delayed message at `seq` stands for (one that

@@ -82,21 +82,28 @@ impl Context {
         payload: Bytes,
     ) -> Result<SubmitAccepted, WireError> {
         self.queues.check(&self.js, &meta.queue).await?;
+        let mut approval = None;
         match meta.wait {
             Some(ax_core::task::Wait::Event(_)) => self.register_wait(&payload).await?,
             Some(ax_core::task::Wait::Approval(_)) => {
-                crate::approval::register(self, &payload).await?
+                approval = Some(crate::approval::register(self, &payload).await?);
             }
             _ => {}
         }
-        if meta.idempotency_key.is_none() {
+        let answer = if meta.idempotency_key.is_none() {
             self.store(&meta, payload).await?;
-            return Ok(accepted(&meta));
+            accepted(&meta)
+        } else {
+            // Boxed: the key's reads and writes make a future several times the size of a
+            // plain submit's, which every submit would otherwise carry (and move) with it
+            // (docs/PERFORMANCE.md, "Counted in instructions").
+            Box::pin(self.submit_with_key(meta, payload)).await?
+        };
+        if let Some(stored) = &approval {
+            // Once stored: whoever gets the token finds the approval's record.
+            crate::approval::announce(self, stored).await?;
         }
-        // Boxed: the key's reads and writes make a future several times the size of a
-        // plain submit's, which every submit would otherwise carry (and move) with it
-        // (docs/PERFORMANCE.md, "Counted in instructions").
-        Box::pin(self.submit_with_key(meta, payload)).await
+        Ok(answer)
     }
 
     /// Stores a wait for an event's registration (its task's payload) in `AX_WAITS`
