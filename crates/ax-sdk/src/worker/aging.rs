@@ -19,6 +19,10 @@ use tracing::{debug, warn};
 
 /// A look at the oldest waiting task slower than this is logged (aging lags behind it).
 const SLOW_LOOK: Duration = Duration::from_secs(1);
+/// A look is given up after this (the levels stay as they were; the next tick looks
+/// again): a request lost in a broker's restart would otherwise hold every level stale
+/// for the client's request timeout (10 s was seen in the fault campaign).
+const LOOK_TIMEOUT: Duration = Duration::from_millis(1500);
 
 /// How many levels each priority is raised now (high, normal, low), shared with the fetch
 /// loop.
@@ -56,7 +60,12 @@ pub(crate) async fn follow(
     loop {
         for p in [Priority::Normal, Priority::Low] {
             let asked = std::time::Instant::now();
-            let look = oldest_waiting(&js, &queue, &consumers[p.index()], p).await;
+            let look = tokio::time::timeout(
+                LOOK_TIMEOUT,
+                oldest_waiting(&js, &queue, &consumers[p.index()], p),
+            )
+            .await
+            .unwrap_or_else(|_| Err("no answer within the look's timeout".into()));
             let took = asked.elapsed();
             if took > SLOW_LOOK {
                 // The levels were stale meanwhile: say so (a broker slow to answer).
