@@ -3,6 +3,7 @@
 //! approval outlives every ax server.
 
 use crate::browser::http;
+use crate::flow_events::endings;
 use crate::flows::{finish, flow_worker, step, Calls};
 use crate::procs::{self, free_port, AxProc};
 use crate::support::{eventually, Env};
@@ -60,16 +61,6 @@ impl Announcements {
             self.1.insert(a["run"].as_str().unwrap().to_string(), a);
         }
     }
-}
-
-/// Times a task's record moved to a final state.
-async fn endings(ax: &ax_sdk::Client, id: &str) -> usize {
-    let history = ax.history(id).await.unwrap();
-    let states: Vec<TaskState> = history.iter().map(|(r, _)| r.state).collect();
-    states
-        .windows(2)
-        .filter(|w| !w[0].is_terminal() && w[1].is_terminal())
-        .count()
 }
 
 async fn echoed(ax: &ax_sdk::Client, run: &str) -> Value {

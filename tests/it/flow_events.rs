@@ -38,7 +38,7 @@ async fn waiting(ax: &ax_sdk::Client, run: &str, name: &str) -> Value {
 }
 
 /// Times a task's record moved to a final state.
-async fn endings(ax: &ax_sdk::Client, id: &str) -> usize {
+pub(crate) async fn endings(ax: &ax_sdk::Client, id: &str) -> usize {
     let history = ax.history(id).await.unwrap();
     let states: Vec<TaskState> = history.iter().map(|(r, _)| r.state).collect();
     states
