@@ -66,8 +66,14 @@ async fn find_a_dead_task_by_error_class_retry_it_and_watch_it_succeed() {
         let (status, _) = http("POST", &format!("{site}/api/task/list"), &[], Some(json!({}))).await;
         assert_eq!(status, 401);
         let viewer = [("authorization", "Bearer viewer-token")];
-        let (status, found) = http("POST", &format!("{site}/api/task/list"), &viewer, Some(json!({"state": "dead"}))).await;
-        assert_eq!((status, found["ok"]["total"].as_u64()), (200, Some(1)), "{found}");
+        // The listing answers from the task index, which follows the records a moment
+        // behind (the record said dead; the index may not have read it yet).
+        crate::support::eventually(Duration::from_secs(10), "the dead task listed to the viewer", || async {
+            let (status, found) = http("POST", &format!("{site}/api/task/list"), &viewer, Some(json!({"state": "dead"}))).await;
+            assert_eq!(status, 200, "{found}");
+            (found["ok"]["total"].as_u64() == Some(1)).then_some(())
+        })
+        .await;
         let (status, _) = http("POST", &format!("{site}/api/task/retry"), &viewer, Some(json!({"id": dead}))).await;
         assert_eq!(status, 403);
 
