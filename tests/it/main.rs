@@ -21,6 +21,7 @@ mod faults;
 mod fields;
 mod first_attempt;
 mod flow_approvals;
+mod flow_children;
 mod flow_events;
 mod flow_singleton;
 mod flow_waits;

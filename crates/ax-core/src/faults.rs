@@ -44,6 +44,8 @@ pub enum Abort {
     AfterRelease,
     /// Between a singleton key's claim and the store of its task.
     AfterClaim,
+    /// Between a child flow step's stored wait tasks and the start of their child runs.
+    AfterChildSubmit,
 }
 
 impl Abort {
@@ -56,16 +58,18 @@ impl Abort {
             Abort::AfterClose => "AX_TEST_ABORT_AFTER_CLOSE",
             Abort::AfterRelease => "AX_TEST_ABORT_AFTER_RELEASE",
             Abort::AfterClaim => "AX_TEST_ABORT_AFTER_CLAIM",
+            Abort::AfterChildSubmit => "AX_TEST_ABORT_AFTER_CHILD_SUBMIT",
         }
     }
 
-    const ALL: [Abort; 6] = [
+    const ALL: [Abort; 7] = [
         Abort::AfterPublish,
         Abort::AfterDispatch,
         Abort::AfterFire,
         Abort::AfterClose,
         Abort::AfterRelease,
         Abort::AfterClaim,
+        Abort::AfterChildSubmit,
     ];
 }
 

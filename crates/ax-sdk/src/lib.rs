@@ -138,7 +138,7 @@ mod surface {
     fn the_public_surface_stays_within_its_budget() {
         let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
         let n = public_items(&src);
-        assert!(n <= 320, "ax-sdk has {n} public items; the budget is 320");
+        assert!(n <= 326, "ax-sdk has {n} public items; the budget is 326");
         assert!(
             n >= 250,
             "{n}: the count no longer sees the items (the budget means nothing)"

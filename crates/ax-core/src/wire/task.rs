@@ -76,7 +76,7 @@ pub mod header {
     /// shares"): its message waits in `AX_FAIR` until the fair dispatcher releases it.
     pub const FAIR_KEY: &str = "Ax-Fair-Key";
     /// On a flow's wait task (docs/PROTOCOL.md §6, "Waits"): what it waits for (`sleep`,
-    /// `event`, `event-or-null`, `approval`, `approval-or-null`).
+    /// `event`, `event-or-null`, `approval`, `approval-or-null`, `flow`, `flow-or-null`).
     /// No worker runs such a task: the server that dispatches it when due records it
     /// `succeeded` instead of publishing it to its ready subject.
     pub const WAIT: &str = "Ax-Wait";
@@ -93,11 +93,15 @@ pub enum Wait {
     /// An approval (`AX_WAITS` holds its token's secret); its due time is its timeout,
     /// which ends it as the policy says.
     Approval(crate::wire::event::OnTimeout),
+    /// A child flow run (started by the flow engine once the task is stored; its end
+    /// ends the task); its due time is its timeout, which ends it as the policy says.
+    Flow(crate::wire::event::OnTimeout),
 }
 
 impl Wait {
     /// The header value: `sleep`, `event` (fails on timeout), `event-or-null`,
-    /// `approval` (fails on timeout) or `approval-or-null`.
+    /// `approval` (fails on timeout), `approval-or-null`, `flow` (fails on timeout) or
+    /// `flow-or-null`.
     pub fn as_str(self) -> &'static str {
         use crate::wire::event::OnTimeout;
         match self {
@@ -106,6 +110,8 @@ impl Wait {
             Wait::Event(OnTimeout::Continue) => "event-or-null",
             Wait::Approval(OnTimeout::Fail) => "approval",
             Wait::Approval(OnTimeout::Continue) => "approval-or-null",
+            Wait::Flow(OnTimeout::Fail) => "flow",
+            Wait::Flow(OnTimeout::Continue) => "flow-or-null",
         }
     }
 
@@ -118,6 +124,8 @@ impl Wait {
             "event-or-null" => Some(Wait::Event(OnTimeout::Continue)),
             "approval" => Some(Wait::Approval(OnTimeout::Fail)),
             "approval-or-null" => Some(Wait::Approval(OnTimeout::Continue)),
+            "flow" => Some(Wait::Flow(OnTimeout::Fail)),
+            "flow-or-null" => Some(Wait::Flow(OnTimeout::Continue)),
             _ => None,
         }
     }

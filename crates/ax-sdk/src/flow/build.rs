@@ -58,6 +58,7 @@ impl StepDef {
             sleep: None,
             wait_for_event: None,
             approval: None,
+            child_flow: None,
         }
     }
 
@@ -74,6 +75,24 @@ impl StepDef {
         step.approval = Some(ApprovalDef {
             queue: Some(queue),
             ..approval
+        });
+        step
+    }
+
+    /// A child flow run of `child.flow` (one per item with [`StepDef::for_each`]; its
+    /// timeout held in `queue`'s delayed tasks): the step ends with it, its output the
+    /// child's leaf outputs by name. `child.queue` is set to `queue`.
+    pub fn child_flow(
+        name: impl Into<String>,
+        queue: impl Into<String>,
+        child: super::child::ChildFlowDef,
+    ) -> StepDef {
+        let queue = queue.into();
+        let task = TaskSpec::new(super::child::CHILD_FLOW_TASK);
+        let mut step = StepDef::new(name, queue.clone(), task);
+        step.child_flow = Some(super::child::ChildFlowDef {
+            queue: Some(queue),
+            ..child
         });
         step
     }

@@ -117,11 +117,16 @@ pub struct StepDef {
     /// fails, class `approval_rejected`) or times out as its `on_timeout` says.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub approval: Option<ApprovalDef>,
+    /// A child flow run instead of a task (one per item in a fan-out step): the step
+    /// ends with it, its output the child's leaf outputs by name
+    /// ([`ChildFlowDef`](super::child::ChildFlowDef)).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub child_flow: Option<super::child::ChildFlowDef>,
 }
 
 impl StepDef {
     /// The wait task's name and queue of a wait step (a sleep, a wait for an event, an
-    /// approval); `None` for a step that runs a task.
+    /// approval, a child flow); `None` for a step that runs a task.
     fn wait_kind(&self) -> Option<(&'static str, Option<&String>)> {
         if let Some(s) = &self.sleep {
             return Some((SLEEP_TASK, s.queue.as_ref()));
@@ -129,8 +134,11 @@ impl StepDef {
         if let Some(w) = &self.wait_for_event {
             return Some((WAIT_FOR_EVENT_TASK, w.queue.as_ref()));
         }
-        let a = self.approval.as_ref()?;
-        Some((APPROVAL_TASK, a.queue.as_ref()))
+        if let Some(a) = &self.approval {
+            return Some((APPROVAL_TASK, a.queue.as_ref()));
+        }
+        let c = self.child_flow.as_ref()?;
+        Some((super::child::CHILD_FLOW_TASK, c.queue.as_ref()))
     }
 }
 
@@ -361,6 +369,17 @@ impl FlowDef {
                     e.field = Some(field(e.field.as_deref().unwrap_or("approval")));
                     e
                 })?;
+            }
+            if let Some(child) = &step.child_flow {
+                let other_wait = step.sleep.is_some()
+                    || step.wait_for_event.is_some()
+                    || step.approval.is_some();
+                super::child::check_child_flow(child, other_wait, &step.task, limits).map_err(
+                    |mut e| {
+                        e.field = Some(field(e.field.as_deref().unwrap_or("child_flow")));
+                        e
+                    },
+                )?;
             }
             check_template(&step.task, limits).map_err(|mut e| {
                 e.field = Some(field(&format!("task.{}", e.field.as_deref().unwrap_or(""))));

@@ -138,9 +138,27 @@ pub struct FlowRun {
     /// The scheduled time that fire stands for.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scheduled_at_ms: Option<u64>,
+    /// The step whose child this run is (a `child_flow` step of another run).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<ParentRef>,
     /// Fields this version does not know, kept as they were.
     #[serde(flatten)]
     pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+/// Where a child run comes from: the parent run, its step, the step's wait task (which
+/// the child's end ends) and how deep the child is (1: a child of a run started
+/// otherwise).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ParentRef {
+    /// The parent run's id.
+    pub run: String,
+    /// The parent's step.
+    pub step: String,
+    /// The step's wait task for this child.
+    pub task: String,
+    /// Levels below a run that has no parent.
+    pub depth: u32,
 }
 
 /// One step of a run (JSON at key `<run>.<step>`; no key = `waiting`, epoch 0).
@@ -215,21 +233,32 @@ pub fn valid_run_id(id: &str) -> bool {
     (1..=64).contains(&id.len()) && id.bytes().all(|b| b.is_ascii_alphanumeric())
 }
 
-/// The run id of flow start `j` of trigger `trigger`'s fire `tag`: the same on every
-/// server and every retry of that fire, so starting it again is a no-op (the run key's
-/// create-if-absent). `t` + two 64-bit FNV-1a hashes (different offset bases) in hex.
-pub fn trigger_run_id(trigger: &str, tag: &str, j: usize) -> String {
-    let text = format!("{trigger}\u{0}{tag}\u{0}{j}");
+/// The run id of the child run that wait task `task` (a `child_flow` step's) starts:
+/// the same on every server and every retry, so starting it again is a no-op.
+/// `c` + two 64-bit FNV-1a hashes in hex.
+pub fn child_run_id(task: &str) -> String {
+    format!("c{}", fnv_hex(task))
+}
+
+/// Two 64-bit FNV-1a hashes of `text` (different offset bases) in hex.
+fn fnv_hex(text: &str) -> String {
     let fnv = |basis: u64| {
         text.bytes().fold(basis, |h, b| {
             (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
         })
     };
     format!(
-        "t{:016x}{:016x}",
+        "{:016x}{:016x}",
         fnv(0xcbf2_9ce4_8422_2325),
         fnv(0x6c62_272e_07bb_0142)
     )
+}
+
+/// The run id of flow start `j` of trigger `trigger`'s fire `tag`: the same on every
+/// server and every retry of that fire, so starting it again is a no-op (the run key's
+/// create-if-absent). `t` + two 64-bit FNV-1a hashes (different offset bases) in hex.
+pub fn trigger_run_id(trigger: &str, tag: &str, j: usize) -> String {
+    format!("t{}", fnv_hex(&format!("{trigger}\u{0}{tag}\u{0}{j}")))
 }
 
 #[cfg(test)]
@@ -256,5 +285,9 @@ mod tests {
         assert_eq!(id, trigger_run_id("nightly", "1764400000000", 0));
         assert_ne!(id, trigger_run_id("nightly", "1764400000000", 1));
         assert!(valid_run_id(&id) && id.len() == 33, "{id}");
+        let child = child_run_id("q.fl.R1.s.0.3");
+        assert_eq!(child, child_run_id("q.fl.R1.s.0.3"));
+        assert_ne!(child, child_run_id("q.fl.R1.s.1.3"));
+        assert!(valid_run_id(&child) && child.starts_with('c'), "{child}");
     }
 }

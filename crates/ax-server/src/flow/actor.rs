@@ -67,15 +67,15 @@ pub(crate) enum Outcome {
 
 /// A finished step task, as far as the tally cares.
 #[derive(Debug, Clone)]
-struct Done {
-    state: TaskState,
-    error: Option<ErrorInfo>,
-    attempt: u32,
-    finished_at_ms: u64,
+pub(super) struct Done {
+    pub(super) state: TaskState,
+    pub(super) error: Option<ErrorInfo>,
+    pub(super) attempt: u32,
+    pub(super) finished_at_ms: u64,
 }
 
 impl Done {
-    fn of(rec: &TaskRecord) -> Option<Done> {
+    pub(super) fn of(rec: &TaskRecord) -> Option<Done> {
         rec.state.is_terminal().then(|| Done {
             state: rec.state,
             error: rec.last_error.clone(),
@@ -86,7 +86,7 @@ impl Done {
 }
 
 #[derive(Debug, thiserror::Error)]
-enum Fault {
+pub(super) enum Fault {
     #[error("{0}")]
     Store(#[from] FlowStoreError),
     #[error("{0}")]
@@ -128,6 +128,11 @@ pub(crate) struct Run {
     pub(super) input: Option<(Reserved, Box<[u8]>)>,
     /// The business id its step tasks carry.
     pub(super) business_id: Option<Box<str>>,
+    /// How deep a child run it is (0: it has no parent).
+    pub(super) depth: u32,
+    /// Child runs whose wait tasks ended without them: cancelled before the next step
+    /// write.
+    pub(super) orphans: Vec<Box<str>>,
     pub(super) steps: Box<[Tracked]>,
     pub(super) held: Vec<Held>,
     /// (step, item) of tasks of running steps without a record (a crash between the step
@@ -163,6 +168,8 @@ impl Run {
             refusals: 0,
             input: None,
             business_id: None,
+            depth: 0,
+            orphans: Vec::new(),
             steps: Box::default(),
             held: Vec::new(),
             resubmit: Vec::new(),
@@ -275,7 +282,7 @@ impl Run {
 
     /// Counts item `item` of step `i` as ended; holds its output if a child not started
     /// yet will need it and the budget has room.
-    fn finish_item(
+    pub(super) fn finish_item(
         &mut self,
         budget: &Budget,
         i: usize,
@@ -290,6 +297,9 @@ impl Run {
             done.attempt,
             done.finished_at_ms,
         );
+        if counted {
+            self.note_orphan(i, item, &done, output);
+        }
         if !counted || done.state != TaskState::Succeeded || !self.awaited(i) {
             return;
         }
@@ -347,6 +357,7 @@ impl Run {
         self.reload = false;
         self.held.clear();
         self.resubmit.clear();
+        self.orphans.clear();
         self.input = None;
         let found = match sh.store.run(&self.id).await {
             Err(FlowStoreError::Corrupt { source, .. }) => {
@@ -384,9 +395,11 @@ impl Run {
             def,
             cancel_requested,
             business_id,
+            parent,
             ..
         } = run;
         self.business_id = business_id.map(String::into_boxed_str);
+        self.depth = parent.map_or(0, |p| p.depth);
         let shape = match sh.shapes.get(&flow, def, &sh.ctx.limits) {
             Ok(shape) => shape,
             Err(e) => {
@@ -408,6 +421,20 @@ impl Run {
             self.steps[i].start(items);
             self.steps[i].observed = true;
             let missing = self.read_items(sh, i).await?;
+            if self.shape().def.steps[i].child_flow.is_some() {
+                // Stored wait tasks whose child runs a leader killed after the submit
+                // may not have started: started (again: a no-op once made).
+                let stored: Vec<u32> = (0..items)
+                    .filter(|k| !self.steps[i].has_ended(*k) && missing.binary_search(k).is_err())
+                    .collect();
+                if !stored.is_empty() {
+                    let built = self.build(sh, i, Some(&stored)).await.map_err(|e| {
+                        Fault::Other(format!("child runs not started again: {}", e.message))
+                    })?;
+                    self.start_children(sh, i, &built.iter().collect::<Vec<_>>())
+                        .await?;
+                }
+            }
             self.resubmit
                 .extend(missing.into_iter().map(|k| (i as u32, k)));
         }
@@ -474,6 +501,8 @@ impl Run {
     async fn step(&mut self, sh: &Shared) -> Result<Outcome, Fault> {
         let shape = self.shape().clone();
         loop {
+            // Before any step's end is written: a child whose step ended without it.
+            self.cancel_orphans(sh).await?;
             let mut records: Vec<StepRun> = self.steps.iter().map(Tracked::record).collect();
             let progress: Vec<_> = self.steps.iter().map(Tracked::progress).collect();
             let adv = advance(
@@ -549,8 +578,20 @@ impl Run {
                 self.steps[i].set_rev(rev);
             }
             let Submitted { refused, later } = answers;
-            for (i, item, done) in refused {
-                self.finish_item(&sh.held, i, item, done, None);
+            for (i, item, done) in &refused {
+                self.finish_item(&sh.held, *i, *item, done.clone(), None);
+            }
+            // Child runs start once their wait tasks are stored.
+            for (i, tasks) in &submits {
+                if shape.def.steps[*i].child_flow.is_none() {
+                    continue;
+                }
+                let not = |k: &u32| {
+                    refused.iter().any(|r| (r.0, r.1) == (*i, *k)) || later.contains(&(*i, *k))
+                };
+                let stored: Vec<&Built> = tasks.iter().filter(|t| !not(&t.0)).collect();
+                sh.ctx.faults.pass(ax_core::faults::Abort::AfterChildSubmit);
+                self.start_children(sh, *i, &stored).await?;
             }
             if !submits.is_empty() {
                 self.note_refusals(later);
@@ -709,6 +750,14 @@ impl Run {
         };
         if rev != self.rev {
             return Err(FlowStoreError::Stale(self.id.to_string()).into());
+        }
+        if let Some(parent) = &run.parent {
+            let state = match self.shape.is_some() {
+                true => state,
+                false => RunState::Failed, // its definition did not load: no outputs
+            };
+            self.end_parent(sh, parent, &run.flow, state, &reason)
+                .await?;
         }
         let now = now_ms();
         run.state = state;

@@ -333,6 +333,7 @@ fn summary(run: &FlowRun) -> Value {
         "rerun_of": run.rerun_of, "reruns": run.reruns,
         "trigger": run.trigger, "trigger_source": run.trigger_source,
         "scheduled_at_ms": run.scheduled_at_ms, "business_id": run.business_id,
+        "parent": run.parent,
     })
 }
 
@@ -380,6 +381,23 @@ fn view(run: &FlowRun, steps: &[StepRun], max_delay: std::time::Duration) -> Val
                     let until =
                         super::waits::timeout_at_ms(approval.timeout_ms, started, max_delay);
                     v["waiting"] = json!({"kind": "approval", "message": approval.message,
+                                          "until_ms": until});
+                }
+            }
+            if let Some(child) = &def.child_flow {
+                v["child_flow"] = json!(child);
+                // `waiting for flow <name>` (its child runs) until its timeout while its
+                // step runs.
+                if let (StepState::Running, Some(started)) = (s.state, s.started_at_ms) {
+                    let until = super::waits::timeout_at_ms(child.timeout_ms, started, max_delay);
+                    let runs: Vec<String> = (0..s.items.unwrap_or(0).min(100))
+                        .map(|k| {
+                            let task =
+                                super::model::step_task_id(queue, &run.id, &def.name, s.epoch, k);
+                            super::model::child_run_id(&task)
+                        })
+                        .collect();
+                    v["waiting"] = json!({"kind": "flow", "flow": child.flow, "runs": runs,
                                           "until_ms": until});
                 }
             }

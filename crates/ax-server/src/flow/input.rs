@@ -261,6 +261,9 @@ impl Run {
         if let Some(approval) = &step.approval {
             return self.approval_task(sh, i, approval).map(|t| vec![t]);
         }
+        if let Some(child) = &step.child_flow {
+            return self.child_tasks(sh, i, child, only).await;
+        }
         let payloads = self.payloads(sh, i).await?;
         let limits = &sh.ctx.limits;
         let template = &self.shape().def.steps[i].task;

@@ -13,6 +13,7 @@
 mod actor;
 pub mod advance;
 pub(crate) mod api;
+mod child_runs;
 pub(crate) mod engine;
 mod input;
 mod shared;

@@ -22,6 +22,8 @@ pub(crate) struct Start {
     pub(crate) trigger: Option<(String, String, u64)>,
     /// The business id every step task carries.
     pub(crate) business_id: Option<String>,
+    /// The step whose child run this is.
+    pub(crate) parent: Option<super::model::ParentRef>,
 }
 
 /// Stores a new run of `def` (`running`); the engine's leader starts its root steps.
@@ -90,6 +92,7 @@ pub(super) fn new_run(
         trigger_source,
         scheduled_at_ms,
         business_id: start.business_id,
+        parent: start.parent,
         extra: Default::default(),
     };
     Ok(run)
@@ -97,7 +100,7 @@ pub(super) fn new_run(
 
 /// Requests the cancel of run `id` (the engine's leader cancels its steps): answers its
 /// state and whether the cancel is requested.
-pub(super) async fn cancel_run(store: &FlowStore, id: &str) -> Result<Value, WireError> {
+pub(crate) async fn cancel_run(store: &FlowStore, id: &str) -> Result<Value, WireError> {
     if !valid_run_id(id) {
         return Err(WireError::field("run", "not a run id"));
     }

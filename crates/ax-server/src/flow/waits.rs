@@ -88,7 +88,7 @@ impl Run {
         let started = self.steps[i].record().started_at_ms.unwrap_or_else(now_ms);
         let wake = wake_at_ms(sleep, started);
         let body = json!({"wake_at_ms": wake});
-        self.wait_task(sh, i, body, wake, Wait::Sleep)
+        self.wait_task(sh, i, 0, body, wake, Wait::Sleep)
     }
 
     /// A wait for an event's wait task: due at its timeout, `Ax-Wait: event` (or
@@ -116,7 +116,7 @@ impl Run {
             approval: None,
         };
         let body = serde_json::to_value(&reg).expect("a registration serializes");
-        self.wait_task(sh, i, body, until, Wait::Event(wait.on_timeout))
+        self.wait_task(sh, i, 0, body, until, Wait::Event(wait.on_timeout))
     }
 
     /// An approval's wait task: due at its timeout, `Ax-Wait: approval` (or
@@ -146,14 +146,16 @@ impl Run {
             }),
         };
         let body = serde_json::to_value(&reg).expect("a registration serializes");
-        self.wait_task(sh, i, body, until, Wait::Approval(approval.on_timeout))
+        self.wait_task(sh, i, 0, body, until, Wait::Approval(approval.on_timeout))
     }
 
-    /// Step `i`'s wait task: `fields` beside the flow, run and step in its payload.
-    fn wait_task(
+    /// Item `k` of step `i`'s wait tasks: `fields` beside the flow, run and step in its
+    /// payload.
+    pub(super) fn wait_task(
         &self,
         sh: &Shared,
         i: usize,
+        k: u32,
         fields: Value,
         due_ms: u64,
         wait: Wait,
@@ -172,8 +174,8 @@ impl Run {
             TaskMeta::from_request(&queue, req, &sh.ctx.limits).map_err(|e| invalid(e.message))?;
         meta.run_at_ms = Some(due_ms);
         meta.wait = Some(wait);
-        meta.id = self.task_id(i, 0);
-        Ok((0, meta, body))
+        meta.id = self.task_id(i, k);
+        Ok((k, meta, body))
     }
 }
 

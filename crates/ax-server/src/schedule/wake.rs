@@ -19,6 +19,10 @@ use ax_core::state::TaskStore;
 use ax_core::task::{header, Wait};
 use tracing::{debug, warn};
 
+/// The error class of a child flow's wait that timed out (the flow engine then cancels
+/// the child run).
+pub(crate) const CHILD_TIMED_OUT: &str = "child_timed_out";
+
 /// Ends the wait task stored at `seq` of `AX_DELAYED` (`wait`: its `Ax-Wait` value).
 pub(super) async fn wake(
     js: &async_nats::jetstream::Context,
@@ -78,9 +82,10 @@ pub(crate) async fn end(
     kind: Wait,
 ) -> Result<Option<ax_core::state::TaskState>, ax_core::state::StateError> {
     let ended = match kind {
-        Wait::Sleep | Wait::Event(OnTimeout::Continue) | Wait::Approval(OnTimeout::Continue) => {
-            tasks.succeed_unstarted(id, None).await
-        }
+        Wait::Sleep
+        | Wait::Event(OnTimeout::Continue)
+        | Wait::Approval(OnTimeout::Continue)
+        | Wait::Flow(OnTimeout::Continue) => tasks.succeed_unstarted(id, None).await,
         Wait::Event(OnTimeout::Fail) => {
             let error = ErrorInfo {
                 detail: None,
@@ -94,6 +99,14 @@ pub(crate) async fn end(
                 detail: None,
                 class: crate::approval::TIMED_OUT.into(),
                 message: "no one approved or rejected before the approval's timeout".into(),
+            };
+            tasks.fail_unstarted(id, error).await
+        }
+        Wait::Flow(OnTimeout::Fail) => {
+            let error = ErrorInfo {
+                detail: None,
+                class: CHILD_TIMED_OUT.into(),
+                message: "the child flow run did not end before the step's timeout".into(),
             };
             tasks.fail_unstarted(id, error).await
         }

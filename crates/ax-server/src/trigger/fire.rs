@@ -113,6 +113,7 @@ pub(crate) async fn fire(
             rerun_of: None,
             trigger: Some((def.name.clone(), source.as_str().to_string(), scheduled_ms)),
             business_id: None,
+            parent: None,
         };
         let (run, _) = start_run(&ctx.flows, &ctx.limits, flow, input, origin).await?;
         ids.push(format!("{FLOW_RUN_PREFIX}{run}"));

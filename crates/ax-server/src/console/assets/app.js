@@ -414,16 +414,24 @@ function stepState(s) {
   if (s.waiting && s.waiting.kind === "sleep") return `sleeping until ${until}`;
   if (s.waiting && s.waiting.kind === "event") return `waiting for event ${s.waiting.event} until ${until}`;
   if (s.waiting && s.waiting.kind === "approval") return `waiting for approval until ${until}`;
+  if (s.waiting && s.waiting.kind === "flow") return `waiting for flow ${s.waiting.flow} (${s.waiting.runs.length} run${s.waiting.runs.length === 1 ? "" : "s"}) until ${until}`;
   return s.state;
+}
+
+// A waiting child flow step's runs, linked.
+function childLinks(s) {
+  if (!s.waiting || s.waiting.kind !== "flow") return "";
+  return s.waiting.runs.map((c) => ` <a class="mono child-run" href="#/run/${encodeURIComponent(c)}">${esc(c)}</a>`).join("");
 }
 
 async function run(id) {
   const r = await call("flow", "get", { run: id });
   const rows = r.steps.map((s) => `<tr><td>${esc(s.name)}</td><td>${s.waiting ? esc(stepState(s)) : badge(s.state)}</td><td>${s.epoch ?? 0}</td>
-    <td>${s.task_id ? `<a class="mono" href="#/task/${encodeURIComponent(s.task_id)}">${esc(s.task_id)}</a>` : ""}</td>
+    <td>${s.task_id ? `<a class="mono" href="#/task/${encodeURIComponent(s.task_id)}">${esc(s.task_id)}</a>` : ""}${childLinks(s)}</td>
     <td>${s.error ? esc(`${s.error.class}: ${s.error.message}`) : ""}</td></tr>`).join("");
+  const parent = r.parent ? `<p>child of <a class="mono" href="#/run/${encodeURIComponent(r.parent.run)}">${esc(r.parent.run)}</a> (step ${esc(r.parent.step)})</p>` : "";
   show(`<h1>Run <span class="mono">${esc(id)}</span> of ${esc(r.flow)}</h1>
-    <p>${badge(r.state, "run-state")} ${esc(r.reason || "")}</p>
+    <p>${badge(r.state, "run-state")} ${esc(r.reason || "")}</p>${parent}
     <div class="actions">${r.state === "running" ? btn("Cancel run", "cancel", "danger") : ""}${r.state !== "running" ? btn("Re-run…", "rerun", "primary") : ""}</div>
     ${dag(r.steps)}
     <h2>Steps</h2><table><tr><th>step</th><th>state</th><th>epoch</th><th>first task</th><th>error</th></tr>${rows}</table>
