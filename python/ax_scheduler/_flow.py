@@ -107,6 +107,8 @@ class _Builder:
         self.names: set[str] = set()
         # The last ax.sleep of the body: every step called after it waits for it.
         self.barrier: str | None = None
+        # The flows its child flow steps run (stored before it).
+        self.children: dict[str, FlowDef[Any]] = {}
 
     def _name(self, base: str) -> str:
         step, n = base, 2
@@ -144,6 +146,37 @@ class _Builder:
         self.names.add(step)
         self.barrier = step
         return step
+
+    def child(self, fd: "FlowDef[Any]", input: Any, fan_out: bool, spec: dict[str, Any]) -> Value:
+        """A child flow step (PROTOCOL.md §6, "Child flows") running ``fd`` with ``input``
+        (a run value, a constant, or JSON holding run values), or one per item of a
+        step's list output (``fan_out``); its output is the child's leaf outputs by step
+        name (a list of those for a fan-out)."""
+        what = f"{fd.name}.map()" if fan_out else f"{fd.name}()"
+        needs: list[str] = []
+        child: dict[str, Any] = {"flow": fd.name, **spec}
+        for_each = None
+        if fan_out:
+            if not isinstance(input, Value) or input._source[0] != "step" or input._path:
+                raise FlowDefinitionError(f"flow {self.flow}: {what} fans out over a task's list output (the whole "
+                                          f"result of a call), not {input!r}")
+            for_each = cast(str, input._source[1])
+            needs.append(for_each)
+            child["input"] = "$item"
+        else:
+            child["input"] = _template(self.flow, what, input, needs)
+        if self.barrier is not None and self.barrier not in needs:
+            needs.append(self.barrier)
+        step = self._name(fd.name)
+        step_def: dict[str, Any] = {"name": step, "child_flow": child}
+        if needs:
+            step_def["needs"] = needs
+        if for_each:
+            step_def["for_each"] = for_each
+        self.steps.append(step_def)
+        self.names.add(step)
+        self.children[fd.name] = fd
+        return Value(self.flow, ("step", step))
 
     def call(self, td: Any, args: tuple[Any, ...], kwargs: dict[str, Any], fan_out: bool) -> Value:
         try:
@@ -263,6 +296,31 @@ def _reference(flow: str, field: str, value: Any, needs: list[str]) -> Any:
     return value
 
 
+def _template(flow: str, what: str, value: Any, needs: list[str]) -> Any:
+    """A child's input as the server reads it: run values as ``"$input.a"`` /
+    ``"$parents.<step>.a"`` references (their steps needs), in dicts and lists too;
+    strings starting with ``$`` escaped; anything else itself (JSON)."""
+    if isinstance(value, Value):
+        kind, step = value._source  # pyright: ignore[reportPrivateUsage]
+        path = value._path  # pyright: ignore[reportPrivateUsage]
+        if kind == "item" or any(not isinstance(p, str) or not p or "." in p for p in path):
+            raise FlowDefinitionError(f"flow {flow}: {what}: {value!r} is not the input or a task's output indexed "
+                                      "by field names (no list indexes, no dots in a name)")
+        if kind == "step" and step is not None:
+            if step not in needs:
+                needs.append(step)
+            return "$" + ".".join(["parents", step, *cast(tuple[str, ...], path)])
+        return "$" + ".".join(["input", *cast(tuple[str, ...], path)])
+    if isinstance(value, dict):
+        return {str(k): _template(flow, what, v, needs) for k, v in cast(dict[Any, Any], value).items()}
+    if isinstance(value, (list, tuple)):
+        return [_template(flow, what, v, needs) for v in cast(list[Any], value)]
+    _json.dumps(value, f"flow {flow}: {what}'s input")
+    if isinstance(value, str) and value.startswith("$"):
+        return "$" + value
+    return value
+
+
 def _ms(what: str, flow: str, value: timedelta | float) -> int:
     seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
     if not seconds > 0 or seconds == float("inf"):
@@ -354,6 +412,7 @@ class FlowDef(Generic[P]):
         self.singleton = singleton
         self.on_collision = on_collision
         self._definition: dict[str, Any] | None = None
+        self._children: dict[str, FlowDef[Any]] = {}
         self.__name__ = getattr(fn, "__name__", name)
         self.__doc__ = fn.__doc__
 
@@ -374,8 +433,54 @@ class FlowDef(Generic[P]):
                 _tracer.reset(token)
             if not builder.steps:
                 raise FlowDefinitionError(f"flow {self.name}: the body calls no @ax.task")
+            self._children = builder.children
             self._definition = {"name": self.name, "failure": self.failure, "steps": builder.steps}
         return self._definition
+
+    def child_flows(self) -> list["FlowDef[Any]"]:
+        """The flows this one's child flow steps run (stored before it)."""
+        self.definition()
+        return list(self._children.values())
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> Any:
+        """In an ``@ax.flow`` body: a child flow step running this flow with the body's
+        argument as its input (PROTOCOL.md §6, "Child flows"); returns the child's
+        outputs — each of its last steps' results by step name — to pass to tasks called
+        after it. ``child(...)`` gives the step a timeout; outside a body, use
+        ``trigger``."""
+        return self.child(self.input(args, kwargs))
+
+    def child(self, input: Any = None, /, *, timeout: timedelta | float | None = None,
+              on_timeout: str = "fail", queue: str | None = None) -> Any:
+        """In an ``@ax.flow`` body: a child flow step running this flow with ``input``
+        (a run value, a constant, or a dict or list holding run values), ended at
+        ``timeout`` (default the server's max delay) as ``on_timeout`` says — ``"fail"``
+        (class ``child_timed_out``) or ``"continue"`` with ``None`` — the child then
+        cancelled. A child that fails fails the step (class ``child_failed``); the
+        parent's cancel cancels the child."""
+        return self._child_step(input, False, timeout, on_timeout, queue)
+
+    def map(self, items: Any, /, *, timeout: timedelta | float | None = None, on_timeout: str = "fail",
+            queue: str | None = None) -> Any:
+        """In an ``@ax.flow`` body: one child run of this flow per item of a task's list
+        result (at most 1,000), each item its input; returns the list of the children's
+        outputs in item order. Options as ``child``."""
+        return self._child_step(items, True, timeout, on_timeout, queue)
+
+    def _child_step(self, input: Any, fan_out: bool, timeout: timedelta | float | None, on_timeout: str,
+                    queue: str | None) -> Any:
+        builder = tracing()
+        if builder is None:
+            raise FlowDefinitionError(f"flow {self.name}: calling a flow makes it a child flow step of an @ax.flow "
+                                      "body; to start a run, use .trigger()")
+        if on_timeout not in ("fail", "continue"):
+            raise FlowDefinitionError(f"flow {builder.flow}: on_timeout is 'fail' or 'continue', not {on_timeout!r}")
+        spec: dict[str, Any] = {"on_timeout": on_timeout}
+        if timeout is not None:
+            spec["timeout_ms"] = _ms(f"{self.name}'s timeout", builder.flow, timeout)
+        if queue is not None:
+            spec["queue"] = queue
+        return builder.child(cast("FlowDef[Any]", self), input, fan_out, spec)
 
     def with_options(self, *, client: Client | AsyncClient | None = None) -> FlowStarter[P]:
         """This flow's runs started through ``client``: ``flow.with_options(client=c).trigger(x)``."""

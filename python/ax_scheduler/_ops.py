@@ -207,9 +207,17 @@ def apply_settings(source: str | os.PathLike[str] | dict[str, Any]) -> Op[list[d
 
 # -- flows ------------------------------------------------------------------------------
 
-def put_flow(stored: set[str], flow: Any) -> Op[dict[str, Any]]:
-    """Stores a flow's definition; its name joins ``stored``."""
+def put_flow(stored: set[str], flow: Any, putting: frozenset[str] = frozenset()) -> Op[dict[str, Any]]:
+    """Stores a flow's definition, after the flows its child flow steps run that are not
+    in ``stored`` (``putting``: those being stored up the chain, as a flow may run
+    itself); its name joins ``stored``."""
     definition = flow.definition() if hasattr(flow, "definition") else flow
+    putting = putting | {definition["name"]}
+    children: list[Any] = flow.child_flows() if hasattr(flow, "child_flows") else []
+    for child in children:
+        name: str = child.name
+        if name not in stored and name not in putting:
+            yield from put_flow(stored, child, putting)
     answer = yield from call("flow", "put", definition)
     stored.add(definition["name"])
     return answer

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Iterable, Mapping, cast
 
-from . import _json, _testing_wait as _wait
+from . import _json, _testing_child as _child, _testing_wait as _wait
 from ._options import TaskOptions
 from ._task import REGISTRY, TaskDef
 from ._testing_task import FakeClock, Policy, Result, Runner, TaskRun, output_value, typed_output
@@ -40,6 +40,8 @@ log = logging.getLogger("ax_scheduler.testing")
 # A sleep step's wait task (crates/ax-sdk/src/flow/def.rs): here a no-op run at the wake
 # time on the fake clock, its output null, as the server's dispatcher ends it.
 SLEEP_TASK = "ax.sleep"
+# The kinds of steps whose task is a wait task ax runs itself.
+WAITS = ("sleep", "wait_for_event", "approval", "child_flow")
 
 
 def _woke(*args: Any, **kwargs: Any) -> None:
@@ -183,6 +185,10 @@ def plan(definition: dict[str, Any]) -> Plan:
             continue
         if "approval" in step:
             _wait.check_approval(i, step, _bad)
+            parents.append(mine)
+            continue
+        if "child_flow" in step:
+            _child.check(i, step, _bad)
             parents.append(mine)
             continue
         if "sleep" in step:
@@ -419,17 +425,30 @@ def _kind(value: Any) -> str:
     return "an object" if isinstance(value, dict) else "an array"
 
 
+@dataclass
+class _ChildEnd:
+    """How a child run ended, as its parent step sees it."""
+
+    state: str
+    reason: str | None
+    leaf_outputs: dict[str, Any]
+    ended_ms: int
+
+
 class FlowSim:
     """One flow run in this process (see the module's doc)."""
 
     def __init__(self, definition: dict[str, Any], input: Any, *, run_id: str, clock: FakeClock,
                  rng: random.Random | None, replace: Mapping[str, Any] | None, runner: Runner,
                  business_id: str | None = None, events: Iterable[Any] | None = None,
-                 approvals: Mapping[str, Any] | None = None) -> None:
+                 approvals: Mapping[str, Any] | None = None, depth: int = 0) -> None:
         self.business_id = business_id
+        self.depth = depth  # how deep a child run this is
+        self.replace = replace
         self.events = _wait.published(events, clock.now_ms())
         self.approvals = dict(approvals or {})
         self._wait_due: dict[int, int] = {}
+        self._child_due: dict[tuple[int, int], int] = {}
         self.definition = json.loads(json.dumps(definition))  # a copy, as the run keeps it
         self.plan = plan(self.definition)
         # The run's input travels as JSON (the `run` request), dataclasses and models included.
@@ -455,9 +474,11 @@ class FlowSim:
         """Step ``i``'s task: its own, or a sleep's wait task (which the server fills in,
         on the sleep's queue or the flow's first task's)."""
         step = self.defs[i]
-        if "task" in step or not any(k in step for k in ("sleep", "wait_for_event", "approval")):
+        if "task" in step or not any(k in step for k in WAITS):
             return step["task"]
         first = next((s["task"]["queue"] for s in self.defs if "task" in s), "default")
+        if "child_flow" in step:
+            return {"name": _child.CHILD_TASK, "queue": step["child_flow"].get("queue", first)}
         if "approval" in step:
             return {"name": _wait.APPROVAL_TASK, "queue": step["approval"].get("queue", first)}
         if "wait_for_event" in step:
@@ -473,7 +494,7 @@ class FlowSim:
         return started_ms + int(sleep["for_ms"])
 
     def _task_of(self, i: int, template: dict[str, Any], replace: Mapping[str, Any]) -> TaskDef[..., Any]:
-        if any(k in self.defs[i] for k in ("sleep", "wait_for_event", "approval")):
+        if any(k in self.defs[i] for k in WAITS):
             return _SLEEP  # a wait's own task is made when it starts (``_build``)
         name = template.get("name")
         if not isinstance(name, str):
@@ -571,8 +592,21 @@ class FlowSim:
             due, decided = _wait.decide(approval, given, self.clock.now_ms())
             td = TaskDef(decided, _wait.APPROVAL_TASK, TaskOptions(retries=0))
             self._wait_due[i] = due
+        child = self.defs[i].get("child_flow")
+        if child is not None and len(bodies) > _child.MAX_CHILD_RUNS:
+            raise StepBuildError("fan_out_too_large",
+                                 f"{len(bodies)} child runs, at most {_child.MAX_CHILD_RUNS} per step")
         for k, body in enumerate(bodies):
             task_id = f"{template['queue']}.fl.{self.run_id}.{self.defs[i]['name']}.0.{k}"
+            if child is not None:
+                def run_child(d: dict[str, Any], x: Any, t: str = task_id) -> _ChildEnd:
+                    return self._run_child(d, x, t)
+                try:
+                    out = _child.outcome(self.defs[i], body, self.clock.now_ms(), self.depth, run_child)
+                except _child.BadInput as e:
+                    raise StepBuildError("bad_input", str(e)) from None
+                td = TaskDef(out.end, _child.CHILD_TASK, TaskOptions(retries=0))
+                self._child_due[(i, k)] = out.due_ms
             try:
                 run = TaskRun(td, body, task_id=task_id, clock=self.clock, policy=Policy.of(td, template),
                               rng=self.rng, priority=template.get("priority"), queue=template["queue"],
@@ -610,13 +644,23 @@ class FlowSim:
                 self.progress[i] = Progress(total=len(jobs))
                 due = self._wake_ms(i, now) if "sleep" in self.defs[i] else self._wait_due.pop(i, now)
                 for job in jobs:
-                    self._schedule(job, due)
+                    self._schedule(job, self._child_due.pop((i, job.item), due))
             for i in cancel:
                 self.queued_cancelled[i] = True
                 for job in self.jobs[i]:
                     if not job.run.done:
                         job.run.cancel_unstarted("a step failed and the flow fails fast")
                         self._tally(job)
+
+    def _run_child(self, definition: dict[str, Any], input: Any, task_id: str) -> "_ChildEnd":
+        """Runs a child of this run to its end on a clock of its own from now."""
+        clock = FakeClock(self.clock.now_ms())
+        sim = FlowSim(definition, input, run_id=f"child-of-{task_id}", clock=clock, rng=self.rng,
+                      replace=self.replace, runner=self.runner, business_id=self.business_id, depth=self.depth + 1)
+        result = sim.run()
+        leaves = [d["name"] for d in sim.defs if not any(d["name"] in (s.get("needs") or []) for s in sim.defs)]
+        outputs = {name: result.steps[name].raw_output for name in leaves if result.steps[name].state == "succeeded"}
+        return _ChildEnd(result.state, result.reason, outputs, clock.now_ms())
 
     def _schedule(self, job: _Job, due_ms: int) -> None:
         heapq.heappush(self._due, (due_ms, self._rank[job.step], job.item, next(self._seq)))
