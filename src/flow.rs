@@ -135,7 +135,9 @@ fn colour(state: &str) -> &'static str {
         "failed" => "salmon",
         "upstream_failed" => "orange",
         "running" => "lightblue",
-        "sleeping" | "waiting for event" | "waiting for approval" => "lavender",
+        "sleeping" | "waiting for event" | "waiting for approval" | "waiting for flow" => {
+            "lavender"
+        }
         "cancelled" | "skipped" => "lightgrey",
         _ => "white",
     }
@@ -154,6 +156,10 @@ fn print_run(run: &Value) {
     );
     if let Some(of) = run["rerun_of"].as_str() {
         println!("re-run of {of}");
+    }
+    if let Some(parent) = run["parent"]["run"].as_str() {
+        let step = run["parent"]["step"].as_str().unwrap_or("?");
+        println!("child of run {parent} (step {step})");
     }
     println!(
         "{:<20} {:<16} {:>5} {:>6} {:>8} {:<12} {:<12} error",
@@ -188,6 +194,17 @@ fn print_run(run: &Value) {
                     ax_core::time::format_rfc3339_ms(until)
                 ),
             ),
+            (Some("flow"), Some(until)) => (
+                "waiting",
+                format!(
+                    "for flow {} ({} run{}: {}) until {}",
+                    waiting["flow"].as_str().unwrap_or("?"),
+                    s["items"].as_u64().unwrap_or(0),
+                    if s["items"] == 1 { "" } else { "s" },
+                    waiting["runs"][0].as_str().unwrap_or("?"),
+                    ax_core::time::format_rfc3339_ms(until)
+                ),
+            ),
             (_, Some(until)) => (
                 "sleeping",
                 format!("until {}", ax_core::time::format_rfc3339_ms(until)),
@@ -217,6 +234,7 @@ fn print_dot(run: &Value) {
             Some("sleep") => "sleeping",
             Some("event") => "waiting for event",
             Some("approval") => "waiting for approval",
+            Some("flow") => "waiting for flow",
             _ => s["state"].as_str().unwrap_or("waiting"),
         };
         println!(

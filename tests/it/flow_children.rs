@@ -177,6 +177,28 @@ async fn a_child_s_leaf_outputs_are_its_step_s_output_and_a_fan_out_runs_one_chi
         .await
         .unwrap();
     assert_eq!(child_view["parent"]["run"], json!(run), "{child_view}");
+    // `ax flow get` says what the step waits for, and the child whose child it is.
+    let url = env.nats.url();
+    let get = |id: String| {
+        let url = url.clone();
+        async move {
+            let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_ax"))
+                .args(["flow", "get", &id])
+                .env("NATS_URL", url)
+                .output()
+                .await
+                .unwrap();
+            String::from_utf8_lossy(&out.stdout).to_string()
+        }
+    };
+    let text = get(run.clone()).await;
+    let want = format!("for flow slowkid (1 run: {})", child_run_id(task));
+    assert!(text.contains(&want), "{text}");
+    let text = get(child_run_id(task)).await;
+    assert!(
+        text.contains(&format!("child of run {run} (step kid)")),
+        "{text}"
+    );
     let ended = finish(&env.ax, &run).await;
     assert_eq!(ended.state, RunState::Succeeded, "{:?}", ended.reason);
     assert_eq!(output(&env.ax, &run, "kid").await, json!({"nap": 1}));
