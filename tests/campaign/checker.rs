@@ -147,13 +147,15 @@ pub fn check_tasks(
         let Some((_, last)) = history.last() else {
             continue;
         };
-        // A flow's waits (a sleep, a wait for an event, an approval) are ended by the
-        // server, never by a worker: their own rules (`checker_flows::check_sleeps`,
-        // `check_waits`, `check_approvals`) judge them.
+        // A flow's waits (a sleep, a wait for an event, an approval, a child flow) are
+        // ended by the server, never by a worker: their own rules
+        // (`checker_flows::check_sleeps`, `check_waits`, `check_approvals`,
+        // `check_children`) judge them.
         let wait = [
             ax_sdk::flow::SLEEP_TASK,
             ax_sdk::flow::WAIT_FOR_EVENT_TASK,
             ax_sdk::flow::APPROVAL_TASK,
+            ax_sdk::flow::CHILD_FLOW_TASK,
         ];
         if last.state == TaskState::Succeeded && !wait.contains(&last.name.as_str()) {
             // The token of the attempt that succeeded: the revision of its `running` write;

@@ -42,6 +42,7 @@ fn expected_steps(flow: &str, succeeds: bool) -> Vec<(&'static str, &'static [St
             ("gather", &[UpstreamFailed]),
         ],
         ("chain", _) => vec![("a", OK), ("nap", OK), ("b", OK), ("c", OK), ("d", OK)],
+        ("nest", _) => vec![("list", OK), ("kids", OK), ("gather", OK)],
         ("paid", _) => vec![("a", OK), ("w", OK), ("b", OK)],
         ("gate", true) => vec![("a", OK), ("g", OK), ("b", OK)],
         ("gate", false) => vec![("a", OK), ("g", &[Failed]), ("b", &[UpstreamFailed])],
@@ -87,7 +88,7 @@ pub fn expected_state(note: &RunNote) -> Option<RunState> {
                 RunState::Succeeded
             }
         }
-        "chain" | "paid" => RunState::Succeeded,
+        "chain" | "paid" | "nest" => RunState::Succeeded,
         "gate" if note.decided.iter().any(|(d, _)| d == "rejected") => RunState::Failed,
         "gate" => RunState::Succeeded,
         _ => RunState::Failed,

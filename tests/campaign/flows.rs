@@ -1,4 +1,4 @@
-//! The flow load: fan-out and gather, chains, fail-fast and continue
+//! The flow load: fan-out and gather, chains, child flows, fail-fast and continue
 //! failures, cancels and re-runs of every mode, under the nemesis. Flows are put and driven
 //! through the public `Client` API; their steps run on queue `x` (the example workers,
 //! killed and paused by the second nemesis) except the fan-out's `list` step, whose output
@@ -57,6 +57,14 @@ pub fn defs() -> Vec<Value> {
                 "on_timeout": "continue"}},
             step("b", &["w"], "step", "x")]}),
         crate::approvals::def(),
+        // `kids` runs flow `kid` once per item of `list`, each a run of its own that the
+        // faults hit as any run; `gather` gets their leaf outputs.
+        json!({"name": "kid", "steps": [step("k1", &[], "step", "x"), step("k2", &["k1"], "step", "x")]}),
+        json!({"name": "nest", "steps": [
+            step("list", &[], "list", "xl"),
+            {"name": "kids", "needs": ["list"], "for_each": "list",
+             "child_flow": {"flow": "kid", "input": {"n": "$item"}}},
+            step("gather", &["kids"], "step", "x")]}),
         json!({"name": "ff", "failure": "fail_fast", "steps": [
             step("a", &[], "step", "x"), step("boom", &["a"], "poison", "x"),
             step("after", &["boom"], "step", "x"), cleanup, step("side", &["a"], "step", "x")]}),
@@ -263,7 +271,8 @@ pub async fn load(
             30..=51 => ("chain", json!({})),
             52..=67 => ("ff", json!({})),
             68..=79 => ("cont", json!({})),
-            80..=89 => ("gate", json!({})),
+            80..=84 => ("gate", json!({})),
+            85..=89 => ("nest", json!({"n": rng.random_range(1..=4)})),
             _ => (
                 "paid",
                 json!({"order": format!("o{}", rng.random::<u32>())}),

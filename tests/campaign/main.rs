@@ -40,6 +40,7 @@ mod checker;
 mod checker_admission;
 mod checker_approvals;
 mod checker_batches;
+mod checker_children;
 mod checker_fairness;
 mod checker_flows;
 mod checker_limits;

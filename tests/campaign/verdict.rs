@@ -251,6 +251,15 @@ pub async fn check_new(ax: &Client, seen: &Seen, verdict: &mut Verdict) -> Vec<S
     let (v, approvals, decided) =
         crate::checker_approvals::check_approvals(histories, journal, &seen.flows.runs);
     verdict.add("flow approvals", v);
+    let mut children = BTreeMap::new();
+    for task in crate::checker_children::wait_tasks(histories) {
+        let id = ax_sdk::flow::model::child_run_id(&task);
+        let found = read_run(ax, &id).await;
+        children.insert(id, found);
+    }
+    let (v, child_steps, child_ok) =
+        crate::checker_children::check_children(histories, journal, &children);
+    verdict.add("flow children", v);
     let ended = |s: RunState| stored.values().filter(|(r, _)| r.state == s).count();
     let reruns: usize = seen.flows.runs.iter().map(|n| n.reruns.len()).sum();
     let cancels: usize = seen.flows.runs.iter().map(|n| n.cancels.len()).sum();
@@ -312,7 +321,8 @@ pub async fn check_new(ax: &Client, seen: &Seen, verdict: &mut Verdict) -> Vec<S
             "flows: {} runs noted ({} seen), {} succeeded / {} failed / {} cancelled, {reruns} \
              re-runs and {cancels} cancels acknowledged, {} starts unanswered, {sleeps} sleeps \
              and {waits} waits for events judged ({paid} events acknowledged), {approvals} \
-             approvals judged ({decided} with an answered completion)",
+             approvals judged ({decided} with an answered completion), {child_steps} child \
+             runs' steps judged ({child_ok} succeeded with their child)",
             seen.flows.runs.len(),
             ids.len(),
             ended(RunState::Succeeded),
