@@ -268,6 +268,20 @@ async fn a_failed_flow_step_shows_red_and_is_re_run() {
             .unwrap();
         assert_eq!(ended.state, ax_sdk::flow::RunState::Succeeded, "{:?}", ended.reason);
         b.until("the approval gone from the list", 15, "return !document.querySelector('#approvals')").await;
+
+        // A child flow step: the parent's page says what it waits for and links the child,
+        // whose page links back (the child waits for its approval meanwhile).
+        let parent = FlowDef::new("parent").step(StepDef::child_flow("sub", "q", ax_sdk::flow::ChildFlowDef::new("gated")));
+        env.ax.put_flow(&parent).await.unwrap();
+        let run = env.ax.run_flow("parent", json!({})).await.unwrap();
+        b.go(&format!("{site}/#/run/{run}")).await;
+        b.until("the step waiting for its child", 15,
+            "return document.querySelector('g[data-step=sub]')?.textContent.includes('waiting for flow gated (1 run) until') \
+             && !!document.querySelector('a.child-run')").await;
+        b.click("a.child-run").await;
+        b.until("the child's page naming its parent", 15, &format!(
+            "return !!document.querySelector('a[href=\"#/run/{run}\"]') && document.body.textContent.includes('child of')")).await;
+        env.ax.flow("cancel", &json!({ "run": run })).await.unwrap();
         b.close().await;
     })
     .await
