@@ -75,6 +75,44 @@ pub fn parse_journal(text: &str) -> HashMap<String, Vec<Invocation>> {
 /// Every stored revision of every record, oldest first, by task id.
 pub type Histories = BTreeMap<String, Vec<(u64, TaskRecord)>>;
 
+/// The wait tasks of task name `name` (a flow's waits, which the server ends, never a
+/// worker), each with its one final record, and how many there are. What breaks "ends
+/// once, never on a worker" is pushed to `v` — a worker started it, it never ended, it
+/// ended more than once (`what` names it: "a sleep") — and such a task is left out.
+pub fn wait_ends<'a>(
+    histories: &'a Histories,
+    journal: &HashMap<String, Vec<Invocation>>,
+    name: &str,
+    what: &str,
+    v: &mut Vec<String>,
+) -> (Vec<(&'a String, &'a TaskRecord)>, usize) {
+    let mut out = Vec::new();
+    let mut judged = 0;
+    for (id, history) in histories {
+        let Some((_, last)) = history.last() else {
+            continue;
+        };
+        if last.name != name {
+            continue;
+        }
+        judged += 1;
+        if journal.get(id).is_some_and(|starts| !starts.is_empty()) {
+            v.push(format!("{id}: a worker ran {what}"));
+        }
+        let ends: Vec<&TaskRecord> = history
+            .iter()
+            .map(|(_, r)| r)
+            .filter(|r| r.state.is_terminal())
+            .collect();
+        match ends.as_slice() {
+            [] => v.push(format!("{id}: {what} never ended (last {})", last.state)),
+            [end] => out.push((id, *end)),
+            more => v.push(format!("{id}: {what} ended {} times", more.len())),
+        }
+    }
+    (out, judged)
+}
+
 /// A record history in one line, for a violation's message: `rev:state/attempt[op by
 /// worker]` per revision.
 fn brief(history: &[(u64, TaskRecord)]) -> String {

@@ -10,7 +10,7 @@
 //!   output `null` (policy `continue`), no earlier than its due time; or its run's
 //!   cancel ended it.
 
-use crate::checker::{Histories, Invocation};
+use crate::checker::{wait_ends, Histories, Invocation};
 use crate::flows::RunNote;
 use ax_sdk::flow::model::parse_step_task;
 use ax_sdk::TaskState;
@@ -25,37 +25,16 @@ pub fn check_approvals(
     notes: &[RunNote],
 ) -> (Vec<String>, usize, usize) {
     let mut v = Vec::new();
-    let (mut judged, mut decided) = (0, 0);
-    for (id, history) in histories {
-        let Some((_, last)) = history.last() else {
-            continue;
-        };
-        if last.name != ax_sdk::flow::APPROVAL_TASK {
-            continue;
-        }
-        judged += 1;
-        if journal.get(id).is_some_and(|starts| !starts.is_empty()) {
-            v.push(format!("{id}: a worker ran an approval"));
-        }
-        let ends: Vec<&ax_sdk::TaskRecord> = history
-            .iter()
-            .map(|(_, r)| r)
-            .filter(|r| r.state.is_terminal())
-            .collect();
-        let end = match ends.as_slice() {
-            [] => {
-                v.push(format!(
-                    "{id}: an approval never ended (last {})",
-                    last.state
-                ));
-                continue;
-            }
-            [end] => *end,
-            more => {
-                v.push(format!("{id}: an approval ended {} times", more.len()));
-                continue;
-            }
-        };
+    let mut decided = 0;
+    let what = "an approval";
+    let (ends, judged) = wait_ends(
+        histories,
+        journal,
+        ax_sdk::flow::APPROVAL_TASK,
+        what,
+        &mut v,
+    );
+    for (id, end) in ends {
         let output: Option<Value> = end.output.as_ref().and_then(|o| o.json.clone());
         let class = end.last_error.as_ref().map(|e| e.class.as_str());
         let got = match (end.state, &output, class) {

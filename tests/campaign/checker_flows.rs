@@ -17,7 +17,7 @@
 //!   (`ax.sleep`) reaches one final state once (`succeeded`, or `cancelled` by its run's
 //!   cancel), `succeeded` no earlier than its due time, and no handler ever starts it.
 
-use crate::checker::{Histories, Invocation};
+use crate::checker::{wait_ends, Histories, Invocation};
 use crate::flows::RunNote;
 use ax_sdk::flow::model::parse_step_task;
 use ax_sdk::flow::{FlowRun, RunState, StepRun, StepState, TriggerRule};
@@ -303,38 +303,23 @@ pub fn check_sleeps(
     journal: &HashMap<String, Vec<Invocation>>,
 ) -> (Vec<String>, usize) {
     let mut v = Vec::new();
-    let mut judged = 0;
-    for (id, history) in histories {
-        let Some((_, last)) = history.last() else {
-            continue;
-        };
-        if last.name != ax_sdk::flow::SLEEP_TASK {
-            continue;
+    let (ends, judged) = wait_ends(
+        histories,
+        journal,
+        ax_sdk::flow::SLEEP_TASK,
+        "a sleep",
+        &mut v,
+    );
+    for (id, end) in ends {
+        let (done, due) = (end.finished_at_ms.unwrap_or(0), end.run_at_ms.unwrap_or(0));
+        if end.state == TaskState::Succeeded && done < due {
+            v.push(format!(
+                "{id}: a sleep ended at {done}, {} ms before its due time",
+                due - done
+            ));
         }
-        judged += 1;
-        let ends: Vec<&ax_sdk::TaskRecord> = history
-            .iter()
-            .map(|(_, r)| r)
-            .filter(|r| r.state.is_terminal())
-            .collect();
-        match ends.as_slice() {
-            [] => v.push(format!("{id}: a sleep never ended (last {})", last.state)),
-            [end] => {
-                let (done, due) = (end.finished_at_ms.unwrap_or(0), end.run_at_ms.unwrap_or(0));
-                if end.state == TaskState::Succeeded && done < due {
-                    v.push(format!(
-                        "{id}: a sleep ended at {done}, {} ms before its due time",
-                        due - done
-                    ));
-                }
-                if !matches!(end.state, TaskState::Succeeded | TaskState::Cancelled) {
-                    v.push(format!("{id}: a sleep ended {}", end.state));
-                }
-            }
-            more => v.push(format!("{id}: a sleep ended {} times", more.len())),
-        }
-        if journal.get(id).is_some_and(|starts| !starts.is_empty()) {
-            v.push(format!("{id}: a worker ran a sleep's wait task"));
+        if !matches!(end.state, TaskState::Succeeded | TaskState::Cancelled) {
+            v.push(format!("{id}: a sleep ended {}", end.state));
         }
     }
     (v, judged)

@@ -12,7 +12,7 @@
 //!   events back). Within the margin (a matcher taking over after a kill), either end is
 //!   allowed.
 
-use crate::checker::{Histories, Invocation};
+use crate::checker::{wait_ends, Histories, Invocation};
 use crate::flows::{Paid, RunNote};
 use ax_sdk::flow::model::parse_step_task;
 use ax_sdk::TaskState;
@@ -30,36 +30,17 @@ pub fn check_waits(
     notes: &[RunNote],
 ) -> (Vec<String>, usize) {
     let mut v = Vec::new();
-    let mut judged = 0;
-    for (id, history) in histories {
-        let Some((_, last)) = history.last() else {
-            continue;
-        };
-        if last.name != ax_sdk::flow::WAIT_FOR_EVENT_TASK {
-            continue;
-        }
-        judged += 1;
-        if journal.get(id).is_some_and(|starts| !starts.is_empty()) {
-            v.push(format!("{id}: a worker ran a wait for an event"));
-        }
+    let what = "a wait for an event";
+    let (ends, judged) = wait_ends(
+        histories,
+        journal,
+        ax_sdk::flow::WAIT_FOR_EVENT_TASK,
+        what,
+        &mut v,
+    );
+    for (id, end) in ends {
         let note = parse_step_task(id).and_then(|s| notes.iter().find(|n| n.run == s.run));
         let order = note.map(|n| n.input["order"].clone());
-        let ends: Vec<&ax_sdk::TaskRecord> = history
-            .iter()
-            .map(|(_, r)| r)
-            .filter(|r| r.state.is_terminal())
-            .collect();
-        let end = match ends.as_slice() {
-            [] => {
-                v.push(format!("{id}: a wait never ended (last {})", last.state));
-                continue;
-            }
-            [end] => *end,
-            more => {
-                v.push(format!("{id}: a wait ended {} times", more.len()));
-                continue;
-            }
-        };
         let due = end.run_at_ms.unwrap_or(0);
         let output: Option<Value> = end.output.as_ref().and_then(|o| o.json.clone());
         match (end.state, &output) {

@@ -278,6 +278,13 @@ async fn a_failed_flow_step_shows_red_and_is_re_run() {
         b.until("the step waiting for its child", 15,
             "return document.querySelector('g[data-step=sub]')?.textContent.includes('waiting for flow gated (1 run) until') \
              && !!document.querySelector('a.child-run')").await;
+        // The child starts once its wait task is stored, a moment after the step shows.
+        let task = ax_sdk::flow::model::step_task_id("q", &run, "sub", 0, 0);
+        let child = ax_sdk::flow::model::child_run_id(&task);
+        crate::support::eventually(Duration::from_secs(10), "the child run", || async {
+            env.ax.flow_run(&child).await.ok().flatten().map(|_| ())
+        })
+        .await;
         b.click("a.child-run").await;
         b.until("the child's page naming its parent", 15, &format!(
             "return !!document.querySelector('a[href=\"#/run/{run}\"]') && document.body.textContent.includes('child of')")).await;

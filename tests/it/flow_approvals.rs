@@ -4,7 +4,7 @@
 
 use crate::browser::http;
 use crate::flow_events::endings;
-use crate::flows::{finish, flow_worker, step, Calls};
+use crate::flows::{finish, flow_worker, step, Calls, TwoServers, SERVER_ARGS};
 use crate::procs::{self, free_port, AxProc};
 use crate::support::{eventually, Env};
 use ax_core::event::WaitRegistration;
@@ -319,12 +319,13 @@ async fn a_rejection_fails_the_step_and_a_timeout_follows_its_policy() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn approvals_outlive_every_server_and_two_completions_end_each_once() {
-    let env = Env::nats_only().await;
-    let url = env.nats.url();
-    let args = ["server", "--queue", "q"];
-    let mut servers = vec![AxProc::spawn(&url, &args), AxProc::spawn(&url, &args)];
-    procs::wait_ready(&env.client).await;
-    let (_stop, _w) = env.spawn_worker(flow_worker(Calls::default()));
+    let TwoServers {
+        env,
+        url,
+        mut servers,
+        worker: _worker,
+        ..
+    } = TwoServers::start().await;
     let mut announced = Announcements::follow(&env.client).await;
     env.ax
         .put_flow(&gated(
@@ -363,7 +364,10 @@ async fn approvals_outlive_every_server_and_two_completions_end_each_once() {
     for s in &mut servers {
         s.kill9();
     }
-    let _servers = [AxProc::spawn(&url, &args), AxProc::spawn(&url, &args)];
+    let _servers = [
+        AxProc::spawn(&url, &SERVER_ARGS),
+        AxProc::spawn(&url, &SERVER_ARGS),
+    ];
     procs::wait_ready(&env.client).await;
     // Each token presented twice at once (a double click, a retried webhook).
     let answers = futures::future::join_all(tokens.iter().flat_map(|t| {

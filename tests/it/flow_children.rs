@@ -3,7 +3,8 @@
 //! the step, the parent's cancel and the step's timeout cancelling the child, nesting
 //! bounded, and every child run once through killed servers.
 
-use crate::flows::{finish, flow_worker, step, Calls};
+use crate::flow_events::endings;
+use crate::flows::{finish, flow_worker, step, waiting, Calls, TwoServers, SERVER_ARGS};
 use crate::procs::{self, AxProc};
 use crate::support::Env;
 use ax_sdk::flow::model::{child_run_id, step_task_id};
@@ -51,36 +52,6 @@ async fn output(ax: &ax_sdk::Client, run: &str, name: &str) -> Value {
     done.output
         .map(|o| o.json().unwrap())
         .unwrap_or(Value::Null)
-}
-
-/// Polls `get` until step `name` of `run` waits for its child runs; the step's view.
-async fn waiting_for_children(ax: &ax_sdk::Client, run: &str, name: &str) -> Value {
-    crate::support::eventually(
-        Duration::from_secs(20),
-        "the step to wait for its child",
-        || async {
-            let view = ax.flow("get", &json!({ "run": run })).await.ok()?;
-            let s = view["steps"]
-                .as_array()?
-                .iter()
-                .find(|s| s["name"] == name)?
-                .clone();
-            (s["waiting"]["kind"] == "flow").then_some(s)
-        },
-    )
-    .await
-}
-
-/// Times a task's record moved to a final state.
-async fn endings(ax: &ax_sdk::Client, id: &str) -> usize {
-    let history = ax.history(id).await.unwrap();
-    let states: Vec<TaskState> = history.iter().map(|(r, _)| r.state).collect();
-    let ended = |s: &TaskState| s.is_terminal();
-    states
-        .windows(2)
-        .filter(|w| !ended(&w[0]) && ended(&w[1]))
-        .count()
-        + usize::from(states.first().is_some_and(ended))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -167,15 +138,20 @@ async fn a_child_s_leaf_outputs_are_its_step_s_output_and_a_fan_out_runs_one_chi
     ));
     env.ax.put_flow(&def).await.unwrap();
     let run = env.ax.run_flow("waits_for_kid", json!(null)).await.unwrap();
-    let kid = waiting_for_children(&env.ax, &run, "kid").await;
+    let kid = waiting(&env.ax, &run, "kid", "flow").await;
     let task = kid["task_id"].as_str().unwrap();
     assert_eq!(kid["waiting"]["runs"], json!([child_run_id(task)]), "{kid}");
     assert_eq!(kid["waiting"]["flow"], "slowkid");
-    let child_view = env
-        .ax
-        .flow("get", &json!({ "run": child_run_id(task) }))
-        .await
-        .unwrap();
+    // The step is written beside its wait task's submit; the child starts once that is
+    // stored: a moment after the step shows it.
+    let child_view =
+        crate::support::eventually(Duration::from_secs(10), "the child run", || async {
+            env.ax
+                .flow("get", &json!({ "run": child_run_id(task) }))
+                .await
+                .ok()
+        })
+        .await;
     assert_eq!(child_view["parent"]["run"], json!(run), "{child_view}");
     // `ax flow get` says what the step waits for, and the child whose child it is.
     let url = env.nats.url();
@@ -249,7 +225,7 @@ async fn a_failed_child_fails_its_step_and_a_cancel_or_a_timeout_cancels_the_chi
     ));
     env.ax.put_flow(&def).await.unwrap();
     let run = env.ax.run_flow("cancelled", json!(null)).await.unwrap();
-    let kid = waiting_for_children(&env.ax, &run, "kid").await;
+    let kid = waiting(&env.ax, &run, "kid", "flow").await;
     let child = child_run_id(kid["task_id"].as_str().unwrap());
     env.ax.flow("cancel", &json!({ "run": run })).await.unwrap();
     assert_eq!(finish(&env.ax, &run).await.state, RunState::Cancelled);
@@ -334,13 +310,13 @@ async fn a_failed_child_fails_its_step_and_a_cancel_or_a_timeout_cancels_the_chi
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn child_runs_outlive_killed_servers_and_each_runs_once() {
-    let env = Env::nats_only().await;
-    let url = env.nats.url();
-    let args = ["server", "--queue", "q"];
-    let mut servers = vec![AxProc::spawn(&url, &args), AxProc::spawn(&url, &args)];
-    procs::wait_ready(&env.client).await;
-    let calls = Calls::default();
-    let (_stop, _w) = env.spawn_worker(flow_worker(calls.clone()));
+    let TwoServers {
+        env,
+        url,
+        mut servers,
+        calls,
+        worker: _worker,
+    } = TwoServers::start().await;
     let kid = FlowDef::new("kid")
         .step(StepDef::new(
             "nap",
@@ -372,9 +348,9 @@ async fn child_runs_outlive_killed_servers_and_each_runs_once() {
         if round == 3 {
             servers[1 - k].kill9();
             tokio::time::sleep(Duration::from_millis(500)).await;
-            servers[1 - k] = AxProc::spawn(&url, &args);
+            servers[1 - k] = AxProc::spawn(&url, &SERVER_ARGS);
         }
-        servers[k] = AxProc::spawn(&url, &args);
+        servers[k] = AxProc::spawn(&url, &SERVER_ARGS);
     }
     for run in &runs {
         let ended = finish(&env.ax, run).await;

@@ -2,8 +2,8 @@
 //! (published after it started, or within its lookback before), times out by its policy,
 //! and ends once whatever ax servers die while events come.
 
-use crate::flows::{finish, flow_worker, step, Calls};
-use crate::procs::{self, AxProc};
+use crate::flows::{finish, flow_worker, step, waiting, Calls, TwoServers, SERVER_ARGS};
+use crate::procs::AxProc;
 use crate::support::Env;
 use ax_sdk::flow::{FlowDef, OnTimeout, RunState, StepDef, StepState, WaitForEventDef};
 use ax_sdk::TaskState;
@@ -21,20 +21,6 @@ fn paid(timeout: Duration, on_timeout: OnTimeout, lookback_ms: Option<u64>) -> W
         lookback_ms,
         queue: None,
     }
-}
-
-/// Polls `get` until step `name` of `run` waits for an event; the step's view.
-async fn waiting(ax: &ax_sdk::Client, run: &str, name: &str) -> Value {
-    crate::support::eventually(Duration::from_secs(20), "the step to wait", || async {
-        let view = ax.flow("get", &json!({ "run": run })).await.ok()?;
-        let s = view["steps"]
-            .as_array()?
-            .iter()
-            .find(|s| s["name"] == name)?
-            .clone();
-        (s["waiting"]["kind"] == "event").then_some(s)
-    })
-    .await
 }
 
 /// Times a task's record moved to a final state.
@@ -77,7 +63,7 @@ async fn a_wait_ends_with_the_first_matching_event_and_shows_it() {
         .run_flow("pay", json!({"x": 1, "order": 42}))
         .await
         .unwrap();
-    let w = waiting(&env.ax, &run, "w").await;
+    let w = waiting(&env.ax, &run, "w", "event").await;
     let started = w["started_at_ms"].as_u64().unwrap();
     assert_eq!(w["waiting"]["event"], "order.paid");
     assert_eq!(
@@ -221,13 +207,13 @@ async fn a_wait_that_times_out_fails_its_step_by_default() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn events_published_while_no_server_runs_end_every_wait_once() {
-    let env = Env::nats_only().await;
-    let url = env.nats.url();
-    let args = ["server", "--queue", "q"];
-    let mut servers = vec![AxProc::spawn(&url, &args), AxProc::spawn(&url, &args)];
-    procs::wait_ready(&env.client).await;
-    let calls = Calls::default();
-    let (_stop, _w) = env.spawn_worker(flow_worker(calls.clone()));
+    let TwoServers {
+        env,
+        url,
+        mut servers,
+        calls,
+        worker: _worker,
+    } = TwoServers::start().await;
     let def = FlowDef::new("pay_all")
         .step(StepDef::wait_for_event(
             "w",
@@ -244,7 +230,7 @@ async fn events_published_while_no_server_runs_end_every_wait_once() {
     .map(Result::unwrap)
     .collect();
     for run in &runs {
-        waiting(&env.ax, run, "w").await;
+        waiting(&env.ax, run, "w", "event").await;
     }
     // Half the events while the servers run; then every server dies, the rest come
     // (stored by the broker alone), and new servers start.
@@ -280,7 +266,10 @@ async fn events_published_while_no_server_runs_end_every_wait_once() {
             .await
             .unwrap();
     }
-    servers = vec![AxProc::spawn(&url, &args), AxProc::spawn(&url, &args)];
+    servers = vec![
+        AxProc::spawn(&url, &SERVER_ARGS),
+        AxProc::spawn(&url, &SERVER_ARGS),
+    ];
     for (i, run) in runs.iter().enumerate() {
         let ended = finish(&env.ax, run).await;
         assert_eq!(
@@ -382,7 +371,7 @@ async fn a_cancelled_runs_wait_leaves_the_waits_at_once() {
         .run_flow("abandoned", json!({"order": 1}))
         .await
         .unwrap();
-    let w = waiting(&env.ax, &run, "w").await;
+    let w = waiting(&env.ax, &run, "w", "event").await;
     let w_id = w["task_id"].as_str().unwrap().to_string();
     let waits = env.js.get_key_value("AX_WAITS").await.unwrap();
     assert!(waits.get(&w_id).await.unwrap().is_some(), "registered");

@@ -2,27 +2,13 @@
 //! (a delayed wait task no worker runs), shown as sleeping, ended once whatever servers
 //! die meanwhile, and ended early by "run now".
 
-use crate::flows::{finish, flow_worker, step, Calls};
-use crate::procs::{self, AxProc};
+use crate::flows::{finish, flow_worker, step, waiting, Calls, TwoServers, SERVER_ARGS};
+use crate::procs::AxProc;
 use crate::support::Env;
 use ax_sdk::flow::{FlowDef, RunState, StepDef, StepState};
 use ax_sdk::{SubmitRequest, TaskState};
 use serde_json::{json, Value};
 use std::time::Duration;
-
-/// Polls `get` until step `name` of `run` shows it is sleeping; the step's view.
-async fn sleeping(ax: &ax_sdk::Client, run: &str, name: &str) -> Value {
-    crate::support::eventually(Duration::from_secs(20), "the step to sleep", || async {
-        let view = ax.flow("get", &json!({ "run": run })).await.ok()?;
-        let s = view["steps"]
-            .as_array()?
-            .iter()
-            .find(|s| s["name"] == name)?
-            .clone();
-        (s["waiting"]["kind"] == "sleep").then_some(s)
-    })
-    .await
-}
 
 /// Times a task's record moved to `succeeded`.
 async fn successes(ax: &ax_sdk::Client, id: &str) -> usize {
@@ -46,7 +32,7 @@ async fn a_sleep_step_holds_its_child_until_its_time_and_shows_it() {
         .step(step("b", "echo").needs(["z"]));
     env.ax.put_flow(&def).await.unwrap();
     let run = env.ax.run_flow("nap", json!({"x": 7})).await.unwrap();
-    let z = sleeping(&env.ax, &run, "z").await;
+    let z = waiting(&env.ax, &run, "z", "sleep").await;
     let started = z["started_at_ms"].as_u64().unwrap();
     let until = z["waiting"]["until_ms"].as_u64().unwrap();
     assert_eq!(until, started + 1500, "{z}");
@@ -86,13 +72,13 @@ async fn a_sleep_step_holds_its_child_until_its_time_and_shows_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sleep_outlives_every_server_and_ends_once() {
-    let env = Env::nats_only().await;
-    let url = env.nats.url();
-    let args = ["server", "--queue", "q"];
-    let mut servers = vec![AxProc::spawn(&url, &args), AxProc::spawn(&url, &args)];
-    procs::wait_ready(&env.client).await;
-    let calls = Calls::default();
-    let (_stop, _w) = env.spawn_worker(flow_worker(calls.clone()));
+    let TwoServers {
+        env,
+        url,
+        mut servers,
+        calls,
+        worker: _worker,
+    } = TwoServers::start().await;
     let def = FlowDef::new("long_nap")
         .step(StepDef::sleep_for("z", "q", Duration::from_millis(2500)))
         .step(step("b", "seed").needs(["z"]));
@@ -105,7 +91,7 @@ async fn a_sleep_outlives_every_server_and_ends_once() {
             .collect();
     let mut wakes = Vec::new();
     for run in &runs {
-        let z = sleeping(&env.ax, run, "z").await;
+        let z = waiting(&env.ax, run, "z", "sleep").await;
         wakes.push(z["waiting"]["until_ms"].as_u64().unwrap());
     }
     // No ax server is left while the sleeps are due: nothing holds them but the broker.
@@ -115,7 +101,10 @@ async fn a_sleep_outlives_every_server_and_ends_once() {
     let last = *wakes.iter().max().unwrap();
     let now = ax_core::time::now_ms();
     tokio::time::sleep(Duration::from_millis(last.saturating_sub(now) + 500)).await;
-    servers = vec![AxProc::spawn(&url, &args), AxProc::spawn(&url, &args)];
+    servers = vec![
+        AxProc::spawn(&url, &SERVER_ARGS),
+        AxProc::spawn(&url, &SERVER_ARGS),
+    ];
     for (run, wake) in runs.iter().zip(&wakes) {
         let ended = finish(&env.ax, run).await;
         assert_eq!(
@@ -162,7 +151,7 @@ async fn run_now_ends_a_sleep_early_and_a_cancel_ends_it_cancelled() {
         .step(step("b", "seed").needs(["z"]));
     env.ax.put_flow(&def).await.unwrap();
     let run = env.ax.run_flow("hour_nap", json!({"x": 1})).await.unwrap();
-    let z = sleeping(&env.ax, &run, "z").await;
+    let z = waiting(&env.ax, &run, "z", "sleep").await;
     let z_id = z["task_id"].as_str().unwrap().to_string();
     env.ax.run_now(&z_id).await.unwrap();
     let ended = finish(&env.ax, &run).await;
@@ -170,7 +159,7 @@ async fn run_now_ends_a_sleep_early_and_a_cancel_ends_it_cancelled() {
     assert_eq!(env.record(&z_id).await.state, TaskState::Succeeded);
     // A cancelled run's sleep ends cancelled, and its timer never ends it later.
     let run = env.ax.run_flow("hour_nap", json!({"x": 2})).await.unwrap();
-    let z = sleeping(&env.ax, &run, "z").await;
+    let z = waiting(&env.ax, &run, "z", "sleep").await;
     let z_id = z["task_id"].as_str().unwrap().to_string();
     env.ax.flow("cancel", &json!({ "run": run })).await.unwrap();
     let ended = finish(&env.ax, &run).await;

@@ -2,7 +2,7 @@
 //! re-runs and cancel, against a real nats-server. No run may hang: every test waits for
 //! the run's final state with a deadline, and counts handler invocations per task id.
 
-use crate::procs::{self, AxProc};
+use crate::procs::AxProc;
 use crate::support::Env;
 use ax_sdk::flow::{FailurePolicy, FlowDef, RerunMode, RunState, StepDef, StepState, TriggerRule};
 use ax_sdk::worker::{Task, TaskError, Worker};
@@ -98,6 +98,57 @@ pub(crate) async fn finish(ax: &Client, run: &str) -> ax_sdk::flow::FlowRun {
         .await
         .unwrap_or_else(|_| panic!("run {run} ended within 60 s (a run must never hang)"))
         .unwrap()
+}
+
+/// How the flow tests start an `ax server` process of queue `q`.
+pub(crate) const SERVER_ARGS: [&str; 3] = ["server", "--queue", "q"];
+
+/// What the flow tests that kill servers start from: a broker, two `ax server` processes
+/// of queue `q` (`SERVER_ARGS`), and the flow worker counting its calls.
+pub(crate) struct TwoServers {
+    pub(crate) env: Env,
+    pub(crate) url: String,
+    pub(crate) servers: Vec<crate::procs::AxProc>,
+    pub(crate) calls: Calls,
+    pub(crate) worker: (
+        tokio_util::sync::CancellationToken,
+        tokio::task::JoinHandle<()>,
+    ),
+}
+
+impl TwoServers {
+    pub(crate) async fn start() -> TwoServers {
+        let env = Env::nats_only().await;
+        let url = env.nats.url();
+        let spawn = || crate::procs::AxProc::spawn(&url, &SERVER_ARGS);
+        let servers = vec![spawn(), spawn()];
+        crate::procs::wait_ready(&env.client).await;
+        let calls = Calls::default();
+        let worker = env.spawn_worker(flow_worker(calls.clone()));
+        TwoServers {
+            env,
+            url,
+            servers,
+            calls,
+            worker,
+        }
+    }
+}
+
+/// Polls `get` until step `name` of `run` shows it waits for `kind` (`sleep`, `event`,
+/// `approval`, `flow`); the step's view.
+pub(crate) async fn waiting(ax: &Client, run: &str, name: &str, kind: &str) -> Value {
+    let what = format!("step {name} to be waiting ({kind})");
+    crate::support::eventually(Duration::from_secs(20), &what, || async {
+        let view = ax.flow("get", &json!({ "run": run })).await.ok()?;
+        let s = view["steps"]
+            .as_array()?
+            .iter()
+            .find(|s| s["name"] == name)?
+            .clone();
+        (s["waiting"]["kind"] == kind).then_some(s)
+    })
+    .await
 }
 
 /// Step states and outputs (JSON) of a run, by step name.
@@ -494,13 +545,13 @@ async fn a_cancelled_run_ends_at_once_and_its_queued_tasks_never_run() {
 /// step and runs none twice (handler invocations counted per task id).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_the_leading_server_mid_flow_loses_nothing_and_runs_nothing_twice() {
-    let env = Env::nats_only().await;
-    let url = env.nats.url();
-    let args = ["server", "--queue", "q"];
-    let mut servers = [AxProc::spawn(&url, &args), AxProc::spawn(&url, &args)];
-    procs::wait_ready(&env.client).await;
-    let calls = Calls::default();
-    let (_stop, _w) = env.spawn_worker(flow_worker(calls.clone()));
+    let TwoServers {
+        env,
+        url,
+        mut servers,
+        calls,
+        worker: _worker,
+    } = TwoServers::start().await;
     // A chain of 30 slow-ish steps plus a fan-out of 40: long enough to kill mid-way.
     let mut def = FlowDef::new("chain").step(step("list", "range"));
     def = def.step(step("each", "slow").needs(["list"]).for_each("list"));
@@ -533,7 +584,7 @@ async fn killing_the_leading_server_mid_flow_loses_nothing_and_runs_nothing_twic
         let victim = round % 2;
         servers[victim].kill9();
         tokio::time::sleep(Duration::from_millis(300)).await;
-        servers[victim] = AxProc::spawn(&url, &args);
+        servers[victim] = AxProc::spawn(&url, &SERVER_ARGS);
     }
     for run in &runs {
         let ended = finish(&env.ax, run).await;
