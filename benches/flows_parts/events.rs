@@ -3,7 +3,8 @@
 //! in this process; once every wait is registered, one event per run is published at
 //! `AX_BENCH_EVENT_RATE` (default 1,000) a second. Per event: publish → the wait's end
 //! (its wait task's `finished_at_ms`, the matcher's part) and publish → the next step's
-//! task starting on the worker (the whole path). Printed, not asserted.
+//! task starting on the worker (the whole path), split where the engine stored that task
+//! (its record's creation). Printed, not asserted.
 
 use crate::common::{env_or, percentiles};
 use ax_core::time::now_ms;
@@ -124,6 +125,7 @@ pub async fn waiting(runs: usize) {
     let kv = js.get_key_value("AX_TASKS").await.unwrap();
     let mut feed = kv.watch_with_history("ev.fl.*.w.>").await.unwrap();
     let mut ended = HashMap::new();
+    let mut run_of = HashMap::new(); // run id → its input i
     while ended.len() < runs {
         let Ok(Some(Ok(entry))) = tokio::time::timeout(Duration::from_secs(10), feed.next()).await
         else {
@@ -139,6 +141,26 @@ pub async fn waiting(runs: usize) {
             .and_then(|v| v["i"].as_u64());
         if let (TaskState::Succeeded, Some(i)) = (rec.state, i) {
             ended.insert(i, rec.finished_at_ms.unwrap_or(0));
+            if let Some(t) = ax_sdk::flow::model::parse_step_task(&rec.id) {
+                run_of.insert(t.run.to_string(), i);
+            }
+        }
+    }
+    // When the engine stored each next step's task (its record's creation), by input: the
+    // path splits there into the engine's part and the worker's.
+    let mut feed = kv.watch_with_history("ev.fl.*.b.>").await.unwrap();
+    let mut stored = HashMap::new();
+    while stored.len() < runs {
+        let Ok(Some(Ok(entry))) = tokio::time::timeout(Duration::from_secs(10), feed.next()).await
+        else {
+            break;
+        };
+        let Ok(rec) = serde_json::from_slice::<ax_sdk::TaskRecord>(&entry.value) else {
+            continue;
+        };
+        let run = ax_sdk::flow::model::parse_step_task(&rec.id).map(|t| t.run.to_string());
+        if let Some(&i) = run.as_ref().and_then(|r| run_of.get(r)) {
+            stored.entry(i).or_insert(rec.created_at_ms);
         }
     }
     let published = std::mem::take(&mut *published.lock().unwrap());
@@ -150,6 +172,13 @@ pub async fn waiting(runs: usize) {
     let started = std::mem::take(&mut *started.lock().unwrap());
     let (m50, m99, mmax) = percentiles(lag(&ended));
     let (s50, s99, smax) = percentiles(lag(&started));
+    let between = |from: &HashMap<u64, u64>, to: &HashMap<u64, u64>| -> Vec<f64> {
+        to.iter()
+            .filter_map(|(i, at)| Some(*at as f64 - *from.get(i)? as f64))
+            .collect()
+    };
+    let (e50, e99, emax) = percentiles(between(&ended, &stored));
+    let (w50, w99, wmax) = percentiles(between(&stored, &started));
     println!(
         "  {} events published in {:.1} s ({:.0}/s); {} waits ended, {} next steps started",
         runs,
@@ -163,6 +192,11 @@ pub async fn waiting(runs: usize) {
     );
     println!(
         "  publish → next step's task started: p50 {s50:.0} ms, p99 {s99:.0} ms, max {smax:.0} ms"
+    );
+    println!(
+        "    of which wait ended → next task stored (engine): p50 {e50:.0} ms, p99 {e99:.0} ms, \
+         max {emax:.0} ms; stored → started (dispatch, worker): p50 {w50:.0} ms, p99 {w99:.0} ms, \
+         max {wmax:.0} ms"
     );
     stop.cancel();
     let _ = worker.await;

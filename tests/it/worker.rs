@@ -400,3 +400,57 @@ async fn unknown_record_fields_survive_the_worker() {
     stop.cancel();
     handle.await.unwrap();
 }
+
+/// An idle worker keeps a pull request waiting on the server for each priority, so a task
+/// that arrives starts at once: sampled every 25 ms for 3 s (six expiries of its 500 ms
+/// long polls), no priority's consumer is without one for 4 samples in a row (a poll's
+/// expiry and the next poll's arrival may fall between two samples, not a tenth of a
+/// second). Before, a worker sent new polls only after its own idle wait, and a priority
+/// whose poll had expired first had none for up to 500 ms (seen red: runs of 15 to 17
+/// samples).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_worker_always_has_a_pull_waiting_on_every_priority() {
+    let env = Env::start(Env::server()).await;
+    let worker = Worker::builder("q")
+        .handler(|_task: Task| async { ax_sdk::Output::json(&1) })
+        .build()
+        .unwrap();
+    let (_stop, _w) = env.spawn_worker(worker);
+    let js = async_nats::jetstream::new(env.client.clone());
+    let mut consumers = Vec::new();
+    for p in Priority::ALL {
+        let stream = js.get_stream(p.ready_stream()).await.unwrap();
+        let c: async_nats::jetstream::consumer::PullConsumer =
+            stream.get_consumer(&consumer_name("q", p)).await.unwrap();
+        consumers.push((p, c, 0u32, 0u32)); // priority, consumer, empty run, longest run
+    }
+    // Idle and polling first.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut all = true;
+        for (_, c, _, _) in consumers.iter_mut() {
+            all &= c.info().await.unwrap().num_waiting > 0;
+        }
+        if all {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the worker never polled"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for _ in 0..120 {
+        for (_, c, run, longest) in consumers.iter_mut() {
+            let waiting = c.info().await.unwrap().num_waiting;
+            *run = if waiting == 0 { *run + 1 } else { 0 };
+            *longest = (*longest).max(*run);
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let runs: Vec<(Priority, u32)> = consumers.iter().map(|(p, _, _, l)| (*p, *l)).collect();
+    assert!(
+        runs.iter().all(|(_, l)| *l < 4),
+        "samples in a row with no pull waiting, by priority: {runs:?}"
+    );
+}
