@@ -153,6 +153,9 @@ pub(super) async fn run(
         });
     }
     let woken = Arc::new(Notify::new());
+    // True while the worker waits with every priority empty: only then are its long polls
+    // sent again as they expire (a busy worker's would take tasks past its slots).
+    let idle = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let mut picker = Picker::new(worker.weights);
     // Long polls by priority. A reconnect loses their pull requests on the server side:
     // then they are aborted and sent again rather than waited out.
@@ -187,19 +190,24 @@ pub(super) async fn run(
                 poll.abort();
             }
         }
+        idle.store(true, std::sync::atomic::Ordering::SeqCst);
         long_poll(
             &mut polls,
             &consumers,
             &woken,
             &shared,
             worker.idle_poll,
-            &shutdown,
+            &idle,
         );
         tokio::select! {
-            _ = shutdown.cancelled() => break,
+            _ = shutdown.cancelled() => {
+                idle.store(false, std::sync::atomic::Ordering::SeqCst);
+                break;
+            }
             _ = woken.notified() => {}
             _ = tokio::time::sleep(worker.idle_poll) => {}
         }
+        idle.store(false, std::sync::atomic::Ordering::SeqCst);
     }
 
     info!(queue = %worker.queue, "worker stopping: draining in-flight tasks");
@@ -298,8 +306,8 @@ async fn fetch_round(
 
 /// Sends a long poll (one message, expiring after about `idle_poll`) on each priority that
 /// has none in flight; a message that arrives starts and wakes the worker. A poll that
-/// expires without one is sent again at once, so every priority keeps a pull waiting on
-/// the server while the worker is idle: before, the worker sent new polls only after its
+/// expires without one while the worker is still `idle` is sent again at once, so every
+/// priority keeps a pull waiting on the server while the worker is idle: before, the worker sent new polls only after its
 /// own idle wait, and a task arriving after a poll expired and before that wait ended
 /// waited up to `idle_poll` (the events bench's next steps: p99 224-411 ms at 1,000/s,
 /// max about 500 ms).
@@ -309,14 +317,14 @@ fn long_poll(
     woken: &Arc<Notify>,
     shared: &Arc<Shared>,
     idle_poll: Duration,
-    shutdown: &CancellationToken,
+    idle: &Arc<std::sync::atomic::AtomicBool>,
 ) {
     for p in Priority::ALL {
         if polls[p.index()].as_ref().is_some_and(|h| !h.is_finished()) {
             continue;
         }
         let (consumers, woken, shared) = (consumers.clone(), woken.clone(), shared.clone());
-        let shutdown = shutdown.clone();
+        let idle = idle.clone();
         polls[p.index()] = Some(tokio::spawn(async move {
             loop {
                 // Randomly 80–120 % of `idle_poll`: JetStream hands a message to the oldest
@@ -347,9 +355,11 @@ fn long_poll(
                 let got = tokio::time::timeout(expires + FETCH_TIMEOUT, poll)
                     .await
                     .unwrap_or(false);
-                // A message (the worker fetches in batches now), a shutdown, or a poll
-                // refused at once (a broker away: the worker's idle wait paces the next).
-                if got || shutdown.is_cancelled() || sent.elapsed() < expires / 2 {
+                // A message (the worker fetches in batches now), a worker no longer idle
+                // (busy, or shutting down), or a poll refused at once (a broker away: the
+                // worker's idle wait paces the next).
+                let idle = idle.load(std::sync::atomic::Ordering::SeqCst);
+                if got || !idle || sent.elapsed() < expires / 2 {
                     break;
                 }
             }
