@@ -4,7 +4,7 @@
 //! its time skipped; the claim's record, when it comes, is adopted as a late fire and the
 //! count corrected (docs/RELIABILITY.md, "What is not guaranteed").
 
-use crate::support::Env;
+use crate::support::{eventually, Env};
 use crate::triggers::{fired, interval, quick_worker};
 use serde_json::json;
 use std::time::Duration;
@@ -64,4 +64,77 @@ async fn a_new_leader_counts_a_fire_its_predecessor_made_but_could_not_record() 
     stop.cancel();
     handle.await.unwrap();
     assert!(problems.is_empty(), "{problems:#?}");
+}
+
+/// The R3 campaign seed 4955772603497125947 met this (2026-12-06, after a broker restart:
+/// "t-allow: state counts 48 scheduled fires, 47 were made", and the same +1 for three
+/// more triggers): a previous leader's fire job outlived its lease (its leader stuck on the
+/// broker) and wrote its fire into the state while the new leader's job of the same
+/// scheduled time was in flight; the new leader's write then conflicted and merged its fire
+/// into a state that already counted it. Here the old job's write is made by hand, against
+/// the revision the new leader planned from, while the leader's job waits in its
+/// `cancel_in_progress` cancel (held 2.5 s). The leader must claim the state before firing
+/// (the old write then fails) and never merge into another leader's state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_older_leaders_late_state_write_is_not_counted_twice() {
+    let faults = ax_core::faults::Faults::armed();
+    let env = Env::start(Env::server().faults(faults.clone())).await;
+    let name = "late-write";
+    let due = ax_core::time::now_ms() + 4000;
+    let at = humantime::format_rfc3339_millis(std::time::UNIX_EPOCH + Duration::from_millis(due))
+        .to_string();
+    let def = json!({"name": name, "kind": "once", "at": at, "overlap": "cancel_in_progress",
+        "tasks": [{"name": "late-task", "queue": "q"}]});
+    env.ax.trigger("put", &def).await.unwrap();
+    // A manual run leaves a task pending (no worker): the fire at `due` cancels it first.
+    env.ax
+        .trigger("run", &json!({ "name": name }))
+        .await
+        .unwrap();
+    faults.cancel_write_delay(Duration::from_millis(2500));
+    let states = env.js.get_key_value("AX_TRIGGER_STATE").await.unwrap();
+    let read = || async {
+        let entry = states.entry(name).await.unwrap().expect("a state");
+        let state: serde_json::Value = serde_json::from_slice(&entry.value).unwrap();
+        (state, entry.revision)
+    };
+    let (planned_from, revision) = read().await;
+    assert_eq!(planned_from["manual"], 1, "{planned_from}");
+    // The fire's job is in its cancel now.
+    let wait = due + 1000 - ax_core::time::now_ms().min(due);
+    tokio::time::sleep(Duration::from_millis(wait)).await;
+    // What the old leader's job of the same time writes: its fire, under its older token.
+    let mut late = planned_from.clone();
+    let id = format!("q.tr.{name}.{due}.0");
+    late["fires"] = json!(late["fires"].as_u64().unwrap() + 1);
+    late["last_scheduled_ms"] = json!(due);
+    late["last_fire"] = json!({"scheduled_ms": due, "fired_at_ms": due, "source": "schedule",
+        "task_ids": [id]});
+    late["active"] = json!([id]);
+    late["leader"] = json!(0);
+    let old_write = states
+        .update(name, serde_json::to_vec(&late).unwrap().into(), revision)
+        .await;
+    println!(
+        "the old leader's write: {:?}",
+        old_write.as_ref().map(|_| "stored")
+    );
+    let scheduled = || async {
+        fired(&env, name)
+            .await
+            .into_iter()
+            .filter(|r| r.trigger_source.as_deref() == Some("schedule"))
+            .count() as u64
+    };
+    eventually(Duration::from_secs(15), "the fire made", || async {
+        (scheduled().await > 0).then_some(())
+    })
+    .await;
+    // Its state write follows at once; give it a second.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (state, _) = read().await;
+    let made = scheduled().await;
+    let fires = state["fires"].as_u64().unwrap() - state["manual"].as_u64().unwrap();
+    assert_eq!(made, 1, "one scheduled fire made");
+    assert_eq!(fires, made, "the state counts each fire once: {state}");
 }

@@ -97,22 +97,25 @@ impl Lease {
     pub(crate) async fn hold_if(&mut self, take: bool) -> bool {
         let sent = Instant::now();
         if let Some(rev) = self.revision {
-            match self
-                .kv
-                .update(&self.key, self.body(&self.holder), rev)
-                .await
-            {
-                Ok(new) => {
+            // A renewal the broker leaves unanswered is given up when the lease runs out,
+            // so a leader never acts past its TTL while it waits (a standby takes over
+            // then). An expired lease is still renewed if nobody took it.
+            let left = self.ttl.saturating_sub(self.renewed_at.elapsed());
+            let bound = if left.is_zero() { self.ttl } else { left };
+            let renewal = self.kv.update(&self.key, self.body(&self.holder), rev);
+            match tokio::time::timeout(bound, renewal).await {
+                Ok(Ok(new)) => {
                     self.revision = Some(new);
                     self.renewed_at = sent;
                     return true;
                 }
-                Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
+                Ok(Err(e)) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
                     self.revision = None; // someone else holds it now
                     return false;
                 }
-                // The broker failed: still ours until the TTL runs out, unless renewed.
-                Err(_) => return self.valid(),
+                // The broker failed or did not answer in time: still ours until the TTL
+                // runs out, unless renewed.
+                Ok(Err(_)) | Err(_) => return self.valid(),
             }
         }
         let current = match self.kv.entry(&self.key).await {

@@ -26,6 +26,13 @@
 //! before the next one (a leader that kept firing with each fire unrecorded would
 //! undercount them in its state). A leader that
 //! stops leading aborts the fires it still has in flight, as a crash would.
+//!
+//! **Each term claims a state before firing it.** A new leader's first fire job of a
+//! trigger first writes the state as read with its own token (compare-and-set): a previous
+//! leader's job that outlived its lease (its leader stalled) then fails its write and steps
+//! down, instead of landing a fire this leader makes too. A fire is merged only into a
+//! state this leader claimed (a manual run's write keeps the token), never into another
+//! leader's.
 
 mod book;
 mod error;
@@ -515,6 +522,38 @@ impl Job {
     }
 }
 
+/// Makes a trigger's stored state this leader's (`token`) before its first fire of the
+/// term: the compare-and-set against the revision the plan was made from fences off a
+/// previous leader's fire job still running (a leader stalled past its lease, its jobs
+/// alive): its state write, against the same revision, now fails and it steps down. Without
+/// it, that write could land first and this job would merge its fire into a state that
+/// already counts it (the R3 campaign seed 4955772603497125947, 2026-12-06: four triggers
+/// each counting one fire twice after a broker restart). Answers the new revision, or the
+/// outcome the job ends with: the state as stored now to plan from again, a newer leader,
+/// or unknown (broker errors).
+async fn claim(
+    store: &TriggerStore,
+    name: &str,
+    state: &TriggerState,
+    revision: u64,
+    token: u64,
+) -> Result<u64, Outcome> {
+    let mut claimed = state.clone();
+    claimed.leader = token;
+    let cause = match store.put_state(name, &claimed, Some(revision)).await {
+        Ok(revision) => return Ok(revision),
+        Err(TriggerStoreError::Stale(_)) => match store.state(name).await {
+            Ok(Some((current, _))) if current.leader > token => return Err(Outcome::StepDown),
+            Ok(Some((current, rev))) => return Err(Outcome::Reload(current, rev)),
+            Ok(None) => return Err(Outcome::Unrecorded { made: Vec::new() }),
+            Err(e) => e,
+        },
+        Err(e) => e,
+    };
+    warn!(trigger = %name, cause = %cause, "trigger state not claimed; nothing is fired until it is");
+    Err(Outcome::Unrecorded { made: Vec::new() })
+}
+
 /// Fires a planned trigger and stores its new state.
 async fn execute(
     ctx: &Context,
@@ -533,6 +572,14 @@ async fn execute(
     } = job;
     if !plan.fires.is_empty() && ctx.faults.fire_panics(&name) {
         panic!("injected fault: a fire job of trigger {name} panicked");
+    }
+    let mut revision = revision;
+    if !plan.fires.is_empty() && plan.state.leader != token {
+        // The first fire of this term: the state is made ours before anything is fired.
+        match claim(store, &name, &plan.state, revision, token).await {
+            Ok(claimed) => revision = claimed,
+            Err(outcome) => return outcome,
+        }
     }
     if plan.cancel_active {
         // Overlap `cancel_in_progress`: the previous fire's tasks go first. One that ended
@@ -593,7 +640,6 @@ async fn execute(
     if !plan.fires.is_empty() {
         debug!(trigger = %name, scheduled = ?plan.fires.last(), tasks = ids.len(), "fired");
     }
-    let mut revision = revision;
     let base = plan.state;
     for _ in 0..MERGE_ATTEMPTS {
         match store.put_state(&name, &state, Some(revision)).await {
@@ -623,6 +669,13 @@ async fn execute(
         };
         if current.leader > token {
             return Outcome::StepDown;
+        }
+        if current.leader != token && !plan.fires.is_empty() {
+            // An older leader's write (claimed states refuse those, so this is a state
+            // never claimed): it may hold our fires already. Merging would count them
+            // twice; the repair reads what it has and records only what it lacks.
+            warn!(trigger = %name, "trigger state written by an older leader meanwhile; recording this fire from what is stored");
+            return Outcome::Unrecorded { made };
         }
         if plan.fires.is_empty() {
             // Nothing fired: plan again from what is stored.
