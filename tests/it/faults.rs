@@ -584,3 +584,63 @@ async fn processes_started_before_nats_wait_for_it() {
     })
     .await;
 }
+
+/// Found by the fault campaign (single node, seed 7997574421656072346, rule 16: three low
+/// tasks of `fq` started 3.6–3.7 s after their send, three times in CI): its worker's two
+/// slots were held 10 s by record reads the broker had when it was killed ("cannot read
+/// record … timed out"), a request that is never answered waiting out the client's whole
+/// request timeout. A read is now asked again when the client connects anew. Here the
+/// worker (one slot) takes a delivery, the broker is frozen, the read goes into it, and
+/// the broker is killed and restarted: the task starts soon after, not after the 10 s
+/// timeout and a redelivery.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_read_the_broker_had_when_it_died_is_asked_again_on_reconnect() {
+    let mut env = Env::start(Env::server()).await;
+    let faults = ax_core::faults::Faults::armed();
+    faults.record_read_delay(Duration::from_millis(1500));
+    let started = Arc::new(std::sync::Mutex::new(None::<std::time::Instant>));
+    let worker = Worker::builder("q")
+        .concurrency(1)
+        .faults(faults)
+        .handler({
+            let started = started.clone();
+            move |_task: Task| {
+                let started = started.clone();
+                async move {
+                    started
+                        .lock()
+                        .unwrap()
+                        .get_or_insert_with(std::time::Instant::now);
+                    Ok(())
+                }
+            }
+        })
+        .build()
+        .unwrap();
+    let (stop, handle) = env.spawn_worker(worker);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let id = env.ax.submit("q", TaskSpec::new("t")).await.unwrap().id;
+    // Delivered at once (the worker is idle); its read goes out 1.5 s later.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let pid = env.nats.pid().expect("running").to_string();
+    let frozen = std::process::Command::new("kill")
+        .args(["-STOP", &pid])
+        .status()
+        .unwrap();
+    assert!(frozen.success());
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    env.nats.restart().unwrap();
+    let restarted = std::time::Instant::now();
+    env.wait_state(&id, TaskState::Succeeded, Duration::from_secs(30))
+        .await;
+    let start = started.lock().unwrap().expect("the handler ran");
+    let after = start.saturating_duration_since(restarted);
+    println!("started {after:?} after the broker's restart");
+    // Waited out, the read fails after 10 s and the task is redelivered 1 s after that.
+    assert!(
+        after < Duration::from_secs(8),
+        "the task started {after:?} after the broker came back: its read was waited out"
+    );
+    stop.cancel();
+    handle.await.unwrap();
+}

@@ -11,7 +11,7 @@
 //!   from `AX_TEST_ABORT_AFTER_PUBLISH`, `_AFTER_DISPATCH`, `_AFTER_FIRE` and the like
 //!   ([`Faults::from_env`]), as the fault tests run it.
 //! - **Widened windows and injected failures**: a slower claim (`AX_TEST_CLAIM_DELAY_MS`),
-//!   a late cancel-signal subscription, a pause between an operator's retry publish and its record write, a service that
+//!   a late record read after a delivery, a late cancel-signal subscription, a pause between an operator's retry publish and its record write, a service that
 //!   panics or fails to start, a trigger's fire job or a flow run's turn that panics, a
 //!   management request that panics (`AX_TEST_PANIC_REQUEST=<marker>`), a group commit
 //!   that panics, trigger-state writes that fail, small pages of `ax.trigger.names`, lost
@@ -100,6 +100,7 @@ struct Armed {
     /// Abort at the N-th pass (N, passes so far).
     aborts: Mutex<BTreeMap<Abort, (u64, u64)>>,
     claim_delay_ms: AtomicU64,
+    read_delay_ms: AtomicU64,
     cancel_write_delay_ms: AtomicU64,
     cancel_subscribe_delay_ms: AtomicU64,
     retry_gap_ms: AtomicU64,
@@ -175,6 +176,14 @@ impl Faults {
     pub fn claim_delay(&self, d: Duration) {
         if let Some(a) = self.on() {
             a.claim_delay_ms.store(ms(d), Ordering::SeqCst);
+        }
+    }
+
+    /// Makes a worker wait `d` between taking a delivery and reading its task's record
+    /// (a window in which a test stops the broker).
+    pub fn record_read_delay(&self, d: Duration) {
+        if let Some(a) = self.on() {
+            a.read_delay_ms.store(ms(d), Ordering::SeqCst);
         }
     }
 
@@ -303,6 +312,15 @@ impl Faults {
     /// After a claim: waits the claim delay, if any.
     pub async fn claimed(&self) {
         if let Some(d) = self.on().map(|a| a.claim_delay_ms.load(Ordering::SeqCst)) {
+            if d > 0 {
+                tokio::time::sleep(Duration::from_millis(d)).await;
+            }
+        }
+    }
+
+    /// Before a worker reads a delivered task's record: waits the read delay, if any.
+    pub async fn reading_record(&self) {
+        if let Some(d) = self.on().map(|a| a.read_delay_ms.load(Ordering::SeqCst)) {
             if d > 0 {
                 tokio::time::sleep(Duration::from_millis(d)).await;
             }

@@ -58,6 +58,28 @@ impl Reconnects {
     }
 }
 
+/// Runs `op`, a request to the broker that may be sent again (a read), and sends it again
+/// if the client connects anew while it waits: a request the broker had when it stopped is
+/// never answered, and would hold its caller for the client's whole request timeout (10 s;
+/// the fault campaign saw a worker's two slots held that long by their record reads).
+pub async fn across_reconnects<T, Fut>(
+    client: &async_nats::Client,
+    mut op: impl FnMut() -> Fut,
+) -> T
+where
+    Fut: std::future::Future<Output = T>,
+{
+    loop {
+        let mut reconnects = Reconnects::new(client);
+        tokio::select! {
+            out = op() => return out,
+            _ = reconnects.changed() => {
+                tracing::debug!("connected again while waiting for an answer; asking again");
+            }
+        }
+    }
+}
+
 /// Opens an ordered consumer on `stream` with `config` (its pull expiry set to
 /// [`PULL_EXPIRES`]) and its message feed.
 pub async fn ordered(

@@ -157,7 +157,9 @@ pub(super) async fn claim(sh: &Shared, meta: &TaskMeta, msg: &jetstream::Message
     // redelivery whose count a restarted nats-server lost looks like a first one, and the
     // read is what finds its outcome already stored (docs/DECISIONS.md: skipping it saved
     // nothing measurable).
-    let found = match sh.tasks.get(&meta.id).await {
+    sh.faults.reading_record().await;
+    let client = sh.js.client();
+    let found = match ax_core::follow::across_reconnects(&client, || sh.tasks.get(&meta.id)).await {
         Ok(found) => found,
         Err(e) => {
             warn!(task_id = %meta.id, cause = %e, "cannot read record");
@@ -171,7 +173,9 @@ pub(super) async fn claim(sh: &Shared, meta: &TaskMeta, msg: &jetstream::Message
         let published_ms = msg.info().map_or(i128::from(now_ms()), |i| {
             i.published.unix_timestamp_nanos() / 1_000_000
         });
-        match sh.keys.check(meta, published_ms).await {
+        // Run again whole after a reconnect: its create is followed by a read (see `check`).
+        let check = || sh.keys.check(meta, published_ms);
+        match ax_core::follow::across_reconnects(&client, check).await {
             Ok(Verdict::Run) => {}
             Ok(Verdict::Stray(named)) => {
                 warn!(task_id = %meta.id, seq = delivery.seq, key_names = %named, "copy of a submit that lost its idempotency key retired");
