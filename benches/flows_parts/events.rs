@@ -22,13 +22,17 @@ use tokio_util::sync::CancellationToken;
 pub async fn waiting(runs: usize) {
     let rate = env_or("AX_BENCH_EVENT_RATE", 1000) as f64;
     let nats = LocalNats::start().expect("nats-server (run via ./dev bench flows)");
+    // The server, the worker and the producer each on a connection of its own, as when
+    // they run apart: one connection's reader serves its messages one after another.
     let client = async_nats::connect(nats.url()).await.unwrap();
+    let server_client = async_nats::connect(nats.url()).await.unwrap();
+    let worker_client = async_nats::connect(nats.url()).await.unwrap();
     let stop = CancellationToken::new();
     let server = tokio::spawn(
         Server::builder()
             .queues(["ev"])
             .build()
-            .run(client.clone(), stop.clone()),
+            .run(server_client, stop.clone()),
     );
     let ax = Client::new(client.clone());
     let wait = WaitForEventDef {
@@ -66,10 +70,10 @@ pub async fn waiting(runs: usize) {
         })
         .build()
         .unwrap();
-    let worker = tokio::spawn(worker.run(client.clone(), stop.clone()));
+    let worker = tokio::spawn(worker.run(worker_client, stop.clone()));
     println!(
         "waiting runs: {runs} runs waiting for an event each, then one task; events published at {rate:.0}/s; \
-         one nats-server; ax server, worker and client in this process"
+         one nats-server; ax server, worker and client in this process, a connection each"
     );
     let t = Instant::now();
     let mut starts = futures::stream::iter(0..runs)
@@ -150,7 +154,11 @@ pub async fn waiting(runs: usize) {
     // path splits there into the engine's part and the worker's.
     let mut feed = kv.watch_with_history("ev.fl.*.b.>").await.unwrap();
     let mut stored = HashMap::new();
-    while stored.len() < runs {
+    // When the worker took each delivery (the record's `started_at_ms`, set as the claim
+    // begins, before its record read): the worker's part splits there into dispatch
+    // (publish, delivery) and claim.
+    let mut delivered = HashMap::new();
+    while stored.len() < runs || delivered.len() < runs {
         let Ok(Some(Ok(entry))) = tokio::time::timeout(Duration::from_secs(10), feed.next()).await
         else {
             break;
@@ -161,6 +169,9 @@ pub async fn waiting(runs: usize) {
         let run = ax_sdk::flow::model::parse_step_task(&rec.id).map(|t| t.run.to_string());
         if let Some(&i) = run.as_ref().and_then(|r| run_of.get(r)) {
             stored.entry(i).or_insert(rec.created_at_ms);
+            if let Some(at) = rec.started_at_ms {
+                delivered.entry(i).or_insert(at);
+            }
         }
     }
     let published = std::mem::take(&mut *published.lock().unwrap());
@@ -179,6 +190,8 @@ pub async fn waiting(runs: usize) {
     };
     let (e50, e99, emax) = percentiles(between(&ended, &stored));
     let (w50, w99, wmax) = percentiles(between(&stored, &started));
+    let (d50, d99, dmax) = percentiles(between(&stored, &delivered));
+    let (c50, c99, cmax) = percentiles(between(&delivered, &started));
     println!(
         "  {} events published in {:.1} s ({:.0}/s); {} waits ended, {} next steps started",
         runs,
@@ -197,6 +210,11 @@ pub async fn waiting(runs: usize) {
         "    of which wait ended → next task stored (engine): p50 {e50:.0} ms, p99 {e99:.0} ms, \
          max {emax:.0} ms; stored → started (dispatch, worker): p50 {w50:.0} ms, p99 {w99:.0} ms, \
          max {wmax:.0} ms"
+    );
+    println!(
+        "    of which stored → taken by the worker (publish, delivery): p50 {d50:.0} ms, p99 \
+         {d99:.0} ms, max {dmax:.0} ms; taken → handler started (claim): p50 {c50:.0} ms, p99 \
+         {c99:.0} ms, max {cmax:.0} ms"
     );
     stop.cancel();
     let _ = worker.await;
