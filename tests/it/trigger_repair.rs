@@ -138,3 +138,116 @@ async fn an_older_leaders_late_state_write_is_not_counted_twice() {
     assert_eq!(made, 1, "one scheduled fire made");
     assert_eq!(fires, made, "the state counts each fire once: {state}");
 }
+
+/// A lease renewal the broker had when it died is never answered: the leader waited for
+/// it (the JetStream request timeout and more) in its loop, past its lease's TTL, firing
+/// nothing, while its fire jobs ran on (the R3 campaign's double count above came of such
+/// a job). A renewal is now given up when the lease runs out: the leader steps down by its
+/// TTL and takes the lease again once the broker is back. Here the broker is frozen across
+/// a renewal and a due time, then killed and restarted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_renewal_the_broker_had_when_it_died_ends_the_term_by_its_ttl() {
+    let mut env = Env::start(Env::server()).await;
+    let name = "reads-again";
+    // Each fire's task ends at once, so the trigger waits on nothing between its due
+    // times and is read back at each (the test server's `trigger_hold` is zero).
+    let (stop, handle) = quick_worker(&env, Duration::ZERO);
+    let mut def = interval(name, 1000);
+    def["overlap"] = json!("allow");
+    env.ax.trigger("put", &def).await.unwrap();
+    eventually(Duration::from_secs(10), "two fires", || async {
+        (fired(&env, name).await.len() >= 2).then_some(())
+    })
+    .await;
+    let pid = env.nats.pid().expect("running").to_string();
+    let frozen = std::process::Command::new("kill")
+        .args(["-STOP", &pid])
+        .status()
+        .unwrap();
+    assert!(frozen.success());
+    // A renewal (every 0.5 s) and a due time pass while it is frozen.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    env.nats.restart().unwrap();
+    let restarted = ax_core::time::now_ms();
+    let next = eventually(
+        Duration::from_secs(30),
+        "a fire after the restart",
+        || async {
+            fired(&env, name)
+                .await
+                .into_iter()
+                .map(|r| r.created_at_ms)
+                .find(|&at| at > restarted)
+        },
+    )
+    .await;
+    let after = next - restarted;
+    println!("first fire {after} ms after the broker's restart");
+    // Waited out (before: 8,983 ms after the restart), the renewal holds the leader's loop
+    // for seconds after the broker is back.
+    assert!(
+        after < 5000,
+        "the first fire came {after} ms after the broker was back: the lease renewal was waited out"
+    );
+    stop.cancel();
+    handle.await.unwrap();
+}
+
+/// The leader also plans on reads (a trigger's definition and state at each due time when
+/// it is not held whole): one the broker had when it died is never answered, and held the
+/// leader's loop for the request timeout, nothing firing (the R3 campaign's log: "trigger
+/// not read back … timed out", then "stepping down: lease not renewed within its TTL").
+/// Such reads are now asked again when the client connects anew. Here the lease's TTL is
+/// 6 s and the broker is frozen just after a renewal (the next is 2 s later), across a due
+/// time, so the loop waits in the read, not in a renewal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_read_the_broker_had_when_it_died_is_asked_again_on_reconnect() {
+    let mut env = Env::start(Env::server().lease_ttl(Duration::from_secs(6))).await;
+    let name = "reads-again";
+    let (stop, handle) = quick_worker(&env, Duration::ZERO);
+    let mut def = interval(name, 1000);
+    def["overlap"] = json!("allow");
+    env.ax.trigger("put", &def).await.unwrap();
+    eventually(Duration::from_secs(10), "two fires", || async {
+        (fired(&env, name).await.len() >= 2).then_some(())
+    })
+    .await;
+    // The next renewal of the trigger lease, seen as a new revision of its key.
+    let leases = env.js.get_key_value("AX_LEASES").await.unwrap();
+    let revision = || async { leases.entry("triggers").await.unwrap().unwrap().revision };
+    let before = revision().await;
+    eventually(Duration::from_secs(5), "a renewal", || async {
+        (revision().await > before).then_some(())
+    })
+    .await;
+    let pid = env.nats.pid().expect("running").to_string();
+    let frozen = std::process::Command::new("kill")
+        .args(["-STOP", &pid])
+        .status()
+        .unwrap();
+    assert!(frozen.success());
+    // A due time passes (the leader reads the trigger back), no renewal.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    env.nats.restart().unwrap();
+    let restarted = ax_core::time::now_ms();
+    let next = eventually(
+        Duration::from_secs(30),
+        "a fire after the restart",
+        || async {
+            fired(&env, name)
+                .await
+                .into_iter()
+                .map(|r| r.created_at_ms)
+                .find(|&at| at > restarted)
+        },
+    )
+    .await;
+    let after = next - restarted;
+    println!("first fire {after} ms after the broker's restart");
+    assert!(
+        after < 3000,
+        "the first fire came {after} ms after the broker was back: the leader's read was waited out"
+    );
+    stop.cancel();
+    handle.await.unwrap();
+}

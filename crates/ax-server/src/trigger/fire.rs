@@ -134,14 +134,18 @@ pub(crate) async fn unfinished<'a>(
 ) -> HashSet<String> {
     let ids: HashSet<&String> = ids.into_iter().collect();
     let tasks = &ctx.tasks;
+    // Asked again on a reconnect (see `TriggerStore::def`).
+    let client = ctx.js.client();
+    let client = &client;
     let reads = ids.into_iter().map(|id| async move {
+        use ax_core::follow::across_reconnects;
         if let Some(run) = id.strip_prefix(FLOW_RUN_PREFIX) {
-            return match ctx.flows.run(run).await {
+            return match across_reconnects(client, || ctx.flows.run(run)).await {
                 Ok(Some((r, _))) if r.state != crate::flow::RunState::Running => None,
                 _ => Some(id.clone()),
             };
         }
-        match tasks.get_latest(id).await {
+        match across_reconnects(client, || tasks.get_latest(id)).await {
             Ok(Some((rec, _))) if rec.state.is_terminal() => None,
             // Unknown or unreadable counts as running: never fire over a task we cannot see.
             _ => Some(id.clone()),

@@ -17,6 +17,8 @@ pub struct TriggerStore {
     states: kv::Store,
     /// Faults a test armed: state writes that fail.
     faults: ax_core::faults::Faults,
+    /// The connection, whose reconnects make a read be asked again (see [`TriggerStore::def`]).
+    client: async_nats::Client,
 }
 
 impl TriggerStore {
@@ -34,6 +36,7 @@ impl TriggerStore {
             defs,
             states,
             faults: Default::default(),
+            client: js.client(),
         })
     }
 
@@ -43,9 +46,11 @@ impl TriggerStore {
         self
     }
 
-    /// A definition and its revision.
+    /// A definition and its revision. Asked again if the client connects anew meanwhile (as
+    /// is [`TriggerStore::state`]): a read the broker had when it stopped is never answered,
+    /// and the leader, which plans on these reads, would wait out the request timeout.
     pub async fn def(&self, name: &str) -> Result<Option<(TriggerDef, u64)>, TriggerStoreError> {
-        get(&self.defs, name).await
+        ax_core::follow::across_reconnects(&self.client, || get(&self.defs, name)).await
     }
 
     /// Creates (`revision` `None`) or updates a definition.
@@ -62,7 +67,7 @@ impl TriggerStore {
         &self,
         name: &str,
     ) -> Result<Option<(TriggerState, u64)>, TriggerStoreError> {
-        get(&self.states, name).await
+        ax_core::follow::across_reconnects(&self.client, || get(&self.states, name)).await
     }
 
     /// Creates (`revision` `None`) or updates runtime state.

@@ -38,6 +38,8 @@ impl Engine {
                 .collect()
         };
         let tasks = &self.ctx.tasks;
+        let client = self.ctx.js.client();
+        let client = &client;
         // Fired by this leader and its state write failed: fired, whatever the records say
         // (the same fault may have kept its record from being written).
         h.made.retain(|t| candidates.contains(t));
@@ -50,11 +52,12 @@ impl Engine {
                     return (t, Some(true));
                 }
                 let exists = match first {
-                    Some(id) => tasks
-                        .get_latest(&id)
-                        .await
-                        .ok()
-                        .map(|found| found.is_some()),
+                    Some(id) => {
+                        ax_core::follow::across_reconnects(client, || tasks.get_latest(&id))
+                            .await
+                            .ok()
+                            .map(|found| found.is_some())
+                    }
                     None => Some(false),
                 };
                 (t, exists)
