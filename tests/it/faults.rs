@@ -622,12 +622,7 @@ async fn a_record_read_the_broker_had_when_it_died_is_asked_again_on_reconnect()
     let id = env.ax.submit("q", TaskSpec::new("t")).await.unwrap().id;
     // Delivered at once (the worker is idle); its read goes out 1.5 s later.
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let pid = env.nats.pid().expect("running").to_string();
-    let frozen = std::process::Command::new("kill")
-        .args(["-STOP", &pid])
-        .status()
-        .unwrap();
-    assert!(frozen.success());
+    env.nats.freeze().unwrap();
     tokio::time::sleep(Duration::from_millis(1500)).await;
     env.nats.restart().unwrap();
     let restarted = std::time::Instant::now();

@@ -83,14 +83,36 @@ async fn a_fire_job_that_panics_does_not_stop_its_trigger() {
     let mut def = interval("jolt", 1000);
     def["overlap"] = json!("allow");
     env.ax.trigger("put", &def).await.unwrap();
-    // Its first fire job panics before firing; the trigger fires at its next times.
+    // Its first fire job panics before firing (after claiming the state as this term's);
+    // the trigger fires at its next times, and the time it did not fire is fired late.
     fires_beyond(&env, "jolt", 0, 3, "three fires after a fire job panicked").await;
+    env.ax
+        .trigger("pause", &json!({"name": "jolt"}))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
     let state = env
         .ax
         .trigger("get", &json!({"name": "jolt"}))
         .await
-        .unwrap();
-    assert!(state["state"]["fires"].as_u64().unwrap() >= 3, "{state}");
+        .unwrap()["state"]
+        .clone();
+    let fires = state["fires"].as_u64().unwrap();
+    assert!(fires >= 3, "{state}");
+    // Every scheduled time handled (every second from one after creation) is counted fired
+    // or skipped, and each counted fire was made: the claim writes the state as read, not
+    // the plan's, which counts the time the panicked job never fired as handled.
+    let made = fired(&env, "jolt").await.len() as u64;
+    let created = state["created_at_ms"].as_u64().unwrap();
+    let last = state["last_scheduled_ms"].as_u64().unwrap();
+    let handled = (last - created - 1000) / 1000 + 1;
+    let skipped = state["skipped"].as_u64().unwrap();
+    assert_eq!(
+        fires + skipped,
+        handled,
+        "every time handled is counted: {state}"
+    );
+    assert_eq!(fires, made, "each counted fire was made: {state}");
     stop.cancel();
     handle.await.unwrap();
 }

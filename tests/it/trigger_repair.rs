@@ -149,40 +149,11 @@ async fn an_older_leaders_late_state_write_is_not_counted_twice() {
 async fn a_lease_renewal_the_broker_had_when_it_died_ends_the_term_by_its_ttl() {
     let mut env = Env::start(Env::server()).await;
     let name = "reads-again";
-    // Each fire's task ends at once, so the trigger waits on nothing between its due
-    // times and is read back at each (the test server's `trigger_hold` is zero).
-    let (stop, handle) = quick_worker(&env, Duration::ZERO);
-    let mut def = interval(name, 1000);
-    def["overlap"] = json!("allow");
-    env.ax.trigger("put", &def).await.unwrap();
-    eventually(Duration::from_secs(10), "two fires", || async {
-        (fired(&env, name).await.len() >= 2).then_some(())
-    })
-    .await;
-    let pid = env.nats.pid().expect("running").to_string();
-    let frozen = std::process::Command::new("kill")
-        .args(["-STOP", &pid])
-        .status()
-        .unwrap();
-    assert!(frozen.success());
+    let (stop, handle) = firing_every_second(&env, name).await;
+    env.nats.freeze().unwrap();
     // A renewal (every 0.5 s) and a due time pass while it is frozen.
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    env.nats.restart().unwrap();
-    let restarted = ax_core::time::now_ms();
-    let next = eventually(
-        Duration::from_secs(30),
-        "a fire after the restart",
-        || async {
-            fired(&env, name)
-                .await
-                .into_iter()
-                .map(|r| r.created_at_ms)
-                .find(|&at| at > restarted)
-        },
-    )
-    .await;
-    let after = next - restarted;
-    println!("first fire {after} ms after the broker's restart");
+    let after = restart_and_wait_for_a_fire(&mut env, name).await;
     // Waited out (before: 8,983 ms after the restart), the renewal holds the leader's loop
     // for seconds after the broker is back.
     assert!(
@@ -204,14 +175,7 @@ async fn a_lease_renewal_the_broker_had_when_it_died_ends_the_term_by_its_ttl() 
 async fn a_leader_read_the_broker_had_when_it_died_is_asked_again_on_reconnect() {
     let mut env = Env::start(Env::server().lease_ttl(Duration::from_secs(6))).await;
     let name = "reads-again";
-    let (stop, handle) = quick_worker(&env, Duration::ZERO);
-    let mut def = interval(name, 1000);
-    def["overlap"] = json!("allow");
-    env.ax.trigger("put", &def).await.unwrap();
-    eventually(Duration::from_secs(10), "two fires", || async {
-        (fired(&env, name).await.len() >= 2).then_some(())
-    })
-    .await;
+    let (stop, handle) = firing_every_second(&env, name).await;
     // The next renewal of the trigger lease, seen as a new revision of its key.
     let leases = env.js.get_key_value("AX_LEASES").await.unwrap();
     let revision = || async { leases.entry("triggers").await.unwrap().unwrap().revision };
@@ -220,21 +184,49 @@ async fn a_leader_read_the_broker_had_when_it_died_is_asked_again_on_reconnect()
         (revision().await > before).then_some(())
     })
     .await;
-    let pid = env.nats.pid().expect("running").to_string();
-    let frozen = std::process::Command::new("kill")
-        .args(["-STOP", &pid])
-        .status()
-        .unwrap();
-    assert!(frozen.success());
+    env.nats.freeze().unwrap();
     // A due time passes (the leader reads the trigger back), no renewal.
     tokio::time::sleep(Duration::from_millis(1200)).await;
+    let after = restart_and_wait_for_a_fire(&mut env, name).await;
+    assert!(
+        after < 3000,
+        "the first fire came {after} ms after the broker was back: the leader's read was waited out"
+    );
+    stop.cancel();
+    handle.await.unwrap();
+}
+
+/// Puts trigger `name`, firing every second (`allow`), with a worker whose tasks end at
+/// once, so it waits on nothing between its due times and is read back at each (the test
+/// server's `trigger_hold` is zero); answers once it fired twice, with the worker's stop.
+async fn firing_every_second(
+    env: &Env,
+    name: &str,
+) -> (
+    tokio_util::sync::CancellationToken,
+    tokio::task::JoinHandle<()>,
+) {
+    let worker = quick_worker(env, Duration::ZERO);
+    let mut def = interval(name, 1000);
+    def["overlap"] = json!("allow");
+    env.ax.trigger("put", &def).await.unwrap();
+    eventually(Duration::from_secs(10), "two fires", || async {
+        (fired(env, name).await.len() >= 2).then_some(())
+    })
+    .await;
+    worker
+}
+
+/// Kills and restarts the (frozen) broker, then answers how long after its restart the
+/// trigger `name` made its first fire (its task's creation), ms.
+async fn restart_and_wait_for_a_fire(env: &mut Env, name: &str) -> u64 {
     env.nats.restart().unwrap();
     let restarted = ax_core::time::now_ms();
     let next = eventually(
         Duration::from_secs(30),
         "a fire after the restart",
         || async {
-            fired(&env, name)
+            fired(env, name)
                 .await
                 .into_iter()
                 .map(|r| r.created_at_ms)
@@ -244,10 +236,5 @@ async fn a_leader_read_the_broker_had_when_it_died_is_asked_again_on_reconnect()
     .await;
     let after = next - restarted;
     println!("first fire {after} ms after the broker's restart");
-    assert!(
-        after < 3000,
-        "the first fire came {after} ms after the broker was back: the leader's read was waited out"
-    );
-    stop.cancel();
-    handle.await.unwrap();
+    after
 }

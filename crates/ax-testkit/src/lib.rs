@@ -117,12 +117,29 @@ impl LocalNats {
         Ok(server)
     }
 
-    /// The client URL, e.g. `nats://127.0.0.1:40123`.
     /// The nats-server process id, while it runs.
     pub fn pid(&self) -> Option<u32> {
         self.child.as_ref().map(|c| c.id())
     }
 
+    /// Freezes the server (SIGSTOP): connections stay open and what clients send waits in
+    /// them unanswered. A request sent now and the server then killed ([`LocalNats::restart`])
+    /// is one the broker had when it died: never answered.
+    pub fn freeze(&self) -> std::io::Result<()> {
+        let Some(pid) = self.pid() else {
+            return Ok(());
+        };
+        let status = std::process::Command::new("kill")
+            .args(["-STOP", &pid.to_string()])
+            .status()?;
+        if status.success() {
+            Ok(())
+        } else {
+            Err(std::io::Error::other(format!("kill -STOP {pid}: {status}")))
+        }
+    }
+
+    /// The client URL, e.g. `nats://127.0.0.1:40123`.
     pub fn url(&self) -> String {
         format!("nats://127.0.0.1:{}", self.port)
     }

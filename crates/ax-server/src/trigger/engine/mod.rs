@@ -501,6 +501,9 @@ struct Job {
     name: String,
     def: TriggerDef,
     plan: Plan,
+    /// The state the plan was made from: the one stored at `revision`, with what is not
+    /// written yet of its last fire's end.
+    stored: TriggerState,
     revision: u64,
     /// Its unfinished task ids when planned.
     active: Vec<String>,
@@ -514,6 +517,7 @@ impl Job {
             name,
             def: h.def.clone(),
             plan,
+            stored: h.state.clone(),
             revision: h.revision,
             active,
             token,
@@ -523,7 +527,8 @@ impl Job {
 }
 
 /// Makes a trigger's stored state this leader's (`token`) before its first fire of the
-/// term: the compare-and-set against the revision the plan was made from fences off a
+/// term, written as it was read (`state`, not the plan's, which counts times handled that
+/// are not fired yet): the compare-and-set against the revision the plan was made from fences off a
 /// previous leader's fire job still running (a leader stalled past its lease, its jobs
 /// alive): its state write, against the same revision, now fails and it steps down. Without
 /// it, that write could land first and this job would merge its fire into a state that
@@ -565,21 +570,22 @@ async fn execute(
         name,
         def,
         plan,
+        stored,
         revision,
         active,
         token,
         now,
     } = job;
-    if !plan.fires.is_empty() && ctx.faults.fire_panics(&name) {
-        panic!("injected fault: a fire job of trigger {name} panicked");
-    }
     let mut revision = revision;
     if !plan.fires.is_empty() && plan.state.leader != token {
         // The first fire of this term: the state is made ours before anything is fired.
-        match claim(store, &name, &plan.state, revision, token).await {
+        match claim(store, &name, &stored, revision, token).await {
             Ok(claimed) => revision = claimed,
             Err(outcome) => return outcome,
         }
+    }
+    if !plan.fires.is_empty() && ctx.faults.fire_panics(&name) {
+        panic!("injected fault: a fire job of trigger {name} panicked");
     }
     if plan.cancel_active {
         // Overlap `cancel_in_progress`: the previous fire's tasks go first. One that ended
@@ -640,7 +646,9 @@ async fn execute(
     if !plan.fires.is_empty() {
         debug!(trigger = %name, scheduled = ?plan.fires.last(), tasks = ids.len(), "fired");
     }
-    let base = plan.state;
+    // What this job changed is measured from the state its plan was made from (the plan's
+    // skips included).
+    let base = stored;
     for _ in 0..MERGE_ATTEMPTS {
         match store.put_state(&name, &state, Some(revision)).await {
             Ok(revision) => {
