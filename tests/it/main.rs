@@ -41,6 +41,7 @@ mod outputs;
 mod partitions;
 mod procs;
 mod registry;
+mod resend;
 mod retry;
 mod security;
 mod settings;

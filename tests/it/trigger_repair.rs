@@ -176,14 +176,7 @@ async fn a_leader_read_the_broker_had_when_it_died_is_asked_again_on_reconnect()
     let mut env = Env::start(Env::server().lease_ttl(Duration::from_secs(6))).await;
     let name = "reads-again";
     let (stop, handle) = firing_every_second(&env, name).await;
-    // The next renewal of the trigger lease, seen as a new revision of its key.
-    let leases = env.js.get_key_value("AX_LEASES").await.unwrap();
-    let revision = || async { leases.entry("triggers").await.unwrap().unwrap().revision };
-    let before = revision().await;
-    eventually(Duration::from_secs(5), "a renewal", || async {
-        (revision().await > before).then_some(())
-    })
-    .await;
+    next_renewal(&env).await;
     env.nats.freeze().unwrap();
     // A due time passes (the leader reads the trigger back), no renewal.
     tokio::time::sleep(Duration::from_millis(1200)).await;
@@ -194,6 +187,42 @@ async fn a_leader_read_the_broker_had_when_it_died_is_asked_again_on_reconnect()
     );
     stop.cancel();
     handle.await.unwrap();
+}
+
+/// A lease renewal the broker had when it died is sent again when the client connects
+/// anew (`typed_kv::put_again`): the leader keeps its lease across a broker restart within
+/// the TTL. Before, it waited for the renewal until the lease ran out, stepped down and
+/// took the lease again a poll later, firing nothing meanwhile. The lease's TTL is 6 s
+/// (a renewal every 2 s); the broker is frozen 1.5 s after a renewal, across the next.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_renewal_the_broker_had_when_it_died_is_sent_again_on_reconnect() {
+    let mut env = Env::start(Env::server().lease_ttl(Duration::from_secs(6))).await;
+    let name = "renews-again";
+    let (stop, handle) = firing_every_second(&env, name).await;
+    let renewed = next_renewal(&env).await;
+    tokio::time::sleep(Duration::from_millis(1500).saturating_sub(renewed.elapsed())).await;
+    env.nats.freeze().unwrap();
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let after = restart_and_wait_for_a_fire(&mut env, name).await;
+    assert!(
+        after < 3000,
+        "the first fire came {after} ms after the broker was back: the renewal was waited out"
+    );
+    stop.cancel();
+    handle.await.unwrap();
+}
+
+/// Waits for the next renewal of the trigger lease (a new revision of its key): when it
+/// was seen.
+async fn next_renewal(env: &Env) -> std::time::Instant {
+    let leases = env.js.get_key_value("AX_LEASES").await.unwrap();
+    let revision = || async { leases.entry("triggers").await.unwrap().unwrap().revision };
+    let before = revision().await;
+    eventually(Duration::from_secs(5), "a renewal", || async {
+        (revision().await > before).then_some(())
+    })
+    .await;
+    std::time::Instant::now()
 }
 
 /// Puts trigger `name`, firing every second (`allow`), with a worker whose tasks end at

@@ -6,7 +6,8 @@
 //!   acknowledged write. [`get_any`] lets any replica answer, for a read that a
 //!   compare-and-set checks anyway.
 //! - [`put`] creates a key (`revision` `None`) or compare-and-sets it; a lost race is
-//!   [`KvError::Stale`], never a broker error.
+//!   [`KvError::Stale`], never a broker error. [`put_again`] also sends the write again
+//!   when the client connects anew while it waits.
 //! - [`scan`] reads every current value of the keys matching a filter.
 
 use crate::error::ErrorKind;
@@ -117,7 +118,56 @@ pub async fn put<T: Serialize>(
     value: &T,
     revision: Option<u64>,
 ) -> Result<u64, KvError> {
-    let body: bytes::Bytes = serde_json::to_vec(value).expect("serializes").into();
+    put_bytes(kv, key, to_body(value), revision).await
+}
+
+/// Like [`put`], but sent again if the client connects anew while it waits: a write the
+/// broker had when it stopped is never answered, and would hold its caller for the
+/// client's request timeout. A write sent again whose first sending was stored finds the
+/// key changed: it is taken as written (answering that revision) when the key, read from
+/// its stream's leader, holds these very bytes at a revision after `revision`, else it
+/// is [`KvError::Stale`] as a lost race is.
+pub async fn put_again<T: Serialize>(
+    client: &async_nats::Client,
+    kv: &kv::Store,
+    key: &str,
+    value: &T,
+    revision: Option<u64>,
+) -> Result<u64, KvError> {
+    let body = to_body(value);
+    let sends = std::sync::atomic::AtomicU32::new(0);
+    let written = crate::follow::across_reconnects(client, || {
+        sends.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        put_bytes(kv, key, body.clone(), revision)
+    })
+    .await;
+    if !matches!(written, Err(KvError::Stale(_))) || sends.into_inner() < 2 {
+        return written;
+    }
+    let read = crate::follow::across_reconnects(client, || crate::kv_read::latest(kv, key));
+    match read.await.map_err(|e| broker(key, "get", e))? {
+        Some(e)
+            if e.operation == kv::Operation::Put
+                && e.value == body
+                && revision.is_none_or(|r| e.revision > r) =>
+        {
+            tracing::debug!(key, "a write sent again had been stored the first time");
+            Ok(e.revision)
+        }
+        _ => written,
+    }
+}
+
+fn to_body<T: Serialize>(value: &T) -> bytes::Bytes {
+    serde_json::to_vec(value).expect("serializes").into()
+}
+
+async fn put_bytes(
+    kv: &kv::Store,
+    key: &str,
+    body: bytes::Bytes,
+    revision: Option<u64>,
+) -> Result<u64, KvError> {
     let bytes = body.len();
     let too_large = |e: &(dyn std::error::Error + 'static)| {
         crate::error::is_max_payload(e).then(|| KvError::TooLarge {

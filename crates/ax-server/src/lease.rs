@@ -34,6 +34,8 @@ pub(crate) struct LeaseValue {
 
 pub(crate) struct Lease {
     kv: kv::Store,
+    /// The client `kv` talks through, watched for reconnects under a renewal.
+    client: async_nats::Client,
     key: String,
     holder: String,
     ttl: Duration,
@@ -47,6 +49,7 @@ pub(crate) struct Lease {
 
 impl Lease {
     pub(crate) fn new(
+        client: async_nats::Client,
         kv: kv::Store,
         key: impl Into<String>,
         holder: String,
@@ -54,6 +57,7 @@ impl Lease {
     ) -> Lease {
         Lease {
             kv,
+            client,
             key: key.into(),
             holder,
             ttl,
@@ -102,23 +106,23 @@ impl Lease {
             // then). An expired lease is still renewed if nobody took it.
             let left = self.ttl.saturating_sub(self.renewed_at.elapsed());
             let bound = if left.is_zero() { self.ttl } else { left };
-            let renewal = self.kv.update(&self.key, self.body(&self.holder), rev);
-            match tokio::time::timeout(bound, renewal).await {
+            return match tokio::time::timeout(bound, self.renew(rev)).await {
                 Ok(Ok(new)) => {
                     self.revision = Some(new);
                     self.renewed_at = sent;
-                    return true;
+                    true
                 }
-                Ok(Err(e)) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
+                Ok(Err(Renewal::Lost)) => {
                     self.revision = None; // someone else holds it now
-                    return false;
+                    false
                 }
                 // The broker failed or did not answer in time: still ours until the TTL
                 // runs out, unless renewed.
-                Ok(Err(_)) | Err(_) => return self.valid(),
-            }
+                Ok(Err(Renewal::Failed)) | Err(_) => self.valid(),
+            };
         }
-        let current = match self.kv.entry(&self.key).await {
+        let read = ax_core::follow::across_reconnects(&self.client, || self.kv.entry(&self.key));
+        let current = match read.await {
             Ok(current) => current,
             Err(_) => return false,
         };
@@ -168,12 +172,40 @@ impl Lease {
         }
     }
 
+    /// Renews the lease held at revision `rev`: its new revision. Sent again if the client
+    /// connects anew while it waits (`typed_kv::put_again`): a renewal the broker had when
+    /// it stopped is never answered, and the leader would step down for it though the
+    /// restarted broker is back within the TTL. The value is the same at every renewal, so
+    /// a renewal sent again whose first sending was stored is told apart from another
+    /// holder's write (whose holder differs).
+    async fn renew(&self, rev: u64) -> Result<u64, Renewal> {
+        let value = LeaseValue {
+            holder: self.holder.clone(),
+            ttl_ms: self.ttl.as_millis() as u64,
+        };
+        let renewal =
+            ax_core::typed_kv::put_again(&self.client, &self.kv, &self.key, &value, Some(rev));
+        match renewal.await {
+            Ok(new) => Ok(new),
+            Err(ax_core::typed_kv::KvError::Stale(_)) => Err(Renewal::Lost),
+            Err(_) => Err(Renewal::Failed),
+        }
+    }
+
     /// Gives the lease up so a standby takes over at once.
     pub(crate) async fn release(&mut self) {
         if let Some(rev) = self.revision.take() {
             let _ = self.kv.update(&self.key, self.body(""), rev).await;
         }
     }
+}
+
+/// Why a renewal did not renew.
+enum Renewal {
+    /// Another holder wrote the key: the lease is lost.
+    Lost,
+    /// The broker failed the request: the lease is ours until its TTL runs out.
+    Failed,
 }
 
 /// How one term of leadership ended.

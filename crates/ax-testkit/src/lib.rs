@@ -21,6 +21,8 @@
 pub mod env;
 #[cfg(feature = "env")]
 pub mod net;
+#[cfg(feature = "env")]
+pub mod proxy;
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};

@@ -121,7 +121,7 @@ pub async fn publish_task(
     let publish = jetstream::message::PublishMessage::build()
         .headers(first_headers(meta))
         .payload(payload);
-    let ack = send(js, &subject, publish).await;
+    let ack = send_again(js, &subject, publish).await;
     match ack {
         Ok(ack) => Ok(ack.sequence),
         Err(e) if meta.run_at_ms.is_some() && is_stored_already(&e) => {
@@ -148,7 +148,7 @@ pub async fn publish_headers(
     let publish = jetstream::message::PublishMessage::build()
         .headers(headers)
         .payload(payload);
-    let ack = send(js, &subject, publish).await;
+    let ack = send_again(js, &subject, publish).await;
     ack.map_err(|e| refusal(&subject, &e))
 }
 
@@ -162,6 +162,19 @@ async fn send(
         Ok(future) => future.await,
         Err(e) => Err(e),
     }
+}
+
+/// [`send`] of a publish the stream stores once however often it is sent (a message id,
+/// or an expected-empty subject): sent again if the client connects anew while it waits.
+/// A publish the broker had when it stopped is never acknowledged, and would hold its
+/// caller for the whole acknowledgement timeout (a trigger's fire, 5 s).
+async fn send_again(
+    js: &jetstream::Context,
+    subject: &str,
+    publish: jetstream::message::PublishMessage,
+) -> Result<jetstream::publish::PublishAck, PublishError> {
+    let client = js.client();
+    crate::follow::across_reconnects(&client, || send(js, subject, publish.clone())).await
 }
 
 /// A publish that failed: `busy` if the subject is full, else `unavailable`.

@@ -97,7 +97,7 @@ impl EventWaits {
         let Some((results, kv)) = opened else {
             return Ok(());
         };
-        let lease = Lease::new(kv, EVENTS_KEY, self.id.clone(), self.lease_ttl);
+        let lease = Lease::new(js.client(), kv, EVENTS_KEY, self.id.clone(), self.lease_ttl);
         let leading = Leading {
             matcher: &self,
             results: &results,

@@ -91,7 +91,13 @@ impl FairDispatcher {
         let Some((leases, limits, state)) = opened else {
             return Ok(());
         };
-        let lease = Lease::new(leases, FAIR_LEASE, self.id.clone(), self.lease_ttl);
+        let lease = Lease::new(
+            js.client(),
+            leases,
+            FAIR_LEASE,
+            self.id.clone(),
+            self.lease_ttl,
+        );
         let leading = Leading {
             fair: &self,
             limits,

@@ -298,7 +298,7 @@ impl FlowEngine {
         let Some((store, results, kv)) = opened else {
             return Ok(()); // shut down while waiting
         };
-        let lease = Lease::new(kv, FLOWS_KEY, self.id.clone(), self.lease_ttl);
+        let lease = Lease::new(js.client(), kv, FLOWS_KEY, self.id.clone(), self.lease_ttl);
         let leading = Leading {
             engine: &self,
             store: &store,

@@ -72,6 +72,7 @@ impl Partitions {
         let mut leases: Vec<Lease> = (0..p_all)
             .map(|p| {
                 Lease::new(
+                    js.client(),
                     kv.clone(),
                     format!("delayed.{p}"),
                     self.id.clone(),

@@ -344,8 +344,13 @@ impl Context {
             // "Run now" reads a scheduled task's message by this sequence.
             record.delayed_seq = Some(seq);
         }
-        match self.tasks.create(&record).await {
-            // Exists: a worker already picked the task up and wrote its record.
+        // Sent again if the client connects anew while it waits (a create the broker had
+        // when it stopped is never answered); one whose first sending was stored is `Exists`.
+        let client = self.js.client();
+        let created = ax_core::follow::across_reconnects(&client, || self.tasks.create(&record));
+        match created.await {
+            // Exists: a worker already picked the task up and wrote its record (or this
+            // create's first sending did).
             Ok(_) | Err(StateError::Exists(_)) => Ok(seq),
             // The task is stored and will run: it is accepted. Answering `unavailable`
             // would make a producer without an idempotency key submit it twice. The worker

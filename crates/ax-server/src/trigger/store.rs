@@ -85,7 +85,8 @@ impl TriggerStore {
         ) {
             return Err(broker(name, "update", "injected fault: broker unreachable"));
         }
-        let written = write(&self.states, name, state, revision).await;
+        let written =
+            ax_core::typed_kv::put_again(&self.client, &self.states, name, state, revision).await;
         if fault == Some(StateWriteFault::AckLost) && written.is_ok() {
             return Err(broker(
                 name,

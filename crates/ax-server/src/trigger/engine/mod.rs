@@ -113,7 +113,13 @@ impl Engine {
             .get_key_value(LEASES_BUCKET)
             .await
             .map_err(|e| broker("open leases")(e.into()))?;
-        let lease = Lease::new(kv, TRIGGERS_KEY, self.id.clone(), self.lease_ttl);
+        let lease = Lease::new(
+            js.client(),
+            kv,
+            TRIGGERS_KEY,
+            self.id.clone(),
+            self.lease_ttl,
+        );
         let leading = Leading {
             engine: &self,
             store: &store,

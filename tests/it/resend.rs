@@ -1,0 +1,149 @@
+//! A write or publish the broker stored but never answered (it died first) is sent again
+//! when the client connects anew, and taken as done once: `typed_kv::put_again` (a lease
+//! renewal, a trigger's state) and a task's publish (`admit::publish_headers`, as
+//! `publish_task`). The broker's answers are lost by `AnswerDropper`, a proxy that drops
+//! what the server sends, then cuts the connection so the client connects again.
+
+use async_nats::jetstream::{self, kv, stream};
+use ax_core::typed_kv::{get, put, put_again, KvError};
+use ax_testkit::env::eventually;
+use ax_testkit::proxy::AnswerDropper;
+use ax_testkit::LocalNats;
+use serde::{Deserialize, Serialize};
+use std::time::Duration;
+use tokio::time::timeout;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct Thing {
+    n: u32,
+}
+
+/// Less than the JetStream request timeout (5 s): an answer within it came of the write
+/// sent again, not of the first one timing out.
+const AFTER_RECONNECT: Duration = Duration::from_secs(4);
+
+/// A client connected to `nats` through a proxy that can drop the server's answers.
+async fn through(nats: &LocalNats) -> (AnswerDropper, async_nats::Client) {
+    let upstream = nats.url().trim_start_matches("nats://").to_string();
+    let proxy = AnswerDropper::start(&upstream).await.unwrap();
+    let client = async_nats::ConnectOptions::new()
+        .reconnect_delay_callback(|_| Duration::from_millis(50))
+        .connect(proxy.url())
+        .await
+        .unwrap();
+    (proxy, client)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_compare_and_set_stored_but_unanswered_is_taken_as_written_once_sent_again() {
+    let nats = LocalNats::start().unwrap();
+    let direct = jetstream::new(async_nats::connect(nats.url()).await.unwrap());
+    let store = direct
+        .create_key_value(kv::Config {
+            bucket: "AGAIN".into(),
+            history: 5,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let r1 = put(&store, "k", &Thing { n: 1 }, None).await.unwrap();
+    let (proxy, client) = through(&nats).await;
+    let via = jetstream::new(client.clone())
+        .get_key_value("AGAIN")
+        .await
+        .unwrap();
+
+    // Stored, its answer dropped; then the connection is cut.
+    proxy.mute();
+    let write = tokio::spawn({
+        let (client, via) = (client.clone(), via.clone());
+        async move { put_again(&client, &via, "k", &Thing { n: 2 }, Some(r1)).await }
+    });
+    let stored = eventually(Duration::from_secs(5), "the write stored", || async {
+        let e = store.entry("k").await.unwrap()?;
+        (e.revision > r1).then_some(e.revision)
+    })
+    .await;
+    proxy.cut();
+    let answered = timeout(AFTER_RECONNECT, write)
+        .await
+        .expect("answered once sent again, not at the request timeout")
+        .unwrap();
+    assert_eq!(
+        answered.unwrap(),
+        stored,
+        "taken as written, at the revision its first sending was stored at"
+    );
+    assert_eq!(
+        get(&store, "k").await.unwrap(),
+        Some((Thing { n: 2 }, stored))
+    );
+
+    // Stored, then changed by another writer before the answer: a lost race still.
+    proxy.mute();
+    let write = tokio::spawn({
+        let (client, via) = (client.clone(), via.clone());
+        async move { put_again(&client, &via, "k", &Thing { n: 3 }, Some(stored)).await }
+    });
+    let mine = eventually(
+        Duration::from_secs(5),
+        "the second write stored",
+        || async {
+            let e = store.entry("k").await.unwrap()?;
+            (e.revision > stored).then_some(e.revision)
+        },
+    )
+    .await;
+    put(&store, "k", &Thing { n: 4 }, Some(mine)).await.unwrap();
+    proxy.cut();
+    let answered = timeout(AFTER_RECONNECT, write)
+        .await
+        .expect("answered once sent again")
+        .unwrap();
+    assert!(
+        matches!(answered, Err(KvError::Stale(_))),
+        "another writer's value is not ours: {answered:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_publish_stored_but_unanswered_is_sent_again_and_stored_once() {
+    let nats = LocalNats::start().unwrap();
+    let direct = jetstream::new(async_nats::connect(nats.url()).await.unwrap());
+    let tasks = direct
+        .create_stream(stream::Config {
+            name: "AGAIN".into(),
+            subjects: vec!["again.>".into()],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let (proxy, client) = through(&nats).await;
+    let via = jetstream::new(client);
+
+    proxy.mute();
+    let publish = tokio::spawn(async move {
+        ax_core::admit::publish_headers(
+            &via,
+            "again.q".into(),
+            async_nats::HeaderMap::new(),
+            "task-1",
+            "payload".into(),
+        )
+        .await
+    });
+    let messages = || async { tasks.clone().info().await.unwrap().state.messages };
+    eventually(Duration::from_secs(5), "the publish stored", || async {
+        (messages().await == 1).then_some(())
+    })
+    .await;
+    proxy.cut();
+    let ack = timeout(AFTER_RECONNECT, publish)
+        .await
+        .expect("acknowledged once sent again, not at the ack timeout")
+        .unwrap()
+        .unwrap();
+    assert_eq!(ack.sequence, 1, "the message stored the first time");
+    assert!(ack.duplicate, "the second sending was a duplicate");
+    assert_eq!(messages().await, 1, "stored once");
+}
