@@ -147,3 +147,43 @@ async fn a_task_publish_stored_but_unanswered_is_sent_again_and_stored_once() {
     assert!(ack.duplicate, "the second sending was a duplicate");
     assert_eq!(messages().await, 1, "stored once");
 }
+
+/// A worker's writes of a record (`TaskStore::cas`: its `running` write, its outcome), on
+/// their own and group-committed: one the broker stored but never answered is taken as
+/// written at the revision stored, not refused as overtaken by another attempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_write_stored_but_unanswered_is_taken_as_written_once_sent_again() {
+    use ax_core::atomic::GroupCommit;
+    use ax_sdk::{TaskSpec, TaskState};
+    let env = crate::support::Env::start(crate::support::Env::server()).await;
+    let direct = env.store().await;
+    for mode in [GroupCommit::Never, GroupCommit::Always] {
+        let id = env.ax.submit("q", TaskSpec::new("t")).await.unwrap().id;
+        let (rec, rev) = direct.find(&id).await.unwrap().unwrap();
+        let (proxy, client) = through(&env.nats).await;
+        let store = ax_core::state::TaskStore::open(&jetstream::new(client))
+            .await
+            .unwrap()
+            .grouped(mode);
+        let mut running = rec.transition(TaskState::Running);
+        running.attempt = 1;
+        running.worker = Some("w".into());
+        proxy.mute();
+        let write = tokio::spawn(async move { store.cas(&running, rev).await });
+        let stored = eventually(Duration::from_secs(5), "the write stored", || async {
+            let (r, at) = direct.get_latest(&id).await.unwrap()?;
+            (r.state == TaskState::Running).then_some(at)
+        })
+        .await;
+        proxy.cut();
+        let answered = timeout(AFTER_RECONNECT, write)
+            .await
+            .unwrap_or_else(|_| panic!("{mode:?}: answered once sent again"))
+            .unwrap();
+        assert_eq!(
+            answered.unwrap(),
+            stored,
+            "{mode:?}: taken as written, at the revision stored"
+        );
+    }
+}

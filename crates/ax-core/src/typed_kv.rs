@@ -121,12 +121,8 @@ pub async fn put<T: Serialize>(
     put_bytes(kv, key, to_body(value), revision).await
 }
 
-/// Like [`put`], but sent again if the client connects anew while it waits: a write the
-/// broker had when it stopped is never answered, and would hold its caller for the
-/// client's request timeout. A write sent again whose first sending was stored finds the
-/// key changed: it is taken as written (answering that revision) when the key, read from
-/// its stream's leader, holds these very bytes at a revision after `revision`, else it
-/// is [`KvError::Stale`] as a lost race is.
+/// Like [`put`], but sent again if the client connects anew while it waits
+/// ([`write_again`]).
 pub async fn put_again<T: Serialize>(
     client: &async_nats::Client,
     kv: &kv::Store,
@@ -135,20 +131,47 @@ pub async fn put_again<T: Serialize>(
     revision: Option<u64>,
 ) -> Result<u64, KvError> {
     let body = to_body(value);
-    let sends = std::sync::atomic::AtomicU32::new(0);
-    let written = crate::follow::across_reconnects(client, || {
-        sends.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let lost = |e: &KvError| matches!(e, KvError::Stale(_));
+    let unsure = |e| broker(key, "get", e);
+    write_again(client, kv, key, &body, revision, lost, unsure, || {
         put_bytes(kv, key, body.clone(), revision)
     })
-    .await;
-    if !matches!(written, Err(KvError::Stale(_))) || sends.into_inner() < 2 {
-        return written;
+    .await
+}
+
+/// Runs `write`, a create (`revision` `None`) or compare-and-set of `key` to `body`, and
+/// runs it again if the client connects anew while it waits: a write the broker had when
+/// it stopped is never answered, and would hold its caller for the client's request
+/// timeout. A write that finds the key changed (an error `lost` tells) may be one whose
+/// earlier sending was stored (sent again here, or by a group commit's fallback to single
+/// writes after the group's answer was lost): it is taken as written (answering that
+/// revision) when the key, read from its stream's leader, holds these very bytes at a
+/// revision after `revision`; else the lost race stands. A failed read is `unsure` of it:
+/// neither.
+#[allow(clippy::too_many_arguments)]
+pub async fn write_again<E, Fut>(
+    client: &async_nats::Client,
+    kv: &kv::Store,
+    key: &str,
+    body: &[u8],
+    revision: Option<u64>,
+    lost: impl Fn(&E) -> bool,
+    unsure: impl FnOnce(async_nats::Error) -> E,
+    write: impl FnMut() -> Fut,
+) -> Result<u64, E>
+where
+    Fut: std::future::Future<Output = Result<u64, E>>,
+{
+    let written = crate::follow::across_reconnects(client, write).await;
+    match &written {
+        Err(e) if lost(e) => {}
+        _ => return written,
     }
     let read = crate::follow::across_reconnects(client, || crate::kv_read::latest(kv, key));
-    match read.await.map_err(|e| broker(key, "get", e))? {
+    match read.await.map_err(unsure)? {
         Some(e)
             if e.operation == kv::Operation::Put
-                && e.value == body
+                && e.value.as_ref() == body
                 && revision.is_none_or(|r| e.revision > r) =>
         {
             tracing::debug!(key, "a write sent again had been stored the first time");

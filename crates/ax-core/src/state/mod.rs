@@ -171,9 +171,37 @@ impl TaskStore {
 
     /// Writes `rec` if the key is still at `revision`; returns the new revision. Revision
     /// 0 creates the record if there is none ([`StateError::Stale`] if there is).
+    ///
+    /// Sent again if the client connects anew while it waits (a write the broker had when
+    /// it stopped is never answered: a worker's slot was held for the request timeout), and
+    /// then taken as written if its first sending was stored ([`typed_kv::write_again`]).
     pub async fn cas(&self, rec: &TaskRecord, revision: u64) -> Result<u64, StateError> {
+        let body = serde_json::to_vec(rec).expect("a record serializes");
+        let expected = (revision != 0).then_some(revision);
+        let lost = |e: &StateError| matches!(e, StateError::Stale { .. });
+        let unsure = |e| broker(&rec.id, "read", e);
+        let client = self.js.client();
+        typed_kv::write_again(
+            &client,
+            &self.kv,
+            &rec.id,
+            &body,
+            expected,
+            lost,
+            unsure,
+            || self.cas_once(rec, &body, revision),
+        )
+        .await
+    }
+
+    async fn cas_once(
+        &self,
+        rec: &TaskRecord,
+        body: &[u8],
+        revision: u64,
+    ) -> Result<u64, StateError> {
         if let Some(group) = &self.group {
-            return self.cas_grouped(group, rec, revision).await;
+            return self.cas_grouped(group, rec, body, revision).await;
         }
         let expected = (revision != 0).then_some(revision);
         typed_kv::put(&self.kv, &rec.id, rec, expected)
@@ -185,6 +213,7 @@ impl TaskStore {
         &self,
         group: &crate::atomic::Grouped,
         rec: &TaskRecord,
+        body: &[u8],
         revision: u64,
     ) -> Result<u64, StateError> {
         let mut headers = async_nats::HeaderMap::new();
@@ -194,7 +223,7 @@ impl TaskStore {
         let msg = crate::atomic::Outgoing {
             subject: format!("{prefix}{}", rec.id),
             headers,
-            payload: serde_json::to_vec(rec).expect("a record serializes").into(),
+            payload: bytes::Bytes::copy_from_slice(body),
         };
         group.publish(msg).await.map_err(|e| {
             if e.kind() == jetstream::context::PublishErrorKind::WrongLastSequence {
