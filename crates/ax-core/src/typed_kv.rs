@@ -185,7 +185,8 @@ fn to_body<T: Serialize>(value: &T) -> bytes::Bytes {
     serde_json::to_vec(value).expect("serializes").into()
 }
 
-async fn put_bytes(
+/// [`put`] of a value already serialized to `body`.
+pub async fn put_bytes(
     kv: &kv::Store,
     key: &str,
     body: bytes::Bytes,

@@ -176,7 +176,7 @@ impl TaskStore {
     /// it stopped is never answered: a worker's slot was held for the request timeout), and
     /// then taken as written if its first sending was stored ([`typed_kv::write_again`]).
     pub async fn cas(&self, rec: &TaskRecord, revision: u64) -> Result<u64, StateError> {
-        let body = serde_json::to_vec(rec).expect("a record serializes");
+        let body: bytes::Bytes = serde_json::to_vec(rec).expect("a record serializes").into();
         let expected = (revision != 0).then_some(revision);
         let lost = |e: &StateError| matches!(e, StateError::Stale { .. });
         let unsure = |e| broker(&rec.id, "read", e);
@@ -197,14 +197,14 @@ impl TaskStore {
     async fn cas_once(
         &self,
         rec: &TaskRecord,
-        body: &[u8],
+        body: &bytes::Bytes,
         revision: u64,
     ) -> Result<u64, StateError> {
         if let Some(group) = &self.group {
             return self.cas_grouped(group, rec, body, revision).await;
         }
         let expected = (revision != 0).then_some(revision);
-        typed_kv::put(&self.kv, &rec.id, rec, expected)
+        typed_kv::put_bytes(&self.kv, &rec.id, body.clone(), expected)
             .await
             .map_err(|e| from_kv(&rec.id, Some(revision), e))
     }
@@ -213,7 +213,7 @@ impl TaskStore {
         &self,
         group: &crate::atomic::Grouped,
         rec: &TaskRecord,
-        body: &[u8],
+        body: &bytes::Bytes,
         revision: u64,
     ) -> Result<u64, StateError> {
         let mut headers = async_nats::HeaderMap::new();
@@ -223,7 +223,7 @@ impl TaskStore {
         let msg = crate::atomic::Outgoing {
             subject: format!("{prefix}{}", rec.id),
             headers,
-            payload: bytes::Bytes::copy_from_slice(body),
+            payload: body.clone(),
         };
         group.publish(msg).await.map_err(|e| {
             if e.kind() == jetstream::context::PublishErrorKind::WrongLastSequence {
