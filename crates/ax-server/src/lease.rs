@@ -82,12 +82,17 @@ impl Lease {
         self.revision.is_some() && self.renewed_at.elapsed() < self.ttl
     }
 
-    fn body(&self, holder: &str) -> bytes::Bytes {
-        let value = LeaseValue {
+    fn value(&self, holder: &str) -> LeaseValue {
+        LeaseValue {
             holder: holder.to_string(),
             ttl_ms: self.ttl.as_millis() as u64,
-        };
-        serde_json::to_vec(&value).expect("serializes").into()
+        }
+    }
+
+    fn body(&self, holder: &str) -> bytes::Bytes {
+        serde_json::to_vec(&self.value(holder))
+            .expect("serializes")
+            .into()
     }
 
     /// Renews the lease if held, else tries to take it; true while held.
@@ -176,13 +181,10 @@ impl Lease {
     /// connects anew while it waits (`typed_kv::put_again`): a renewal the broker had when
     /// it stopped is never answered, and the leader would step down for it though the
     /// restarted broker is back within the TTL. The value is the same at every renewal, so
-    /// a renewal sent again whose first sending was stored is told apart from another
-    /// holder's write (whose holder differs).
+    /// a renewal whose earlier sending was stored is told apart from another holder's
+    /// write (whose holder differs).
     async fn renew(&self, rev: u64) -> Result<u64, Renewal> {
-        let value = LeaseValue {
-            holder: self.holder.clone(),
-            ttl_ms: self.ttl.as_millis() as u64,
-        };
+        let value = self.value(&self.holder);
         let renewal =
             ax_core::typed_kv::put_again(&self.client, &self.kv, &self.key, &value, Some(rev));
         match renewal.await {
