@@ -316,10 +316,17 @@ async fn fairness(ax: &Client, nats: &async_nats::Client, n: usize) {
         submit_tenant(ax, queue, "c", mid, fair).await;
         let b_at = submit_tenant(ax, queue, "b", 10, fair).await;
         let total = big + mid + 10;
+        let submitted = (t.elapsed(), starts.lock().unwrap().len());
         while starts.lock().unwrap().len() < total && t.elapsed() < Duration::from_secs(600) {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         let rate = total as f64 / t.elapsed().as_secs_f64();
+        let rest = (total - submitted.1) as f64 / (t.elapsed() - submitted.0).as_secs_f64();
+        println!(
+            "fairness {queue}: every submit answered after {:.1} s, {} tasks started by then; the rest {rest:.0}/s",
+            submitted.0.as_secs_f64(),
+            submitted.1
+        );
         stop.cancel();
         let _ = w.await;
         let starts = starts.lock().unwrap().clone();
