@@ -38,6 +38,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
+/// The allocator of the `ax` binary, which runs the server and workers as deployed.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Handler starts: (task id, name, ms since the epoch).
 type Starts = Arc<Mutex<Vec<(String, String, u64)>>>;
 

@@ -52,7 +52,7 @@ impl Feed {
                         let done = info.pending == 0;
                         if seq > last_seq {
                             last_seq = seq;
-                            self.index(seq, &msg);
+                            self.index(seq, msg);
                         }
                         if done && !self.caught_up.swap(true, Ordering::AcqRel) {
                             debug!(last_seq, "AX_FAIR indexed");
@@ -66,15 +66,19 @@ impl Feed {
         }
     }
 
-    fn index(&self, seq: u64, msg: &async_nats::jetstream::Message) {
+    /// Adds the message's task to its lane, its headers moved out of the message (not
+    /// copied) and kept as its release will publish them: each header map held is many
+    /// small allocations, for as long as the backlog lasts.
+    fn index(&self, seq: u64, msg: async_nats::jetstream::Message) {
+        let (msg, _) = msg.split();
         let Some(s) = names::parse_fair_subject(&msg.subject) else {
             warn!(seq, subject = %msg.subject, "AX_FAIR message on a subject that is no fair subject; left in place");
             return;
         };
-        let body = (msg.headers.clone().unwrap_or_default(), msg.payload.clone());
+        let headers = ax_core::atomic::without_publish_headers(msg.headers.unwrap_or_default());
         let held = Held {
             seq,
-            body: Some(body),
+            body: Some((headers, msg.payload)),
         };
         self.lanes
             .lock()

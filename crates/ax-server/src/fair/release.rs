@@ -125,8 +125,9 @@ impl Rounds {
         let subject = names::ready_subject(&queue, priority);
         let tenants = picks.into_iter().map(|(hex, tasks)| {
             let (subject, queue) = (subject.clone(), queue.clone());
+            let mut tasks = tasks;
             async move {
-                let done = self.release(priority, &subject, &tasks).await;
+                let done = self.release(priority, &subject, &mut tasks).await;
                 if let Some(last) = done.checked_sub(1).map(|i| tasks[i].seq) {
                     self.faults.pass(ax_core::faults::Abort::AfterRelease);
                     let filter = names::fair_tenant_filter(&queue, priority, &hex);
@@ -152,11 +153,13 @@ impl Rounds {
     }
 
     /// Publishes a tenant's tasks to their ready subject; answers how many from the first
-    /// were released (a refused one, and those after it, are put back).
-    async fn release(&self, priority: Priority, subject: &str, tasks: &[Held]) -> usize {
-        let sends = tasks.iter().map(|held| async move {
-            let (headers, payload) = match &held.body {
-                Some(body) => body.clone(),
+    /// were released (a refused one, and those after it, are put back). Each body held
+    /// is moved into its publish, not copied: one put back is read again from `AX_FAIR`
+    /// at its next release, as one never held in memory is.
+    async fn release(&self, priority: Priority, subject: &str, tasks: &mut [Held]) -> usize {
+        let sends = tasks.iter_mut().map(|held| async move {
+            let (headers, payload) = match held.body.take() {
+                Some(body) => body,
                 None => match self.stream.direct_get(held.seq).await {
                     Ok(msg) => (msg.headers, msg.payload),
                     // Purged by an earlier leader's release: nothing to do.
