@@ -106,19 +106,20 @@ pub async fn check_core(
         ));
     }
     let trigger_tasks = records.iter().filter(|r| r.trigger.is_some()).count() as u64;
-    // Fires are the low messages but for the fairness load's low tasks (one message each:
-    // a retried submit keeps its id, and the ready stream drops the second copy).
+    // The low messages but the fairness load's (one each: a retried submit keeps its id)
+    // are the fires' — and copies of a publish sent again that a restarted broker stored
+    // anew: the ready stream, a work queue, forgets the ids of the messages its consumer
+    // removed when it restarts (nats-server #3272; tests/it/resend.rs
+    // `a_task_message_stored_again_after_a_broker_restart_is_not_run_again`). A copy is
+    // claimed without being run, so runs are what is judged (`check_counted`: a fire made
+    // twice is a start its record does not count; `check_tokens`); copies are printed.
     let fq_low = records
         .iter()
         .filter(|r| r.queue == crate::fairness::FQ && r.priority == ax_sdk::Priority::Low)
         .count() as u64;
     let mut low = js.get_stream("AX_READY_LOW").await.unwrap();
     let stored_fires = low.info().await.unwrap().state.last_sequence - fq_low;
-    if stored_fires != trigger_tasks {
-        violations.push(format!(
-            "{stored_fires} trigger task messages stored for {trigger_tasks} trigger tasks: a fire was stored twice"
-        ));
-    }
+    let copies = stored_fires.saturating_sub(trigger_tasks);
     // Manual runs: each answered run made its task; nothing more than the runs sent.
     let manual_made: Vec<&str> = records
         .iter()
@@ -191,7 +192,8 @@ pub async fn check_core(
         ),
         format!(
             "manual runs {} answered / {} refused running / {} unanswered; triggers \
-             {fired_report:?}, {stored_fires} fire messages stored",
+             {fired_report:?}, {stored_fires} fire messages stored ({copies} beyond one a \
+             trigger task: copies a restarted broker stored again, claimed without a run)",
             log.manual_answered.len(),
             log.manual_refused,
             log.manual_unanswered,

@@ -187,3 +187,65 @@ async fn a_record_write_stored_but_unanswered_is_taken_as_written_once_sent_agai
         );
     }
 }
+
+/// The broker's side of a publish sent again: the ready stream (a work queue) forgets the
+/// id of a message its consumer removed once the broker restarts (its duplicate table is
+/// rebuilt from the messages it still holds; nats-server #3272), so a task's publish sent
+/// again after its first copy ran stores a second copy. The worker claims that copy
+/// without running it (its record is finished; a running record names the first
+/// message): the task runs once. These are the copies the fault campaign prints beside
+/// its fire messages (docs/RELIABILITY.md).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_message_stored_again_after_a_broker_restart_is_not_run_again() {
+    use ax_sdk::{TaskSpec, TaskState};
+    let mut env = crate::support::Env::start(crate::support::Env::server()).await;
+    let id = env.ax.submit("q", TaskSpec::new("t")).await.unwrap().id;
+    let ready = env.js.get_stream("AX_READY_NORMAL").await.unwrap();
+    let first = ready
+        .direct_get_last_for_subject("ax.ready.q.normal")
+        .await
+        .unwrap();
+    let (worker, runs) = ax_testkit::env::counting_worker(4);
+    let (stop, handle) = env.spawn_worker(worker);
+    env.wait_state(&id, TaskState::Succeeded, Duration::from_secs(10))
+        .await;
+    eventually(
+        Duration::from_secs(5),
+        "the first copy acknowledged",
+        || async { (env.stream_len("AX_READY_NORMAL").await == 0).then_some(()) },
+    )
+    .await;
+
+    env.nats.restart().unwrap();
+    let ack = eventually(
+        Duration::from_secs(10),
+        "the publish sent again",
+        || async {
+            ax_core::admit::publish_headers(
+                &env.js,
+                "ax.ready.q.normal".into(),
+                first.headers.clone(),
+                &id,
+                first.payload.clone(),
+            )
+            .await
+            .ok()
+        },
+    )
+    .await;
+    assert!(
+        !ack.duplicate && ack.sequence > first.sequence,
+        "the restarted broker stored the copy: {ack:?} (if it now answers duplicate, \
+         nats-server remembers removed ids across restarts and the campaign's count of \
+         stored fire messages can be exact again)"
+    );
+    eventually(Duration::from_secs(10), "the copy claimed", || async {
+        (env.stream_len("AX_READY_NORMAL").await == 0).then_some(())
+    })
+    .await;
+    stop.cancel();
+    handle.await.unwrap();
+    assert_eq!(runs.lock().unwrap().get(&id), Some(&1), "the task ran once");
+    let rec = env.record(&id).await;
+    assert_eq!((rec.state, rec.attempt), (TaskState::Succeeded, 1));
+}
