@@ -343,3 +343,42 @@ async fn held_tasks_beyond_the_memory_budget_are_read_back_when_released() {
     assert_eq!(starts.len(), 600, "each task ran once");
     assert_eq!(env.stream_len("AX_FAIR").await, 0);
 }
+
+/// A release refused by a full ready subject (capacity 5, depth 64, no worker yet) is put
+/// back; its body, moved into the refused publish, is read again from `AX_FAIR` at a later
+/// round: once a worker drains the subject, every task runs once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_refused_by_a_full_ready_subject_is_put_back_and_read_again() {
+    let env = Env::start(Env::server().queues(["q"]).capacity([5, 5, 5])).await;
+    let ids = submit_tenant(&env.ax, "q", "a", 100).await;
+    // The rounds keep asking for 59 more releases than the subject holds.
+    eventually(Duration::from_secs(20), "5 released, 95 held", || async {
+        let ready = env.stream_len("AX_READY_NORMAL").await;
+        let held = env.stream_len("AX_FAIR").await;
+        (ready == 5 && held == 95).then_some(())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        env.stream_len("AX_READY_NORMAL").await,
+        5,
+        "the subject stayed full"
+    );
+    assert_eq!(
+        env.stream_len("AX_FAIR").await,
+        95,
+        "refused releases were not purged"
+    );
+    let starts: Starts = Arc::default();
+    let worker = recording_worker("q", starts.clone(), 2, Duration::from_millis(2));
+    let (stop, handle) = env.spawn_worker(worker);
+    for id in &ids {
+        env.wait_state(id, TaskState::Succeeded, Duration::from_secs(30))
+            .await;
+    }
+    stop.cancel();
+    handle.await.unwrap();
+    let starts = starts.lock().unwrap().clone();
+    assert_eq!(starts.len(), 100, "each task ran once");
+    assert_eq!(env.stream_len("AX_FAIR").await, 0);
+}
