@@ -75,6 +75,10 @@ pub fn parse_journal(text: &str) -> HashMap<String, Vec<Invocation>> {
 /// Every stored revision of every record, oldest first, by task id.
 pub type Histories = BTreeMap<String, Vec<(u64, TaskRecord)>>;
 
+/// When each record revision was stored (the broker's timestamp, ms since the epoch), by
+/// revision.
+pub type StoredAt = HashMap<u64, u64>;
+
 /// The wait tasks of task name `name` (a flow's waits, which the server ends, never a
 /// worker), each with its one final record, and how many there are. What breaks "ends
 /// once, never on a worker" is pushed to `v` — a worker started it, it never ended, it

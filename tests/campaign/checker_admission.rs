@@ -2,9 +2,11 @@
 //! the tasks' final records:
 //!
 //! - **singleton refusals**: a `cancel_new` refusal names a task of its key that had not
-//!   ended when the refused submit was first sent (its record's `finished_at_ms` is later,
+//!   ended when the refused submit was first sent (its terminal record was stored later,
 //!   or it never finished); or one never stored, and then every refusal naming it falls
-//!   within its grace;
+//!   within its grace. Ended is when the broker stored the terminal record, not the
+//!   record's `finished_at_ms` (the worker's clock before its write, which a loaded broker
+//!   may store tens of ms later): a server can only see an end that is stored;
 //! - **singleton exclusion**: of one key, a task accepted after another was answered
 //!   accepted finds that one ended or its cancel requested by the time it is answered —
 //!   two tasks of a key never wait or run at once, whatever servers were killed (submits
@@ -15,7 +17,7 @@
 //!   `rate_limited` refusal's `retry_after_ms` is at most one token's interval.
 
 use crate::admission::{Admitted, SingletonNote};
-use crate::checker::{Histories, Invocation};
+use crate::checker::{Histories, Invocation, StoredAt};
 use ax_core::protocol::ErrorCode;
 use std::collections::{BTreeMap, HashMap};
 
@@ -24,17 +26,27 @@ use std::collections::{BTreeMap, HashMap};
 /// it falls within that span, plus a second for the claim's own time.
 const UNSTORED_SPAN_MS: u64 = 11_000;
 
-/// When a task ended by its final record (`None`: never).
-fn ended_ms(histories: &Histories, id: &str) -> Option<u64> {
-    let (_, rec) = histories.get(id)?.last()?;
-    rec.finished_at_ms.filter(|_| rec.state.is_terminal())
+/// When a task ended for good: the first of its final terminal records was stored (its
+/// `finished_at_ms` where that time is not known). `None`: its final record is not
+/// terminal.
+fn ended_ms(histories: &Histories, stored: &StoredAt, id: &str) -> Option<u64> {
+    let history = histories.get(id)?;
+    let (_, last) = history.last()?;
+    let finished = last.finished_at_ms.filter(|_| last.state.is_terminal())?;
+    let first_terminal = history
+        .iter()
+        .rev()
+        .take_while(|(_, r)| r.state.is_terminal())
+        .last()
+        .map(|(rev, _)| *rev)?;
+    Some(stored.get(&first_terminal).copied().unwrap_or(finished))
 }
 
 /// When a task stopped holding its key by its final record: ended, or its cancel requested
 /// (a running attempt whose worker is stopped ends when it wakes). `None`: never.
-fn released_ms(histories: &Histories, id: &str) -> Option<u64> {
+fn released_ms(histories: &Histories, stored: &StoredAt, id: &str) -> Option<u64> {
     let (_, rec) = histories.get(id)?.last()?;
-    match (ended_ms(histories, id), rec.cancel_requested_at_ms) {
+    match (ended_ms(histories, stored, id), rec.cancel_requested_at_ms) {
         (Some(a), Some(b)) => Some(a.min(b)),
         (a, b) => a.or(b),
     }
@@ -43,6 +55,7 @@ fn released_ms(histories: &Histories, id: &str) -> Option<u64> {
 pub fn check_singletons(
     notes: &[SingletonNote],
     histories: &Histories,
+    stored: &StoredAt,
     journal: &HashMap<String, Vec<Invocation>>,
 ) -> Vec<String> {
     let mut out = Vec::new();
@@ -83,7 +96,7 @@ pub fn check_singletons(
         }
         // Ended, not merely asked to stop: a holder whose cancel was requested (its worker
         // frozen) still holds until its attempt ends or a new submit takes the key.
-        if let Some(at) = ended_ms(histories, holder) {
+        if let Some(at) = ended_ms(histories, stored, holder) {
             if at < n.seen.first_sent_ms {
                 out.push(format!(
                     "singleton {}: refused (sent at {}) naming {holder}, which had ended at {at}",
@@ -127,7 +140,7 @@ pub fn check_singletons(
                         ));
                     }
                 }
-                match released_ms(histories, a_id) {
+                match released_ms(histories, stored, a_id) {
                     Some(at) if at <= b.answered_ms => {}
                     at => out.push(format!(
                         "singleton {key}: {b_id} accepted at {} while {a_id} (accepted at {}) still held the key (released: {at:?})",
@@ -220,6 +233,7 @@ mod tests {
             ("x.a".to_string(), history("x.a", "succeeded", Some(2000))),
             ("x.b".to_string(), history("x.b", "succeeded", Some(4000))),
         ]);
+        let none = StoredAt::new();
         let mut journal = HashMap::new();
         // a held the key until 2000; b accepted after; a refusal at 1500 named a.
         let fine = [
@@ -227,7 +241,7 @@ mod tests {
             note("s0", 1500, 1510, Err("x.a")),
             note("s0", 1990, 2100, Ok("x.b")),
         ];
-        assert!(check_singletons(&fine, &histories, &journal).is_empty());
+        assert!(check_singletons(&fine, &histories, &none, &journal).is_empty());
         // An attempt of a starting after b took the key.
         let late_start = Invocation {
             attempt: 2,
@@ -236,20 +250,29 @@ mod tests {
             ..Default::default()
         };
         journal.insert("x.a".to_string(), vec![late_start]);
-        assert_eq!(check_singletons(&fine, &histories, &journal).len(), 1);
+        assert_eq!(
+            check_singletons(&fine, &histories, &none, &journal).len(),
+            1
+        );
         journal.clear();
         // b accepted while a still held the key.
         let both = [
             note("s0", 0, 10, Ok("x.a")),
             note("s0", 1000, 1010, Ok("x.b")),
         ];
-        assert_eq!(check_singletons(&both, &histories, &journal).len(), 1);
+        assert_eq!(
+            check_singletons(&both, &histories, &none, &journal).len(),
+            1
+        );
         // A refusal sent after a had ended, naming it.
         let late = [
             note("s0", 0, 10, Ok("x.a")),
             note("s0", 2500, 2510, Err("x.a")),
         ];
-        assert_eq!(check_singletons(&late, &histories, &journal).len(), 1);
+        assert_eq!(
+            check_singletons(&late, &histories, &none, &journal).len(),
+            1
+        );
         // A holder asked to stop (its worker frozen) still holds: a refusal naming it is
         // fine, and a task accepted after its cancel was requested too.
         let mut frozen = history("x.f", "running", None);
@@ -260,18 +283,60 @@ mod tests {
             note("s2", 1500, 1510, Err("x.f")),
             note("s2", 1600, 1700, Ok("x.g")),
         ];
-        assert!(check_singletons(&asked, &histories, &journal).is_empty());
+        assert!(check_singletons(&asked, &histories, &none, &journal).is_empty());
         // Refusals naming a task never stored: within the grace, then past it.
         let grace = [
             note("s1", 100, 110, Err("x.gone")),
             note("s1", 9000, 9010, Err("x.gone")),
         ];
-        assert!(check_singletons(&grace, &histories, &journal).is_empty());
+        assert!(check_singletons(&grace, &histories, &none, &journal).is_empty());
         let past = [
             note("s1", 100, 110, Err("x.gone")),
             note("s1", 12000, 12010, Err("x.gone")),
         ];
-        assert_eq!(check_singletons(&past, &histories, &journal).len(), 1);
+        assert_eq!(
+            check_singletons(&past, &histories, &none, &journal).len(),
+            1
+        );
+    }
+
+    /// A holder ends when its terminal record is stored, not at its `finished_at_ms`: a
+    /// refusal sent between the two is fine, one sent after the store is caught.
+    #[test]
+    fn a_holder_ends_when_its_terminal_record_is_stored() {
+        let mut a = history("x.a", "running", None);
+        a.extend(history("x.a", "succeeded", Some(2000)));
+        a[1].0 = 2;
+        let histories = Histories::from([("x.a".to_string(), a)]);
+        let stored = StoredAt::from([(1, 100), (2, 2600)]);
+        let journal = HashMap::new();
+        let between = [
+            note("s0", 0, 10, Ok("x.a")),
+            note("s0", 2500, 2510, Err("x.a")),
+        ];
+        assert!(check_singletons(&between, &histories, &stored, &journal).is_empty());
+        let none = StoredAt::new();
+        assert_eq!(
+            check_singletons(&between, &histories, &none, &journal).len(),
+            1
+        );
+        let after = [
+            note("s0", 0, 10, Ok("x.a")),
+            note("s0", 2700, 2710, Err("x.a")),
+        ];
+        assert_eq!(
+            check_singletons(&after, &histories, &stored, &journal).len(),
+            1
+        );
+        // Accepted before the store: a still held the key.
+        let early = [
+            note("s0", 0, 10, Ok("x.a")),
+            note("s0", 2100, 2200, Ok("x.b")),
+        ];
+        assert_eq!(
+            check_singletons(&early, &histories, &stored, &journal).len(),
+            1
+        );
     }
 
     fn drop_note(sent: u64, answered: u64, accepted: bool) -> Admitted {

@@ -62,7 +62,7 @@ mod verdict;
 
 use ax_core::time::now_ms;
 use ax_sdk::{Client, ClientError, TaskRecord, TaskSpec};
-use checker::Histories;
+use checker::{Histories, StoredAt};
 use cluster::{Kills, Nats, Procs, Timeline};
 use futures::StreamExt;
 use rand::rngs::StdRng;
@@ -307,9 +307,10 @@ async fn batch_burst(ax: &Client, log: &Mutex<Log>, lane: usize, key: &str, rng:
     }
 }
 
-/// Every revision of every task record, read once through an ordered consumer. A broker
-/// that is still settling after the nemesis (an R3 election) is asked again.
-pub async fn histories(js: &async_nats::jetstream::Context) -> Histories {
+/// Every revision of every task record, read once through an ordered consumer, and when
+/// each revision was stored. A broker that is still settling after the nemesis (an R3
+/// election) is asked again.
+pub async fn histories(js: &async_nats::jetstream::Context) -> (Histories, StoredAt) {
     let mut tries = 0;
     loop {
         match try_histories(js).await {
@@ -326,12 +327,13 @@ pub async fn histories(js: &async_nats::jetstream::Context) -> Histories {
 
 async fn try_histories(
     js: &async_nats::jetstream::Context,
-) -> Result<Histories, async_nats::Error> {
+) -> Result<(Histories, StoredAt), async_nats::Error> {
     let stream = js.get_stream("KV_AX_TASKS").await?;
     let last = stream.cached_info().state.last_sequence;
     let mut out: Histories = Histories::new();
+    let mut stored = StoredAt::new();
     if last == 0 {
-        return Ok(out);
+        return Ok((out, stored));
     }
     let consumer = stream
         .create_consumer(async_nats::jetstream::consumer::pull::OrderedConfig::default())
@@ -343,13 +345,17 @@ async fn try_histories(
         let seq = info.stream_sequence;
         let key = msg.subject.trim_start_matches("$KV.AX_TASKS.").to_string();
         if let Ok(rec) = serde_json::from_slice::<TaskRecord>(&msg.payload) {
+            stored.insert(
+                seq,
+                (info.published.unix_timestamp_nanos() / 1_000_000) as u64,
+            );
             out.entry(key).or_default().push((seq, rec));
         }
         if seq >= last {
             break;
         }
     }
-    Ok(out)
+    Ok((out, stored))
 }
 
 /// The two campaigns run one after the other: each alone loads both cores.
@@ -530,7 +536,7 @@ async fn run(cluster: bool, seed: u64, secs: u64) -> usize {
     // flow run ended.
     let quiet = tokio::time::timeout(Duration::from_secs(150), async {
         loop {
-            let h = histories(&js).await;
+            let (h, stored) = histories(&js).await;
             let open = h
                 .values()
                 .filter(|v| v.last().is_some_and(|(_, r)| !r.state.is_terminal()))
@@ -538,14 +544,14 @@ async fn run(cluster: bool, seed: u64, secs: u64) -> usize {
             let accepted = log.lock().unwrap().accepted.clone();
             let missing = accepted.iter().filter(|id| !h.contains_key(*id)).count();
             if open == 0 && missing == 0 && flows::all_ended(&ax, &flow_log).await {
-                return h;
+                return (h, stored);
             }
             tokio::time::sleep(Duration::from_secs(1)).await;
         }
     })
     .await;
     let mut verdict = verdict::Verdict::default();
-    let histories = match quiet {
+    let (histories, stored_at) = match quiet {
         Ok(h) => h,
         Err(_) => {
             verdict.add(
@@ -560,6 +566,7 @@ async fn run(cluster: bool, seed: u64, secs: u64) -> usize {
     let seen = verdict::Seen {
         journal: checker::parse_journal(&std::fs::read_to_string(&journal).unwrap_or_default()),
         histories,
+        stored_at,
         timeline: timeline.lock().unwrap().clone(),
         log: std::mem::take(&mut *log.lock().unwrap()),
         flows: std::mem::take(&mut *flow_log.lock().unwrap()),

@@ -33,6 +33,8 @@ impl Verdict {
 pub struct Seen {
     pub journal: HashMap<String, Vec<Invocation>>,
     pub histories: Histories,
+    /// When each revision of `histories` was stored.
+    pub stored_at: crate::checker::StoredAt,
     pub timeline: Timeline,
     pub log: Log,
     pub flows: flows::FlowLog,
@@ -282,7 +284,7 @@ pub async fn check_new(ax: &Client, seen: &Seen, verdict: &mut Verdict) -> Vec<S
     let a = &seen.admission;
     verdict.add(
         "singleton keys",
-        checker_admission::check_singletons(&a.singletons, histories, journal),
+        checker_admission::check_singletons(&a.singletons, histories, &seen.stored_at, journal),
     );
     let (v, drop_tightest) = checker_admission::check_drops(
         &a.drops,
