@@ -11,7 +11,8 @@
 //!   from `AX_TEST_ABORT_AFTER_PUBLISH`, `_AFTER_DISPATCH`, `_AFTER_FIRE` and the like
 //!   ([`Faults::from_env`]), as the fault tests run it.
 //! - **Widened windows and injected failures**: a slower claim (`AX_TEST_CLAIM_DELAY_MS`),
-//!   a late record read after a delivery, a late cancel-signal subscription, a pause between an operator's retry publish and its record write, a service that
+//!   a late record read after a delivery, a late end of a worker's long poll, a late
+//!   cancel-signal subscription, a pause between an operator's retry publish and its record write, a service that
 //!   panics or fails to start, a trigger's fire job or a flow run's turn that panics, a
 //!   management request that panics (`AX_TEST_PANIC_REQUEST=<marker>`), a group commit
 //!   that panics, trigger-state writes that fail, small pages of `ax.trigger.names`, lost
@@ -103,6 +104,7 @@ struct Armed {
     read_delay_ms: AtomicU64,
     cancel_write_delay_ms: AtomicU64,
     cancel_subscribe_delay_ms: AtomicU64,
+    poll_end_delay_ms: AtomicU64,
     retry_gap_ms: AtomicU64,
     names_page_bytes: AtomicU64,
     panic_request: Mutex<Option<String>>,
@@ -192,6 +194,14 @@ impl Faults {
     pub fn cancel_write_delay(&self, d: Duration) {
         if let Some(a) = self.on() {
             a.cancel_write_delay_ms.store(ms(d), Ordering::SeqCst);
+        }
+    }
+
+    /// Makes a worker's long poll wait `d` after it woke the worker and before it ends (its
+    /// thread descheduled between the two on a busy machine).
+    pub fn poll_end_delay(&self, d: Duration) {
+        if let Some(a) = self.on() {
+            a.poll_end_delay_ms.store(ms(d), Ordering::SeqCst);
         }
     }
 
@@ -344,6 +354,18 @@ impl Faults {
         if let Some(d) = self
             .on()
             .map(|a| a.cancel_subscribe_delay_ms.load(Ordering::SeqCst))
+        {
+            if d > 0 {
+                tokio::time::sleep(Duration::from_millis(d)).await;
+            }
+        }
+    }
+
+    /// At the end of a worker's long poll, after it woke the worker: waits its delay, if any.
+    pub async fn poll_ending(&self) {
+        if let Some(d) = self
+            .on()
+            .map(|a| a.poll_end_delay_ms.load(Ordering::SeqCst))
         {
             if d > 0 {
                 tokio::time::sleep(Duration::from_millis(d)).await;

@@ -23,6 +23,7 @@ use crate::supervisor::Supervisor;
 use async_nats::jetstream::{self, consumer::PullConsumer};
 use futures::{FutureExt, StreamExt};
 use std::convert::Infallible;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{watch, Notify, OwnedSemaphorePermit, Semaphore};
@@ -155,11 +156,11 @@ pub(super) async fn run(
     let woken = Arc::new(Notify::new());
     // True while the worker waits with every priority empty: only then are its long polls
     // sent again as they expire (a busy worker's would take tasks past its slots).
-    let idle = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let idle = Arc::new(AtomicBool::new(false));
     let mut picker = Picker::new(worker.weights);
     // Long polls by priority. A reconnect loses their pull requests on the server side:
     // then they are aborted and sent again rather than waited out.
-    let mut polls: [Option<JoinHandle<()>>; 3] = Default::default();
+    let mut polls = Polls::default();
     let mut reconnects = crate::follow::Reconnects::new(&shared.js.client());
     metrics::gauge!(crate::metrics::WORKER_BUSY_RATE, "queue" => worker.queue.clone()).set(0.0);
     metrics::gauge!(crate::metrics::TASK_TIMEOUT_RATE, "queue" => worker.queue.clone()).set(0.0);
@@ -186,11 +187,9 @@ pub(super) async fn run(
         }
         // Every priority is empty: long-poll all three, wake on the first arrival.
         if reconnects.take() {
-            for poll in polls.iter_mut().filter_map(Option::take) {
-                poll.abort();
-            }
+            polls.abort();
         }
-        idle.store(true, std::sync::atomic::Ordering::SeqCst);
+        idle.store(true, Ordering::SeqCst);
         long_poll(
             &mut polls,
             &consumers,
@@ -201,17 +200,17 @@ pub(super) async fn run(
         );
         tokio::select! {
             _ = shutdown.cancelled() => {
-                idle.store(false, std::sync::atomic::Ordering::SeqCst);
+                idle.store(false, Ordering::SeqCst);
                 break;
             }
             _ = woken.notified() => {}
             _ = tokio::time::sleep(worker.idle_poll) => {}
         }
-        idle.store(false, std::sync::atomic::Ordering::SeqCst);
+        idle.store(false, Ordering::SeqCst);
     }
 
     info!(queue = %worker.queue, "worker stopping: draining in-flight tasks");
-    for poll in polls.into_iter().flatten() {
+    for poll in polls.tasks.into_iter().flatten() {
         let _ = poll.await;
     }
     shared.tracker.close();
@@ -304,28 +303,54 @@ async fn fetch_round(
     fetched
 }
 
+/// Long polls by priority: the task of each, and whether one is in flight.
+#[derive(Default)]
+struct Polls {
+    /// Each priority's poll task (aborted on a reconnect, awaited at shutdown).
+    tasks: [Option<JoinHandle<()>>; 3],
+    /// Set when a priority's poll is sent, cleared by the poll as it ends, before it wakes
+    /// the worker: once woken, the worker sees it clear and sends the next. (Whether the
+    /// task had finished is not that: a poll that woke the worker and was then descheduled
+    /// before it returned was seen running, none was sent, and tasks arriving waited the
+    /// worker's whole idle wait.)
+    in_flight: Arc<[AtomicBool; 3]>,
+}
+
+impl Polls {
+    /// Aborts every poll (their pull requests were lost with the connection).
+    fn abort(&mut self) {
+        for (p, task) in self.tasks.iter_mut().enumerate() {
+            if let Some(task) = task.take() {
+                task.abort();
+            }
+            self.in_flight[p].store(false, Ordering::SeqCst);
+        }
+    }
+}
+
 /// Sends a long poll (one message, expiring after about `idle_poll`) on each priority that
 /// has none in flight; a message that arrives starts and wakes the worker. A poll that
 /// expires without one while the worker is still `idle` is sent again at once, so every
-/// priority keeps a pull waiting on the server while the worker is idle: before, the worker sent new polls only after its
-/// own idle wait, and a task arriving after a poll expired and before that wait ended
-/// waited up to `idle_poll` (the events bench's next steps: p99 224-411 ms at 1,000/s,
-/// max about 500 ms).
+/// priority keeps a pull waiting on the server while the worker is idle; one that ends
+/// (a message, or the worker busy) wakes the worker after it marks itself ended, so the
+/// worker's next idle round sends it again (before, a task arriving in between waited up
+/// to `idle_poll`: the events bench's next steps, p99 224-481 ms at 1,000/s, max about
+/// 500 ms).
 fn long_poll(
-    polls: &mut [Option<JoinHandle<()>>; 3],
+    polls: &mut Polls,
     consumers: &Arc<Vec<PullConsumer>>,
     woken: &Arc<Notify>,
     shared: &Arc<Shared>,
     idle_poll: Duration,
-    idle: &Arc<std::sync::atomic::AtomicBool>,
+    idle: &Arc<AtomicBool>,
 ) {
     for p in Priority::ALL {
-        if polls[p.index()].as_ref().is_some_and(|h| !h.is_finished()) {
+        if polls.in_flight[p.index()].swap(true, Ordering::SeqCst) {
             continue;
         }
         let (consumers, woken, shared) = (consumers.clone(), woken.clone(), shared.clone());
-        let idle = idle.clone();
-        polls[p.index()] = Some(tokio::spawn(async move {
+        let (idle, in_flight) = (idle.clone(), polls.in_flight.clone());
+        polls.tasks[p.index()] = Some(tokio::spawn(async move {
             loop {
                 // Randomly 80–120 % of `idle_poll`: JetStream hands a message to the oldest
                 // waiting pull, so idle workers polling in a fixed phase would always give
@@ -346,7 +371,6 @@ fn long_poll(
                     while let Some(msg) = batch.next().await {
                         if let Ok(msg) = msg {
                             attempt::spawn(&shared, msg, None);
-                            woken.notify_one();
                             got = true;
                         }
                     }
@@ -355,13 +379,18 @@ fn long_poll(
                 let got = tokio::time::timeout(expires + FETCH_TIMEOUT, poll)
                     .await
                     .unwrap_or(false);
-                // A message (the worker fetches in batches now), a worker no longer idle
-                // (busy, or shutting down), or a poll refused at once (a broker away: the
-                // worker's idle wait paces the next).
-                let idle = idle.load(std::sync::atomic::Ordering::SeqCst);
-                if got || !idle || sent.elapsed() < expires / 2 {
-                    break;
+                if !got && idle.load(Ordering::SeqCst) && sent.elapsed() >= expires / 2 {
+                    continue; // expired while the worker waits: keep a pull there
                 }
+                in_flight[p.index()].store(false, Ordering::SeqCst);
+                // A message, or a worker no longer idle (busy, or shutting down): wake it.
+                // A poll refused at once (a broker away) does not: the worker's idle wait
+                // paces the next.
+                if got || sent.elapsed() >= expires / 2 {
+                    woken.notify_one();
+                }
+                shared.faults.poll_ending().await;
+                break;
             }
         }));
     }
