@@ -36,12 +36,16 @@ fn main() {
     let steps = env_or("AX_BENCH_FLOW_STEPS", 1000);
     let fan = env_or("AX_BENCH_FANOUT", 10_000);
     let runs = env_or("AX_BENCH_FLOW_RUNS", 20_000);
-    let parts = parts();
-    let warns = count_warnings();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .unwrap();
+    if std::env::var("AX_BENCH_ROLE").as_deref() == Ok("event-worker") {
+        rt.block_on(events::worker_process());
+        return;
+    }
+    let parts = parts();
+    let warns = count_warnings();
     rt.block_on(async {
         // First, so that the process's peak RSS (VmHWM) is this part's.
         if parts.iter().any(|p| p == "many") {

@@ -5,6 +5,12 @@
 //! (its wait task's `finished_at_ms`, the matcher's part) and publish → the next step's
 //! task starting on the worker (the whole path), split where the engine stored that task
 //! (its record's creation). Printed, not asserted.
+//!
+//! `AX_BENCH_DEPLOYED=1`: as deployed, the server an `ax server` process and the worker a
+//! process of its own (this bench run again with `AX_BENCH_ROLE=event-worker`, printing
+//! `<i> <ms>` as each next step starts); this process only publishes and reads.
+//! `AX_BENCH_SLOWEST=1` also prints the 30 slowest stored → taken, with when each was
+//! stored (a stall shows as a run of tasks all taken at one moment).
 
 use crate::common::{env_or, percentiles};
 use ax_core::time::now_ms;
@@ -19,21 +25,96 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
+/// Starts of the next step, by the run's input `i`: ms since the epoch.
+type Started = Arc<Mutex<HashMap<u64, u64>>>;
+
+/// A worker of queue `ev` that calls `note(i, ms)` as each run's next step starts.
+fn recording_worker(note: impl Fn(u64, u64) + Send + Sync + Clone + 'static) -> Worker {
+    Worker::builder("ev")
+        .concurrency(256)
+        .handler(move |task: Task| {
+            let at = now_ms();
+            let note = note.clone();
+            async move {
+                let p: serde_json::Value = task.json().unwrap_or_default();
+                if let Some(i) = p["input"]["i"].as_u64() {
+                    note(i, at);
+                }
+                Output::json(&1)
+            }
+        })
+        .build()
+        .unwrap()
+}
+
+/// The worker process of `AX_BENCH_DEPLOYED=1` (`AX_BENCH_ROLE=event-worker`, connected
+/// to `AX_BENCH_URL`): prints `<i> <ms>` as each run's next step starts.
+pub async fn worker_process() {
+    let url = std::env::var("AX_BENCH_URL").expect("AX_BENCH_URL");
+    let client = async_nats::connect(url).await.unwrap();
+    let worker = recording_worker(|i, at| println!("{i} {at}"));
+    worker.run(client, CancellationToken::new()).await.unwrap();
+}
+
+/// The worker as a process of its own; its starts are read from its output into
+/// `started`.
+fn spawn_worker(url: &str, started: Started) -> std::process::Child {
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .env("AX_BENCH_ROLE", "event-worker")
+        .env("AX_BENCH_URL", url)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("the worker process");
+    let out = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(out).lines() {
+            let Ok(line) = line else { return };
+            let mut parts = line.split(' ').filter_map(|p| p.parse::<u64>().ok());
+            if let (Some(i), Some(at)) = (parts.next(), parts.next()) {
+                started.lock().unwrap().entry(i).or_insert(at);
+            }
+        }
+    });
+    child
+}
+
 pub async fn waiting(runs: usize) {
     let rate = env_or("AX_BENCH_EVENT_RATE", 1000) as f64;
+    let deployed = env_or("AX_BENCH_DEPLOYED", 0) == 1;
     let nats = LocalNats::start().expect("nats-server (run via ./dev bench flows)");
     // The server, the worker and the producer each on a connection of its own, as when
     // they run apart: one connection's reader serves its messages one after another.
     let client = async_nats::connect(nats.url()).await.unwrap();
-    let server_client = async_nats::connect(nats.url()).await.unwrap();
-    let worker_client = async_nats::connect(nats.url()).await.unwrap();
     let stop = CancellationToken::new();
-    let server = tokio::spawn(
-        Server::builder()
-            .queues(["ev"])
-            .build()
-            .run(server_client, stop.clone()),
-    );
+    let started: Started = Arc::default();
+    let mut procs = Vec::new();
+    let mut tasks = Vec::new();
+    if deployed {
+        procs.push(crate::common::deployed::spawn_ax(
+            &nats.url(),
+            &["server", "--queue", "ev"],
+        ));
+        procs.push(spawn_worker(&nats.url(), started.clone()));
+    } else {
+        let server_client = async_nats::connect(nats.url()).await.unwrap();
+        let worker_client = async_nats::connect(nats.url()).await.unwrap();
+        let server = Server::builder().queues(["ev"]).build();
+        tasks.push(tokio::spawn({
+            let stop = stop.clone();
+            async move { server.run(server_client, stop).await.unwrap() }
+        }));
+        let worker = recording_worker({
+            let started = started.clone();
+            move |i, at| {
+                started.lock().unwrap().entry(i).or_insert(at);
+            }
+        });
+        tasks.push(tokio::spawn({
+            let stop = stop.clone();
+            async move { worker.run(worker_client, stop).await.unwrap() }
+        }));
+    }
     let ax = Client::new(client.clone());
     let wait = WaitForEventDef {
         event: "bench.paid".into(),
@@ -50,30 +131,14 @@ pub async fn waiting(runs: usize) {
     while ax.put_flow(&def).await.is_err() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    // The worker notes when each run's `b` starts, by the run's input.
-    let started: Arc<Mutex<HashMap<u64, u64>>> = Arc::default();
-    let worker = Worker::builder("ev")
-        .concurrency(256)
-        .handler({
-            let started = started.clone();
-            move |task: Task| {
-                let at = now_ms();
-                let started = started.clone();
-                async move {
-                    let p: serde_json::Value = task.json().unwrap_or_default();
-                    if let Some(i) = p["input"]["i"].as_u64() {
-                        started.lock().unwrap().entry(i).or_insert(at);
-                    }
-                    Output::json(&1)
-                }
-            }
-        })
-        .build()
-        .unwrap();
-    let worker = tokio::spawn(worker.run(worker_client, stop.clone()));
     println!(
         "waiting runs: {runs} runs waiting for an event each, then one task; events published at {rate:.0}/s; \
-         one nats-server; ax server, worker and client in this process, a connection each"
+         one nats-server; {}",
+        if deployed {
+            "ax server, worker and publisher each a process"
+        } else {
+            "ax server, worker and client in this process, a connection each"
+        }
     );
     let t = Instant::now();
     let mut starts = futures::stream::iter(0..runs)
@@ -191,6 +256,17 @@ pub async fn waiting(runs: usize) {
     let (e50, e99, emax) = percentiles(between(&ended, &stored));
     let (w50, w99, wmax) = percentiles(between(&stored, &started));
     let (d50, d99, dmax) = percentiles(between(&stored, &delivered));
+    if std::env::var("AX_BENCH_SLOWEST").is_ok() {
+        let t0 = published.values().min().copied().unwrap_or(0);
+        let mut slow: Vec<(u64, u64, u64)> = delivered
+            .iter()
+            .filter_map(|(i, at)| Some((at.saturating_sub(*stored.get(i)?), stored[i] - t0, *i)))
+            .collect();
+        slow.sort();
+        for (lag, at, i) in slow.iter().rev().take(30) {
+            println!("    slow: run {i} stored at +{at} ms, taken {lag} ms later");
+        }
+    }
     let (c50, c99, cmax) = percentiles(between(&delivered, &started));
     println!(
         "  {} events published in {:.1} s ({:.0}/s); {} waits ended, {} next steps started",
@@ -217,6 +293,11 @@ pub async fn waiting(runs: usize) {
          {c99:.0} ms, max {cmax:.0} ms"
     );
     stop.cancel();
-    let _ = worker.await;
-    server.await.unwrap().unwrap();
+    for task in tasks {
+        let _ = task.await;
+    }
+    for mut p in procs {
+        let _ = p.kill();
+        let _ = p.wait();
+    }
 }
