@@ -133,6 +133,17 @@ fn brief(history: &[(u64, TaskRecord)]) -> String {
         .join(", ")
 }
 
+/// A `cancelled` record written again by the same cancel to count an attempt that a
+/// worker holding the task's message had started (docs/PROTOCOL.md §8, "cancel": the
+/// second signal after the write): the one outcome, counted right, not a second.
+fn recount(before: &TaskRecord, after: &TaskRecord) -> bool {
+    before.state == TaskState::Cancelled
+        && after.state == TaskState::Cancelled
+        && after.op.is_some()
+        && after.op == before.op
+        && after.attempt > before.attempt
+}
+
 /// Every accepted task reached a final state; none has two recorded outcomes (unless an
 /// operator's retry reopened a dead one in between); a success is backed by a successful
 /// invocation under the token it was recorded with.
@@ -168,7 +179,9 @@ pub fn check_tasks(
             let terminal: Vec<usize> = life
                 .iter()
                 .enumerate()
-                .filter(|(_, (_, r))| r.state.is_terminal())
+                .filter(|(j, (_, r))| {
+                    r.state.is_terminal() && !(*j > 0 && recount(&life[j - 1].1, r))
+                })
                 .map(|(i, _)| i)
                 .collect();
             if terminal.len() > 1 {
@@ -178,7 +191,8 @@ pub fn check_tasks(
                     brief(history)
                 ));
             }
-            if terminal.first().is_some_and(|&i| i + 1 != life.len()) {
+            let after_outcome = terminal.first().map_or(&life[..0], |&i| &life[i..]);
+            if after_outcome.windows(2).any(|w| !recount(&w[0].1, &w[1].1)) {
                 v.push(format!(
                     "{id}: a transition after its outcome ({})",
                     brief(history)
@@ -579,6 +593,40 @@ mod tests {
         assert_eq!(check_tasks(&accepted, &reopened, &journal).len(), 2);
         let unmarked = Histories::from([("q.a".to_string(), life(None))]);
         assert_eq!(check_tasks(&accepted, &unmarked, &journal).len(), 2);
+    }
+
+    /// An operator's cancel that learns, signalling again after its write, of an attempt a
+    /// worker had started writes `cancelled` again with that attempt: one outcome. A second
+    /// `cancelled` by anything else, or one that counts no more, is two.
+    #[test]
+    fn a_cancel_that_counts_a_started_attempt_is_one_outcome() {
+        let rec = |attempt: u32, op_at: Option<u64>| -> TaskRecord {
+            let mut v = serde_json::json!({"id": "q.a", "queue": "q", "name": "t",
+                "priority": "normal", "state": "cancelled", "attempt": attempt,
+                "max_attempts": 5, "created_at_ms": 0, "updated_at_ms": 0});
+            if let Some(at) = op_at {
+                v["op"] = serde_json::json!({"op": "cancel", "by": "api", "at_ms": at});
+            }
+            serde_json::from_value(v).unwrap()
+        };
+        let journal = HashMap::new();
+        let accepted = HashSet::from(["q.a".to_string()]);
+        let judge = |second: TaskRecord| {
+            let h = Histories::from([("q.a".to_string(), vec![(1, rec(0, Some(7))), (2, second)])]);
+            check_tasks(&accepted, &h, &journal).len()
+        };
+        assert_eq!(
+            judge(rec(1, Some(7))),
+            0,
+            "the same cancel, counting attempt 1"
+        );
+        assert_eq!(
+            judge(rec(0, Some(7))),
+            2,
+            "the same cancel, counting no more"
+        );
+        assert_eq!(judge(rec(1, Some(9))), 2, "another cancel");
+        assert_eq!(judge(rec(1, None)), 2, "no operator");
     }
 
     #[test]
