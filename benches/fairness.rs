@@ -109,12 +109,6 @@ async fn finished(
     out
 }
 
-fn pct(v: &[u64], p: usize) -> u64 {
-    v.get((v.len() * p / 100).min(v.len().saturating_sub(1)))
-        .copied()
-        .unwrap_or(0)
-}
-
 /// One queue's backlogs (`fair`: with fair keys); answers its tasks per second.
 async fn backlogs(
     ax: &Client,
@@ -142,12 +136,12 @@ async fn backlogs(
     let end = done.iter().map(|r| r.2).max().unwrap_or(t0);
     let secs = (end - t0) as f64 / 1000.0;
     let rate = done.len() as f64 / secs;
-    let mut b_waits: Vec<u64> = done
+    let b_waits: Vec<f64> = done
         .iter()
         .filter(|r| r.0 == "b")
-        .map(|r| r.1.saturating_sub(b_at))
+        .map(|r| r.1.saturating_sub(b_at) as f64)
         .collect();
-    b_waits.sort();
+    let (b50, _, bmax) = percentiles(b_waits);
     let first_c = done.iter().position(|r| r.0 == "c").unwrap_or(0);
     let last_c = done.iter().rposition(|r| r.0 == "c").unwrap_or(0);
     let span = &done[first_c..=last_c];
@@ -160,12 +154,12 @@ async fn backlogs(
         .join(", ");
     println!(
         "fairness {queue}: {} of {total} tasks, {rate:.0}/s first submit to last finished \
-         ({secs:.1} s; every submit answered after {:.1} s); b's waits p50 {} ms, max {} ms; \
+         ({secs:.1} s; every submit answered after {:.1} s); b's waits p50 {:.0} ms, max {:.0} ms; \
          c : a starts while c ran {:.3} ({} : {}); CPU {cpu_line}",
         done.len(),
         (submitted - t0) as f64 / 1000.0,
-        pct(&b_waits, 50),
-        b_waits.last().copied().unwrap_or(0),
+        b50,
+        bmax,
         count("c") as f64 / count("a").max(1) as f64,
         count("c"),
         count("a"),
@@ -186,7 +180,7 @@ async fn alone(ax: &Client, js: &async_nats::jetstream::Context) {
                 let value = tasks.get(&id).await.unwrap();
                 let record = value.and_then(|v| serde_json::from_slice::<TaskRecord>(&v).ok());
                 if let Some(started) = record.and_then(|r| r.finished_at_ms.and(r.started_at_ms)) {
-                    waits.push(started.saturating_sub(at));
+                    waits.push(started.saturating_sub(at) as f64);
                     break;
                 }
                 assert!(t.elapsed() < Duration::from_secs(30), "{id} never finished");
@@ -194,12 +188,9 @@ async fn alone(ax: &Client, js: &async_nats::jetstream::Context) {
             }
         }
     }
-    waits.sort();
+    let (p50, p99, max) = percentiles(waits);
     println!(
-        "fairness alone: b's 10 tasks on the idle fair queue, 20 times: waits p50 {} ms, p99 {} ms, max {} ms",
-        pct(&waits, 50),
-        pct(&waits, 99),
-        waits.last().copied().unwrap_or(0),
+        "fairness alone: b's 10 tasks on the idle fair queue, 20 times: waits p50 {p50:.0} ms, p99 {p99:.0} ms, max {max:.0} ms"
     );
 }
 

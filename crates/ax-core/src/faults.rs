@@ -319,67 +319,42 @@ impl Faults {
         }
     }
 
+    /// Waits the delay `which` names, if one is armed.
+    async fn delay(&self, which: impl Fn(&Armed) -> &AtomicU64) {
+        let ms = self.on().map_or(0, |a| which(a).load(Ordering::SeqCst));
+        if ms > 0 {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+        }
+    }
+
     /// After a claim: waits the claim delay, if any.
     pub async fn claimed(&self) {
-        if let Some(d) = self.on().map(|a| a.claim_delay_ms.load(Ordering::SeqCst)) {
-            if d > 0 {
-                tokio::time::sleep(Duration::from_millis(d)).await;
-            }
-        }
+        self.delay(|a| &a.claim_delay_ms).await;
     }
 
     /// Before a worker reads a delivered task's record: waits the read delay, if any.
     pub async fn reading_record(&self) {
-        if let Some(d) = self.on().map(|a| a.read_delay_ms.load(Ordering::SeqCst)) {
-            if d > 0 {
-                tokio::time::sleep(Duration::from_millis(d)).await;
-            }
-        }
+        self.delay(|a| &a.read_delay_ms).await;
     }
 
     /// Between a cancel's look for a holder and its `cancelled` write: waits its delay.
     pub async fn cancel_writing(&self) {
-        if let Some(d) = self
-            .on()
-            .map(|a| a.cancel_write_delay_ms.load(Ordering::SeqCst))
-        {
-            if d > 0 {
-                tokio::time::sleep(Duration::from_millis(d)).await;
-            }
-        }
+        self.delay(|a| &a.cancel_write_delay_ms).await;
     }
 
     /// Before a worker's cancel-signal subscription: waits its delay, if any.
     pub async fn cancel_subscribing(&self) {
-        if let Some(d) = self
-            .on()
-            .map(|a| a.cancel_subscribe_delay_ms.load(Ordering::SeqCst))
-        {
-            if d > 0 {
-                tokio::time::sleep(Duration::from_millis(d)).await;
-            }
-        }
+        self.delay(|a| &a.cancel_subscribe_delay_ms).await;
     }
 
     /// At the end of a worker's long poll, after it woke the worker: waits its delay, if any.
     pub async fn poll_ending(&self) {
-        if let Some(d) = self
-            .on()
-            .map(|a| a.poll_end_delay_ms.load(Ordering::SeqCst))
-        {
-            if d > 0 {
-                tokio::time::sleep(Duration::from_millis(d)).await;
-            }
-        }
+        self.delay(|a| &a.poll_end_delay_ms).await;
     }
 
     /// Between a retry's message publish and its record write: waits the retry gap, if any.
     pub async fn retry_published(&self) {
-        if let Some(d) = self.on().map(|a| a.retry_gap_ms.load(Ordering::SeqCst)) {
-            if d > 0 {
-                tokio::time::sleep(Duration::from_millis(d)).await;
-            }
-        }
+        self.delay(|a| &a.retry_gap_ms).await;
     }
 
     /// The `ax.trigger.names` page size a test set, if any.
