@@ -226,7 +226,9 @@ async fn an_item_is_refused_with_a_due_time_a_key_a_debounce_bytes_or_another_na
 
 /// A server killed with a batch open, then one aborted between a timed-out batch's closed
 /// copy and the delete of the batch (`AX_TEST_ABORT_AFTER_CLOSE`): the next server
-/// dispatches the copy once with every item answered.
+/// dispatches the copy once with every item answered. The batch's timeout (15 s) leaves
+/// the aborting server time to answer before it closes the batch: with 6 s, a loaded CI
+/// machine had it close the batch and abort before it answered its first submit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_survives_a_killed_server_and_one_aborted_mid_close() {
     let nats = LocalNats::start().unwrap();
@@ -238,17 +240,27 @@ async fn a_batch_survives_a_killed_server_and_one_aborted_mid_close() {
     let ax = Client::new(client.clone());
     let mut ids = Vec::new();
     for n in 1..=3 {
-        ids.push(ax.submit("q", item("b-1", 100, 6000, n)).await.unwrap().id);
+        ids.push(
+            ax.submit("q", item("b-1", 100, 15_000, n))
+                .await
+                .unwrap()
+                .id,
+        );
     }
     server.kill9();
     let mut aborting = AxProc::spawn_env(&url, &args, &[("AX_TEST_ABORT_AFTER_CLOSE", "1")]);
     wait_ready(&client).await;
     for n in 4..=5 {
-        ids.push(ax.submit("q", item("b-1", 100, 6000, n)).await.unwrap().id);
+        ids.push(
+            ax.submit("q", item("b-1", 100, 15_000, n))
+                .await
+                .unwrap()
+                .id,
+        );
     }
     ids.dedup();
     assert_eq!(ids.len(), 1, "one batch across the kill: {ids:?}");
-    let aborted = aborting.exited_within(Duration::from_secs(20)).await;
+    let aborted = aborting.exited_within(Duration::from_secs(40)).await;
     assert!(
         aborted.is_some_and(|s| !s.success()),
         "the hook never fired"
