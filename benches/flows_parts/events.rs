@@ -168,6 +168,14 @@ pub async fn waiting(runs: usize) {
         "  {runs} runs started and waiting in {:.1} s",
         t.elapsed().as_secs_f64()
     );
+    // What an operator's (or the console's) listing of approvals costs beside them.
+    let t = Instant::now();
+    let listed = ax.approvals().await.unwrap();
+    println!(
+        "  approvals listed beside {runs} waits for events: {} in {:.0} ms",
+        listed.as_array().map_or(0, Vec::len),
+        t.elapsed().as_secs_f64() * 1000.0
+    );
     // One event per run, paced at `rate`; each publish's time noted before it is sent.
     let published: Arc<Mutex<HashMap<u64, u64>>> = Arc::default();
     let t = Instant::now();

@@ -401,3 +401,83 @@ async fn approvals_outlive_every_server_and_two_completions_end_each_once() {
         assert_eq!(endings(&env.ax, id).await, 1, "{run}: ended once");
     }
 }
+
+/// The listing reads `AX_WAITS` in one pass (ax_core::waits::Waits::all): approvals
+/// stored among hundreds of waits for events, before and after them, are all found, and
+/// a registration removed is not. (Red with a pass that stops at its first batch: the
+/// approvals stored after 300 event waits are missing.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn approvals_are_listed_from_among_many_waits_for_events() {
+    let env = Env::start(Env::server()).await;
+    let (_stop, _w) = env.spawn_worker(flow_worker(Calls::default()));
+    let mut announced = Announcements::follow(&env.client).await;
+    let waits = ax_core::waits::Waits::new(async_nats::jetstream::new(env.client.clone()));
+    let event_wait = |i: usize| WaitRegistration {
+        task: format!("ev.wait.{i}"),
+        event: "bench.paid".into(),
+        matches: [("i".to_string(), json!(i))].into(),
+        since_ms: 1,
+        until_ms: u64::MAX / 2,
+        approval: None,
+    };
+    env.ax
+        .put_flow(&gated("ship", Duration::from_secs(600), OnTimeout::Fail))
+        .await
+        .unwrap();
+    let mut runs = Vec::new();
+    for round in 0..2 {
+        for i in round * 300..(round + 1) * 300 {
+            waits.put(&event_wait(i)).await.unwrap();
+        }
+        let run = env
+            .ax
+            .run_flow("ship", json!({"round": round}))
+            .await
+            .unwrap();
+        let task = announced.of(&run).await["task"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        runs.push((run, task));
+    }
+    for i in (0..600).step_by(2) {
+        waits.remove(&format!("ev.wait.{i}")).await.unwrap();
+    }
+
+    let listed = |list: &Value| -> Vec<String> {
+        let rows = list.as_array().unwrap_or_else(|| panic!("{list}"));
+        rows.iter()
+            .map(|r| r["run"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let both: Vec<String> = runs.iter().map(|(run, _)| run.clone()).collect();
+    assert_eq!(
+        listed(&env.ax.approvals().await.unwrap()),
+        both,
+        "oldest first"
+    );
+    assert_eq!(
+        waits.all().await.unwrap().len(),
+        300 + 2,
+        "every registration read"
+    );
+
+    // One approved: its record ends, so it leaves the list (its registration stays until
+    // its timeout).
+    let (first_run, first_task) = &runs[0];
+    env.ax
+        .complete_approval(&ApprovalCompletion {
+            token: None,
+            task: Some(first_task.clone()),
+            decision: Decision::Approve,
+            payload: None,
+            reason: None,
+        })
+        .await
+        .unwrap();
+    assert_eq!(finish(&env.ax, first_run).await.state, RunState::Succeeded);
+    assert_eq!(
+        listed(&env.ax.approvals().await.unwrap()),
+        vec![runs[1].0.clone()]
+    );
+}

@@ -26,6 +26,7 @@ use ax_core::results::ResultStore;
 use ax_core::state::{ErrorInfo, TaskRecord, TaskState};
 use ax_core::wire::output::{StoredOutput, TaskOutput, MAX_OUTPUT_BYTES};
 use bytes::Bytes;
+use futures::StreamExt;
 use serde_json::{json, Value};
 use subtle::ConstantTimeEq;
 use tracing::{debug, info};
@@ -36,6 +37,8 @@ pub(crate) const REQUESTED_EVENT: &str = "approval.requested";
 pub(crate) const REJECTED: &str = "approval_rejected";
 /// Class of an approval that timed out (policy `fail`).
 pub(crate) const TIMED_OUT: &str = "approval_timed_out";
+/// Records of approvals a listing reads at once.
+const READS_AT_ONCE: usize = 32;
 /// Longest reason a rejection may give, in bytes.
 const MAX_REASON: usize = 1_000;
 
@@ -264,13 +267,18 @@ pub(crate) async fn pending(ctx: &Context) -> Result<Value, WireError> {
         .filter(|r| r.approval.is_some())
         .collect();
     regs.sort_by_key(|r| r.since_ms);
+    // Their records read side by side, answered in the list's order.
+    let reads = regs.iter().map(|r| {
+        let (tasks, id) = (ctx.tasks.clone(), r.task.clone());
+        async move { tasks.get(&id).await }
+    });
+    let records: Vec<_> = futures::stream::iter(reads.collect::<Vec<_>>())
+        .buffered(READS_AT_ONCE)
+        .collect()
+        .await;
     let mut out = Vec::new();
-    for reg in regs {
-        let record = ctx
-            .tasks
-            .get(&reg.task)
-            .await
-            .map_err(|e| unavailable("reading an approval's record", e))?;
+    for (reg, record) in regs.into_iter().zip(records) {
+        let record = record.map_err(|e| unavailable("reading an approval's record", e))?;
         let Some((rec, _)) = record else { continue };
         if rec.state.is_terminal() {
             continue;
