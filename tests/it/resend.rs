@@ -249,3 +249,102 @@ async fn a_task_message_stored_again_after_a_broker_restart_is_not_run_again() {
     let rec = env.record(&id).await;
     assert_eq!((rec.state, rec.attempt), (TaskState::Succeeded, 1));
 }
+
+/// A flow run's writes (`FlowStore::put_run`, `put_step`: the engine's every transition)
+/// are sent again the same way: one the broker stored but never answered is taken as
+/// written at the revision stored, not waited out for the request timeout (red with a
+/// single send: no answer within 4 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flow_run_write_stored_but_unanswered_is_taken_as_written_once_sent_again() {
+    use ax_core::names::{FLOWS_BUCKET, FLOW_RUNS_BUCKET};
+    use ax_sdk::flow::store::FlowStore;
+    use ax_sdk::flow::{FlowDef, StepDef, StepRun, StepState};
+    use ax_sdk::TaskSpec;
+    let nats = LocalNats::start().unwrap();
+    let direct = jetstream::new(async_nats::connect(nats.url()).await.unwrap());
+    for bucket in [FLOWS_BUCKET, FLOW_RUNS_BUCKET] {
+        direct
+            .create_key_value(kv::Config {
+                bucket: bucket.into(),
+                history: 5,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+    }
+    let mine = FlowStore::open(&direct).await.unwrap();
+    let def = FlowDef::new("f").step(StepDef::new("a", "q", TaskSpec::new("t")));
+    let mut run: ax_sdk::flow::FlowRun = serde_json::from_value(serde_json::json!({
+        "id": "r1", "flow": "f", "def": def, "state": "running",
+        "created_at_ms": 1, "updated_at_ms": 1,
+    }))
+    .unwrap();
+    let r1 = mine.put_run(&run, None).await.unwrap();
+    let s1 = mine
+        .put_step("r1", "a", &StepRun::default(), None)
+        .await
+        .unwrap();
+    let (proxy, client) = through(&nats).await;
+    let via = FlowStore::open(&jetstream::new(client)).await.unwrap();
+    let latest = |key: &'static str| {
+        let direct = direct.clone();
+        async move {
+            let kv = direct.get_key_value(FLOW_RUNS_BUCKET).await.unwrap();
+            kv.entry(key).await.unwrap().map_or(0, |e| e.revision)
+        }
+    };
+
+    // The run's compare-and-set.
+    run.updated_at_ms = 2;
+    proxy.mute();
+    let write = tokio::spawn({
+        let (via, run) = (via.clone(), run.clone());
+        async move { via.put_run(&run, Some(r1)).await }
+    });
+    let stored = eventually(Duration::from_secs(5), "the run's write stored", || async {
+        let at = latest("r1").await;
+        (at > r1).then_some(at)
+    })
+    .await;
+    proxy.cut();
+    let answered = timeout(AFTER_RECONNECT, write)
+        .await
+        .expect("the run's write answered once sent again, not at the request timeout")
+        .unwrap();
+    assert_eq!(
+        answered.unwrap(),
+        stored,
+        "taken as written, at its revision"
+    );
+
+    // A step's.
+    let running = StepRun {
+        state: StepState::Running,
+        started_at_ms: Some(2),
+        ..Default::default()
+    };
+    proxy.mute();
+    let write = tokio::spawn({
+        let via = via.clone();
+        async move { via.put_step("r1", "a", &running, Some(s1)).await }
+    });
+    let stored = eventually(
+        Duration::from_secs(5),
+        "the step's write stored",
+        || async {
+            let at = latest("r1.a").await;
+            (at > s1).then_some(at)
+        },
+    )
+    .await;
+    proxy.cut();
+    let answered = timeout(AFTER_RECONNECT, write)
+        .await
+        .expect("the step's write answered once sent again, not at the request timeout")
+        .unwrap();
+    assert_eq!(
+        answered.unwrap(),
+        stored,
+        "taken as written, at its revision"
+    );
+}

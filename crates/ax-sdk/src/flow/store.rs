@@ -4,7 +4,7 @@
 use super::def::FlowDef;
 use super::model::{step_key, FlowRun, StepRun};
 use crate::names::{FLOWS_BUCKET, FLOW_RUNS_BUCKET};
-use crate::typed_kv::{broker, get, put, put_all, scan, KvError};
+use crate::typed_kv::{broker, get, put_again, put_all, scan, KvError};
 use async_nats::jetstream::{self, kv};
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
@@ -90,13 +90,15 @@ impl FlowStore {
         get(&self.runs, id).await
     }
 
-    /// Creates (`revision` None) or compare-and-sets a run.
+    /// Creates (`revision` None) or compare-and-sets a run; sent again if the client
+    /// connects anew while it waits (`typed_kv::put_again`: a write the broker stored but
+    /// never answered is taken as written, not waited out for the request timeout).
     pub async fn put_run(
         &self,
         run: &FlowRun,
         revision: Option<u64>,
     ) -> Result<u64, FlowStoreError> {
-        put(&self.runs, &run.id, run, revision).await
+        put_again(&self.client, &self.runs, &run.id, run, revision).await
     }
 
     /// Every step record of a run, in definition order (`None`: never written, i.e.
@@ -118,7 +120,8 @@ impl FlowStore {
             .collect()
     }
 
-    /// Creates (`revision` None) or compare-and-sets one step's record.
+    /// Creates (`revision` None) or compare-and-sets one step's record; sent again like
+    /// [`FlowStore::put_run`].
     pub async fn put_step(
         &self,
         run: &str,
@@ -126,7 +129,14 @@ impl FlowStore {
         value: &StepRun,
         revision: Option<u64>,
     ) -> Result<u64, FlowStoreError> {
-        put(&self.runs, &step_key(run, step), value, revision).await
+        put_again(
+            &self.client,
+            &self.runs,
+            &step_key(run, step),
+            value,
+            revision,
+        )
+        .await
     }
 
     /// Writes a run and steps of it together: all of them or none (one atomic batch), each
