@@ -11,13 +11,19 @@
 //!   accepted finds that one ended or its cancel requested by the time it is answered —
 //!   two tasks of a key never wait or run at once, whatever servers were killed (submits
 //!   in flight together are not compared: their order is the broker's); and no attempt of
-//!   the earlier one starts after (the journal);
+//!   the earlier one starts after (the journal), but for a start that a worker `SIGSTOP`ped
+//!   between the attempt's start and its handler's first line made as it resumed (within
+//!   [`CAP_RESUME_SLACK_MS`] of its `SIGCONT`): no process can be stopped from running its
+//!   next line, so such an attempt's outcome must be refused instead (its fencing token is
+//!   stale): no record of it — its worker and attempt — ever ends the task;
 //! - **dropped rate**: in any span `[t1, t2]`, the accepted submits sent and answered
 //!   within it (their tokens were taken in it) are at most `burst + rate × (t2 − t1)`; a
 //!   `rate_limited` refusal's `retry_after_ms` is at most one token's interval.
 
 use crate::admission::{Admitted, SingletonNote};
 use crate::checker::{Histories, Invocation, StoredAt};
+use crate::checker_limits::CAP_RESUME_SLACK_MS;
+use crate::cluster::Timeline;
 use ax_core::protocol::ErrorCode;
 use std::collections::{BTreeMap, HashMap};
 
@@ -57,6 +63,7 @@ pub fn check_singletons(
     histories: &Histories,
     stored: &StoredAt,
     journal: &HashMap<String, Vec<Invocation>>,
+    timeline: &Timeline,
 ) -> Vec<String> {
     let mut out = Vec::new();
     let mut unstored: BTreeMap<&str, Vec<&Admitted>> = BTreeMap::new();
@@ -129,9 +136,17 @@ pub fn check_singletons(
                 if a_id == b_id || a.answered_ms >= b.first_sent_ms {
                     continue;
                 }
-                // Released before b was answered: no attempt of it starts after.
+                // Released before b was answered: no attempt of it starts after, but a
+                // stopped worker's as it resumed, whose outcome no record holds.
                 for run in journal.get(*a_id).into_iter().flatten() {
-                    if run.start_ms > b.answered_ms {
+                    if run.start_ms > b.answered_ms && resumed_into(timeline, run) {
+                        if let Some(state) = recorded_by(histories, a_id, run) {
+                            out.push(format!(
+                                "singleton {key}: {a_id}'s attempt {} started late on worker {} as it resumed, and its outcome was recorded ({state:?})",
+                                run.attempt, run.worker
+                            ));
+                        }
+                    } else if run.start_ms > b.answered_ms {
                         out.push(format!(
                             "singleton {key}: {a_id} started (attempt {}, worker {}) {} ms after {b_id} took its key",
                             run.attempt,
@@ -151,6 +166,25 @@ pub fn check_singletons(
         }
     }
     out
+}
+
+/// True if `run` started while its worker was `SIGSTOP`ped or within
+/// [`CAP_RESUME_SLACK_MS`] after its `SIGCONT`: the start line of an attempt begun before
+/// the stop, written as the process resumed.
+fn resumed_into(timeline: &Timeline, run: &Invocation) -> bool {
+    timeline.stops.iter().any(|(w, stop, cont)| {
+        *w == run.worker && (*stop..=cont + CAP_RESUME_SLACK_MS).contains(&run.start_ms)
+    })
+}
+
+/// The terminal state a record of `run` (its worker, its attempt) gave task `id`, if any.
+fn recorded_by(histories: &Histories, id: &str, run: &Invocation) -> Option<ax_sdk::TaskState> {
+    histories.get(id)?.iter().find_map(|(_, r)| {
+        (r.state.is_terminal()
+            && r.worker.as_deref() == Some(run.worker.as_str())
+            && r.attempt == run.attempt)
+            .then_some(r.state)
+    })
 }
 
 /// The dropping limit's rule; also the largest count over its bound's `burst` part (how
@@ -229,6 +263,7 @@ mod tests {
 
     #[test]
     fn two_live_tasks_of_a_key_and_a_refusal_for_an_ended_holder_are_caught() {
+        let calm = Timeline::default();
         let histories = Histories::from([
             ("x.a".to_string(), history("x.a", "succeeded", Some(2000))),
             ("x.b".to_string(), history("x.b", "succeeded", Some(4000))),
@@ -241,7 +276,7 @@ mod tests {
             note("s0", 1500, 1510, Err("x.a")),
             note("s0", 1990, 2100, Ok("x.b")),
         ];
-        assert!(check_singletons(&fine, &histories, &none, &journal).is_empty());
+        assert!(check_singletons(&fine, &histories, &none, &journal, &calm).is_empty());
         // An attempt of a starting after b took the key.
         let late_start = Invocation {
             attempt: 2,
@@ -251,7 +286,7 @@ mod tests {
         };
         journal.insert("x.a".to_string(), vec![late_start]);
         assert_eq!(
-            check_singletons(&fine, &histories, &none, &journal).len(),
+            check_singletons(&fine, &histories, &none, &journal, &calm).len(),
             1
         );
         journal.clear();
@@ -261,7 +296,7 @@ mod tests {
             note("s0", 1000, 1010, Ok("x.b")),
         ];
         assert_eq!(
-            check_singletons(&both, &histories, &none, &journal).len(),
+            check_singletons(&both, &histories, &none, &journal, &calm).len(),
             1
         );
         // A refusal sent after a had ended, naming it.
@@ -270,7 +305,7 @@ mod tests {
             note("s0", 2500, 2510, Err("x.a")),
         ];
         assert_eq!(
-            check_singletons(&late, &histories, &none, &journal).len(),
+            check_singletons(&late, &histories, &none, &journal, &calm).len(),
             1
         );
         // A holder asked to stop (its worker frozen) still holds: a refusal naming it is
@@ -283,20 +318,88 @@ mod tests {
             note("s2", 1500, 1510, Err("x.f")),
             note("s2", 1600, 1700, Ok("x.g")),
         ];
-        assert!(check_singletons(&asked, &histories, &none, &journal).is_empty());
+        assert!(check_singletons(&asked, &histories, &none, &journal, &calm).is_empty());
         // Refusals naming a task never stored: within the grace, then past it.
         let grace = [
             note("s1", 100, 110, Err("x.gone")),
             note("s1", 9000, 9010, Err("x.gone")),
         ];
-        assert!(check_singletons(&grace, &histories, &none, &journal).is_empty());
+        assert!(check_singletons(&grace, &histories, &none, &journal, &calm).is_empty());
         let past = [
             note("s1", 100, 110, Err("x.gone")),
             note("s1", 12000, 12010, Err("x.gone")),
         ];
         assert_eq!(
-            check_singletons(&past, &histories, &none, &journal).len(),
+            check_singletons(&past, &histories, &none, &journal, &calm).len(),
             1
+        );
+    }
+
+    /// An attempt of an ended holder starting after the next task took the key: caught,
+    /// unless its worker was stopped and it started as the worker resumed — and then only
+    /// if a record of that attempt ended the task (its outcome should have been refused).
+    #[test]
+    fn a_resumed_worker_s_late_start_counts_only_if_its_outcome_was_recorded() {
+        let mut a = history("x.a", "running", None);
+        a.extend(history("x.a", "succeeded", Some(2000)));
+        a[1].0 = 2;
+        a[1].1.attempt = 2;
+        a[1].1.worker = Some("x1".into());
+        let histories = Histories::from([("x.a".to_string(), a)]);
+        let none = StoredAt::new();
+        let fine = [
+            note("s0", 0, 10, Ok("x.a")),
+            note("s0", 2100, 2200, Ok("x.b")),
+        ];
+        // Attempt 1 on x0, stopped from 900 to 3000, starts its handler at 3004.
+        let zombie = Invocation {
+            attempt: 1,
+            start_ms: 3004,
+            worker: "x0".into(),
+            ..Default::default()
+        };
+        let journal = HashMap::from([("x.a".to_string(), vec![zombie])]);
+        let calm = Timeline::default();
+        assert_eq!(
+            check_singletons(&fine, &histories, &none, &journal, &calm).len(),
+            1,
+            "no stop: a late start"
+        );
+        let stopped = Timeline {
+            stops: vec![("x0".into(), 900, 3000)],
+            ..Default::default()
+        };
+        assert!(
+            check_singletons(&fine, &histories, &none, &journal, &stopped).is_empty(),
+            "started as it resumed, its outcome refused"
+        );
+        let elsewhere = Timeline {
+            stops: vec![("x1".into(), 900, 3000)],
+            ..Default::default()
+        };
+        assert_eq!(
+            check_singletons(&fine, &histories, &none, &journal, &elsewhere).len(),
+            1,
+            "another worker's stop excuses nothing"
+        );
+        let long_after = Timeline {
+            stops: vec![("x0".into(), 900, 2500)],
+            ..Default::default()
+        };
+        assert_eq!(
+            check_singletons(&fine, &histories, &none, &journal, &long_after).len(),
+            1,
+            "started 504 ms after its resume: not the stop's doing"
+        );
+        // The zombie's outcome recorded: caught even so.
+        let mut recorded = histories.clone();
+        let last = &mut recorded.get_mut("x.a").unwrap()[1].1;
+        last.attempt = 1;
+        last.worker = Some("x0".into());
+        assert_eq!(
+            check_singletons(&fine, &recorded, &none, &journal, &stopped).len(),
+            1,
+            "a late attempt's outcome recorded"
         );
     }
 
@@ -304,6 +407,7 @@ mod tests {
     /// refusal sent between the two is fine, one sent after the store is caught.
     #[test]
     fn a_holder_ends_when_its_terminal_record_is_stored() {
+        let calm = Timeline::default();
         let mut a = history("x.a", "running", None);
         a.extend(history("x.a", "succeeded", Some(2000)));
         a[1].0 = 2;
@@ -314,10 +418,10 @@ mod tests {
             note("s0", 0, 10, Ok("x.a")),
             note("s0", 2500, 2510, Err("x.a")),
         ];
-        assert!(check_singletons(&between, &histories, &stored, &journal).is_empty());
+        assert!(check_singletons(&between, &histories, &stored, &journal, &calm).is_empty());
         let none = StoredAt::new();
         assert_eq!(
-            check_singletons(&between, &histories, &none, &journal).len(),
+            check_singletons(&between, &histories, &none, &journal, &calm).len(),
             1
         );
         let after = [
@@ -325,7 +429,7 @@ mod tests {
             note("s0", 2700, 2710, Err("x.a")),
         ];
         assert_eq!(
-            check_singletons(&after, &histories, &stored, &journal).len(),
+            check_singletons(&after, &histories, &stored, &journal, &calm).len(),
             1
         );
         // Accepted before the store: a still held the key.
@@ -334,7 +438,7 @@ mod tests {
             note("s0", 2100, 2200, Ok("x.b")),
         ];
         assert_eq!(
-            check_singletons(&early, &histories, &stored, &journal).len(),
+            check_singletons(&early, &histories, &stored, &journal, &calm).len(),
             1
         );
     }

@@ -284,7 +284,13 @@ pub async fn check_new(ax: &Client, seen: &Seen, verdict: &mut Verdict) -> Vec<S
     let a = &seen.admission;
     verdict.add(
         "singleton keys",
-        checker_admission::check_singletons(&a.singletons, histories, &seen.stored_at, journal),
+        checker_admission::check_singletons(
+            &a.singletons,
+            histories,
+            &seen.stored_at,
+            journal,
+            timeline,
+        ),
     );
     let (v, drop_tightest) = checker_admission::check_drops(
         &a.drops,
