@@ -424,3 +424,97 @@ async fn a_leader_aborted_between_the_wait_task_and_the_child_start_starts_it_on
     assert_eq!(output(&env.ax, &run, "kid").await, json!({"s2": 40}));
     assert_eq!(endings(&env.ax, &task).await, 1);
 }
+
+/// What a re-run does to a failed child and its parent (docs/PROTOCOL.md §6, "Child
+/// flows"): the child re-run in place runs again on its own (its parent's step ended with
+/// the child's first end and stays failed); the parent re-run (mode `failed`) starts a new
+/// child run for the step's new epoch, from its first step, and ends with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_child_re_run_runs_on_its_own_and_the_parent_s_re_run_starts_a_new_child() {
+    use ax_sdk::flow::RerunMode;
+    use ax_sdk::worker::{Task, TaskError, Worker};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let env = Env::start(Env::server()).await;
+    // `mend` fails while `broken`; every other task succeeds with 1.
+    let broken = Arc::new(AtomicBool::new(true));
+    let calls = Calls::default();
+    let worker = Worker::builder("q")
+        .concurrency(8)
+        .handler({
+            let (broken, calls) = (broken.clone(), calls.clone());
+            move |task: Task| {
+                let (broken, calls) = (broken.clone(), calls.clone());
+                async move {
+                    *calls.lock().unwrap().entry(task.id.clone()).or_default() += 1;
+                    if task.name == "mend" && broken.load(Ordering::SeqCst) {
+                        return Err(TaskError::permanent("broken", "not mended yet"));
+                    }
+                    ax_sdk::Output::json(&1)
+                }
+            }
+        })
+        .build()
+        .unwrap();
+    let (_stop, _w) = env.spawn_worker(worker);
+    env.ax
+        .put_flow(&FlowDef::new("kidflow").step(step("k", "mend")))
+        .await
+        .unwrap();
+    let def = FlowDef::new("parent")
+        .step(StepDef::child_flow(
+            "kid",
+            "q",
+            ChildFlowDef::new("kidflow"),
+        ))
+        .step(step("after", "done").needs(["kid"]));
+    env.ax.put_flow(&def).await.unwrap();
+    let run = env.ax.run_flow("parent", json!(null)).await.unwrap();
+    assert_eq!(finish(&env.ax, &run).await.state, RunState::Failed);
+    let first_child = child_run_id(&step_task_id("q", &run, "kid", 0, 0));
+    assert_eq!(finish(&env.ax, &first_child).await.state, RunState::Failed);
+
+    // The child re-run in place succeeds; its parent does not move.
+    broken.store(false, Ordering::SeqCst);
+    env.ax
+        .rerun_flow(&first_child, RerunMode::Failed, None)
+        .await
+        .unwrap();
+    let mended =
+        crate::support::eventually(Duration::from_secs(30), "the child re-run", || async {
+            let run = env.ax.flow_run(&first_child).await.ok()??.0;
+            (run.state == RunState::Succeeded).then_some(run)
+        })
+        .await;
+    assert_eq!(mended.reruns, 1);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (parent, steps) = env.ax.flow_run(&run).await.unwrap().unwrap();
+    assert_eq!(
+        (parent.state, parent.reruns, steps[0].state, steps[0].epoch),
+        (RunState::Failed, 0, StepState::Failed, 0),
+        "the parent's step ended with the child's first end"
+    );
+    let after = |epoch: u32| step_task_id("q", &run, "after", epoch, 0);
+    assert!(!calls.lock().unwrap().contains_key(&after(0)));
+
+    // The parent re-run starts a new child for the step's epoch 1, which runs `k` anew.
+    env.ax
+        .rerun_flow(&run, RerunMode::Failed, None)
+        .await
+        .unwrap();
+    let ended = finish(&env.ax, &run).await;
+    assert_eq!(ended.state, RunState::Succeeded, "{:?}", ended.reason);
+    let second_child = child_run_id(&step_task_id("q", &run, "kid", 1, 0));
+    assert_ne!(second_child, first_child);
+    assert_eq!(
+        finish(&env.ax, &second_child).await.state,
+        RunState::Succeeded
+    );
+    let k = step_task_id("q", &second_child, "k", 0, 0);
+    assert_eq!(
+        calls.lock().unwrap().get(&k),
+        Some(&1),
+        "the new child ran k"
+    );
+    assert_eq!(output(&env.ax, &run, "kid").await, json!({"k": 1}));
+}
