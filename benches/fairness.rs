@@ -44,10 +44,17 @@ async fn submit_tenant(
             loop {
                 match ax.submit(queue, spec.clone()).await {
                     Ok(a) => return a.id,
-                    Err(e) => {
+                    // Busy (a full subject), no answer in time or no server yet: again.
+                    Err(e)
+                        if matches!(
+                            e.kind(),
+                            ax_sdk::ErrorKind::Unavailable | ax_sdk::ErrorKind::TimedOut
+                        ) =>
+                    {
                         eprintln!("submit refused ({e}); sent again");
                         tokio::time::sleep(Duration::from_millis(5)).await;
                     }
+                    Err(e) => panic!("submit refused for good: {e}"),
                 }
             }
         })
