@@ -348,3 +348,41 @@ async fn a_flow_run_write_stored_but_unanswered_is_taken_as_written_once_sent_ag
         "taken as written, at its revision"
     );
 }
+
+/// Ending a task that has not started (`TaskStore::end_unstarted`: a wait met by its
+/// event, a timeout, a cancel) reads its record first: a read the broker had when it
+/// stopped is asked again when the client connects anew, as the write is sent again, not
+/// waited out for the client's request timeout (10 s, longer than many a wait). Found by
+/// the single-node campaign's seed 12517236175659910130: a wait for an event whose event
+/// was stored 10 s before its timeout timed out across two broker restarts. Red with the
+/// read sent once: no answer within 4 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unstarted_task_s_end_whose_read_the_broker_had_is_asked_again() {
+    use ax_sdk::{TaskRecord, TaskState};
+    let env = crate::support::Env::start(crate::support::Env::server()).await;
+    let direct = env.store().await;
+    let id = "q.wait.resend";
+    let rec: TaskRecord = serde_json::from_value(serde_json::json!({"id": id, "queue": "q",
+        "name": "ax.wait_for_event", "priority": "normal", "state": "scheduled", "attempt": 0,
+        "max_attempts": 1, "created_at_ms": 1, "updated_at_ms": 1}))
+    .unwrap();
+    direct.create(&rec).await.unwrap();
+    let (proxy, client) = through(&env.nats).await;
+    let store = ax_core::state::TaskStore::open(&jetstream::new(client))
+        .await
+        .unwrap();
+
+    // The read reaches the broker, its answer is dropped; then the connection is cut.
+    proxy.mute();
+    let end = tokio::spawn(async move { store.succeed_unstarted(id, None).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    proxy.cut();
+    let ended = timeout(AFTER_RECONNECT, end)
+        .await
+        .expect("answered once the read was asked again, not at the request timeout")
+        .unwrap()
+        .unwrap();
+    assert_eq!(ended.map(|r| r.state), Some(TaskState::Succeeded));
+    let (stored, _) = direct.get(id).await.unwrap().unwrap();
+    assert_eq!(stored.state, TaskState::Succeeded, "ended once, stored");
+}

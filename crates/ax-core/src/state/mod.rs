@@ -299,14 +299,19 @@ impl TaskStore {
 
     /// Moves task `id` from `scheduled`, `pending` or `retrying` to the record `end`
     /// makes of it, by compare-and-set, read again on a lost race; the record it ends
-    /// with (others are left as they are), or `None` when there is no record.
+    /// with (others are left as they are), or `None` when there is no record. The read is
+    /// asked again if the client connects anew while it waits, as the write is sent again
+    /// ([`TaskStore::cas`]): one the broker had when it stopped would hold the end (a met
+    /// wait, a cancel) for the client's request timeout (10 s), longer than a wait's own.
     async fn end_unstarted(
         &self,
         id: &str,
         end: impl Fn(TaskRecord) -> TaskRecord,
     ) -> Result<Option<TaskRecord>, StateError> {
+        let client = self.js.client();
         loop {
-            let Some((rec, revision)) = self.get(id).await? else {
+            let read = crate::follow::across_reconnects(&client, || self.get(id));
+            let Some((rec, revision)) = read.await? else {
                 return Ok(None);
             };
             if !matches!(
