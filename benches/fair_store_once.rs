@@ -10,13 +10,11 @@
 //! a turn (a round trip each), and pulls kept outstanding on every consumer
 //! (`AX_BENCH_PREFETCH` turns' worth, 4 by default), each turn taking what has arrived.
 //! Printed: tasks per second until both backlogs are drained, CPU per 10,000 tasks of this
-//! process and of nats-server, `c`'s tasks over `a`'s when the first backlog ran out, and
-//! `b`'s waits.
-//!
-//! ```sh
-//! nats-server -js -sd /tmp/fx -p 4333 &
-//! AX_NATS_URL=127.0.0.1:4333 AX_NATS_PID=$! cargo run --release -p ax-core --example fair_store_once
-//! ```
+//! process and of nats-server (a store of its own, started here), `c`'s tasks over `a`'s
+//! when the first backlog ran out, and `b`'s waits. `./dev bench fair_store_once`
+//! (AX_BENCH_RUNS rounds, 3); printed, not asserted (docs/PERFORMANCE.md, "Fair shares").
+
+mod common;
 
 use async_nats::jetstream::{self, consumer::pull, stream};
 use futures::{FutureExt, StreamExt};
@@ -52,24 +50,6 @@ fn now_us() -> u64 {
         .duration_since(UNIX_EPOCH)
         .unwrap()
         .as_micros() as u64
-}
-
-/// CPU seconds of process `pid` (user + system), from `/proc`.
-fn cpu_s(pid: &str) -> f64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let fields: Vec<&str> = stat
-        .rsplit(')')
-        .next()
-        .unwrap_or("")
-        .split_whitespace()
-        .collect();
-    let ticks = |i: usize| {
-        fields
-            .get(i)
-            .and_then(|f| f.parse::<f64>().ok())
-            .unwrap_or(0.0)
-    };
-    (ticks(11) + ticks(12)) / 100.0
 }
 
 fn subject(design: Design, tenant: &str) -> String {
@@ -149,7 +129,7 @@ async fn drain(
     js: &jetstream::Context,
     design: Design,
     prefetched: bool,
-    nats_pid: &str,
+    nats_pid: u32,
 ) -> Result<Drained, async_nats::Error> {
     let consumers = prepare(js, design).await?;
     let total: usize = TENANTS.iter().map(|t| t.2).sum::<usize>() + B_TASKS;
@@ -165,7 +145,11 @@ async fn drain(
             }
         }
     });
-    let (own0, nats0, t0) = (cpu_s("self"), cpu_s(nats_pid), Instant::now());
+    let (own0, nats0, t0) = (
+        common::usage(std::process::id()).0,
+        common::usage(nats_pid).0,
+        Instant::now(),
+    );
     let mut done: HashMap<String, usize> = HashMap::new();
     let mut b_waits = Vec::new();
     let mut share = None;
@@ -242,7 +226,10 @@ async fn drain(
         }
         if drained.is_none() && a >= TENANTS[0].2 && c >= TENANTS[2].2 {
             drained = Some(Instant::now());
-            backlog_cpu = (cpu_s("self") - own0, cpu_s(nats_pid) - nats0);
+            backlog_cpu = (
+                common::usage(std::process::id()).0 - own0,
+                common::usage(nats_pid).0 - nats0,
+            );
         }
         if got == 0 {
             tokio::time::sleep(Duration::from_micros(200)).await;
@@ -263,13 +250,13 @@ async fn drain(
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> Result<(), async_nats::Error> {
-    let url = std::env::var("AX_NATS_URL").unwrap_or_else(|_| "127.0.0.1:4222".into());
-    let nats_pid = std::env::var("AX_NATS_PID").unwrap_or_else(|_| "0".into());
+    let nats = ax_testkit::LocalNats::start()?;
+    let nats_pid = nats.pid().expect("nats-server runs");
     let rounds: usize = std::env::var("AX_BENCH_RUNS")
         .ok()
         .and_then(|r| r.parse().ok())
         .unwrap_or(3);
-    let js = jetstream::new(async_nats::connect(url).await?);
+    let js = jetstream::new(async_nats::connect(nats.url()).await?);
     for round in 1..=rounds {
         for prefetched in [false, true] {
             let pulls = match prefetched {
@@ -278,7 +265,7 @@ async fn main() -> Result<(), async_nats::Error> {
             };
             let mut rates = Vec::new();
             for design in [Design::OneSubject, Design::StoreOnce] {
-                let d = drain(&js, design, prefetched, &nats_pid).await?;
+                let d = drain(&js, design, prefetched, nats_pid).await?;
                 let per = |cpu: f64| cpu / d.tasks as f64 * 10_000.0;
                 let pick = |q: f64| {
                     let i = ((d.b_waits.len() as f64 * q).ceil() as usize).saturating_sub(1);
