@@ -22,7 +22,7 @@
 
 use crate::admission::{Admitted, SingletonNote};
 use crate::checker::{Histories, Invocation, StoredAt};
-use crate::checker_limits::CAP_RESUME_SLACK_MS;
+use crate::checker_limits::{started_on_resume, CAP_RESUME_SLACK_MS};
 use crate::cluster::Timeline;
 use ax_core::protocol::ErrorCode;
 use std::collections::{BTreeMap, HashMap};
@@ -139,7 +139,9 @@ pub fn check_singletons(
                 // Released before b was answered: no attempt of it starts after, but a
                 // stopped worker's as it resumed, whose outcome no record holds.
                 for run in journal.get(*a_id).into_iter().flatten() {
-                    if run.start_ms > b.answered_ms && resumed_into(timeline, run) {
+                    if run.start_ms > b.answered_ms
+                        && started_on_resume(timeline, run, CAP_RESUME_SLACK_MS)
+                    {
                         if let Some(state) = recorded_by(histories, a_id, run) {
                             out.push(format!(
                                 "singleton {key}: {a_id}'s attempt {} started late on worker {} as it resumed, and its outcome was recorded ({state:?})",
@@ -166,15 +168,6 @@ pub fn check_singletons(
         }
     }
     out
-}
-
-/// True if `run` started while its worker was `SIGSTOP`ped or within
-/// [`CAP_RESUME_SLACK_MS`] after its `SIGCONT`: the start line of an attempt begun before
-/// the stop, written as the process resumed.
-fn resumed_into(timeline: &Timeline, run: &Invocation) -> bool {
-    timeline.stops.iter().any(|(w, stop, cont)| {
-        *w == run.worker && (*stop..=cont + CAP_RESUME_SLACK_MS).contains(&run.start_ms)
-    })
 }
 
 /// The terminal state a record of `run` (its worker, its attempt) gave task `id`, if any.

@@ -41,6 +41,14 @@ pub fn broker_disturbed(timeline: &Timeline, at: u64) -> bool {
         .any(|(down, up)| (*down..=up + BROKER_GRACE_MS).contains(&at))
 }
 
+/// True if `run` started while its worker was `SIGSTOP`ped or within `grace_ms` after its
+/// `SIGCONT`: a start timed before the recorded `SIGCONT` is the resume itself.
+pub fn started_on_resume(timeline: &Timeline, run: &Invocation, grace_ms: u64) -> bool {
+    timeline.stops.iter().any(|(w, stop, cont)| {
+        *w == run.worker && (*stop..=cont + grace_ms).contains(&run.start_ms)
+    })
+}
+
 /// A resumed worker stops a handler whose slot's TTL ran out while it was stopped at its
 /// first timer tick, without waiting for the broker (docs/PROTOCOL.md §7); until then the
 /// handler is not counted.
@@ -63,9 +71,7 @@ pub fn starts_by_key(
         for run in journal.get(id).into_iter().flatten() {
             // From the stop: a start timed before the recorded `SIGCONT` is the resume
             // (see `checker_ops::check_pauses`).
-            let resumed = timeline.stops.iter().any(|(w, stop, cont)| {
-                *w == run.worker && (*stop..=cont + RESUME_GRACE_MS).contains(&run.start_ms)
-            });
+            let resumed = started_on_resume(timeline, run, RESUME_GRACE_MS);
             if resumed || broker_disturbed(timeline, run.start_ms) {
                 left_out += 1;
                 continue;
