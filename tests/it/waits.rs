@@ -189,3 +189,66 @@ async fn a_wait_ends_only_on_a_stored_final_record() {
     stop.cancel();
     handle.await.unwrap();
 }
+
+/// A write the server routes before the wait's subscription exists but stores after the
+/// wait's first read reaches neither: the first message of an atomic batch is routed to
+/// core subscribers when it arrives and stored only when the batch's commit does (the
+/// worker's group commit of task records). The wait reads again soon after its first
+/// read; before it did, it found the end only at its 10 s idle read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_final_write_routed_before_the_wait_and_stored_after_its_read_is_found() {
+    let env = Env::start(Env::server()).await;
+    let mut ids = Vec::new();
+    for i in 0..2 {
+        let accepted = env.ax.submit("q", TaskSpec::new("t").json(&i)).await;
+        ids.push(accepted.unwrap().id);
+    }
+    let store = env.store().await;
+    let record = |id: &str| {
+        let rec = serde_json::json!({"id": id, "queue": "q", "name": "t", "priority": "normal",
+            "state": "succeeded", "attempt": 1, "max_attempts": 5,
+            "created_at_ms": 0, "updated_at_ms": 0});
+        bytes::Bytes::from(serde_json::to_vec(&rec).unwrap())
+    };
+    let batch = format!("wait-race-{}", ids[0]);
+    let mut first = async_nats::HeaderMap::new();
+    first.insert("Nats-Batch-Id", batch.as_str());
+    first.insert("Nats-Batch-Sequence", "1");
+    env.client
+        .publish_with_headers(store.subject(&ids[0]), first, record(&ids[0]))
+        .await
+        .unwrap();
+    env.client.flush().await.unwrap();
+    let waiting = tokio::spawn({
+        let (ax, id) = (env.ax.clone(), ids[0].clone());
+        async move { ax.wait(&id).await }
+    });
+    // Its subscription and first read are done well within this.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !waiting.is_finished(),
+        "the wait took a write the stream had not stored"
+    );
+    let mut commit = async_nats::HeaderMap::new();
+    commit.insert("Nats-Batch-Id", batch.as_str());
+    commit.insert("Nats-Batch-Sequence", "2");
+    commit.insert("Nats-Batch-Commit", "1");
+    let ack = env
+        .client
+        .request_with_headers(store.subject(&ids[1]), commit, record(&ids[1]))
+        .await
+        .unwrap();
+    let ack: serde_json::Value = serde_json::from_slice(&ack.payload).unwrap();
+    assert!(ack.get("error").is_none(), "the batch is stored: {ack}");
+    let stored = std::time::Instant::now();
+    let done = tokio::time::timeout(Duration::from_secs(5), waiting)
+        .await
+        .expect("the wait finds the stored end by reading again, not at its 10 s idle read")
+        .unwrap()
+        .unwrap();
+    assert_eq!(done.record.state, TaskState::Succeeded);
+    println!(
+        "the wait returned {:?} after the batch was stored",
+        stored.elapsed()
+    );
+}

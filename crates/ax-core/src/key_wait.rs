@@ -9,8 +9,13 @@
 //! unsubscribe its drop sends — and reads of the key from the bucket stream's leader:
 //!
 //! 1. subscribe, and flush, so the server has the interest before the first read: a
-//!    write after that read is delivered to the subscription;
-//! 2. read; a final value ends the wait;
+//!    write published after that is delivered to the subscription;
+//! 2. read; a final value ends the wait. A write the server routed before the
+//!    subscription existed but stores after this read reaches neither — the first
+//!    messages of an atomic batch (a worker's group commit of task records) are routed as
+//!    they arrive and stored when the batch's commit does; a replicated write is stored
+//!    once a quorum has it — so the read is repeated 50 ms, 250 ms and 1.25 s later
+//!    (also after each new subscription or connection);
 //! 3. each message that says it may be final (decided by the caller on the payload) is
 //!    *confirmed by a read*, never believed: a core subscriber also sees publishes the
 //!    stream refused (a compare-and-set that lost) and sees a write before the stream has
@@ -29,13 +34,39 @@ use futures::StreamExt;
 
 /// The longest a wait goes without reading the key (missed messages cannot outlast it).
 pub const IDLE_READ: Duration = Duration::from_secs(10);
-/// After a message that says the value may be final: read at once, then again this long
-/// after, doubling while the read disagrees, up to [`LAST_REREAD`] (then idle).
-const FIRST_REREAD: Duration = Duration::from_millis(10);
-const LAST_REREAD: Duration = Duration::from_millis(1280);
 /// How often a wait looks whether its connection was made again.
 const RECONNECT_CHECK: Duration = Duration::from_millis(250);
 
+/// The spacing of the reads that follow a read (`None` in a wait: idle, [`IDLE_READ`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Rereads {
+    next: Duration,
+    factor: u32,
+    last: Duration,
+}
+
+impl Rereads {
+    /// After a message that says the value may be final: read at once, then again 10 ms
+    /// after, doubling while the read disagrees, up to 1.28 s (then idle).
+    const CONFIRM: Rereads = Rereads {
+        next: Duration::from_millis(10),
+        factor: 2,
+        last: Duration::from_millis(1280),
+    };
+    /// After a (new) subscription's first read: 50 ms, 250 ms and 1.25 s later, for a
+    /// write routed before the subscription and stored after the read.
+    const SETTLE: Rereads = Rereads {
+        next: Duration::from_millis(50),
+        factor: 5,
+        last: Duration::from_millis(1250),
+    };
+
+    /// The spacing after this one, if any.
+    fn later(self) -> Option<Rereads> {
+        let next = self.next * self.factor;
+        (next <= self.last).then_some(Rereads { next, ..self })
+    }
+}
 /// Why a wait could not follow its key.
 #[derive(Debug, thiserror::Error)]
 #[error("following {subject}: {source}")]
@@ -77,20 +108,20 @@ where
             .load(std::sync::atomic::Ordering::Relaxed)
     };
     let mut seen_connects = connects();
-    // The spacing of the re-reads after a message that may be final (None: idle).
-    let mut fast: Option<Duration> = None;
+    // The spacing of the next reads (None: idle).
+    let mut rereads = Some(Rereads::SETTLE);
     loop {
         if let Some(done) = read().await? {
             return Ok(done);
         }
-        let deadline = tokio::time::Instant::now() + fast.unwrap_or(IDLE_READ);
-        fast = fast.map(|p| p * 2).filter(|p| *p <= LAST_REREAD);
+        let deadline = tokio::time::Instant::now() + rereads.map_or(IDLE_READ, |r| r.next);
+        rereads = rereads.and_then(Rereads::later);
         loop {
             let tick = deadline.min(tokio::time::Instant::now() + RECONNECT_CHECK);
             tokio::select! {
                 msg = sub.next() => match msg {
                     Some(msg) if may_be_final(&msg) => {
-                        fast = Some(FIRST_REREAD);
+                        rereads = Some(Rereads::CONFIRM);
                         break;
                     }
                     Some(_) => {}
@@ -101,6 +132,7 @@ where
                             .subscribe(subject.clone())
                             .await
                             .map_err(|e| failed(&subject, e.into()))?;
+                        rereads = Some(Rereads::SETTLE);
                         break;
                     }
                 },
@@ -108,6 +140,7 @@ where
                     let now = connects();
                     if now != seen_connects {
                         seen_connects = now;
+                        rereads = Some(Rereads::SETTLE);
                         break;
                     }
                     if tokio::time::Instant::now() >= deadline {
@@ -116,5 +149,25 @@ where
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spacings(first: Rereads) -> Vec<u128> {
+        std::iter::successors(Some(first), |r| r.later())
+            .map(|r| r.next.as_millis())
+            .collect()
+    }
+
+    #[test]
+    fn reads_follow_their_schedules_then_go_idle() {
+        assert_eq!(spacings(Rereads::SETTLE), [50, 250, 1250]);
+        assert_eq!(
+            spacings(Rereads::CONFIRM),
+            [10, 20, 40, 80, 160, 320, 640, 1280]
+        );
     }
 }
