@@ -34,6 +34,33 @@ async fn through(nats: &LocalNats) -> (AnswerDropper, async_nats::Client) {
     (proxy, client)
 }
 
+/// Drops the broker's answers, starts `write`, and waits until `stored` finds what the
+/// broker stored of it.
+async fn mute_until_stored<T, S, Fut>(
+    proxy: &AnswerDropper,
+    write: impl std::future::Future<Output = T> + Send + 'static,
+    stored: impl FnMut() -> Fut,
+) -> (tokio::task::JoinHandle<T>, S)
+where
+    T: Send + 'static,
+    Fut: std::future::Future<Output = Option<S>>,
+{
+    proxy.mute();
+    let write = tokio::spawn(write);
+    let found = eventually(Duration::from_secs(5), "the write stored", stored).await;
+    (write, found)
+}
+
+/// Cuts the connection and takes `write`'s answer, which must come of its sending again
+/// (within [`AFTER_RECONNECT`]), not of its first sending timing out.
+async fn answer_after_cut<T>(proxy: &AnswerDropper, write: tokio::task::JoinHandle<T>) -> T {
+    proxy.cut();
+    timeout(AFTER_RECONNECT, write)
+        .await
+        .expect("answered once sent again, not at the request timeout")
+        .unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_compare_and_set_stored_but_unanswered_is_taken_as_written_once_sent_again() {
     let nats = LocalNats::start().unwrap();
@@ -54,21 +81,19 @@ async fn a_compare_and_set_stored_but_unanswered_is_taken_as_written_once_sent_a
         .unwrap();
 
     // Stored, its answer dropped; then the connection is cut.
-    proxy.mute();
-    let write = tokio::spawn({
-        let (client, via) = (client.clone(), via.clone());
-        async move { put_again(&client, &via, "k", &Thing { n: 2 }, Some(r1)).await }
-    });
-    let stored = eventually(Duration::from_secs(5), "the write stored", || async {
-        let e = store.entry("k").await.unwrap()?;
-        (e.revision > r1).then_some(e.revision)
-    })
+    let (write, stored) = mute_until_stored(
+        &proxy,
+        {
+            let (client, via) = (client.clone(), via.clone());
+            async move { put_again(&client, &via, "k", &Thing { n: 2 }, Some(r1)).await }
+        },
+        || async {
+            let e = store.entry("k").await.unwrap()?;
+            (e.revision > r1).then_some(e.revision)
+        },
+    )
     .await;
-    proxy.cut();
-    let answered = timeout(AFTER_RECONNECT, write)
-        .await
-        .expect("answered once sent again, not at the request timeout")
-        .unwrap();
+    let answered = answer_after_cut(&proxy, write).await;
     assert_eq!(
         answered.unwrap(),
         stored,
@@ -80,14 +105,12 @@ async fn a_compare_and_set_stored_but_unanswered_is_taken_as_written_once_sent_a
     );
 
     // Stored, then changed by another writer before the answer: a lost race still.
-    proxy.mute();
-    let write = tokio::spawn({
-        let (client, via) = (client.clone(), via.clone());
-        async move { put_again(&client, &via, "k", &Thing { n: 3 }, Some(stored)).await }
-    });
-    let mine = eventually(
-        Duration::from_secs(5),
-        "the second write stored",
+    let (write, mine) = mute_until_stored(
+        &proxy,
+        {
+            let (client, via) = (client.clone(), via.clone());
+            async move { put_again(&client, &via, "k", &Thing { n: 3 }, Some(stored)).await }
+        },
         || async {
             let e = store.entry("k").await.unwrap()?;
             (e.revision > stored).then_some(e.revision)
@@ -95,11 +118,7 @@ async fn a_compare_and_set_stored_but_unanswered_is_taken_as_written_once_sent_a
     )
     .await;
     put(&store, "k", &Thing { n: 4 }, Some(mine)).await.unwrap();
-    proxy.cut();
-    let answered = timeout(AFTER_RECONNECT, write)
-        .await
-        .expect("answered once sent again")
-        .unwrap();
+    let answered = answer_after_cut(&proxy, write).await;
     assert!(
         matches!(answered, Err(KvError::Stale(_))),
         "another writer's value is not ours: {answered:?}"
@@ -389,4 +408,87 @@ async fn an_unstarted_task_s_end_whose_read_the_broker_had_is_asked_again() {
     assert_eq!(ended.map(|r| r.state), Some(TaskState::Succeeded));
     let (stored, _) = direct.get(id).await.unwrap().unwrap();
     assert_eq!(stored.state, TaskState::Succeeded, "ended once, stored");
+}
+
+/// A debounce window's or a batch's append (`admit::publish_expecting`: stored only if the
+/// subject's last message is the one expected) that the broker stored but never answered
+/// is sent again and answered with the sequence it was stored under; if another writer
+/// appended after it meanwhile, whether it was stored is unknown (`unavailable`): not
+/// refused as moved on, which made its caller append its items again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_window_append_stored_but_unanswered_is_taken_as_stored_once_sent_again() {
+    use ax_core::admit::{publish_expecting, Expected};
+    use ax_core::protocol::ErrorCode;
+    let nats = LocalNats::start().unwrap();
+    let direct = jetstream::new(async_nats::connect(nats.url()).await.unwrap());
+    let windows = direct
+        .create_stream(stream::Config {
+            name: ax_core::names::DELAYED_STREAM.into(),
+            subjects: vec!["win.>".into()],
+            allow_direct: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let open = direct.publish("win.k", "[1]".into()).await.unwrap();
+    let opened = open.await.unwrap().sequence;
+    let (proxy, client) = through(&nats).await;
+    let via = jetstream::new(client);
+    let last = || async {
+        let msg = windows
+            .get_last_raw_message_by_subject("win.k")
+            .await
+            .unwrap();
+        (msg.sequence, msg.payload)
+    };
+    let append = |expect: u64, list: &'static str| {
+        let via = via.clone();
+        async move {
+            let headers = async_nats::HeaderMap::new();
+            publish_expecting(&via, "win.k".into(), headers, expect, list.into()).await
+        }
+    };
+    let after = |seq: u64| move || async move { Some(last().await.0).filter(|s| *s > seq) };
+
+    // Stored, its answer dropped; then the connection is cut.
+    let (write, stored) = mute_until_stored(&proxy, append(opened, "[1,2]"), after(opened)).await;
+    let answered = answer_after_cut(&proxy, write).await;
+    assert_eq!(
+        answered.unwrap(),
+        Expected::Stored(stored),
+        "taken as stored, where it was"
+    );
+    assert_eq!(last().await, (stored, "[1,2]".into()), "appended once");
+
+    // Stored, then another writer appends after it before the answer: unknown, not
+    // moved on (its caller would append its items again).
+    let (write, mine) = mute_until_stored(&proxy, append(stored, "[1,2,3]"), after(stored)).await;
+    let other = direct
+        .publish_with_headers("win.k", expecting(mine), "[1,2,3,4]".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap()
+        .sequence;
+    let answered = answer_after_cut(&proxy, write).await;
+    assert!(
+        matches!(&answered, Err(e) if e.code == ErrorCode::Unavailable),
+        "unknown whether stored: {answered:?}"
+    );
+    assert_eq!(
+        last().await,
+        (other, "[1,2,3,4]".into()),
+        "nothing appended again"
+    );
+    assert_eq!(windows.clone().info().await.unwrap().state.messages, 4);
+
+    // A write sent once that expected a sequence no longer last moved on, as before.
+    let answered = timeout(AFTER_RECONNECT, append(stored, "[1,2,5]")).await;
+    assert_eq!(answered.unwrap().unwrap(), Expected::MovedOn);
+}
+
+fn expecting(seq: u64) -> async_nats::HeaderMap {
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(ax_core::admit::EXPECTED_LAST, seq.to_string().as_str());
+    headers
 }

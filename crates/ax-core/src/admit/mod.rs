@@ -209,6 +209,14 @@ pub enum Expected {
 /// Publishes `headers` and `payload` to `subject` of `AX_DELAYED` only if the subject's
 /// last message has sequence `expect` (0: none): what it found ([`Expected`]), or the
 /// refusal.
+///
+/// The message carries an id of this write (`Ax-Write`) and is sent again, the same, if
+/// the client connects anew while it waits: a write the broker stored but never answered
+/// would otherwise hold its caller for the acknowledgement timeout. Sent again, such a
+/// write finds the subject moved on (the stream checks the expectation before any message
+/// id): it is taken as stored if the subject's last message carries its id, and is
+/// `unavailable` (unknown) if another writer wrote after it — that writer may have carried
+/// its items on, so its caller must not apply it again.
 pub async fn publish_expecting(
     js: &jetstream::Context,
     subject: String,
@@ -218,17 +226,53 @@ pub async fn publish_expecting(
 ) -> Result<Expected, WireError> {
     headers = crate::atomic::without_publish_headers(headers);
     headers.insert(EXPECTED_LAST, expect.to_string().as_str());
+    let write = nuid::next().to_string();
+    headers.insert(crate::debounce::WRITE, write.as_str());
     let publish = jetstream::message::PublishMessage::build()
         .headers(headers)
         .payload(payload);
-    let ack = send(js, &subject, publish).await;
+    let mut sends = 0u32;
+    let client = js.client();
+    let ack = crate::follow::across_reconnects(&client, || {
+        sends += 1;
+        send(js, &subject, publish.clone())
+    })
+    .await;
     match ack {
         Ok(ack) => Ok(Expected::Stored(ack.sequence)),
+        Err(e) if is_stored_already(&e) && sends > 1 => own_write(js, &subject, &write).await,
         Err(e) if is_stored_already(&e) => Ok(Expected::MovedOn),
         Err(e) if js_error_code(&e) == Some(JS_WRONG_LAST_SEQUENCE_IN_FLIGHT) => {
             Ok(Expected::InFlight)
         }
         Err(e) => Err(refusal(&subject, &e)),
+    }
+}
+
+/// What a write sent again after a reconnect, refused as moved on, was: stored, if the
+/// subject's last message carries its id; else unknown.
+async fn own_write(
+    js: &jetstream::Context,
+    subject: &str,
+    write: &str,
+) -> Result<Expected, WireError> {
+    let unknown = |why: String| {
+        WireError::unavailable(format!(
+            "{subject}: a write sent again after a reconnect found the subject moved on, \
+             and whether its first sending was stored is unknown ({why})"
+        ))
+    };
+    let stream = js
+        .get_stream_no_info(crate::names::DELAYED_STREAM)
+        .await
+        .map_err(|e| unknown(e.to_string()))?;
+    let last = stream
+        .direct_get_last_for_subject(subject)
+        .await
+        .map_err(|e| unknown(e.to_string()))?;
+    match last.headers.get(crate::debounce::WRITE) {
+        Some(id) if id.as_str() == write => Ok(Expected::Stored(last.sequence)),
+        _ => Err(unknown("another write is the subject's last".into())),
     }
 }
 

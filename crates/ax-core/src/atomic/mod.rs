@@ -111,13 +111,14 @@ pub async fn publish(
 }
 
 /// Headers a message is stored with that belong to the publish that stored it, not to the
-/// message: the atomic batch's, and the conditions it was stored under (a delayed task is
-/// stored create-if-absent on its own subject: `crate::admit`).
-const PUBLISH_HEADERS: [&str; 4] = [
+/// message: the atomic batch's, the conditions it was stored under (a delayed task is
+/// stored create-if-absent on its own subject: `crate::admit`), and a window write's id.
+const PUBLISH_HEADERS: [&str; 5] = [
     "Nats-Batch-Id",
     "Nats-Batch-Sequence",
     "Nats-Batch-Commit",
     "Nats-Expected-Last-Subject-Sequence",
+    crate::debounce::WRITE,
 ];
 
 /// `headers` without the headers of the publish that stored them: a copy of a stored

@@ -27,6 +27,10 @@ pub const UNTIL_MS: &str = "Ax-Debounce-Until-Ms";
 pub const KEY: &str = "Ax-Debounce-Key";
 /// Header (`1`) of a closed window's copy: due now, and a submit opens a new window.
 pub const FIRED: &str = "Ax-Debounce-Fired";
+/// Header of a window's (or batch's) message: the id of the write that stored it, new for
+/// each write, so a write sent again after a reconnect tells its own stored message from
+/// another writer's (`ax_core::admit::publish_expecting`).
+pub const WRITE: &str = "Ax-Write";
 
 /// The id token after the queue that marks a debounced task's id.
 const MARK: &str = "=d";
