@@ -40,6 +40,7 @@ mod ops;
 mod outputs;
 mod partitions;
 mod procs;
+mod r3_redelivery;
 mod registry;
 mod resend;
 mod retry;
