@@ -127,6 +127,23 @@ async fn a_flow_wait_holds_no_consumer() {
     handle.await.unwrap();
 }
 
+/// A `succeeded` record of task `id` of queue `q`, as a worker would write it: forged.
+fn succeeded_record(id: &str) -> bytes::Bytes {
+    let rec = serde_json::json!({"id": id, "queue": "q", "name": "t", "priority": "normal",
+        "state": "succeeded", "attempt": 1, "max_attempts": 5,
+        "created_at_ms": 0, "updated_at_ms": 0});
+    serde_json::to_vec(&rec).unwrap().into()
+}
+
+/// `Client::wait` of task `id`, in a task of its own.
+fn wait_in_background(
+    env: &Env,
+    id: &str,
+) -> tokio::task::JoinHandle<Result<ax_sdk::client::Finished, ax_sdk::ClientError>> {
+    let (ax, id) = (env.ax.clone(), id.to_string());
+    tokio::spawn(async move { ax.wait(&id).await })
+}
+
 /// A core subscriber also sees publishes the stream refuses: a `succeeded` record whose
 /// compare-and-set lost reaches the wait's subscription, and the wait must not take it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -139,26 +156,16 @@ async fn a_wait_ends_only_on_a_stored_final_record() {
         .await
         .unwrap()
         .id;
-    let waiting = tokio::spawn({
-        let (ax, id) = (env.ax.clone(), id.clone());
-        async move { ax.wait(&id).await }
-    });
+    let waiting = wait_in_background(&env, &id);
     let subject = env.store().await.subject(&id);
     let mut seen = env.client.subscribe(subject.clone()).await.unwrap();
     env.client.flush().await.unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let forged = serde_json::json!({"id": id, "queue": "q", "name": "t", "priority": "normal",
-        "state": "succeeded", "attempt": 1, "max_attempts": 5,
-        "created_at_ms": 0, "updated_at_ms": 0});
     let mut headers = async_nats::HeaderMap::new();
     headers.insert("Nats-Expected-Last-Subject-Sequence", "999999");
     let refused = env
         .js
-        .publish_with_headers(
-            subject,
-            headers,
-            serde_json::to_vec(&forged).unwrap().into(),
-        )
+        .publish_with_headers(subject, headers, succeeded_record(&id))
         .await
         .unwrap()
         .await;
@@ -204,25 +211,16 @@ async fn a_final_write_routed_before_the_wait_and_stored_after_its_read_is_found
         ids.push(accepted.unwrap().id);
     }
     let store = env.store().await;
-    let record = |id: &str| {
-        let rec = serde_json::json!({"id": id, "queue": "q", "name": "t", "priority": "normal",
-            "state": "succeeded", "attempt": 1, "max_attempts": 5,
-            "created_at_ms": 0, "updated_at_ms": 0});
-        bytes::Bytes::from(serde_json::to_vec(&rec).unwrap())
-    };
     let batch = format!("wait-race-{}", ids[0]);
     let mut first = async_nats::HeaderMap::new();
     first.insert("Nats-Batch-Id", batch.as_str());
     first.insert("Nats-Batch-Sequence", "1");
     env.client
-        .publish_with_headers(store.subject(&ids[0]), first, record(&ids[0]))
+        .publish_with_headers(store.subject(&ids[0]), first, succeeded_record(&ids[0]))
         .await
         .unwrap();
     env.client.flush().await.unwrap();
-    let waiting = tokio::spawn({
-        let (ax, id) = (env.ax.clone(), ids[0].clone());
-        async move { ax.wait(&id).await }
-    });
+    let waiting = wait_in_background(&env, &ids[0]);
     // Its subscription and first read are done well within this.
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(
@@ -235,7 +233,7 @@ async fn a_final_write_routed_before_the_wait_and_stored_after_its_read_is_found
     commit.insert("Nats-Batch-Commit", "1");
     let ack = env
         .client
-        .request_with_headers(store.subject(&ids[1]), commit, record(&ids[1]))
+        .request_with_headers(store.subject(&ids[1]), commit, succeeded_record(&ids[1]))
         .await
         .unwrap();
     let ack: serde_json::Value = serde_json::from_slice(&ack.payload).unwrap();

@@ -67,6 +67,7 @@ impl Rereads {
         (next <= self.last).then_some(Rereads { next, ..self })
     }
 }
+
 /// Why a wait could not follow its key.
 #[derive(Debug, thiserror::Error)]
 #[error("following {subject}: {source}")]

@@ -96,17 +96,25 @@ pub fn is_stored_already(err: &PublishError) -> bool {
 /// The sequence of the message a delayed task's subject holds: what a create-if-absent
 /// publish that found it stored answers.
 pub async fn stored_delayed_seq(js: &jetstream::Context, subject: &str) -> Result<u64, WireError> {
+    Ok(last_delayed(js, subject).await?.sequence)
+}
+
+/// The last message of `subject` in `AX_DELAYED`, by a direct get: what a producer may be
+/// allowed for its own queues' subjects alone
+/// (`$JS.API.DIRECT.GET.AX_DELAYED.ax.delayed.<queue>.>`). It may come from a replica
+/// that is behind.
+async fn last_delayed(
+    js: &jetstream::Context,
+    subject: &str,
+) -> Result<async_nats::jetstream::message::StreamMessage, WireError> {
     let stream = js
         .get_stream_no_info(crate::names::DELAYED_STREAM)
         .await
         .map_err(WireError::unavailable)?;
-    // A direct get by subject: what a producer may be allowed for its own queues'
-    // subjects alone (`$JS.API.DIRECT.GET.AX_DELAYED.ax.delayed.<queue>.>`).
-    let msg = stream
+    stream
         .direct_get_last_for_subject(subject)
         .await
-        .map_err(|e| WireError::new(ErrorCode::Unavailable, format!("{subject}: {e}")))?;
-    Ok(msg.sequence)
+        .map_err(|e| WireError::new(ErrorCode::Unavailable, format!("{subject}: {e}")))
 }
 
 /// Stores a task's first message (headers: [`first_headers`]), mapping a full subject to
@@ -250,29 +258,25 @@ pub async fn publish_expecting(
 }
 
 /// What a write sent again after a reconnect, refused as moved on, was: stored, if the
-/// subject's last message carries its id; else unknown.
+/// subject's last message carries its id; else unknown (also when the read came from a
+/// replica that is behind: never taken as stored wrongly).
 async fn own_write(
     js: &jetstream::Context,
     subject: &str,
     write: &str,
 ) -> Result<Expected, WireError> {
-    let unknown = |why: String| {
+    let unknown = |why: &str| {
         WireError::unavailable(format!(
             "{subject}: a write sent again after a reconnect found the subject moved on, \
              and whether its first sending was stored is unknown ({why})"
         ))
     };
-    let stream = js
-        .get_stream_no_info(crate::names::DELAYED_STREAM)
+    let last = last_delayed(js, subject)
         .await
-        .map_err(|e| unknown(e.to_string()))?;
-    let last = stream
-        .direct_get_last_for_subject(subject)
-        .await
-        .map_err(|e| unknown(e.to_string()))?;
+        .map_err(|e| unknown(&e.message))?;
     match last.headers.get(crate::debounce::WRITE) {
         Some(id) if id.as_str() == write => Ok(Expected::Stored(last.sequence)),
-        _ => Err(unknown("another write is the subject's last".into())),
+        _ => Err(unknown("another write is the subject's last")),
     }
 }
 
