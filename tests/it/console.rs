@@ -87,7 +87,7 @@ async fn find_a_dead_task_by_error_class_retry_it_and_watch_it_succeed() {
         // panicked shows its restart and, to a logged-in user, why.
         b.until("every service up on the overview", 15,
             "const r = [...document.querySelectorAll('#services tr[data-service]')]; \
-             return r.length === 11 && r.every((t) => t.querySelector('.up').textContent.trim() === 'up')").await;
+             return r.length === 13 && r.every((t) => t.querySelector('.up').textContent.trim() === 'up')").await;
         faults.panic_service("alerts");
         crate::support::eventually(Duration::from_secs(15), "the alerts service restarted", || async {
             env.ax.submit("q", TaskSpec::new("send").json(&98)).await.unwrap();
@@ -363,5 +363,79 @@ async fn selected_rows_are_cancelled_and_finished_tasks_purged() {
             b.close().await;
         },
     )
+    .await
+}
+
+/// The console's live feed (`GET /api/live`, server-sent events) as a page reads it.
+struct LiveFeed {
+    tcp: tokio::net::TcpStream,
+}
+
+impl LiveFeed {
+    async fn open(port: u16) -> LiveFeed {
+        use tokio::io::AsyncWriteExt;
+        let mut tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .unwrap();
+        let request = format!(
+            "GET /api/live HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\nauthorization: Bearer s3cret-admin\r\n\r\n"
+        );
+        tcp.write_all(request.as_bytes()).await.unwrap();
+        LiveFeed { tcp }
+    }
+
+    /// True if a `change` event arrives within `limit`.
+    async fn change_within(&mut self, limit: Duration) -> bool {
+        use tokio::io::AsyncReadExt;
+        let deadline = tokio::time::Instant::now() + limit;
+        let mut buf = [0u8; 4096];
+        loop {
+            match tokio::time::timeout_at(deadline, self.tcp.read(&mut buf)).await {
+                Err(_) => return false,
+                Ok(read) => {
+                    let n = read.unwrap();
+                    assert!(n > 0, "the live feed closed");
+                    if String::from_utf8_lossy(&buf[..n]).contains("event: change") {
+                        return true;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Reads until a second passes without a `change` event.
+    async fn settle(&mut self) {
+        while self.change_within(Duration::from_secs(1)).await {}
+    }
+}
+
+/// A flow run's end, a step that starts to wait or a wait that is met is often written
+/// after the last task change it follows: a page refreshed on task changes alone went on
+/// showing such a run as it was (CI at 7982363: `a_failed_flow_step_shows_red_and_is_re_run`
+/// did not see its re-run end on the page). The live feed ticks on a change of a flow
+/// run or of a wait too, no task changing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_live_feed_ticks_when_a_flow_run_or_a_wait_changes() {
+    within(Duration::from_secs(60), "console: live feed", async {
+        let port = free_port();
+        let env = Env::start(console_env_server(port)).await;
+        let mut live = LiveFeed::open(port).await;
+        live.settle().await;
+        for bucket in [
+            ax_core::names::FLOW_RUNS_BUCKET,
+            ax_core::names::WAITS_BUCKET,
+        ] {
+            let kv = env.js.get_key_value(bucket).await.unwrap();
+            // A delete of a key nobody holds: a change that no reader can mistake.
+            kv.delete("console-live-test").await.unwrap();
+            assert!(
+                live.change_within(Duration::from_secs(3)).await,
+                "no change event after a write to {bucket}"
+            );
+            live.settle().await;
+        }
+        // And none when nothing changes.
+        assert!(!live.change_within(Duration::from_secs(2)).await);
+    })
     .await
 }

@@ -433,6 +433,8 @@ async fn healthz_shows_each_service_and_its_restarts() {
     let all = [
         "alerts",
         "console",
+        "console-flow-runs",
+        "console-waits",
         "delayed-dispatch",
         "drop-limits",
         "event-router",

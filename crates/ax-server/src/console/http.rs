@@ -35,6 +35,8 @@ pub(crate) struct State {
     pub(crate) sessions: Sessions,
     pub(crate) apis: Arc<Apis>,
     pub(crate) index: Arc<TaskIndex>,
+    /// Flow runs' and waits' changes (live updates).
+    pub(crate) changes: Arc<super::Changes>,
     /// The server's services, as its supervisor sees them.
     pub(crate) health: ax_core::supervisor::Health,
 }
@@ -452,18 +454,18 @@ async fn api(state: &State, req: Request<Incoming>) -> Response<Body> {
     json_reply(StatusCode::OK, &reply)
 }
 
-/// Server-sent events: `change` with the index's version whenever it moved (checked every
-/// 300 ms), a comment every 15 s to keep the connection open.
+/// Server-sent events: `change` with a version whenever the task index, a flow run or a
+/// wait moved (checked every 300 ms), a comment every 15 s to keep the connection open.
 fn live(state: &State, stop: CancellationToken) -> Response<Body> {
-    let index = state.index.clone();
+    let (index, changes) = (state.index.clone(), state.changes.clone());
     let stream = futures::stream::unfold((0u64, 0u32), move |(seen, idle)| {
-        let (index, stop) = (index.clone(), stop.clone());
+        let (index, changes, stop) = (index.clone(), changes.clone(), stop.clone());
         async move {
             tokio::select! {
                 _ = stop.cancelled() => return None,
                 _ = tokio::time::sleep(Duration::from_millis(300)) => {}
             }
-            let now = index.version();
+            let now = index.version().wrapping_add(changes.version());
             let frame = if now != seen {
                 Some(format!("event: change\ndata: {now}\n\n"))
             } else if idle >= 50 {

@@ -1,8 +1,8 @@
 //! The web console: served by `ax server --console-addr`, assets embedded in
 //! the binary, no separate process. The page calls the same APIs as the CLI and the SDK
 //! (`POST /api/<api>/<op>` runs `ax.<api>.<op>` in this server), and listens to
-//! `GET /api/live` (server-sent events: a tick whenever the task index moved) to refresh
-//! what it shows without a reload.
+//! `GET /api/live` (server-sent events: a tick whenever the task index, a flow run or a
+//! wait moved) to refresh what it shows without a reload.
 //!
 //! Access: loopback only unless a token is given; with a token (`--console-token`) every
 //! API call needs a session (made by logging in with the token) or `Authorization: Bearer
@@ -12,6 +12,7 @@
 //! origin with a JSON body (cross-site request forgery). The threat model is in
 //! docs/ARCHITECTURE.md, "The console".
 
+mod changes;
 mod config;
 mod conns;
 mod guard;
@@ -21,6 +22,7 @@ mod session;
 
 use crate::ops::feed::TaskIndex;
 use crate::server::handle::Apis;
+pub(crate) use changes::Changes;
 pub use config::{ConsoleConfig, ConsoleError};
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
@@ -30,6 +32,7 @@ pub(crate) async fn start(
     config: ConsoleConfig,
     apis: Arc<Apis>,
     index: Arc<TaskIndex>,
+    changes: Arc<Changes>,
     health: ax_core::supervisor::Health,
 ) -> Result<Console, ConsoleError> {
     config.check()?;
@@ -47,6 +50,7 @@ pub(crate) async fn start(
         config,
         apis,
         index,
+        changes,
         health,
     });
     Ok(Console {

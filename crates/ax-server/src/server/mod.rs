@@ -186,8 +186,10 @@ impl Server {
         // service of its own.
         if let (Some(config), Some(index)) = (&self.console, &task_index) {
             let health = services.health();
+            let changes = crate::console::Changes::start(&js, &mut services);
             let console =
-                crate::console::start(config.clone(), apis.clone(), index.clone(), health).await?;
+                crate::console::start(config.clone(), apis.clone(), index.clone(), changes, health)
+                    .await?;
             services.spawn("console", move |token| {
                 console.clone().serve(token).map(Ok::<(), Infallible>)
             });
