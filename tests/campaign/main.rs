@@ -580,6 +580,16 @@ async fn run(cluster: bool, seed: u64, secs: u64) -> usize {
     let accepted_ids = seen.log.accepted.clone();
     let seen_histories: std::collections::HashSet<String> =
         seen.histories.keys().cloned().collect();
+    let unfinished: Vec<String> = accepted_ids
+        .iter()
+        .filter(|id| {
+            seen.histories
+                .get(*id)
+                .and_then(|h| h.last())
+                .is_some_and(|(_, r)| !r.state.is_terminal())
+        })
+        .cloned()
+        .collect();
     let mut report = verdict::check_core(&ax, &js, &seen, &mut verdict).await;
     report.extend(verdict::check_new(&ax, &seen, &mut verdict).await);
     let seen_keys = seen.limits.keyed;
@@ -617,7 +627,19 @@ async fn run(cluster: bool, seed: u64, secs: u64) -> usize {
                 "  where the {} accepted tasks without a record are:",
                 missing.len()
             );
-            for line in trace::missing(&js, &missing).await {
+            for line in trace::messages(&js, &missing).await {
+                println!("    {line}");
+            }
+        }
+        if !unfinished.is_empty() {
+            println!(
+                "  where the {} accepted tasks whose record is not final are:",
+                unfinished.len()
+            );
+            for line in trace::messages(&js, &unfinished).await {
+                println!("    {line}");
+            }
+            for line in trace::ready_consumers(&js).await {
                 println!("    {line}");
             }
         }

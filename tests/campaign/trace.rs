@@ -1,7 +1,8 @@
-//! Where an accepted task without a record is: every message of the delayed, ready, fair
-//! and dead streams that carries its id (or, for a debounce window or a batch, its
-//! window's subject), printed when the checker finds one, so a rare loss can be read from
-//! the run that met it instead of from a replay that may not.
+//! Where an accepted task without a record, or whose record never became final, is: every
+//! message of the delayed, ready, fair and dead streams that carries its id (or, for a
+//! debounce window or a batch, its window's subject), and what the ready streams'
+//! consumers hold, printed when the checker finds one, so a rare loss can be read from the
+//! run that met it instead of from a replay that may not.
 
 use async_nats::jetstream;
 use ax_core::names::{self, Priority};
@@ -9,7 +10,7 @@ use futures::StreamExt;
 use std::time::Duration;
 
 /// One line per stored message naming one of `ids` (at most 20 ids traced).
-pub async fn missing(js: &jetstream::Context, ids: &[String]) -> Vec<String> {
+pub async fn messages(js: &jetstream::Context, ids: &[String]) -> Vec<String> {
     let ids: Vec<&String> = ids.iter().take(20).collect();
     let windows: Vec<String> = ids
         .iter()
@@ -100,4 +101,44 @@ async fn scan(
         }
     }
     Ok(lines)
+}
+
+/// One line per consumer of the ready streams: what it delivered, its ack floor and what
+/// it holds. A task message left in a work queue at a sequence the consumer delivered,
+/// above its ack floor and not pending an ack, is one the consumer lost track of.
+pub async fn ready_consumers(js: &jetstream::Context) -> Vec<String> {
+    let mut lines = Vec::new();
+    for p in Priority::ALL {
+        let name = p.ready_stream();
+        let stream = match js.get_stream(&name).await {
+            Ok(stream) => stream,
+            Err(e) => {
+                lines.push(format!("{name}: not read ({e})"));
+                continue;
+            }
+        };
+        let mut consumers = stream.consumers();
+        while let Some(info) = consumers.next().await {
+            match info {
+                Ok(c) => lines.push(format!(
+                    "{name} consumer {}: delivered stream seq {} (consumer seq {}), ack floor stream seq {}, \
+                     ack pending {}, redelivered {}, pending {}, waiting pulls {}, leader {:?}",
+                    c.name,
+                    c.delivered.stream_sequence,
+                    c.delivered.consumer_sequence,
+                    c.ack_floor.stream_sequence,
+                    c.num_ack_pending,
+                    c.num_redelivered,
+                    c.num_pending,
+                    c.num_waiting,
+                    c.cluster.as_ref().and_then(|cl| cl.leader.clone()),
+                )),
+                Err(e) => {
+                    lines.push(format!("{name}: consumers not listed ({e})"));
+                    break;
+                }
+            }
+        }
+    }
+    lines
 }

@@ -492,3 +492,52 @@ fn expecting(seq: u64) -> async_nats::HeaderMap {
     headers.insert(ax_core::admit::EXPECTED_LAST, seq.to_string().as_str());
     headers
 }
+
+/// A wait's registration read (`Waits::get`: an approval's completion, the matcher) and
+/// its removal once the wait ended (`Waits::remove`) are asked again when the client
+/// connects anew, as a task's end is: an answer the broker never gave held them for the
+/// client's request timeout. Red with either sent once: no answer within 4 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_registration_s_read_and_removal_the_broker_had_are_asked_again() {
+    use ax_core::event::WaitRegistration;
+    use ax_core::waits::Waits;
+    // The bucket alone: a server's matcher would remove a registration without its task.
+    let nats = LocalNats::start().unwrap();
+    let js = jetstream::new(async_nats::connect(nats.url()).await.unwrap());
+    js.create_key_value(kv::Config {
+        bucket: ax_core::names::WAITS_BUCKET.into(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let direct = Waits::new(js);
+    let id = "q.wait.resend";
+    let reg: WaitRegistration = serde_json::from_value(serde_json::json!({
+        "task": id, "event": "paid", "since_ms": 1, "until_ms": 2}))
+    .unwrap();
+    direct.put(&reg).await.unwrap();
+    let (proxy, client) = through(&nats).await;
+    let waits = Waits::new(jetstream::new(client));
+    waits.store().await.unwrap();
+
+    // The read reaches the broker, its answer is dropped; then the connection is cut.
+    proxy.mute();
+    let read = {
+        let waits = waits.clone();
+        tokio::spawn(async move { waits.get(id).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let found = answer_after_cut(&proxy, read).await.unwrap();
+    assert_eq!(found, Some(reg));
+
+    let remove = {
+        let waits = waits.clone();
+        async move { waits.remove(id).await }
+    };
+    let (remove, ()) = mute_until_stored(&proxy, remove, || async {
+        direct.get(id).await.unwrap().is_none().then_some(())
+    })
+    .await;
+    answer_after_cut(&proxy, remove).await.unwrap();
+    assert_eq!(direct.get(id).await.unwrap(), None);
+}

@@ -59,9 +59,13 @@ impl Waits {
         }
     }
 
-    /// Task `id`'s registration, if it has one (one that does not decode is none).
+    /// Task `id`'s registration, if it has one (one that does not decode is none). Asked
+    /// again if the client connects anew while it waits: a read the broker had when it
+    /// stopped is never answered, and held an approval's completion (or the matcher) for
+    /// the client's request timeout (10 s).
     pub async fn get(&self, id: &str) -> Result<Option<WaitRegistration>, async_nats::Error> {
-        let entry = self.store().await?.get(id).await?;
+        let store = self.store().await?;
+        let entry = crate::follow::across_reconnects(&self.js.client(), || store.get(id)).await?;
         Ok(entry.and_then(|v| serde_json::from_slice(&v).ok()))
     }
 
@@ -74,8 +78,11 @@ impl Waits {
         Ok(regs.into_iter().map(|(_, reg)| reg).collect())
     }
 
-    /// Removes task `id`'s registration (its wait ended).
+    /// Removes task `id`'s registration (its wait ended). Sent again if the client
+    /// connects anew while it waits, as [`get`](Waits::get) is: a purge stored twice
+    /// removes the same registration.
     pub async fn remove(&self, id: &str) -> Result<(), async_nats::Error> {
-        Ok(self.store().await?.purge(id).await?)
+        let store = self.store().await?;
+        Ok(crate::follow::across_reconnects(&self.js.client(), || store.purge(id)).await?)
     }
 }

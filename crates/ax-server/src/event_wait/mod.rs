@@ -365,9 +365,14 @@ async fn end(ctx: &Context, results: &ResultStore, hit: &Hit) -> Result<Ended, S
         metrics::counter!(m::EVENT_WAITS_MET).increment(1);
         debug!(task_id = %hit.task, event_seq = hit.event.seq, "wait met its event");
     }
-    // The timeout's message is useless now (its dispatch would find the wait ended).
+    // The timeout's message is useless now (its dispatch would find the wait ended). Sent
+    // again on a new connection, like the registration's removal: an answer the broker
+    // never gave would hold the matcher for the request timeout (a second delete of one
+    // message is refused as not found, which changes nothing).
     if let Some(seq) = rec.delayed_seq {
-        if let Err(cause) = ax_core::admit::delete_delayed(&ctx.js, seq).await {
+        let client = ctx.js.client();
+        let delete = || ax_core::admit::delete_delayed(&ctx.js, seq);
+        if let Err(cause) = ax_core::follow::across_reconnects(&client, delete).await {
             debug!(task_id = %hit.task, seq, %cause, "a met wait's timeout message not deleted; its dispatch finds the wait ended");
         }
     }
