@@ -229,15 +229,7 @@ async fn a_release_survives_a_server_aborted_before_its_purge() {
         "the hook never fired"
     );
     let js = async_nats::jetstream::new(client.clone());
-    let held = js
-        .get_stream("AX_FAIR")
-        .await
-        .unwrap()
-        .info()
-        .await
-        .unwrap()
-        .state
-        .messages;
+    let held = crate::support::stream_len(&js, "AX_FAIR").await;
     assert_eq!(held, 200, "the aborted release purged nothing");
     let _next = AxProc::spawn(&url, &args);
     eventually(Duration::from_secs(30), "every task ran", || async {

@@ -483,15 +483,8 @@ async fn replaying_many_delayed_tasks_holds_a_bounded_amount_of_payload() {
     // What the replay has to index: the tasks still in AX_DELAYED. A loaded machine's
     // submits can outlast the 25 s delay, and the killed server then dispatched the first
     // tasks itself (CI at 86525d8 waited 60 s for all 5,000).
-    let left = async_nats::jetstream::new(client.clone())
-        .get_stream(ax_core::names::DELAYED_STREAM)
-        .await
-        .unwrap()
-        .info()
-        .await
-        .unwrap()
-        .state
-        .messages as usize;
+    let js = async_nats::jetstream::new(client.clone());
+    let left = crate::support::stream_len(&js, ax_core::names::DELAYED_STREAM).await as usize;
     assert!(left > 0, "every task was dispatched before the replay");
     let port = free_port();
     // A 16 MiB budget for held payloads (default 64 MiB): what the server holds beyond it

@@ -173,9 +173,14 @@ impl Env {
 
     /// Messages currently stored in a stream.
     pub async fn stream_len(&self, name: &str) -> u64 {
-        let mut stream = self.js.get_stream(name).await.expect("stream");
-        stream.info().await.expect("info").state.messages
+        stream_len(&self.js, name).await
     }
+}
+
+/// Messages currently stored in stream `name` (for tests that run no [`Env`]).
+pub async fn stream_len(js: &async_nats::jetstream::Context, name: &str) -> u64 {
+    let mut stream = js.get_stream(name).await.expect("stream");
+    stream.info().await.expect("info").state.messages
 }
 
 impl Drop for Env {

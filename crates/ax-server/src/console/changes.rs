@@ -9,13 +9,12 @@
 //! message moves [`Changes::version`]. A feed that breaks is followed again from the new
 //! messages, and moves the version once (what it missed meanwhile is shown again).
 
+use crate::ops::feed::{next, Stop};
 use async_nats::jetstream::{self, consumer};
 use ax_core::names::{FLOW_RUNS_BUCKET, WAITS_BUCKET};
-use futures::StreamExt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
-use tracing::warn;
 
 /// Changes seen in the flow-run and wait buckets.
 #[derive(Default)]
@@ -77,20 +76,14 @@ impl Changes {
             };
             // Whatever changed while no feed was open.
             self.version.fetch_add(1, Ordering::Relaxed);
+            let broke = format!("the console's feed of {stream} broke; following it again");
             loop {
-                let msg = tokio::select! {
-                    _ = shutdown.cancelled() => return,
-                    msg = messages.next() => msg,
-                };
-                match msg {
-                    Some(Ok(_)) => {
+                match next(&mut messages, &shutdown, &broke).await {
+                    Ok(_) => {
                         self.version.fetch_add(1, Ordering::Relaxed);
                     }
-                    Some(Err(e)) => {
-                        warn!(cause = %e, stream = %stream, "console feed broke; following it again");
-                        break;
-                    }
-                    None => break,
+                    Err(Stop::Broke) => break,
+                    Err(Stop::Shutdown) => return,
                 }
             }
         }

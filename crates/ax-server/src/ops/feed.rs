@@ -55,14 +55,14 @@ impl Unreadable {
 }
 
 /// Why a feed gave no message.
-enum Stop {
+pub(crate) enum Stop {
     /// The feed broke or ended (logged): follow it again.
     Broke,
     Shutdown,
 }
 
 /// The next message of a feed, or why there is none (a broken feed is logged as `broke`).
-async fn next(
+pub(crate) async fn next(
     messages: &mut consumer::pull::Ordered,
     shutdown: &CancellationToken,
     broke: &str,
