@@ -87,7 +87,7 @@ async fn find_a_dead_task_by_error_class_retry_it_and_watch_it_succeed() {
         // panicked shows its restart and, to a logged-in user, why.
         b.until("every service up on the overview", 15,
             "const r = [...document.querySelectorAll('#services tr[data-service]')]; \
-             return r.length === 13 && r.every((t) => t.querySelector('.up').textContent.trim() === 'up')").await;
+             return r.length === 16 && r.every((t) => t.querySelector('.up').textContent.trim() === 'up')").await;
         faults.panic_service("alerts");
         crate::support::eventually(Duration::from_secs(15), "the alerts service restarted", || async {
             env.ax.submit("q", TaskSpec::new("send").json(&98)).await.unwrap();
@@ -415,15 +415,21 @@ impl LiveFeed {
 /// did not see its re-run end on the page). The live feed ticks on a change of a flow
 /// run or of a wait too, no task changing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_live_feed_ticks_when_a_flow_run_or_a_wait_changes() {
+async fn the_live_feed_ticks_when_a_flow_run_a_wait_a_trigger_or_a_limit_changes() {
     within(Duration::from_secs(60), "console: live feed", async {
         let port = free_port();
         let env = Env::start(console_env_server(port)).await;
         let mut live = LiveFeed::open(port).await;
         live.settle().await;
+        use ax_core::names::{
+            FLOW_RUNS_BUCKET, LIMITS_BUCKET, TRIGGERS_BUCKET, TRIGGER_STATE_BUCKET, WAITS_BUCKET,
+        };
         for bucket in [
-            ax_core::names::FLOW_RUNS_BUCKET,
-            ax_core::names::WAITS_BUCKET,
+            FLOW_RUNS_BUCKET,
+            WAITS_BUCKET,
+            TRIGGERS_BUCKET,
+            TRIGGER_STATE_BUCKET,
+            LIMITS_BUCKET,
         ] {
             let kv = env.js.get_key_value(bucket).await.unwrap();
             // A delete of a key nobody holds: a change that no reader can mistake.

@@ -35,7 +35,7 @@ pub(crate) struct State {
     pub(crate) sessions: Sessions,
     pub(crate) apis: Arc<Apis>,
     pub(crate) index: Arc<TaskIndex>,
-    /// Flow runs' and waits' changes (live updates).
+    /// Flow runs', waits', triggers' and limits' changes (live updates).
     pub(crate) changes: Arc<super::Changes>,
     /// The server's services, as its supervisor sees them.
     pub(crate) health: ax_core::supervisor::Health,
@@ -454,8 +454,9 @@ async fn api(state: &State, req: Request<Incoming>) -> Response<Body> {
     json_reply(StatusCode::OK, &reply)
 }
 
-/// Server-sent events: `change` with a version whenever the task index, a flow run or a
-/// wait moved (checked every 300 ms), a comment every 15 s to keep the connection open.
+/// Server-sent events: `change` with a version whenever the task index, a flow run, a
+/// wait, a trigger or a limit moved (checked every 300 ms), a comment every 15 s to keep
+/// the connection open.
 fn live(state: &State, stop: CancellationToken) -> Response<Body> {
     let (index, changes) = (state.index.clone(), state.changes.clone());
     let stream = futures::stream::unfold((0u64, 0u32), move |(seen, idle)| {

@@ -529,7 +529,7 @@ let source = null;
 let dirty = false;
 const busy = () => dirty || !!document.querySelector("dialog[open]") ||
   (document.activeElement && ["INPUT", "SELECT"].includes(document.activeElement.tagName));
-// Live updates: the server says when the task index, a flow run or a wait moved; the page shows it again. A
+// Live updates: the server says when the task index, a flow run, a wait, a trigger or a limit moved; the page shows it again. A
 // stream refused (logged out) is opened again after the next login.
 function live() {
   if (source && source.readyState !== EventSource.CLOSED) return;
