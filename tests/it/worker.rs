@@ -461,6 +461,8 @@ async fn an_idle_worker_always_has_a_pull_waiting_on_every_priority() {
 /// taken at once. Before, the worker looked at whether the poll's task had finished, saw
 /// it running and sent none, then waited its whole idle wait (500 ms): the events bench,
 /// as deployed, had a next-step p99 of 422-481 ms in two runs of five from such gaps.
+/// One slot: a poll whose task leaves no slot free ends (with a slot free beside it, it
+/// would be sent again without ending: the test below).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_long_poll_that_ends_late_still_leaves_a_pull_waiting() {
     let env = Env::start(Env::server()).await;
@@ -468,6 +470,7 @@ async fn a_long_poll_that_ends_late_still_leaves_a_pull_waiting() {
     faults.poll_end_delay(Duration::from_millis(100));
     let started: Arc<Mutex<Vec<String>>> = Arc::default();
     let worker = Worker::builder("q")
+        .concurrency(1)
         .faults(faults)
         .handler({
             let started = started.clone();
@@ -508,4 +511,131 @@ async fn a_long_poll_that_ends_late_still_leaves_a_pull_waiting() {
         "pulls waiting on normal after each task, by round: {waiting_after:?}"
     );
     assert_eq!(started.lock().unwrap().len(), 5);
+}
+
+/// An idle worker that takes a task with nothing behind it, a slot still free, sends that
+/// priority's pull again at once instead of returning to its fetch rounds, so the next
+/// task does not wait for them. Fetch rounds are made slow (3 s each:
+/// `Faults::fetch_round_delay`, a broker answering no-wait pulls late) and the idle wait
+/// long (20 s); three times a task is submitted once the one before it ran, and each must
+/// start within 1.5 s of its submit. Before, the poll that took a task woke the worker,
+/// whose fetch round held the next task for the round's 3 s (seen red: 3.0 s each; the
+/// events bench as deployed: a next step waited for the worker's round of three no-wait
+/// pulls).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_worker_that_takes_a_task_with_none_behind_it_keeps_polling() {
+    let env = Env::start(Env::server()).await;
+    let faults = ax_core::faults::Faults::armed();
+    faults.fetch_round_delay(Duration::from_secs(3));
+    let started: Arc<Mutex<Vec<(String, std::time::Instant)>>> = Arc::default();
+    let worker = Worker::builder("q")
+        .idle_poll(Duration::from_secs(20))
+        .faults(faults)
+        .handler({
+            let started = started.clone();
+            move |task: Task| {
+                let now = std::time::Instant::now();
+                started.lock().unwrap().push((task.id.clone(), now));
+                async { ax_sdk::Output::json(&1) }
+            }
+        })
+        .build()
+        .unwrap();
+    let (_stop, _w) = env.spawn_worker(worker);
+    let js = async_nats::jetstream::new(env.client.clone());
+    let stream = js
+        .get_stream(Priority::Normal.ready_stream())
+        .await
+        .unwrap();
+    let normal: async_nats::jetstream::consumer::PullConsumer = stream
+        .get_consumer(&consumer_name("q", Priority::Normal))
+        .await
+        .unwrap();
+    // Past the first (slow) fetch round, idle and polling.
+    crate::support::eventually(Duration::from_secs(15), "the worker polling", || {
+        let mut normal = normal.clone();
+        async move { (normal.info().await.unwrap().num_waiting > 0).then_some(()) }
+    })
+    .await;
+    let mut waits = Vec::new();
+    for _ in 0..3 {
+        let submitted = std::time::Instant::now();
+        let id = env.ax.submit("q", TaskSpec::new("t")).await.unwrap().id;
+        env.wait_state(&id, TaskState::Succeeded, Duration::from_secs(15))
+            .await;
+        let at = started
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|(t, _)| *t == id)
+            .unwrap()
+            .1;
+        waits.push(at.duration_since(submitted));
+    }
+    assert!(
+        waits.iter().all(|w| *w < Duration::from_millis(1500)),
+        "submit to start of each task: {waits:?}"
+    );
+}
+
+/// A task a long poll takes holds its handler slot before the poll wakes the worker: the
+/// worker's fetch round takes every free slot, and a task without one waited for the
+/// round to end. One slot (so the poll wakes the worker), fetch rounds of 3 s
+/// (`Faults::fetch_round_delay`): three times, once the worker polls again, a task is
+/// submitted, and each must start within 1.5 s of its submit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_a_long_poll_takes_does_not_wait_for_the_fetch_round_it_wakes() {
+    let env = Env::start(Env::server()).await;
+    let faults = ax_core::faults::Faults::armed();
+    faults.fetch_round_delay(Duration::from_secs(3));
+    let started: Arc<Mutex<Vec<(String, std::time::Instant)>>> = Arc::default();
+    let worker = Worker::builder("q")
+        .concurrency(1)
+        .idle_poll(Duration::from_secs(20))
+        .faults(faults)
+        .handler({
+            let started = started.clone();
+            move |task: Task| {
+                let now = std::time::Instant::now();
+                started.lock().unwrap().push((task.id.clone(), now));
+                async { ax_sdk::Output::json(&1) }
+            }
+        })
+        .build()
+        .unwrap();
+    let (_stop, _w) = env.spawn_worker(worker);
+    let js = async_nats::jetstream::new(env.client.clone());
+    let stream = js
+        .get_stream(Priority::Normal.ready_stream())
+        .await
+        .unwrap();
+    let normal: async_nats::jetstream::consumer::PullConsumer = stream
+        .get_consumer(&consumer_name("q", Priority::Normal))
+        .await
+        .unwrap();
+    let mut waits = Vec::new();
+    for _ in 0..3 {
+        // Idle and polling (past the start's, or the last task's, slow fetch round).
+        crate::support::eventually(Duration::from_secs(15), "the worker polling", || {
+            let mut normal = normal.clone();
+            async move { (normal.info().await.unwrap().num_waiting > 0).then_some(()) }
+        })
+        .await;
+        let submitted = std::time::Instant::now();
+        let id = env.ax.submit("q", TaskSpec::new("t")).await.unwrap().id;
+        env.wait_state(&id, TaskState::Succeeded, Duration::from_secs(15))
+            .await;
+        let at = started
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|(t, _)| *t == id)
+            .unwrap()
+            .1;
+        waits.push(at.duration_since(submitted));
+    }
+    assert!(
+        waits.iter().all(|w| *w < Duration::from_millis(1500)),
+        "submit to start of each task: {waits:?}"
+    );
 }

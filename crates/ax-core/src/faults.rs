@@ -105,6 +105,7 @@ struct Armed {
     cancel_write_delay_ms: AtomicU64,
     cancel_subscribe_delay_ms: AtomicU64,
     poll_end_delay_ms: AtomicU64,
+    fetch_round_delay_ms: AtomicU64,
     retry_gap_ms: AtomicU64,
     names_page_bytes: AtomicU64,
     panic_request: Mutex<Option<String>>,
@@ -202,6 +203,14 @@ impl Faults {
     pub fn poll_end_delay(&self, d: Duration) {
         if let Some(a) = self.on() {
             a.poll_end_delay_ms.store(ms(d), Ordering::SeqCst);
+        }
+    }
+
+    /// Makes each of a worker's fetch rounds wait `d` before its first request (a busy
+    /// broker answering its no-wait pulls late).
+    pub fn fetch_round_delay(&self, d: Duration) {
+        if let Some(a) = self.on() {
+            a.fetch_round_delay_ms.store(ms(d), Ordering::SeqCst);
         }
     }
 
@@ -350,6 +359,11 @@ impl Faults {
     /// At the end of a worker's long poll, after it woke the worker: waits its delay, if any.
     pub async fn poll_ending(&self) {
         self.delay(|a| &a.poll_end_delay_ms).await;
+    }
+
+    /// Before a worker's fetch round: waits the fetch-round delay, if any.
+    pub async fn fetch_round_starting(&self) {
+        self.delay(|a| &a.fetch_round_delay_ms).await;
     }
 
     /// Between a retry's message publish and its record write: waits the retry gap, if any.

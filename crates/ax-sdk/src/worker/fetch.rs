@@ -10,7 +10,10 @@
 //! **Batches, no idle waiting**. Fetches use `no_wait` pulls of up to the free slot
 //! count, so a busy worker never blocks on an empty priority. Only when all three are empty
 //! does it long-poll all three at once (one message each, expiring after `idle_poll`): the
-//! first task to arrive starts at once and the worker returns to batch fetching.
+//! first task to arrive starts at once. A task with nothing behind it on its consumer
+//! (the delivery's pending count 0), taken while slots are free, leaves the worker idle:
+//! that priority's pull is sent again at once. Otherwise the worker returns to batch
+//! fetching.
 
 use super::attempt::{self, Shared};
 use super::config::Config;
@@ -269,6 +272,7 @@ async fn fetch_round(
     order: [Priority; 3],
     mut permits: Vec<OwnedSemaphorePermit>,
 ) -> usize {
+    shared.faults.fetch_round_starting().await;
     let mut fetched = 0usize;
     for p in order {
         if permits.is_empty() {
@@ -328,13 +332,23 @@ impl Polls {
     }
 }
 
+/// What one long poll brought.
+enum Polled {
+    /// It expired (or was refused, or went unanswered).
+    Nothing,
+    /// A task, started; `behind`: the messages its consumer still had to deliver;
+    /// `slotted`: whether it took a free handler slot at once.
+    Task { behind: u64, slotted: bool },
+}
+
 /// Sends a long poll (one message, expiring after about `idle_poll`) on each priority that
-/// has none in flight; a message that arrives starts and wakes the worker. A poll that
-/// expires without one while the worker is still `idle` is sent again at once, so every
-/// priority keeps a pull waiting on the server while the worker is idle; one that ends
-/// (a message, or the worker busy) wakes the worker after it marks itself ended, so the
-/// worker's next idle round sends it again (before, a task arriving in between waited up
-/// to `idle_poll`: the events bench's next steps, p99 224-481 ms at 1,000/s, max about
+/// has none in flight; a message that arrives starts. A poll that expires without one, or
+/// that brought a task with nothing behind it while a slot is free, is sent again at once
+/// while the worker is still `idle`, so every priority keeps a pull waiting on the server
+/// while the worker is idle. One that ends otherwise (tasks behind it, no slot free, or
+/// the worker busy) wakes the worker after it marks itself ended, so the worker's next
+/// idle round sends it again (before, a task arriving in between waited up to
+/// `idle_poll`: the events bench's next steps, p99 224-481 ms at 1,000/s, max about
 /// 500 ms).
 fn long_poll(
     polls: &mut Polls,
@@ -366,22 +380,49 @@ fn long_poll(
                         .expires(expires)
                         .messages()
                         .await;
-                    let Ok(mut batch) = batch else { return false };
-                    let mut got = false;
+                    let Ok(mut batch) = batch else {
+                        return Polled::Nothing;
+                    };
+                    let mut got = Polled::Nothing;
                     while let Some(msg) = batch.next().await {
                         if let Ok(msg) = msg {
-                            attempt::spawn(&shared, msg, None);
-                            got = true;
+                            let behind = msg.info().map_or(u64::MAX, |i| i.pending);
+                            // Its slot now, if one is free: the worker this poll may wake
+                            // takes every free slot for its fetch round, and the task
+                            // would wait for that round to end.
+                            let slot = shared.slots.clone().try_acquire_owned().ok();
+                            let slotted = slot.is_some();
+                            attempt::spawn(&shared, msg, slot);
+                            got = Polled::Task { behind, slotted };
                         }
                     }
                     got
                 };
                 let got = tokio::time::timeout(expires + FETCH_TIMEOUT, poll)
                     .await
-                    .unwrap_or(false);
-                if !got && idle.load(Ordering::SeqCst) && sent.elapsed() >= expires / 2 {
-                    continue; // expired while the worker waits: keep a pull there
+                    .unwrap_or(Polled::Nothing);
+                let idle_now = idle.load(Ordering::SeqCst);
+                match got {
+                    Polled::Nothing if idle_now && sent.elapsed() >= expires / 2 => {
+                        continue; // expired while the worker waits: keep a pull there
+                    }
+                    // Nothing behind it, a slot free beside its own, the queue not
+                    // paused: the worker has nothing to fetch, so the pull goes back at
+                    // once. Waking the worker instead left the priority without a pull
+                    // for its fetch round (three requests in turn), and tasks arriving
+                    // meanwhile waited for it.
+                    Polled::Task {
+                        behind: 0,
+                        slotted: true,
+                    } if idle_now
+                        && shared.slots.available_permits() > 0
+                        && !shared.gate.paused() =>
+                    {
+                        continue;
+                    }
+                    _ => {}
                 }
+                let got = matches!(got, Polled::Task { .. });
                 in_flight[p.index()].store(false, Ordering::SeqCst);
                 // A message, or a worker no longer idle (busy, or shutting down): wake it.
                 // A poll refused at once (a broker away) does not: the worker's idle wait
