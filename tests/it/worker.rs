@@ -513,64 +513,99 @@ async fn a_long_poll_that_ends_late_still_leaves_a_pull_waiting() {
     assert_eq!(started.lock().unwrap().len(), 5);
 }
 
+/// A worker of queue `q` whose fetch rounds take 3 s (`Faults::fetch_round_delay`, a
+/// broker answering no-wait pulls late) and whose idle wait is 20 s, noting when each
+/// task starts; and the queue's normal consumer.
+struct SlowRounds {
+    env: Env,
+    started: Arc<Mutex<Vec<(String, std::time::Instant)>>>,
+    normal: async_nats::jetstream::consumer::PullConsumer,
+    _worker: (
+        tokio_util::sync::CancellationToken,
+        tokio::task::JoinHandle<()>,
+    ),
+}
+
+impl SlowRounds {
+    async fn start(slots: usize) -> SlowRounds {
+        let env = Env::start(Env::server()).await;
+        let faults = ax_core::faults::Faults::armed();
+        faults.fetch_round_delay(Duration::from_secs(3));
+        let started: Arc<Mutex<Vec<(String, std::time::Instant)>>> = Arc::default();
+        let worker = Worker::builder("q")
+            .concurrency(slots)
+            .idle_poll(Duration::from_secs(20))
+            .faults(faults)
+            .handler({
+                let started = started.clone();
+                move |task: Task| {
+                    let now = std::time::Instant::now();
+                    started.lock().unwrap().push((task.id.clone(), now));
+                    async { ax_sdk::Output::json(&1) }
+                }
+            })
+            .build()
+            .unwrap();
+        let worker = env.spawn_worker(worker);
+        let js = async_nats::jetstream::new(env.client.clone());
+        let stream = js
+            .get_stream(Priority::Normal.ready_stream())
+            .await
+            .unwrap();
+        let normal = stream
+            .get_consumer(&consumer_name("q", Priority::Normal))
+            .await
+            .unwrap();
+        SlowRounds {
+            env,
+            started,
+            normal,
+            _worker: worker,
+        }
+    }
+
+    /// Returns once the worker is idle and polling (past a slow fetch round).
+    async fn polling(&self) {
+        crate::support::eventually(Duration::from_secs(15), "the worker polling", || {
+            let mut normal = self.normal.clone();
+            async move { (normal.info().await.unwrap().num_waiting > 0).then_some(()) }
+        })
+        .await;
+    }
+
+    /// Submits a task and answers how long after its submit it started.
+    async fn submit_to_start(&self) -> Duration {
+        let submitted = std::time::Instant::now();
+        let id = self
+            .env
+            .ax
+            .submit("q", TaskSpec::new("t"))
+            .await
+            .unwrap()
+            .id;
+        self.env
+            .wait_state(&id, TaskState::Succeeded, Duration::from_secs(15))
+            .await;
+        let started = self.started.lock().unwrap();
+        let at = started.iter().find(|(t, _)| *t == id).unwrap().1;
+        at.duration_since(submitted)
+    }
+}
+
 /// An idle worker that takes a task with nothing behind it, a slot still free, sends that
 /// priority's pull again at once instead of returning to its fetch rounds, so the next
-/// task does not wait for them. Fetch rounds are made slow (3 s each:
-/// `Faults::fetch_round_delay`, a broker answering no-wait pulls late) and the idle wait
-/// long (20 s); three times a task is submitted once the one before it ran, and each must
-/// start within 1.5 s of its submit. Before, the poll that took a task woke the worker,
-/// whose fetch round held the next task for the round's 3 s (seen red: 3.0 s each; the
-/// events bench as deployed: a next step waited for the worker's round of three no-wait
-/// pulls).
+/// task does not wait for them. With fetch rounds of 3 s ([`SlowRounds`]), three times a
+/// task is submitted once the one before it ran, and each must start within 1.5 s of its
+/// submit. Before, the poll that took a task woke the worker, whose fetch round held the
+/// next task for the round's 3 s (seen red: 3.0 s each; the events bench as deployed: a
+/// next step waited for the worker's round of three no-wait pulls).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_worker_that_takes_a_task_with_none_behind_it_keeps_polling() {
-    let env = Env::start(Env::server()).await;
-    let faults = ax_core::faults::Faults::armed();
-    faults.fetch_round_delay(Duration::from_secs(3));
-    let started: Arc<Mutex<Vec<(String, std::time::Instant)>>> = Arc::default();
-    let worker = Worker::builder("q")
-        .idle_poll(Duration::from_secs(20))
-        .faults(faults)
-        .handler({
-            let started = started.clone();
-            move |task: Task| {
-                let now = std::time::Instant::now();
-                started.lock().unwrap().push((task.id.clone(), now));
-                async { ax_sdk::Output::json(&1) }
-            }
-        })
-        .build()
-        .unwrap();
-    let (_stop, _w) = env.spawn_worker(worker);
-    let js = async_nats::jetstream::new(env.client.clone());
-    let stream = js
-        .get_stream(Priority::Normal.ready_stream())
-        .await
-        .unwrap();
-    let normal: async_nats::jetstream::consumer::PullConsumer = stream
-        .get_consumer(&consumer_name("q", Priority::Normal))
-        .await
-        .unwrap();
-    // Past the first (slow) fetch round, idle and polling.
-    crate::support::eventually(Duration::from_secs(15), "the worker polling", || {
-        let mut normal = normal.clone();
-        async move { (normal.info().await.unwrap().num_waiting > 0).then_some(()) }
-    })
-    .await;
+    let w = SlowRounds::start(64).await;
+    w.polling().await;
     let mut waits = Vec::new();
     for _ in 0..3 {
-        let submitted = std::time::Instant::now();
-        let id = env.ax.submit("q", TaskSpec::new("t")).await.unwrap().id;
-        env.wait_state(&id, TaskState::Succeeded, Duration::from_secs(15))
-            .await;
-        let at = started
-            .lock()
-            .unwrap()
-            .iter()
-            .find(|(t, _)| *t == id)
-            .unwrap()
-            .1;
-        waits.push(at.duration_since(submitted));
+        waits.push(w.submit_to_start().await);
     }
     assert!(
         waits.iter().all(|w| *w < Duration::from_millis(1500)),
@@ -581,58 +616,15 @@ async fn an_idle_worker_that_takes_a_task_with_none_behind_it_keeps_polling() {
 /// A task a long poll takes holds its handler slot before the poll wakes the worker: the
 /// worker's fetch round takes every free slot, and a task without one waited for the
 /// round to end. One slot (so the poll wakes the worker), fetch rounds of 3 s
-/// (`Faults::fetch_round_delay`): three times, once the worker polls again, a task is
-/// submitted, and each must start within 1.5 s of its submit.
+/// ([`SlowRounds`]): three times, once the worker polls again, a task is submitted, and
+/// each must start within 1.5 s of its submit (seen red: 3.0 s each).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_task_a_long_poll_takes_does_not_wait_for_the_fetch_round_it_wakes() {
-    let env = Env::start(Env::server()).await;
-    let faults = ax_core::faults::Faults::armed();
-    faults.fetch_round_delay(Duration::from_secs(3));
-    let started: Arc<Mutex<Vec<(String, std::time::Instant)>>> = Arc::default();
-    let worker = Worker::builder("q")
-        .concurrency(1)
-        .idle_poll(Duration::from_secs(20))
-        .faults(faults)
-        .handler({
-            let started = started.clone();
-            move |task: Task| {
-                let now = std::time::Instant::now();
-                started.lock().unwrap().push((task.id.clone(), now));
-                async { ax_sdk::Output::json(&1) }
-            }
-        })
-        .build()
-        .unwrap();
-    let (_stop, _w) = env.spawn_worker(worker);
-    let js = async_nats::jetstream::new(env.client.clone());
-    let stream = js
-        .get_stream(Priority::Normal.ready_stream())
-        .await
-        .unwrap();
-    let normal: async_nats::jetstream::consumer::PullConsumer = stream
-        .get_consumer(&consumer_name("q", Priority::Normal))
-        .await
-        .unwrap();
+    let w = SlowRounds::start(1).await;
     let mut waits = Vec::new();
     for _ in 0..3 {
-        // Idle and polling (past the start's, or the last task's, slow fetch round).
-        crate::support::eventually(Duration::from_secs(15), "the worker polling", || {
-            let mut normal = normal.clone();
-            async move { (normal.info().await.unwrap().num_waiting > 0).then_some(()) }
-        })
-        .await;
-        let submitted = std::time::Instant::now();
-        let id = env.ax.submit("q", TaskSpec::new("t")).await.unwrap().id;
-        env.wait_state(&id, TaskState::Succeeded, Duration::from_secs(15))
-            .await;
-        let at = started
-            .lock()
-            .unwrap()
-            .iter()
-            .find(|(t, _)| *t == id)
-            .unwrap()
-            .1;
-        waits.push(at.duration_since(submitted));
+        w.polling().await;
+        waits.push(w.submit_to_start().await);
     }
     assert!(
         waits.iter().all(|w| *w < Duration::from_millis(1500)),
