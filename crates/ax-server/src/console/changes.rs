@@ -23,7 +23,7 @@ use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 
 /// Each followed bucket and the supervised service that follows it.
-pub(crate) const FOLLOWED: [(&str, &str); 5] = [
+const FOLLOWED: [(&str, &str); 5] = [
     ("console-flow-runs", FLOW_RUNS_BUCKET),
     ("console-waits", WAITS_BUCKET),
     ("console-triggers", TRIGGERS_BUCKET),
