@@ -10,9 +10,12 @@
 //! process of its own (this bench run again with `AX_BENCH_ROLE=event-worker`, printing
 //! `<i> <ms>` as each next step starts); this process only publishes and reads.
 //! `AX_BENCH_SLOWEST=1` also prints the 30 slowest stored → taken, with when each was
-//! stored (a stall shows as a run of tasks all taken at one moment).
+//! stored (a stall shows as a run of tasks all taken at one moment). It prints each
+//! process's CPU per event over the publishing. `AX_BENCH_NATS_ARGS` adds arguments to
+//! nats-server's (`-m 8222` to read its monitoring endpoints while the bench runs; `-V`
+//! with `AX_NATSD_LOG=1` to see every message, at a small `AX_BENCH_EVENT_RUNS`).
 
-use crate::common::{env_or, percentiles};
+use crate::common::{env_or, percentiles, usage};
 use ax_core::time::now_ms;
 use ax_sdk::flow::{FlowDef, StepDef, WaitForEventDef};
 use ax_sdk::worker::{Task, Worker};
@@ -82,7 +85,10 @@ fn spawn_worker(url: &str, started: Started) -> std::process::Child {
 pub async fn waiting(runs: usize) {
     let rate = env_or("AX_BENCH_EVENT_RATE", 1000) as f64;
     let deployed = env_or("AX_BENCH_DEPLOYED", 0) == 1;
-    let nats = LocalNats::start().expect("nats-server (run via ./dev bench flows)");
+    let nats_args = std::env::var("AX_BENCH_NATS_ARGS").unwrap_or_default();
+    let nats_args = nats_args.split_whitespace().map(String::from).collect();
+    let nats =
+        LocalNats::start_with_args(nats_args).expect("nats-server (run via ./dev bench flows)");
     // The server, the worker and the producer each on a connection of its own, as when
     // they run apart: one connection's reader serves its messages one after another.
     let client = async_nats::connect(nats.url()).await.unwrap();
@@ -176,6 +182,20 @@ pub async fn waiting(runs: usize) {
         listed.as_array().map_or(0, Vec::len),
         t.elapsed().as_secs_f64() * 1000.0
     );
+    // CPU of each process while the events are published and their next steps start.
+    let pids: Vec<(&str, u32)> = [
+        ("publisher", Some(std::process::id())),
+        ("nats-server", nats.pid()),
+    ]
+    .into_iter()
+    .chain(
+        ["ax server", "worker"]
+            .into_iter()
+            .zip(procs.iter().map(|p| Some(p.id()))),
+    )
+    .filter_map(|(name, pid)| Some((name, pid?)))
+    .collect();
+    let cpu_before: Vec<f64> = pids.iter().map(|(_, p)| usage(*p).0).collect();
     // One event per run, paced at `rate`; each publish's time noted before it is sent.
     let published: Arc<Mutex<HashMap<u64, u64>>> = Arc::default();
     let t = Instant::now();
@@ -196,8 +216,21 @@ pub async fn waiting(runs: usize) {
     let sent = t.elapsed();
     let deadline = Instant::now() + Duration::from_secs(300);
     while started.lock().unwrap().len() < runs && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
+    let wall = t.elapsed().as_secs_f64();
+    let cpu: Vec<String> = pids
+        .iter()
+        .zip(&cpu_before)
+        .map(|((name, p), b)| {
+            let s = usage(*p).0 - b;
+            format!(
+                "{name} {:.0} µs ({:.0} % of a core)",
+                s * 1e6 / runs as f64,
+                100.0 * s / wall
+            )
+        })
+        .collect();
     // The waits' ends, from their tasks' records.
     let kv = js.get_key_value("AX_TASKS").await.unwrap();
     let mut feed = kv.watch_with_history("ev.fl.*.w.>").await.unwrap();
@@ -299,6 +332,10 @@ pub async fn waiting(runs: usize) {
         "    of which stored → taken by the worker (publish, delivery): p50 {d50:.0} ms, p99 \
          {d99:.0} ms, max {dmax:.0} ms; taken → handler started (claim): p50 {c50:.0} ms, p99 \
          {c99:.0} ms, max {cmax:.0} ms"
+    );
+    println!(
+        "  CPU per event, publish of the first to start of the last next step ({wall:.1} s): {}",
+        cpu.join(", ")
     );
     stop.cancel();
     for task in tasks {
