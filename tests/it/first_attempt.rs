@@ -223,3 +223,62 @@ async fn stale_first_attempt(recorded: bool) {
     stop.cancel();
     handle.await.unwrap();
 }
+
+/// A recorded task (a flow step's, a trigger fire's) delivered before its submitter's
+/// record write (the worker was faster, or the submitter died between its two writes) is
+/// claimed with one write: `running`, created from its headers only if no record is
+/// stored; not a `pending` record first and a second read. The submitter's late record
+/// write then finds it and changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recorded_task_delivered_before_its_record_is_claimed_with_one_write() {
+    let env = Env::start(Env::server().ack_wait(Duration::from_secs(30))).await;
+    let req = ax_core::protocol::SubmitRequest {
+        name: "t".into(),
+        ..Default::default()
+    };
+    let (meta, payload) =
+        ax_core::task::TaskMeta::from_request("q", req, &Default::default()).unwrap();
+    assert!(
+        !meta.unrecorded,
+        "a request's task is recorded until admitted"
+    );
+    // The submit's first write alone: the message, no record.
+    let subject = ax_core::names::ready_subject("q", meta.priority);
+    let ack = env
+        .js
+        .publish_with_headers(subject, ax_core::admit::first_headers(&meta), payload)
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let seen: Seen = Arc::default();
+    let worker = Worker::builder("q")
+        .handler({
+            let seen = seen.clone();
+            move |task: Task| {
+                seen.lock().unwrap().push((task.attempt, 0));
+                async { Ok(()) }
+            }
+        })
+        .build()
+        .unwrap();
+    let (stop, handle) = env.spawn_worker(worker);
+    let history = finish(&env, &meta.id, stop, handle).await;
+    assert_eq!(
+        kinds(&history),
+        [TaskState::Running, TaskState::Succeeded],
+        "one write to claim it"
+    );
+    assert_eq!(*seen.lock().unwrap(), [(1, 0)]);
+    let store = env.store().await;
+    let late = store
+        .create(&ax_core::unclaimed::pending_record(&meta, ack.sequence))
+        .await;
+    assert!(
+        matches!(late, Err(ax_core::state::StateError::Exists(_))),
+        "{late:?}"
+    );
+    let (rec, _) = store.get(&meta.id).await.unwrap().unwrap();
+    assert_eq!((rec.state, rec.attempt), (TaskState::Succeeded, 1));
+    assert_eq!(rec.ready_seq, Some(ack.sequence));
+}
