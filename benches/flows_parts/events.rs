@@ -183,18 +183,17 @@ pub async fn waiting(runs: usize) {
         t.elapsed().as_secs_f64() * 1000.0
     );
     // CPU of each process while the events are published and their next steps start.
-    let pids: Vec<(&str, u32)> = [
-        ("publisher", Some(std::process::id())),
-        ("nats-server", nats.pid()),
-    ]
-    .into_iter()
-    .chain(
+    let me = match deployed {
+        true => "publisher",
+        false => "bench process (server, worker, publisher)",
+    };
+    let mut pids = vec![(me, std::process::id())];
+    pids.extend(nats.pid().map(|p| ("nats-server", p)));
+    pids.extend(
         ["ax server", "worker"]
             .into_iter()
-            .zip(procs.iter().map(|p| Some(p.id()))),
-    )
-    .filter_map(|(name, pid)| Some((name, pid?)))
-    .collect();
+            .zip(procs.iter().map(|p| p.id())),
+    );
     let cpu_before: Vec<f64> = pids.iter().map(|(_, p)| usage(*p).0).collect();
     // One event per run, paced at `rate`; each publish's time noted before it is sent.
     let published: Arc<Mutex<HashMap<u64, u64>>> = Arc::default();
