@@ -21,6 +21,9 @@ pub(crate) struct Delivery<'a> {
 /// What to do with a delivery.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Decision {
+    /// No record yet, on a redelivery, or of a task whose submitter died between its two
+    /// writes: create this one (`pending`, from the headers), then decide again.
+    Create(Box<TaskRecord>),
     /// The task already succeeded (a lost ack): Ack.
     AckDuplicate,
     /// The task was cancelled before it started: Ack without running it.
@@ -39,9 +42,9 @@ pub(crate) enum Decision {
     Dead(Box<TaskRecord>),
     /// Start an attempt: write this `running` record (CAS on the revision read); the new
     /// revision is the fencing token. `lost` is true when the previous attempt stopped
-    /// heartbeating (it counts as a failed attempt). With no record read, the write is a
-    /// create-if-absent (CAS on 0), deferred on an unrecorded task's first delivery
-    /// (`attempt::start`).
+    /// heartbeating (it counts as a failed attempt). With no record read (the first
+    /// delivery of an unrecorded task), the write is a create-if-absent and may be
+    /// deferred (`attempt::start`).
     Start { rec: Box<TaskRecord>, lost: bool },
 }
 
@@ -49,13 +52,14 @@ pub(crate) enum Decision {
 pub(crate) fn decide(found: Option<&TaskRecord>, meta: &TaskMeta, d: Delivery<'_>) -> Decision {
     let mut rec = match found {
         Some(found) => found.clone(),
-        // No record: its submit stored none (an unrecorded task), or its submitter's record
-        // write has not landed yet (a flow step's or trigger fire's worker faster than it)
-        // or never will (the submitter died between its two writes). The attempt starts
-        // from the headers; its `running` record is created only if none is stored, so a
-        // record written meanwhile (a cancel, the submitter's, another copy's claim) makes
-        // the claim read again.
-        None => meta.record(),
+        // Its submit stored no record and this is the message's first delivery: no attempt
+        // can have started, so the attempt starts from the headers.
+        None if d.unrecorded_first => meta.record(),
+        None => {
+            return Decision::Create(Box::new(
+                meta.record().transition_at(TaskState::Pending, d.now_ms),
+            ))
+        }
     };
     let mut lost = false;
     match rec.state {
@@ -160,16 +164,15 @@ mod tests {
     }
 
     #[test]
-    fn a_missing_record_starts_attempt_one_from_the_headers() {
+    fn a_missing_record_is_created_pending() {
         let m = meta(3);
         match decide(None, &m, D) {
-            Decision::Start { rec, lost } => {
-                assert!(!lost);
+            Decision::Create(rec) => {
                 assert_eq!(
                     (rec.state, rec.attempt, &rec.id),
-                    (TaskState::Running, 1, &m.id)
+                    (TaskState::Pending, 0, &m.id)
                 );
-                assert_eq!((rec.ready_seq, rec.updated_at_ms), (Some(7), 1000));
+                assert_eq!(rec.updated_at_ms, 1000);
             }
             other => panic!("{other:?}"),
         }

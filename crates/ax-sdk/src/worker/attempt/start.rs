@@ -205,6 +205,14 @@ pub(super) async fn claim(sh: &Shared, meta: &TaskMeta, msg: &jetstream::Message
         observe_limit_wait(sh, found.as_ref());
     }
     match decision {
+        Decision::Create(rec) => match sh.tasks.create(&rec).await {
+            Ok(_) | Err(StateError::Exists(_)) => Claim::Again,
+            Err(e) => {
+                warn!(task_id = %meta.id, cause = %e, "cannot create record");
+                reply(msg, AckKind::Nak(Some(BROKER_RETRY))).await;
+                Claim::Done
+            }
+        },
         Decision::AckDuplicate => {
             reply(msg, AckKind::Ack).await;
             Claim::Done
@@ -262,11 +270,8 @@ pub(super) async fn claim(sh: &Shared, meta: &TaskMeta, msg: &jetstream::Message
         // created now (the last arm, CAS on 0): the dispatcher may have published its
         // ready message twice (killed between the publish and the delete, restarted after
         // the duplicate window), and the record naming this message is what retires the
-        // other copy. Any other delivery without a record (a recorded task's before its
-        // submitter's record write, or a redelivery) creates `running` now, the same way.
-        Decision::Start { rec, lost: false }
-            if found.is_none() && delivery.unrecorded_first && meta.run_at_ms.is_none() =>
-        {
+        // other copy.
+        Decision::Start { rec, lost: false } if found.is_none() && meta.run_at_ms.is_none() => {
             Claim::started(rec, 0, true)
         }
         Decision::Start { rec, lost: false }

@@ -4,7 +4,7 @@
 //! ask for (load, record, fire).
 
 use super::held::{known_fire, tracks_every_fire, Held, Outcome, RECHECK, RETRY_MS};
-use ax_core::state::{TaskRecord, TaskState};
+use ax_core::state::TaskRecord;
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, HashSet, VecDeque};
 
@@ -149,12 +149,9 @@ impl Book {
             return Seen::Nothing;
         };
         if !rec.state.is_terminal() {
-            // A task created by a fire this leader did not make (no fire of its own in
-            // flight): a previous leader's, landed late. Its first record is the fire's
-            // `pending` (attempt 0), or, when the fire's record write was lost, the claim's
-            // `running` (attempt 1, created from the message's headers); `adopt` ignores
-            // the claims of fires it knows.
-            if rec.attempt == 0 || (rec.state == TaskState::Running && rec.attempt == 1) {
+            // A task created by a fire this leader did not make (attempt 0, no fire of its
+            // own in flight): a previous leader's, landed late.
+            if rec.attempt == 0 {
                 if in_flight {
                     // Not decided now: the fire in flight may be the one that made it, or
                     // not (the R3 campaign seed 4955772603497125947: a fire its leader could
