@@ -9,6 +9,7 @@ mod browser;
 mod budget;
 mod business_id;
 mod cancel_unwritten;
+mod cas_race;
 mod chaos;
 mod console;
 mod console_guard;

@@ -208,7 +208,9 @@ pub async fn put_bytes(
             }
         }),
         Some(rev) => kv.update(key, body, rev).await.map_err(|e| {
-            if e.kind() == kv::UpdateErrorKind::WrongLastRevision {
+            // 10071, or 10164 on a replicated stream with another write of the key in
+            // flight: both a lost race.
+            if crate::error::ErrorKind::of(&e) == crate::error::ErrorKind::Conflict {
                 KvError::Stale(key.to_string())
             } else {
                 too_large(&e).unwrap_or_else(|| broker(key, "update", e))

@@ -49,12 +49,10 @@ impl Waits {
         let value = serde_json::to_vec(reg).expect("a registration serializes");
         match store.create(&reg.task, value.into()).await {
             Ok(_) => Ok(reg.clone()),
-            Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {
-                match self.get(&reg.task).await? {
-                    Some(stored) => Ok(stored),
-                    None => Err(format!("the wait {} went while it was read", reg.task).into()),
-                }
-            }
+            Err(e) if crate::typed_kv::create_lost(&e) => match self.get(&reg.task).await? {
+                Some(stored) => Ok(stored),
+                None => Err(format!("the wait {} went while it was read", reg.task).into()),
+            },
             Err(e) => Err(e.into()),
         }
     }

@@ -84,12 +84,15 @@ impl TaskStore {
         self.kv
             .purge_expect_revision(id, Some(revision))
             .await
-            .map_err(|e| match e.kind() {
-                kv::UpdateErrorKind::WrongLastRevision => StateError::Stale {
-                    id: id.to_string(),
-                    expected: revision,
-                },
-                _ => broker(id, "purge", e),
+            .map_err(|e| {
+                if crate::error::ErrorKind::of(&e) == crate::error::ErrorKind::Conflict {
+                    StateError::Stale {
+                        id: id.to_string(),
+                        expected: revision,
+                    }
+                } else {
+                    broker(id, "purge", e)
+                }
             })
     }
 
@@ -226,7 +229,9 @@ impl TaskStore {
             payload: body.clone(),
         };
         group.publish(msg).await.map_err(|e| {
-            if e.kind() == jetstream::context::PublishErrorKind::WrongLastSequence {
+            // 10071, or 10164 on a replicated bucket with another write of the key in
+            // flight (a claim racing the submitter's record write): both a lost race.
+            if crate::error::ErrorKind::of(&e) == crate::error::ErrorKind::Conflict {
                 StateError::Stale {
                     id: rec.id.clone(),
                     expected: revision,

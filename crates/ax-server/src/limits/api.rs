@@ -269,7 +269,11 @@ impl LimitApi {
                 .await
             {
                 Ok(()) => return Ok(true),
-                Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => continue,
+                Err(e)
+                    if ax_core::error::ErrorKind::of(&e) == ax_core::error::ErrorKind::Conflict =>
+                {
+                    continue
+                }
                 Err(e) => return Err(WireError::unavailable(e)),
             }
         }
