@@ -8,12 +8,15 @@
 //!
 //! `AX_BENCH_DEPLOYED=1`: as deployed, the server an `ax server` process and the worker a
 //! process of its own (this bench run again with `AX_BENCH_ROLE=event-worker`, printing
-//! `<i> <ms>` as each next step starts); this process only publishes and reads.
+//! `<i> <ms>` as each next step starts, its warnings on stderr); this process only
+//! publishes and reads.
 //! `AX_BENCH_SLOWEST=1` also prints the 30 slowest stored → taken, with when each was
 //! stored (a stall shows as a run of tasks all taken at one moment). It prints each
 //! process's CPU per event over the publishing. `AX_BENCH_NATS_ARGS` adds arguments to
 //! nats-server's (`-m 8222` to read its monitoring endpoints while the bench runs; `-V`
 //! with `AX_NATSD_LOG=1` to see every message, at a small `AX_BENCH_EVENT_RUNS`).
+//! `AX_BENCH_R3=1`: on a local 3-node cluster, every stream and bucket with three replicas
+//! (applied before the server starts); nats-server's CPU is the three nodes'.
 
 use crate::common::{env_or, percentiles, usage};
 use ax_core::time::now_ms;
@@ -21,7 +24,7 @@ use ax_sdk::flow::{FlowDef, StepDef, WaitForEventDef};
 use ax_sdk::worker::{Task, Worker};
 use ax_sdk::{Client, Output, TaskSpec, TaskState};
 use ax_server::Server;
-use ax_testkit::LocalNats;
+use ax_testkit::{LocalCluster, LocalNats};
 use futures::StreamExt;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -53,6 +56,11 @@ fn recording_worker(note: impl Fn(u64, u64) + Send + Sync + Clone + 'static) -> 
 /// The worker process of `AX_BENCH_DEPLOYED=1` (`AX_BENCH_ROLE=event-worker`, connected
 /// to `AX_BENCH_URL`): prints `<i> <ms>` as each run's next step starts.
 pub async fn worker_process() {
+    // Its warnings (a claim nak'ed, a fetch that failed) on stderr, which the bench shares.
+    tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::WARN)
+        .with_writer(std::io::stderr)
+        .init();
     let url = std::env::var("AX_BENCH_URL").expect("AX_BENCH_URL");
     let client = async_nats::connect(url).await.unwrap();
     let worker = recording_worker(|i, at| println!("{i} {at}"));
@@ -87,25 +95,50 @@ pub async fn waiting(runs: usize) {
     let deployed = env_or("AX_BENCH_DEPLOYED", 0) == 1;
     let nats_args = std::env::var("AX_BENCH_NATS_ARGS").unwrap_or_default();
     let nats_args = nats_args.split_whitespace().map(String::from).collect();
-    let nats =
-        LocalNats::start_with_args(nats_args).expect("nats-server (run via ./dev bench flows)");
+    let r3 = env_or("AX_BENCH_R3", 0) == 1;
+    let cluster = r3.then(|| LocalCluster::start(3).expect("a 3-node cluster (./dev bench flows)"));
+    let single = (!r3).then(|| {
+        LocalNats::start_with_args(nats_args).expect("nats-server (run via ./dev bench flows)")
+    });
+    let nodes: Vec<&LocalNats> = cluster
+        .iter()
+        .flat_map(|c| c.nodes.iter())
+        .chain(single.iter())
+        .collect();
+    // Every process connects to the first node (a client learns the others from it).
+    let url = nodes[0].url();
     // The server, the worker and the producer each on a connection of its own, as when
     // they run apart: one connection's reader serves its messages one after another.
-    let client = async_nats::connect(nats.url()).await.unwrap();
+    let client = async_nats::connect(url.as_str()).await.unwrap();
+    let topology = ax_server::streams::Topology {
+        replicas: if r3 { 3 } else { 1 },
+        ..Default::default()
+    };
+    if r3 {
+        let js = async_nats::jetstream::new(client.clone());
+        let t = Instant::now();
+        while let Err(e) = ax_server::streams::apply(&js, &topology, &["ev".to_string()]).await {
+            assert!(t.elapsed() < Duration::from_secs(60), "R3 streams: {e}");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
     let stop = CancellationToken::new();
     let started: Started = Arc::default();
     let mut procs = Vec::new();
     let mut tasks = Vec::new();
     if deployed {
         procs.push(crate::common::deployed::spawn_ax(
-            &nats.url(),
+            &url,
             &["server", "--queue", "ev"],
         ));
-        procs.push(spawn_worker(&nats.url(), started.clone()));
+        procs.push(spawn_worker(&url, started.clone()));
     } else {
-        let server_client = async_nats::connect(nats.url()).await.unwrap();
-        let worker_client = async_nats::connect(nats.url()).await.unwrap();
-        let server = Server::builder().queues(["ev"]).build();
+        let server_client = async_nats::connect(url.as_str()).await.unwrap();
+        let worker_client = async_nats::connect(url.as_str()).await.unwrap();
+        let server = Server::builder()
+            .queues(["ev"])
+            .topology(topology.clone())
+            .build();
         tasks.push(tokio::spawn({
             let stop = stop.clone();
             async move { server.run(server_client, stop).await.unwrap() }
@@ -139,7 +172,12 @@ pub async fn waiting(runs: usize) {
     }
     println!(
         "waiting runs: {runs} runs waiting for an event each, then one task; events published at {rate:.0}/s; \
-         one nats-server; {}",
+         {}; {}",
+        if r3 {
+            "a 3-node cluster, R3 streams"
+        } else {
+            "one nats-server"
+        },
         if deployed {
             "ax server, worker and publisher each a process"
         } else {
@@ -188,7 +226,12 @@ pub async fn waiting(runs: usize) {
         false => "bench process (server, worker, publisher)",
     };
     let mut pids = vec![(me, std::process::id())];
-    pids.extend(nats.pid().map(|p| ("nats-server", p)));
+    pids.extend(
+        nodes
+            .iter()
+            .filter_map(|n| n.pid())
+            .map(|p| ("nats-server", p)),
+    );
     pids.extend(
         ["ax server", "worker"]
             .into_iter()
