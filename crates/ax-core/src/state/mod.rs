@@ -228,18 +228,21 @@ impl TaskStore {
             headers,
             payload: body.clone(),
         };
-        group.publish(msg).await.map_err(|e| {
-            // 10071, or 10164 on a replicated bucket with another write of the key in
-            // flight (a claim racing the submitter's record write): both a lost race.
-            if crate::error::ErrorKind::of(&e) == crate::error::ErrorKind::Conflict {
-                StateError::Stale {
-                    id: rec.id.clone(),
-                    expected: revision,
+        let publish = || group.publish(msg.clone());
+        typed_kv::past_in_flight(&rec.id, publish)
+            .await
+            .map_err(|e| {
+                // 10071 (a claim racing the submitter's record write, say), or 10164 still
+                // after `past_in_flight`'s sendings: a lost race.
+                if crate::error::ErrorKind::of(&e) == crate::error::ErrorKind::Conflict {
+                    StateError::Stale {
+                        id: rec.id.clone(),
+                        expected: revision,
+                    }
+                } else {
+                    broker(&rec.id, "write", e)
                 }
-            } else {
-                broker(&rec.id, "write", e)
-            }
-        })
+            })
     }
 
     /// Cancels task `id` if no attempt of it has started (`scheduled`, `pending` or

@@ -307,6 +307,28 @@ fn typed_kind(e: &(dyn std::error::Error + 'static)) -> Option<ErrorKind> {
     None
 }
 
+/// True if `err` (or a source of it) is a replicated stream's refusal of a conditional
+/// write whose subject has another write in flight (JetStream 10164, "wrong last
+/// sequence" with no sequence). Nothing of it was stored, and it is not yet a lost race:
+/// the write in flight passed its own check and will most likely land, but may still
+/// fail, and it may even be this writer's own earlier sending (a group commit's batch
+/// whose answer was lost, sent again alone).
+pub fn is_write_in_flight(err: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur = Some(err);
+    while let Some(e) = cur {
+        if e.downcast_ref::<async_nats::jetstream::Error>()
+            .is_some_and(|js| {
+                js.error_code()
+                    == async_nats::jetstream::ErrorCode::STREAM_WRONG_LAST_SEQUENCE_CONSTANT
+            })
+        {
+            return true;
+        }
+        cur = e.source();
+    }
+    false
+}
+
 /// True if `err` (or a source of it) is a publish refused for exceeding the server's
 /// `max_payload`.
 pub(crate) fn is_max_payload(err: &(dyn std::error::Error + 'static)) -> bool {
