@@ -197,10 +197,11 @@ const IN_FLIGHT_TRIES: u32 = 8;
 /// against the key as it then is (10071: a lost race). After [`IN_FLIGHT_TRIES`] such
 /// refusals the last one is answered (a lost race to callers that classify it).
 ///
-/// Creates do not come here: a create that meets another create in flight has lost (that
-/// one found no value and lands but for a broker fault), and a claim's create racing its
-/// submitter's meets it hundreds of times in 10,000 flow events on three nodes, where a
-/// compare-and-set met it 0–4 times (docs/PERFORMANCE.md, "Flows").
+/// [`put_bytes`]'s creates do not come here: a create that meets another create in flight
+/// has lost (that one found no value and lands but for a broker fault), and a claim's
+/// create racing its submitter's meets it hundreds of times in 10,000 flow events on
+/// three nodes, where a compare-and-set met it 0–4 times (docs/PERFORMANCE.md, "Flows").
+/// A group-committed write at revision 0 (`TaskStore::cas`) does: those seldom race.
 pub(crate) async fn past_in_flight<T, E, Fut>(
     key: &str,
     mut write: impl FnMut() -> Fut,
