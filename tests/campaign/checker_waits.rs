@@ -6,11 +6,11 @@
 //!   cancel; no handler ever starts it;
 //! - ended by its timeout (no output), it ended no earlier than its due time;
 //! - ended by an event, the event is its run's order's;
-//! - if its run's event was acknowledged at least [`MARGIN_MS`] before the wait's timeout
-//!   and no cancel of the run was acknowledged, it ended with that event: no event that
-//!   matched is lost, whichever servers died meanwhile (the matcher's new leader reads the
-//!   events back). Within the margin (a matcher taking over after a kill), either end is
-//!   allowed.
+//! - if its run's event was acknowledged by its timeout (so stored by then) and no cancel
+//!   of the run was acknowledged, it ended with that event: no event that matched is
+//!   lost, whichever servers died meanwhile and however long the matcher took to read it
+//!   (a wait's timeout waits for the matcher). An event acknowledged after the timeout
+//!   may have been stored before it: either end is allowed.
 
 use crate::checker::{wait_ends, Histories, Invocation};
 use crate::flows::{Paid, RunNote};
@@ -18,10 +18,6 @@ use ax_sdk::flow::model::parse_step_task;
 use ax_sdk::TaskState;
 use serde_json::{json, Value};
 use std::collections::HashMap;
-
-/// How long before a wait's timeout its event must be stored to be owed to it: a
-/// matcher's takeover after its leader's kill (lease TTL 1.5 s, a poll, a read back).
-pub const MARGIN_MS: u64 = 5000;
 
 /// The rule's violations and how many waits it judged.
 pub fn check_waits(
@@ -65,7 +61,7 @@ pub fn check_waits(
         }
         let Some(note) = note else { continue };
         if let (Paid::Acked(at), true, None) = (note.paid, note.cancels.is_empty(), &output) {
-            if at + MARGIN_MS <= due {
+            if at <= due {
                 v.push(format!(
                     "{id}: its event was stored at {at}, {} ms before its timeout, and it timed out",
                     due - at
@@ -139,10 +135,18 @@ mod tests {
             .len(),
             1
         );
-        // Within the margin, either end.
+        // Acknowledged at its timeout: owed. After it: either end.
+        assert_eq!(
+            judge(
+                history(&[(Scheduled, None), (Succeeded, None)], 10_050),
+                Paid::Acked(10_000)
+            )
+            .len(),
+            1
+        );
         assert!(judge(
-            history(&[(Scheduled, None), (Succeeded, None)], 10_000),
-            Paid::Acked(9_000)
+            history(&[(Scheduled, None), (Succeeded, None)], 10_050),
+            Paid::Acked(10_001)
         )
         .is_empty());
         assert_eq!(

@@ -296,6 +296,76 @@ async fn events_published_while_no_server_runs_end_every_wait_once() {
     drop(servers);
 }
 
+/// An event stored before its wait's timeout ends the wait, however late the matcher gets
+/// to it: the timeout waits for the matcher to let the wait go. Here the first server's
+/// matcher never starts (its scheduler runs the timeouts), and a server that has one
+/// comes 2 s after the timeout. Red before the timeout waited: that wait timed out (the R3
+/// fault campaign met it with the matcher's leader stalled on the broker, the event stored
+/// 8.4 s before the timeout).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_stored_in_time_ends_its_wait_however_late_the_matcher_comes() {
+    let faults = ax_core::faults::Faults::armed();
+    faults.fail_service_starts("event-matcher", 1000);
+    let env = Env::start(Env::server().faults(faults)).await;
+    let calls = Calls::default();
+    let (_stop, _w) = env.spawn_worker(flow_worker(calls.clone()));
+    let timeout = Duration::from_millis(1500);
+    let def = FlowDef::new("pay_late")
+        .step(StepDef::wait_for_event(
+            "w",
+            "q",
+            paid(timeout, OnTimeout::Fail, None),
+        ))
+        .step(step("b", "echo").needs(["w"]));
+    env.ax.put_flow(&def).await.unwrap();
+    let paid_run = env
+        .ax
+        .run_flow("pay_late", json!({"order": 1}))
+        .await
+        .unwrap();
+    let unpaid_run = env
+        .ax
+        .run_flow("pay_late", json!({"order": 2}))
+        .await
+        .unwrap();
+    waiting(&env.ax, &paid_run, "w", "event").await;
+    waiting(&env.ax, &unpaid_run, "w", "event").await;
+    env.ax
+        .publish_event("order.paid", &json!({"order_id": 1}), None)
+        .await
+        .unwrap();
+    tokio::time::sleep(timeout + Duration::from_secs(2)).await;
+    let view = env
+        .ax
+        .flow("get", &json!({ "run": paid_run }))
+        .await
+        .unwrap();
+    let w_id = view["steps"][0]["task_id"].as_str().unwrap().to_string();
+    assert!(
+        !env.record(&w_id).await.state.is_terminal(),
+        "timed out with its event stored and no matcher to read it"
+    );
+    let _matcher = AxProc::spawn(&env.nats.url(), &SERVER_ARGS);
+    let ended = finish(&env.ax, &paid_run).await;
+    assert_eq!(ended.state, RunState::Succeeded, "{:?}", ended.reason);
+    assert_eq!(
+        echoed(&env.ax, &paid_run, 1).await,
+        json!({"w": {"order_id": 1}})
+    );
+    assert_eq!(endings(&env.ax, &w_id).await, 1);
+    // The wait no event met times out by its policy once the matcher let it go.
+    let ended = finish(&env.ax, &unpaid_run).await;
+    assert_eq!(ended.state, RunState::Failed, "{:?}", ended.reason);
+    let (_, steps) = env.ax.flow_run(&unpaid_run).await.unwrap().unwrap();
+    let error = steps[0].error.as_ref().expect("its error");
+    assert_eq!(error.class, "wait_timed_out", "{}", error.message);
+    assert_eq!(
+        calls.lock().unwrap().len(),
+        1,
+        "b ran for the paid run only"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_waits_and_bad_events_are_refused_by_field() {
     let env = Env::start(Env::server()).await;

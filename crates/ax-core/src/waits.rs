@@ -67,6 +67,18 @@ impl Waits {
         Ok(entry.and_then(|v| serde_json::from_slice(&v).ok()))
     }
 
+    /// Whether task `id` is registered, as the bucket stream's leader has it (a replica
+    /// behind it may not have a registration just stored, or may still have one just
+    /// removed). A wait for an event's timeout ends it only once this says no: the
+    /// matcher removes a registration when it has matched it, or has read every event
+    /// stored up to its timeout and none matched (docs/PROTOCOL.md §6, "Events").
+    pub async fn registered(&self, id: &str) -> Result<bool, async_nats::Error> {
+        let store = self.store().await?;
+        let read = || crate::kv_read::latest(store, id);
+        let entry = crate::follow::across_reconnects(&self.js.client(), read).await?;
+        Ok(entry.is_some_and(|e| e.operation == kv::Operation::Put))
+    }
+
     /// Every registration stored (ones that do not decode are left out), read in one
     /// pass (the bucket's last values, pulled in batches) rather than a read per key: a
     /// listing of approvals beside 10,000 waits for events took 10,001 round trips.

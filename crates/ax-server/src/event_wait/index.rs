@@ -6,6 +6,11 @@
 //! new event is looked up in the waits' index (one hash lookup per set of match fields
 //! in use for its name); a new wait walks the recent events of its name, oldest first,
 //! so it takes the first event that matches.
+//!
+//! An event counts for a wait if it was stored from the wait's `since_ms` to its
+//! `until_ms` (its timeout). A wait that met none by the time the service has read an
+//! event (or learnt of none) stored after its timeout has timed out
+//! ([`Index::timed_out`]): it meets nothing more, and the service lets its registration go.
 
 use ax_core::event::{key_of, WaitRegistration};
 use bytes::Bytes;
@@ -47,6 +52,8 @@ struct Entry {
     key: String,
     /// The event it met (being ended with it): it meets no other.
     hit: Option<Arc<Seen>>,
+    /// No event met it up to its timeout: it meets none.
+    timed_out: bool,
 }
 
 type ByKey = HashMap<String, BTreeSet<String>>;
@@ -66,6 +73,8 @@ pub(crate) struct Index {
     pub(crate) dropped_early: u64,
     /// How many of `waits` are approvals (held only for the sweep: they meet no event).
     approvals: usize,
+    /// The waits for events that met nothing yet, by timeout: `(until_ms, task)`.
+    due: BTreeSet<(u64, String)>,
 }
 
 impl Index {
@@ -81,6 +90,7 @@ impl Index {
             max_bytes,
             dropped_early: 0,
             approvals: 0,
+            due: BTreeSet::new(),
         }
     }
 
@@ -109,6 +119,7 @@ impl Index {
                 fields,
                 key,
                 hit: None,
+                timed_out: false,
             };
             self.waits.insert(task, entry);
             return None;
@@ -117,7 +128,8 @@ impl Index {
             events
                 .iter()
                 .find(|e| {
-                    e.at_ms >= reg.since_ms && key_of(&e.payload, &fields).as_ref() == Some(&key)
+                    (reg.since_ms..=reg.until_ms).contains(&e.at_ms)
+                        && key_of(&e.payload, &fields).as_ref() == Some(&key)
                 })
                 .cloned()
         });
@@ -130,12 +142,14 @@ impl Index {
                 .entry(key.clone())
                 .or_default()
                 .insert(task.clone());
+            self.due.insert((reg.until_ms, task.clone()));
         }
         let entry = Entry {
             reg,
             fields,
             key,
             hit: hit.clone(),
+            timed_out: false,
         };
         self.waits.insert(task.clone(), entry);
         hit.map(|event| Hit { task, event })
@@ -150,6 +164,12 @@ impl Index {
             self.approvals -= 1;
             return;
         }
+        self.due.remove(&(entry.reg.until_ms, task.to_string()));
+        self.unshape(&entry, task);
+    }
+
+    /// Takes wait `task` (its `entry`) out of the lookup of new events.
+    fn unshape(&mut self, entry: &Entry, task: &str) {
         let Some(shapes) = self.shapes.get_mut(&entry.reg.event) else {
             return;
         };
@@ -169,6 +189,40 @@ impl Index {
         }
     }
 
+    /// The waits for events that met nothing by their timeout, now that every event
+    /// stored before `seen_ms` has been looked at: each meets nothing from now on, and is
+    /// answered once (the service lets its registration go; its timeout then ends it).
+    pub(crate) fn timed_out(&mut self, seen_ms: u64) -> Vec<String> {
+        let mut out = Vec::new();
+        while let Some((until, _)) = self.due.first() {
+            if *until >= seen_ms {
+                break;
+            }
+            let (_, task) = self.due.pop_first().expect("looked at");
+            let Some(entry) = self.waits.remove(&task) else {
+                continue;
+            };
+            self.unshape(&entry, &task);
+            let entry = Entry {
+                timed_out: true,
+                ..entry
+            };
+            self.waits.insert(task.clone(), entry);
+            out.push(task);
+        }
+        out
+    }
+
+    /// The earliest timeout of a wait for an event that met nothing yet.
+    pub(crate) fn next_due(&self) -> Option<u64> {
+        self.due.first().map(|(until, _)| *until)
+    }
+
+    /// Whether wait `task` timed out here ([`Index::timed_out`]) and is still registered.
+    pub(crate) fn is_timed_out(&self, task: &str) -> bool {
+        self.waits.get(task).is_some_and(|e| e.timed_out)
+    }
+
     /// An event stored at `now_ms`-ish: the waits it meets (each meets one event).
     pub(crate) fn event(&mut self, seen: Seen, now_ms: u64) -> Vec<Hit> {
         let seen = Arc::new(seen);
@@ -184,9 +238,9 @@ impl Index {
                 let met: Vec<String> = ids
                     .iter()
                     .filter(|id| {
-                        self.waits
-                            .get(*id)
-                            .is_some_and(|e| e.reg.since_ms <= seen.at_ms)
+                        self.waits.get(*id).is_some_and(|e| {
+                            (e.reg.since_ms..=e.reg.until_ms).contains(&seen.at_ms)
+                        })
                     })
                     .cloned()
                     .collect();
@@ -194,6 +248,7 @@ impl Index {
                     ids.remove(&id);
                     if let Some(entry) = self.waits.get_mut(&id) {
                         entry.hit = Some(seen.clone());
+                        self.due.remove(&(entry.reg.until_ms, id.clone()));
                     }
                     hits.push(Hit {
                         task: id,
@@ -317,6 +372,49 @@ mod tests {
         ix.unregister("w5");
         assert!(ix.event(seen(8, 170, 10), 170).is_empty());
         assert_eq!(ix.hit_of("w2").map(|h| h.event.seq), Some(5));
+    }
+
+    /// An event counts up to the wait's timeout; a wait that met none by then is answered
+    /// once as timed out, when an event (or an ask) stored after it has been read, and
+    /// meets nothing after.
+    #[test]
+    fn a_wait_times_out_once_every_event_up_to_its_timeout_was_looked_at() {
+        let mut ix = Index::new(60_000, 1 << 20);
+        let until = |task: &str, order: u64, until_ms: u64| {
+            let mut r = reg(task, order, 0);
+            r.until_ms = until_ms;
+            r
+        };
+        assert!(ix.register(until("w1", 7, 1_000)).is_none());
+        assert!(ix.register(until("w2", 8, 2_000)).is_none());
+        assert_eq!(ix.next_due(), Some(1_000));
+        // Stored at its timeout: counts.
+        let hits = ix.event(seen(1, 1_000, 7), 1_000);
+        assert_eq!(hits.len(), 1);
+        assert_eq!(
+            ix.next_due(),
+            Some(2_000),
+            "a wait that met its event is not due"
+        );
+        // Up to its timeout, nothing is timed out; past it, once.
+        assert!(ix.timed_out(2_000).is_empty());
+        // An event stored after w2's timeout does not meet it...
+        assert!(ix.event(seen(2, 2_001, 8), 2_001).is_empty());
+        // ...and once it has been read, w2 is timed out, once.
+        assert_eq!(ix.timed_out(2_001), ["w2".to_string()]);
+        assert!(ix.timed_out(5_000).is_empty());
+        assert!(ix.is_timed_out("w2") && ix.hit_of("w2").is_none());
+        assert!(ix.event(seen(3, 2_002, 8), 2_002).is_empty());
+        assert_eq!(ix.next_due(), None);
+        // A wait read late meets an event of its lookback only up to its timeout.
+        assert!(
+            ix.register(until("w3", 8, 1_500)).is_none(),
+            "8's events came after"
+        );
+        assert_eq!(ix.timed_out(2_002), ["w3".to_string()]);
+        assert!(ix.register(until("w4", 8, 2_001)).is_some(), "met by seq 2");
+        ix.unregister("w2");
+        assert!(!ix.is_timed_out("w2"));
     }
 
     #[test]

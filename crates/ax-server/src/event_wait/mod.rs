@@ -13,6 +13,14 @@
 //! ended (a timeout, the run's cancel, another leader) stays as it is: the wait ends
 //! once. A wait whose record is not stored yet (its submit is being retried) is tried
 //! again; one past its timeout with its record ended or never stored is removed.
+//!
+//! **Timeouts wait for the matcher.** A wait's timeout (its delayed message, `schedule::
+//! wake`) ends it only once its registration is gone. The matcher removes the
+//! registration of a wait that met nothing when it has looked at every event stored up
+//! to the wait's timeout: it has read one stored after it, or it asked the stream for its
+//! last sequence after the timeout and has read up to it. So an event stored in time
+//! ends its wait however long the matcher was down or behind; the timeout comes late
+//! instead.
 
 mod index;
 
@@ -46,6 +54,11 @@ const MAX_HELD_BYTES: usize = 64 << 20;
 const IN_FLIGHT: usize = 256;
 /// How long after its timeout a wait's registration is checked for removal.
 const OVERDUE_GRACE_MS: u64 = 60_000;
+/// Least time between two asks of `AX_EVENTS`'s last sequence (a wait is due and no event
+/// stored after its timeout has been read).
+const PROBE_EVERY: Duration = Duration::from_millis(50);
+/// The same while the feed has not read up to the last answer yet.
+const PROBE_AGAIN: Duration = Duration::from_secs(1);
 
 /// Errors that end a term as leader.
 #[derive(Debug, thiserror::Error)]
@@ -69,6 +82,18 @@ pub(crate) struct EventWaits {
     pub(crate) lease_ttl: Duration,
     pub(crate) id: String,
 }
+
+/// What the matcher does to a wait.
+enum Work {
+    /// End it with the event it met.
+    Hit(Hit),
+    /// Let its registration go: it met nothing by its timeout.
+    TimedOut(String),
+}
+
+/// The stream's last message as asked after a wait's timeout: `(asked_at_ms, last_seq,
+/// last_stored_ms)`.
+type Probe = (u64, u64, u64);
 
 /// How ending a wait went.
 enum Ended {
@@ -134,12 +159,23 @@ struct Term {
     ctx: Arc<Context>,
     results: ResultStore,
     index: Index,
-    /// Hits waiting for room among the ends in flight.
-    queued: VecDeque<Hit>,
+    /// Work waiting for room among the ends in flight.
+    queued: VecDeque<Work>,
     ending: JoinSet<(String, Result<Ended, String>)>,
     /// Waits to end again (`(when, task)`), after a failed try or with no record yet.
     again: BTreeSet<(Instant, String)>,
     checking: JoinSet<()>,
+    /// Every event stored before this time (ms) has been read.
+    seen_ms: u64,
+    /// The `AX_EVENTS` sequence of the last event read.
+    read_seq: u64,
+    /// When the event feed starts (its events stored from then on are read).
+    feed_from_ms: u64,
+    /// An ask of the stream's last sequence in flight, and when the last one was sent.
+    probing: JoinSet<Result<Probe, String>>,
+    probed_at: Option<Instant>,
+    /// An answer to it not read up to yet: `(asked_at_ms, last_seq)`.
+    caught_up_at: Option<(u64, u64)>,
 }
 
 impl Term {
@@ -152,6 +188,12 @@ impl Term {
             ending: JoinSet::new(),
             again: BTreeSet::new(),
             checking: JoinSet::new(),
+            seen_ms: 0,
+            read_seq: 0,
+            feed_from_ms: now_ms().saturating_sub(WINDOW.as_millis() as u64),
+            probing: JoinSet::new(),
+            probed_at: None,
+            caught_up_at: None,
         }
     }
 
@@ -177,6 +219,7 @@ impl Term {
         loop {
             self.start_ends();
             let next = self.again.first().map(|(at, _)| *at);
+            let probe = self.probe_at();
             tokio::select! {
                 _ = shutdown.cancelled() => return Ok(Stop::Shutdown),
                 _ = renew.tick() => {
@@ -199,6 +242,12 @@ impl Term {
                     self.on_ended(ended);
                 }
                 Some(_) = self.checking.join_next(), if !self.checking.is_empty() => {}
+                Some(probed) = self.probing.join_next(), if !self.probing.is_empty() => {
+                    self.on_probe(probed);
+                }
+                _ = tokio::time::sleep_until(probe.unwrap_or_else(Instant::now)), if probe.is_some() => {
+                    self.probe();
+                }
                 _ = tokio::time::sleep_until(next.unwrap_or_else(Instant::now)), if next.is_some() => {
                     self.retry_due();
                 }
@@ -213,7 +262,7 @@ impl Term {
 
     /// The events of the last [`WINDOW`], then every new one.
     async fn follow_events(&self) -> Result<consumer::pull::Ordered, EventWaitError> {
-        let from = now_ms().saturating_sub(WINDOW.as_millis() as u64);
+        let from = self.feed_from_ms;
         let start_time =
             time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(from) * 1_000_000)
                 .unwrap_or(time::OffsetDateTime::UNIX_EPOCH);
@@ -235,8 +284,9 @@ impl Term {
         match serde_json::from_slice::<WaitRegistration>(&entry.value) {
             Ok(reg) if reg.task == entry.key => {
                 if let Some(hit) = self.index.register(reg) {
-                    self.queued.push_back(hit);
+                    self.queued.push_back(Work::Hit(hit));
                 }
+                self.time_out();
             }
             Ok(_) | Err(_) => {
                 warn!(key = %entry.key, "a wait in AX_WAITS does not decode or names another task; ignored")
@@ -262,19 +312,103 @@ impl Term {
         if self.index.dropped_early > before {
             metrics::counter!(m::EVENTS_DROPPED_EARLY).increment(self.index.dropped_early - before);
         }
-        self.queued.extend(hits);
+        self.queued.extend(hits.into_iter().map(Work::Hit));
+        // Read up to here: every event stored before this one (and before an ask answered
+        // with this sequence) has been looked at.
+        self.read_seq = info.stream_sequence;
+        self.seen_ms = self.seen_ms.max(at_ms);
+        if let Some((asked_at, last)) = self.caught_up_at {
+            if self.read_seq >= last {
+                self.seen_ms = self.seen_ms.max(asked_at);
+                self.caught_up_at = None;
+            }
+        }
+        self.time_out();
     }
 
-    /// Starts ends for queued hits while there is room.
+    /// Lets go of the waits that met nothing by their timeout.
+    fn time_out(&mut self) {
+        let timed_out = self.index.timed_out(self.seen_ms);
+        self.queued
+            .extend(timed_out.into_iter().map(Work::TimedOut));
+    }
+
+    /// When to ask the stream for its last sequence: a wait is due, no event stored
+    /// after its timeout has been read, and no ask is in flight.
+    fn probe_at(&self) -> Option<Instant> {
+        let due = self.index.next_due()?;
+        if !self.probing.is_empty() || self.seen_ms > due {
+            return None;
+        }
+        let now = Instant::now();
+        let after_due = now + Duration::from_millis((due + 1).saturating_sub(now_ms()));
+        // Answered already, with a sequence the feed has not read up to: the feed is
+        // behind, and reading on moves time on; asked again now and then (the last
+        // message may be gone before the feed reads it).
+        let every = match self.caught_up_at {
+            Some(_) => PROBE_AGAIN,
+            None => PROBE_EVERY,
+        };
+        Some(match self.probed_at {
+            Some(at) => after_due.max(at + every),
+            None => after_due,
+        })
+    }
+
+    /// Asks `AX_EVENTS` for its last sequence (answered by its leader): once the feed has
+    /// read up to it, every event stored before the ask has been looked at.
+    fn probe(&mut self) {
+        self.probed_at = Some(Instant::now());
+        let js = self.ctx.js.clone();
+        self.probing.spawn(async move {
+            let asked_at = now_ms();
+            let stream = js
+                .get_stream(EVENT_STREAM)
+                .await
+                .map_err(|e| e.to_string())?;
+            let state = &stream.cached_info().state;
+            let last_ms = (state.last_timestamp.unix_timestamp_nanos() / 1_000_000).max(0) as u64;
+            Ok((asked_at, state.last_sequence, last_ms))
+        });
+    }
+
+    fn on_probe(&mut self, probed: Result<Result<Probe, String>, tokio::task::JoinError>) {
+        let (asked_at, last, last_ms) = match probed {
+            Ok(Ok(probe)) => probe,
+            Ok(Err(cause)) => {
+                debug!(%cause, "the event stream's last sequence not read; asked again");
+                return;
+            }
+            Err(_) => return,
+        };
+        // Read up to it already, or its last event is older than the feed's start.
+        if self.read_seq >= last || last_ms < self.feed_from_ms {
+            self.seen_ms = self.seen_ms.max(asked_at);
+            self.caught_up_at = None;
+            self.time_out();
+        } else {
+            self.caught_up_at = Some((asked_at, last));
+        }
+    }
+
+    /// Starts the queued work while there is room among the ends in flight.
     fn start_ends(&mut self) {
         while self.ending.len() < IN_FLIGHT {
-            let Some(hit) = self.queued.pop_front() else {
+            let Some(work) = self.queued.pop_front() else {
                 return;
             };
             let (ctx, results) = (self.ctx.clone(), self.results.clone());
             self.ending.spawn(async move {
-                let task = hit.task.clone();
-                (task, end(&ctx, &results, &hit).await)
+                match work {
+                    Work::Hit(hit) => {
+                        let task = hit.task.clone();
+                        (task, end(&ctx, &results, &hit).await)
+                    }
+                    Work::TimedOut(task) => {
+                        let gone = let_go(&ctx, &task).await;
+                        (task, gone)
+                    }
+                }
             });
         }
     }
@@ -304,7 +438,9 @@ impl Term {
             }
             self.again.pop_first();
             if let Some(hit) = self.index.hit_of(&task) {
-                self.queued.push_back(hit);
+                self.queued.push_back(Work::Hit(hit));
+            } else if self.index.is_timed_out(&task) {
+                self.queued.push_back(Work::TimedOut(task));
             }
         }
     }
@@ -337,6 +473,17 @@ impl Term {
             }
         });
     }
+}
+
+/// Removes the registration of wait `task`, which met no event by its timeout: its
+/// timeout's dispatch, refused while it is registered, then ends it by its policy.
+async fn let_go(ctx: &Context, task: &str) -> Result<Ended, String> {
+    debug!(task_id = %task, "wait met no event by its timeout; its registration let go");
+    ctx.waits
+        .remove(task)
+        .await
+        .map_err(|e| format!("removing the registration: {e}"))?;
+    Ok(Ended::Done)
 }
 
 /// Ends wait `hit.task` with its event's payload (if it has not ended), then removes its

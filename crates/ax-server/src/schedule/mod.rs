@@ -86,6 +86,8 @@ pub(crate) struct Scheduler {
     pub(crate) faults: ax_core::faults::Faults,
     /// Task records: a flow's wait task ([`wake`]) is ended here, not by a worker.
     pub(crate) tasks: ax_core::state::TaskStore,
+    /// The flows' waits for events: one times out only once the matcher let it go.
+    pub(crate) waits: ax_core::waits::Waits,
 }
 
 /// Per-scheduler counts behind the process-wide gauges `ax_pending_dispatch` and
@@ -175,6 +177,7 @@ impl Scheduler {
                 let batch = std::mem::replace(&mut due, rest);
                 let (js, stream, token) = (self.js.clone(), stream.clone(), shutdown.clone());
                 let (faults, tasks) = (self.faults.clone(), self.tasks.clone());
+                let waits = self.waits.clone();
                 dispatching.spawn(async move {
                     let n = batch.len();
                     let to = To {
@@ -182,6 +185,7 @@ impl Scheduler {
                         stream: &stream,
                         faults: &faults,
                         tasks: &tasks,
+                        waits: &waits,
                     };
                     tokio::select! {
                         _ = token.cancelled() => (0..n).map(|_| (None, Outcome::Gone)).collect(),
@@ -370,6 +374,7 @@ struct To<'a> {
     stream: &'a stream::Stream,
     faults: &'a Faults,
     tasks: &'a ax_core::state::TaskStore,
+    waits: &'a ax_core::waits::Waits,
 }
 
 /// Moves one delayed task to its ready subject (it is due).
@@ -403,7 +408,7 @@ async fn dispatch(to: &To<'_>, d: Due) -> Outcome {
         return window::close(js, seq, due, headers, payload, faults).await;
     }
     if let Some(wait) = headers.get(header::WAIT) {
-        return wake::wake(to.js, to.tasks, seq, due, wait.as_str(), &headers).await;
+        return wake::wake(to.js, to.tasks, to.waits, seq, due, wait.as_str(), &headers).await;
     }
     let (subject, id) = match TaskMeta::ready_route(&headers) {
         Ok((subject, id)) => (subject, id.to_string()),

@@ -7,8 +7,14 @@
 //! message is dispatched again and finds the record ended: only the delete is left to do.
 //! A wait that ended meanwhile (an event, the run's cancel) keeps its record. A wait whose
 //! record does not exist yet (the submit stores the message first, and may die before the
-//! record) gets the record its message stands for, created here, and ends. The
-//! registration of a wait for an event is removed by the matcher (`event_wait`).
+//! record) gets the record its message stands for, created here, and ends.
+//!
+//! A wait for an event times out only once the matcher (`event_wait`) has removed its
+//! registration: it does so when it has read every event stored up to the timeout and
+//! none matched (or when one did, and it ended the wait). Until then the message is
+//! refused and retried with backoff, so an event stored in time is never lost to a
+//! matcher that was down or behind when the timeout came (the R3 fault campaign found
+//! one timed out 8.4 s after its event was stored, the matcher stalled on the broker).
 
 use super::outcome::Outcome;
 use ax_core::admit::delete_delayed;
@@ -17,16 +23,22 @@ use ax_core::names::DELAYED_STREAM;
 use ax_core::state::ErrorInfo;
 use ax_core::state::TaskStore;
 use ax_core::task::{header, Wait};
+use ax_core::waits::Waits;
 use tracing::{debug, warn};
 
 /// The error class of a child flow's wait that timed out (the flow engine then cancels
 /// the child run).
 pub(crate) const CHILD_TIMED_OUT: &str = "child_timed_out";
 
+/// The group that waits for events due while the matcher holds them park in: one of them
+/// is tried again at a time, with backoff, and the rest follow once it goes through.
+const MATCHER_BEHIND: &str = "(wake: matcher behind)";
+
 /// Ends the wait task stored at `seq` of `AX_DELAYED` (`wait`: its `Ax-Wait` value).
 pub(super) async fn wake(
     js: &async_nats::jetstream::Context,
     tasks: &TaskStore,
+    waits: &Waits,
     seq: u64,
     due: u64,
     wait: &str,
@@ -43,6 +55,25 @@ pub(super) async fn wake(
         warn!(seq, task_id = %id, wait, "wait task of a kind this server does not know; left in place");
         return Outcome::Bad;
     };
+    if let Wait::Event(_) = kind {
+        let refused = |group: &str| Outcome::Refused {
+            group: group.into(),
+            due,
+            seq,
+            body: None,
+        };
+        match waits.registered(&id).await {
+            Ok(false) => {}
+            Ok(true) => {
+                debug!(task_id = %id, "wait for an event due, its registration still held by the matcher; retried");
+                return refused(MATCHER_BEHIND);
+            }
+            Err(e) => {
+                debug!(task_id = %id, cause = %e, "wait for an event due, its registration not read; retried");
+                return refused("(wake)");
+            }
+        }
+    }
     let mut ended = end(tasks, &id, kind).await;
     if let Ok(None) = ended {
         // No record yet: its submit stores the message first and the record after (or

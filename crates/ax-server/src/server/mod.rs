@@ -328,6 +328,7 @@ impl Server {
             totals: Arc::new(Totals::new(names::DELAYED_PARTITIONS as usize)),
             faults: ctx.faults.clone(),
             tasks: ctx.tasks.clone(),
+            waits: ctx.waits.clone(),
         };
         let (id, ttl) = (self.id.clone(), self.partition_ttl);
         services.spawn("delayed-dispatch", move |token| {
