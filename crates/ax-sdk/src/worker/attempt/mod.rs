@@ -163,10 +163,10 @@ async fn process(
     };
     // A revision conflict means another writer moved the record: read it again and decide
     // anew. A few in a row only happen under contention; then hand the delivery back.
-    for _ in 0..5 {
+    for round in 0..5 {
         let claiming = Instant::now();
         let connects = sh.reconnected.count();
-        match claim(sh, meta, msg).await {
+        match claim(sh, meta, msg, round > 0).await {
             Claim::Started(claimed) => {
                 sh.faults.claimed().await;
                 // Under a rate: the handler starts when its token is due (the claim ran in

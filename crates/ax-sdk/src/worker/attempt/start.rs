@@ -144,8 +144,18 @@ impl Claim {
     }
 }
 
-/// Reads the record and carries out [`decide`]'s decision.
-pub(super) async fn claim(sh: &Shared, meta: &TaskMeta, msg: &jetstream::Message) -> Claim {
+/// Reads the record and carries out [`decide`]'s decision. `after_lost_race`: an earlier
+/// round lost a write to another writer of the record; it is read from the bucket's
+/// leader, which has that writer's record, where a replica behind may not (read there
+/// again, a claim whose create lost to its submitter's found no record five times over
+/// and handed its delivery back for a second: the likely cause of one flow step started
+/// 1,042 ms late in the flows' events bench on three nodes).
+pub(super) async fn claim(
+    sh: &Shared,
+    meta: &TaskMeta,
+    msg: &jetstream::Message,
+    after_lost_race: bool,
+) -> Claim {
     let delivered = msg.info().map_or(1, |i| i.delivered);
     let delivery = Delivery {
         seq: msg.info().map_or(0, |i| i.stream_sequence),
@@ -159,7 +169,13 @@ pub(super) async fn claim(sh: &Shared, meta: &TaskMeta, msg: &jetstream::Message
     // nothing measurable).
     sh.faults.reading_record().await;
     let client = sh.js.client();
-    let found = match ax_core::follow::across_reconnects(&client, || sh.tasks.get(&meta.id)).await {
+    let read = || async {
+        match after_lost_race {
+            true => sh.tasks.get_latest(&meta.id).await,
+            false => sh.tasks.get(&meta.id).await,
+        }
+    };
+    let found = match ax_core::follow::across_reconnects(&client, read).await {
         Ok(found) => found,
         Err(e) => {
             warn!(task_id = %meta.id, cause = %e, "cannot read record");
