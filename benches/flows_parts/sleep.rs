@@ -2,10 +2,13 @@
 //! 60,000 ms) on an ax server in this process: the memory each sleeping run costs (live
 //! heap and RSS, measured once every run sleeps), and the wake-up lag of every sleep from
 //! its wait task's record (`finished_at_ms` − `run_at_ms`, ms). Printed, not asserted.
+//! With `AX_BENCH_SLEEP_KIND=event` the step is a wait for an event that never comes
+//! (each run's its own match, `on_timeout: continue`), timing out after the same time:
+//! the same figures for waits for events, whose timeouts wait for the event matcher.
 
 use super::{live_heap, MIB};
 use crate::common::{env_or, percentiles, usage};
-use ax_sdk::flow::{FlowDef, StepDef};
+use ax_sdk::flow::{FlowDef, OnTimeout, StepDef, WaitForEventDef};
 use ax_sdk::{Client, TaskState};
 use ax_server::Server;
 use ax_testkit::LocalNats;
@@ -26,11 +29,31 @@ pub async fn sleeping(runs: usize) {
             .run(client.clone(), stop.clone()),
     );
     let ax = Client::new(client.clone());
-    let def = FlowDef::new("nap").step(StepDef::sleep_for(
-        "z",
-        "nap",
-        Duration::from_millis(sleep_ms),
-    ));
+    let kind = std::env::var("AX_BENCH_SLEEP_KIND").unwrap_or_default();
+    let waits_for_event = kind == "event";
+    let step = match waits_for_event {
+        true => {
+            let matches = serde_json::json!({"i": "$input.i"});
+            StepDef::wait_for_event(
+                "z",
+                "nap",
+                WaitForEventDef {
+                    event: "bench.never".into(),
+                    matches: matches.as_object().cloned().expect("an object"),
+                    timeout_ms: Some(sleep_ms),
+                    on_timeout: OnTimeout::Continue,
+                    lookback_ms: None,
+                    queue: None,
+                },
+            )
+        }
+        false => StepDef::sleep_for("z", "nap", Duration::from_millis(sleep_ms)),
+    };
+    let what = match waits_for_event {
+        true => "wait for an event that never comes, timing out after",
+        false => "sleep",
+    };
+    let def = FlowDef::new("nap").step(step);
     while ax.put_flow(&def).await.is_err() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -38,8 +61,8 @@ pub async fn sleeping(runs: usize) {
     let (_, rss0) = usage(pid);
     let heap0 = live_heap();
     println!(
-        "sleeping runs: {runs} runs of one sleep step of {sleep_ms} ms; one nats-server; ax server and client in \
-         this process"
+        "sleeping runs: {runs} runs of one step, a {what} {sleep_ms} ms; one nats-server; ax server and client \
+         in this process"
     );
     let t = Instant::now();
     let mut starts = futures::stream::iter(0..runs)
@@ -111,7 +134,7 @@ pub async fn sleeping(runs: usize) {
     let woke = lags.len();
     let (p50, p99, max) = percentiles(lags.into_values().collect());
     println!(
-        "  {woke} of {runs} sleeps ended; wake-up lag after the due time: p50 {p50:.0} ms, p99 {p99:.0} ms, max \
+        "  {woke} of {runs} steps ended; wake-up lag after the due time: p50 {p50:.0} ms, p99 {p99:.0} ms, max \
          {max:.0} ms (the due times spread over {:.1} s, as the runs started)",
         started.as_secs_f64()
     );

@@ -419,6 +419,7 @@ async fn approvals_are_listed_from_among_many_waits_for_events() {
         since_ms: 1,
         until_ms: u64::MAX / 2,
         approval: None,
+        on_timeout: None,
     };
     env.ax
         .put_flow(&gated("ship", Duration::from_secs(600), OnTimeout::Fail))

@@ -32,6 +32,11 @@ pub struct WaitRegistration {
     /// An approval's step and token (then `event` is empty and `match` too).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub approval: Option<ApprovalWait>,
+    /// What a wait for an event does at its timeout (its wait task's `Ax-Wait`): the
+    /// matcher ends it so once it has read every event stored up to the timeout. Absent
+    /// (a registration stored before 2026-12-07): the timeout's dispatch ends it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_timeout: Option<OnTimeout>,
 }
 
 /// What an approval's registration holds beside its times.

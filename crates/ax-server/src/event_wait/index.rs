@@ -218,6 +218,11 @@ impl Index {
         self.due.first().map(|(until, _)| *until)
     }
 
+    /// What wait `task` does at its timeout, if its registration says.
+    pub(crate) fn on_timeout(&self, task: &str) -> Option<ax_core::event::OnTimeout> {
+        self.waits.get(task).and_then(|e| e.reg.on_timeout)
+    }
+
     /// Whether wait `task` timed out here ([`Index::timed_out`]) and is still registered.
     pub(crate) fn is_timed_out(&self, task: &str) -> bool {
         self.waits.get(task).is_some_and(|e| e.timed_out)

@@ -15,19 +15,21 @@
 //! again; one past its timeout with its record ended or never stored is removed.
 //!
 //! **Timeouts wait for the matcher.** A wait's timeout (its delayed message, `schedule::
-//! wake`) ends it only once its registration is gone. The matcher removes the
-//! registration of a wait that met nothing when it has looked at every event stored up
-//! to the wait's timeout: it has read one stored after it, or it asked the stream for its
-//! last sequence after the timeout and has read up to it. So an event stored in time
-//! ends its wait however long the matcher was down or behind; the timeout comes late
-//! instead.
+//! wake`) ends it only once its registration is gone. The matcher ends a wait that met
+//! nothing by its `on_timeout` (then removes its delayed message and its registration)
+//! when it has looked at every event stored up to the wait's timeout: it has read one
+//! stored after it, or it asked the stream for its last sequence after the timeout and
+//! has read up to it. So an event stored in time ends its wait however long the matcher
+//! was down or behind; the timeout comes late instead. (Ended by the timeout's dispatch
+//! once let go, as first built, 10,000 timeouts due within 2 s came 3 s late at p99: the
+//! dispatch's retries back off together.)
 
 mod index;
 
 use crate::context::Context;
 use crate::lease::{run_as_leader, Leader, Lease, Stop};
 use async_nats::jetstream::{consumer, kv};
-use ax_core::event::WaitRegistration;
+use ax_core::event::{OnTimeout, WaitRegistration};
 use ax_core::metrics as m;
 use ax_core::names::{EVENT_PREFIX, EVENT_STREAM, LEASES_BUCKET};
 use ax_core::results::ResultStore;
@@ -87,8 +89,9 @@ pub(crate) struct EventWaits {
 enum Work {
     /// End it with the event it met.
     Hit(Hit),
-    /// Let its registration go: it met nothing by its timeout.
-    TimedOut(String),
+    /// End it by its timeout's policy (if its registration says it), then let its
+    /// registration go: it met nothing by its timeout.
+    TimedOut(String, Option<OnTimeout>),
 }
 
 /// The stream's last message as asked after a wait's timeout: `(asked_at_ms, last_seq,
@@ -328,9 +331,10 @@ impl Term {
 
     /// Lets go of the waits that met nothing by their timeout.
     fn time_out(&mut self) {
-        let timed_out = self.index.timed_out(self.seen_ms);
-        self.queued
-            .extend(timed_out.into_iter().map(Work::TimedOut));
+        for task in self.index.timed_out(self.seen_ms) {
+            let policy = self.index.on_timeout(&task);
+            self.queued.push_back(Work::TimedOut(task, policy));
+        }
     }
 
     /// When to ask the stream for its last sequence: a wait is due, no event stored
@@ -404,8 +408,8 @@ impl Term {
                         let task = hit.task.clone();
                         (task, end(&ctx, &results, &hit).await)
                     }
-                    Work::TimedOut(task) => {
-                        let gone = let_go(&ctx, &task).await;
+                    Work::TimedOut(task, policy) => {
+                        let gone = let_go(&ctx, &task, policy).await;
                         (task, gone)
                     }
                 }
@@ -440,7 +444,8 @@ impl Term {
             if let Some(hit) = self.index.hit_of(&task) {
                 self.queued.push_back(Work::Hit(hit));
             } else if self.index.is_timed_out(&task) {
-                self.queued.push_back(Work::TimedOut(task));
+                let policy = self.index.on_timeout(&task);
+                self.queued.push_back(Work::TimedOut(task, policy));
             }
         }
     }
@@ -475,15 +480,38 @@ impl Term {
     }
 }
 
-/// Removes the registration of wait `task`, which met no event by its timeout: its
-/// timeout's dispatch, refused while it is registered, then ends it by its policy.
-async fn let_go(ctx: &Context, task: &str) -> Result<Ended, String> {
-    debug!(task_id = %task, "wait met no event by its timeout; its registration let go");
+/// Ends wait `task`, which met no event by its timeout, by its timeout's `policy` (as its
+/// timeout's dispatch would: `schedule::wake`), deletes its delayed message, and removes
+/// its registration. With no policy (an older registration) or no record yet, only the
+/// registration goes: the timeout's dispatch, refused while it is registered, ends it.
+async fn let_go(ctx: &Context, task: &str, policy: Option<OnTimeout>) -> Result<Ended, String> {
+    if let Some(policy) = policy {
+        let kind = ax_core::task::Wait::Event(policy);
+        let ended = crate::schedule::wake::end_record(&ctx.tasks, task, kind)
+            .await
+            .map_err(|e| e.to_string())?;
+        if let Some(seq) = ended.and_then(|rec| rec.delayed_seq) {
+            delete_timeout(ctx, task, seq).await;
+        }
+    }
+    debug!(task_id = %task, "wait met no event by its timeout; ended, its registration let go");
     ctx.waits
         .remove(task)
         .await
         .map_err(|e| format!("removing the registration: {e}"))?;
     Ok(Ended::Done)
+}
+
+/// Deletes the delayed message (the timeout) of wait `task`, ended: its dispatch would find
+/// the wait ended. Sent again on a new connection, like the registration's removal: an
+/// answer the broker never gave would hold the matcher for the request timeout (a second
+/// delete of one message is refused as not found, which changes nothing).
+async fn delete_timeout(ctx: &Context, task: &str, seq: u64) {
+    let client = ctx.js.client();
+    let delete = || ax_core::admit::delete_delayed(&ctx.js, seq);
+    if let Err(cause) = ax_core::follow::across_reconnects(&client, delete).await {
+        debug!(task_id = %task, seq, %cause, "an ended wait's timeout message not deleted; its dispatch finds the wait ended");
+    }
 }
 
 /// Ends wait `hit.task` with its event's payload (if it has not ended), then removes its
@@ -512,16 +540,8 @@ async fn end(ctx: &Context, results: &ResultStore, hit: &Hit) -> Result<Ended, S
         metrics::counter!(m::EVENT_WAITS_MET).increment(1);
         debug!(task_id = %hit.task, event_seq = hit.event.seq, "wait met its event");
     }
-    // The timeout's message is useless now (its dispatch would find the wait ended). Sent
-    // again on a new connection, like the registration's removal: an answer the broker
-    // never gave would hold the matcher for the request timeout (a second delete of one
-    // message is refused as not found, which changes nothing).
     if let Some(seq) = rec.delayed_seq {
-        let client = ctx.js.client();
-        let delete = || ax_core::admit::delete_delayed(&ctx.js, seq);
-        if let Err(cause) = ax_core::follow::across_reconnects(&client, delete).await {
-            debug!(task_id = %hit.task, seq, %cause, "a met wait's timeout message not deleted; its dispatch finds the wait ended");
-        }
+        delete_timeout(ctx, &hit.task, seq).await;
     }
     ctx.waits
         .remove(&hit.task)

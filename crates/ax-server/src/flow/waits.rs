@@ -114,6 +114,7 @@ impl Run {
             since_ms: started.saturating_sub(wait.lookback()),
             until_ms: until,
             approval: None,
+            on_timeout: Some(wait.on_timeout),
         };
         let body = serde_json::to_value(&reg).expect("a registration serializes");
         self.wait_task(sh, i, 0, body, until, Wait::Event(wait.on_timeout))
@@ -137,6 +138,7 @@ impl Run {
             matches: Default::default(),
             since_ms: started,
             until_ms: until,
+            on_timeout: None,
             approval: Some(ApprovalWait {
                 flow: shape.flow.to_string(),
                 run: self.id.to_string(),

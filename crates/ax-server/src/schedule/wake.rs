@@ -10,8 +10,8 @@
 //! record) gets the record its message stands for, created here, and ends.
 //!
 //! A wait for an event times out only once the matcher (`event_wait`) has removed its
-//! registration: it does so when it has read every event stored up to the timeout and
-//! none matched (or when one did, and it ended the wait). Until then the message is
+//! registration: it does so when it has read every event stored up to the timeout (and
+//! ended the wait by its timeout's policy, or by the event that matched). Until then the message is
 //! refused and retried with backoff, so an event stored in time is never lost to a
 //! matcher that was down or behind when the timeout came (the R3 fault campaign found
 //! one timed out 8.4 s after its event was stored, the matcher stalled on the broker).
@@ -112,6 +112,15 @@ pub(crate) async fn end(
     id: &str,
     kind: Wait,
 ) -> Result<Option<ax_core::state::TaskState>, ax_core::state::StateError> {
+    Ok(end_record(tasks, id, kind).await?.map(|rec| rec.state))
+}
+
+/// [`end`], answering the record as it stands after (`None`: no record).
+pub(crate) async fn end_record(
+    tasks: &TaskStore,
+    id: &str,
+    kind: Wait,
+) -> Result<Option<ax_core::state::TaskRecord>, ax_core::state::StateError> {
     let ended = match kind {
         Wait::Sleep
         | Wait::Event(OnTimeout::Continue)
@@ -142,7 +151,7 @@ pub(crate) async fn end(
             tasks.fail_unstarted(id, error).await
         }
     };
-    Ok(ended?.map(|rec| rec.state))
+    ended
 }
 
 /// Creates the `scheduled` record the delayed message at `seq` stands for (one that
