@@ -56,8 +56,7 @@ use error::broker;
 pub(crate) use error::EngineError;
 use futures::{FutureExt, StreamExt};
 use held::{
-    known_fire, merge_fire, tracks_every_fire, Held, Outcome, Recorded, MERGE_ATTEMPTS, RECHECK,
-    RETRY_MS,
+    merge_fire, tracks_every_fire, Held, Outcome, Recorded, MERGE_ATTEMPTS, RECHECK, RETRY_MS,
 };
 use std::collections::HashSet;
 use std::panic::AssertUnwindSafe;
@@ -189,6 +188,7 @@ impl Engine {
             dirty: false,
             known: Default::default(),
             made: Default::default(),
+            planned: Vec::new(),
         };
         self.settle(&mut h);
         Ok(h)
@@ -442,9 +442,7 @@ impl Term<'_> {
         let now = engine.clock.now_ms();
         let p = plan(&h.def, &h.rec, &h.state, now, !h.active.is_empty());
         if !p.fires.is_empty() || p.state != h.state {
-            for &t in &p.fires {
-                known_fire(&mut h.known, t);
-            }
+            h.planning(&p.fires);
             let active = h.active.iter().cloned().collect();
             jobs.push(Job::of(name, h, p, active, token, now));
             return None;

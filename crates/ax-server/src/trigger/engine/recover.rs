@@ -289,6 +289,7 @@ pub(super) mod tests {
             dirty: false,
             known: Default::default(),
             made: Default::default(),
+            planned: Vec::new(),
         }
     }
 
