@@ -10,7 +10,8 @@
 //! An event counts for a wait if it was stored from the wait's `since_ms` to its
 //! `until_ms` (its timeout). A wait that met none by the time the service has read an
 //! event (or learnt of none) stored after its timeout has timed out
-//! ([`Index::timed_out`]): it meets nothing more, and the service lets its registration go.
+//! ([`Index::timed_out`]): it meets nothing more, and the service ends it by its
+//! `on_timeout`.
 
 use ax_core::event::{key_of, WaitRegistration};
 use bytes::Bytes;
@@ -191,7 +192,7 @@ impl Index {
 
     /// The waits for events that met nothing by their timeout, now that every event
     /// stored before `seen_ms` has been looked at: each meets nothing from now on, and is
-    /// answered once (the service lets its registration go; its timeout then ends it).
+    /// answered once (the service ends it by its `on_timeout` and removes its registration).
     pub(crate) fn timed_out(&mut self, seen_ms: u64) -> Vec<String> {
         let mut out = Vec::new();
         while let Some((until, _)) = self.due.first() {
