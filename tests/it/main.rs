@@ -8,6 +8,7 @@ mod batching;
 mod browser;
 mod budget;
 mod business_id;
+mod cancel_moved;
 mod cancel_unwritten;
 mod cas_race;
 mod chaos;

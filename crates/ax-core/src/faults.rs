@@ -103,6 +103,7 @@ struct Armed {
     claim_delay_ms: AtomicU64,
     read_delay_ms: AtomicU64,
     cancel_write_delay_ms: AtomicU64,
+    cancel_signal_delay_ms: AtomicU64,
     cancel_subscribe_delay_ms: AtomicU64,
     poll_end_delay_ms: AtomicU64,
     fetch_round_delay_ms: AtomicU64,
@@ -195,6 +196,14 @@ impl Faults {
     pub fn cancel_write_delay(&self, d: Duration) {
         if let Some(a) = self.on() {
             a.cancel_write_delay_ms.store(ms(d), Ordering::SeqCst);
+        }
+    }
+
+    /// Makes an operator's cancel of a running task wait `d` between its read of the record
+    /// and its signal to the worker holding the attempt (a slow broker, or a busy server).
+    pub fn cancel_signal_delay(&self, d: Duration) {
+        if let Some(a) = self.on() {
+            a.cancel_signal_delay_ms.store(ms(d), Ordering::SeqCst);
         }
     }
 
@@ -349,6 +358,11 @@ impl Faults {
     /// Between a cancel's look for a holder and its `cancelled` write: waits its delay.
     pub async fn cancel_writing(&self) {
         self.delay(|a| &a.cancel_write_delay_ms).await;
+    }
+
+    /// Between a cancel's read of a running task and its signal: waits its delay.
+    pub async fn cancel_signalling(&self) {
+        self.delay(|a| &a.cancel_signal_delay_ms).await;
     }
 
     /// Before a worker's cancel-signal subscription: waits its delay, if any.

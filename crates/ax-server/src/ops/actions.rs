@@ -20,16 +20,27 @@ use tracing::info;
 /// How long `cancel` waits for a worker to answer the signal, and then for the record.
 const SIGNAL_WAIT: Duration = Duration::from_secs(2);
 const RECORD_WAIT: Duration = Duration::from_secs(5);
-/// How many times a cancel follows a task delivered again while it was being cancelled.
+/// How many times a cancel follows a task that moved on while it was being cancelled
+/// (delivered again, or handed back by its attempt).
 const MOVED_RETRIES: u32 = 3;
 
 /// How signalling a running attempt to stop came out.
 enum Cancelling {
     /// The answer to give.
     Answer(Value),
-    /// Another attempt runs now (the one signalled was stale): cancel it; this answer if
-    /// that keeps happening.
+    /// The task moved on meanwhile: another attempt runs now (the one signalled was
+    /// stale), or the attempt ended and handed the task back (`retrying`, `pending`: it
+    /// failed, or its worker let it go) instead of ending it `cancelled`. Cancel it as it
+    /// is now; this answer if that keeps happening.
     Moved(Value),
+}
+
+/// True for a record no attempt runs under: a task waiting to be delivered (again).
+fn unstarted(state: TaskState) -> bool {
+    matches!(
+        state,
+        TaskState::Scheduled | TaskState::Pending | TaskState::Retrying
+    )
 }
 
 #[derive(Clone)]
@@ -234,6 +245,7 @@ impl Ops {
     ) -> Result<Cancelling, WireError> {
         let id = rec.id.clone();
         let client = self.js.client();
+        self.ctx.faults.cancel_signalling().await;
         let signal = tokio::time::timeout(
             SIGNAL_WAIT,
             client.request(names::cancel_subject(&rec.queue), Bytes::from(id.clone())),
@@ -255,6 +267,9 @@ impl Ops {
                 Some(now) if now.state == TaskState::Running && now.attempt != rec.attempt => {
                     Cancelling::Moved(answer)
                 }
+                // The answering worker's attempt had ended, or ended otherwise, and handed
+                // the task back: it would be delivered and run again.
+                Some(now) if unstarted(now.state) => Cancelling::Moved(answer),
                 _ => Cancelling::Answer(answer),
             });
         }
@@ -276,13 +291,16 @@ impl Ops {
                     return Ok(Cancelling::Answer(json!({"id": id, "state": "cancelled"})));
                 }
                 let changed = conflict(format!(
-                    "task {id} changed while it was being cancelled (now {}); try again",
+                    "task {id} ended {} while it was being cancelled: nothing to cancel",
                     now.state
                 ));
                 match now.state {
-                    // Delivered again meanwhile: cancel the attempt running now.
-                    TaskState::Running => {
-                        Ok(Cancelling::Moved(json!({"id": id, "state": "running"})))
+                    // Delivered again meanwhile: cancel the attempt running now. Or its
+                    // attempt ended and handed it back (a failure to retry): cancel it as
+                    // a task not started, or it runs again (a `cancel_in_progress`
+                    // trigger's fire took this for "ended" and let the old run go on).
+                    s if s == TaskState::Running || unstarted(s) => {
+                        Ok(Cancelling::Moved(json!({"id": id, "state": s.to_string()})))
                     }
                     _ => Err(changed),
                 }

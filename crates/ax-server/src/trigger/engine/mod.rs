@@ -37,6 +37,7 @@
 mod book;
 mod error;
 mod held;
+mod overlap;
 mod recover;
 
 use super::clock::Clock;
@@ -592,18 +593,8 @@ async fn execute(
         panic!("injected fault: a fire job of trigger {name} panicked");
     }
     if plan.cancel_active {
-        // Overlap `cancel_in_progress`: the previous fire's tasks go first. One that ended
-        // meanwhile is refused (`conflict`); one that cannot be cancelled now is logged
-        // and the new fire goes anyway (the new one wins).
-        let by = format!("trigger:{name}");
-        for id in &active {
-            match ops.cancel(id, &by).await {
-                Ok(_) => debug!(trigger = %name, task_id = %id, "previous fire cancelled"),
-                Err(e) if e.code == ax_core::protocol::ErrorCode::Conflict => {}
-                Err(e) => warn!(trigger = %name, task_id = %id, cause = %e,
-                    "previous fire's task not cancelled; firing anyway"),
-            }
-        }
+        // Overlap `cancel_in_progress`: the previous fire's tasks go first.
+        overlap::cancel_previous(ctx, ops, &name, &active).await;
     }
     let mut ids = Vec::new();
     let mut made = Vec::new();
