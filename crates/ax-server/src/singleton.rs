@@ -11,13 +11,14 @@
 //! `intake`, the entry of every single submit.
 
 use crate::ops::actions::Ops;
+use crate::ops::stop::Stopping;
 use async_nats::jetstream::kv::Operation;
 use ax_core::protocol::{ErrorCode, SubmitAccepted, WireError};
 use ax_core::singleton::{Collision, Holder, Singleton, GRACE};
 use ax_core::task::TaskMeta;
 use bytes::Bytes;
 use std::time::Duration;
-use tracing::{debug, info};
+use tracing::{debug, info, warn};
 
 /// How long a submit keeps trying to claim a contended key before it answers
 /// `unavailable`.
@@ -175,13 +176,14 @@ async fn collide(
                 Collision::CancelInProgress if found.is_none() => return Ok(Collided::Again),
                 Collision::CancelInProgress => {
                     let by = format!("singleton:{}", s.key);
-                    match ops.cancel(&holder, &by).await {
-                        Ok(_) => {
+                    // Until it is stopped (or ended meanwhile): a cancel answered while
+                    // the task moved on is made again.
+                    match ops.cancel_until_stopped(&holder, &by).await? {
+                        Stopping::Stopped => {
                             info!(task_id = %holder, by, "task cancelled: a new task took its singleton key")
                         }
-                        // It ended meanwhile: nothing to cancel.
-                        Err(e) if matches!(e.code, ErrorCode::Conflict | ErrorCode::NotFound) => {}
-                        Err(e) => return Err(e),
+                        Stopping::Live => warn!(task_id = %holder, by,
+                            "task still live after its cancels; a new task takes its singleton key anyway"),
                     }
                 }
             }

@@ -17,6 +17,7 @@ use super::start::{cancel_run, new_run, stored_run_error, Start};
 use super::store::FlowStore;
 use super::store::FlowStoreError;
 use crate::ops::actions::Ops;
+use crate::ops::stop::Stopping;
 use ax_core::metrics as m;
 use ax_core::protocol::{ErrorCode, WireError};
 use ax_core::singleton::{Collision, Singleton};
@@ -24,7 +25,7 @@ use futures::StreamExt;
 use serde_json::{json, Value};
 use std::time::Duration;
 use tokio::time::Instant;
-use tracing::{debug, info};
+use tracing::{debug, info, warn};
 
 /// How long a start keeps trying to take a contended key before it answers `unavailable`.
 const CLAIM_FOR: Duration = Duration::from_secs(30);
@@ -129,18 +130,16 @@ async fn cancel_step_tasks(
                 .map(|i| step_task_id(queue, &run.id, &def.name, step.epoch, i)),
         );
     }
-    let answers: Vec<Result<Value, WireError>> = futures::stream::iter(ids)
-        .map(|id| async move { ops.cancel(&id, by).await })
+    // Each until it is stopped, ended meanwhile, or not submitted yet (the engine will not
+    // submit it: the run's cancel is requested).
+    let answers: Vec<Result<Stopping, WireError>> = futures::stream::iter(ids)
+        .map(|id| async move { ops.cancel_until_stopped(&id, by).await })
         .buffer_unordered(CANCELS_AT_ONCE)
         .collect()
         .await;
     for answer in answers {
-        match answer {
-            // Ended meanwhile, or its submit not made yet (the engine will not make it:
-            // the run's cancel is requested).
-            Err(e) if matches!(e.code, ErrorCode::Conflict | ErrorCode::NotFound) => {}
-            Err(e) => return Err(e),
-            Ok(_) => {}
+        if answer? == Stopping::Live {
+            warn!(run = %run.id, by, "a step task still live after its cancels");
         }
     }
     Ok(())

@@ -594,7 +594,7 @@ async fn execute(
     }
     if plan.cancel_active {
         // Overlap `cancel_in_progress`: the previous fire's tasks go first.
-        overlap::cancel_previous(ctx, ops, &name, &active).await;
+        overlap::cancel_previous(ops, &name, &active).await;
     }
     let mut ids = Vec::new();
     let mut made = Vec::new();
