@@ -5,11 +5,13 @@
 
 use crate::support::{eventually, within, Env};
 use crate::triggers::fired;
+use ax_sdk::worker::{Task, TaskError, Worker};
 use ax_sdk::{TaskSpec, TaskState};
 use serde_json::json;
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
 
 /// A server whose cancels signal a running attempt 800 ms after they read its record.
 async fn slow_signals() -> Env {
@@ -23,14 +25,39 @@ async fn slow_signals() -> Env {
     .await
 }
 
+/// The ids of the tasks whose handler started, in order.
+type Starts = Arc<Mutex<Vec<String>>>;
+
+/// Runs a worker on `env` whose handler writes `running` (so a cancel takes the running
+/// task's path), notes its start, waits `wait(task)` and fails (to be retried).
+fn failing_worker(
+    env: &Env,
+    wait: fn(&Task) -> Duration,
+) -> (Starts, (CancellationToken, JoinHandle<()>)) {
+    let starts: Starts = Default::default();
+    let s = starts.clone();
+    let worker = Worker::builder("q")
+        .handler(move |task: Task| {
+            let s = s.clone();
+            async move {
+                task.fencing_token().await?;
+                s.lock().unwrap().push(task.id.clone());
+                tokio::time::sleep(wait(&task)).await;
+                Err::<(), _>(TaskError::new("flaky", "fails while cancelled"))
+            }
+        })
+        .build()
+        .unwrap();
+    (starts, env.spawn_worker(worker))
+}
+
 /// The CI campaign at b0edb02 (single node, seed 7997574421656072346): a
 /// `cancel_in_progress` trigger's previous run went on for a second after the next fire,
 /// its cancel having come out while the task moved on. Here the cancel reads a running
 /// attempt, which fails (a retry, 5 s later) before the cancel signals it: nobody answers,
 /// and the cancel's record write meets the `retrying` record. That was a conflict ("try
 /// again"), which the trigger engine took for "ended", and the retry ran; now the cancel
-/// follows the task and ends it `cancelled`. Red before: the cancel answered a conflict
-/// and the handler started a second time.
+/// follows the task and ends it `cancelled`. Red before: the cancel answered a conflict.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancel_follows_an_attempt_that_failed_while_it_signalled() {
     within(
@@ -38,25 +65,7 @@ async fn a_cancel_follows_an_attempt_that_failed_while_it_signalled() {
         "handed back under a cancel",
         async {
             let env = slow_signals().await;
-            let started = Arc::new(AtomicU32::new(0));
-            let s = started.clone();
-            let worker = ax_sdk::worker::Worker::builder("q")
-                .handler(move |task: ax_sdk::worker::Task| {
-                    let s = s.clone();
-                    async move {
-                        // `running` written: the cancel takes the running task's path.
-                        task.fencing_token().await?;
-                        s.fetch_add(1, Ordering::SeqCst);
-                        tokio::time::sleep(Duration::from_millis(300)).await;
-                        Err::<(), _>(ax_sdk::worker::TaskError::new(
-                            "flaky",
-                            "fails while cancelled",
-                        ))
-                    }
-                })
-                .build()
-                .unwrap();
-            let _w = env.spawn_worker(worker);
+            let (starts, _w) = failing_worker(&env, |_| Duration::from_millis(300));
             let spec = TaskSpec::new("t").max_attempts(3).backoff(
                 Duration::from_secs(5),
                 Duration::from_secs(5),
@@ -64,7 +73,7 @@ async fn a_cancel_follows_an_attempt_that_failed_while_it_signalled() {
             );
             let id = env.ax.submit("q", spec).await.unwrap().id;
             eventually(Duration::from_secs(5), "the handler to start", || async {
-                (started.load(Ordering::SeqCst) == 1).then_some(())
+                (starts.lock().unwrap().len() == 1).then_some(())
             })
             .await;
             let out = env.ax.cancel_task(&id).await;
@@ -72,7 +81,7 @@ async fn a_cancel_follows_an_attempt_that_failed_while_it_signalled() {
             assert_eq!(out.state, TaskState::Cancelled, "{out:?}");
             // Past the retry's due time: it is not run.
             tokio::time::sleep(Duration::from_secs(5)).await;
-            assert_eq!(started.load(Ordering::SeqCst), 1, "the handler ran once");
+            assert_eq!(starts.lock().unwrap().len(), 1, "the handler ran once");
             let rec = env.record(&id).await;
             assert_eq!((rec.state, rec.attempt), (TaskState::Cancelled, 1));
         },
@@ -91,30 +100,14 @@ async fn a_cancel_in_progress_fire_ends_a_run_that_failed_while_it_was_cancelled
         "overlap over a failing run",
         async {
             let env = slow_signals().await;
-            let starts: Arc<std::sync::Mutex<Vec<String>>> = Default::default();
-            let s = starts.clone();
-            let worker = ax_sdk::worker::Worker::builder("q")
-                .handler(move |task: ax_sdk::worker::Task| {
-                    let s = s.clone();
-                    async move {
-                        task.fencing_token().await?;
-                        s.lock().unwrap().push(task.id.clone());
-                        // A first attempt fails 300 ms after the next fire's time (`<queue>.tr.
-                        // <trigger>.<scheduled ms>.<i>`): after that fire's cancel read it
-                        // running, before its signal (800 ms later).
-                        let scheduled: u64 = task.id.split('.').nth(3).unwrap().parse().unwrap();
-                        let fail_at = scheduled + 3_300;
-                        let wait = fail_at.saturating_sub(ax_core::time::now_ms());
-                        tokio::time::sleep(Duration::from_millis(wait)).await;
-                        Err::<(), _>(ax_sdk::worker::TaskError::new(
-                            "flaky",
-                            "fails while cancelled",
-                        ))
-                    }
-                })
-                .build()
-                .unwrap();
-            let _w = env.spawn_worker(worker);
+            // A first attempt fails 300 ms after the next fire's time (`<queue>.tr.
+            // <trigger>.<scheduled ms>.<i>`): after that fire's cancel read it running,
+            // before its signal (800 ms later).
+            let (starts, _w) = failing_worker(&env, |task| {
+                let scheduled: u64 = task.id.split('.').nth(3).unwrap().parse().unwrap();
+                let fail_at = scheduled + 3_300;
+                Duration::from_millis(fail_at.saturating_sub(ax_core::time::now_ms()))
+            });
             let def = json!({
                 "name": "slow", "kind": "interval", "every_ms": 3000,
                 "overlap": "cancel_in_progress",
