@@ -139,7 +139,7 @@ class Submitter(Generic[P, R]):
         req = td.request(payload, delay=self.delay, run_at=self.run_at, key=key, priority=self.priority)
         batch = td.options.batch_request(td.name, args[0] if args else None)
         if batch is not None:
-            req["batch"] = batch  # checked by the server: no delay, run_at or key beside it
+            req["batch"] = batch  # checked by the server: no delay or run_at beside it; a key is the item's
         fair = td.options.fair_request(args, kwargs)
         if fair is not None:
             req["fair_key"] = fair

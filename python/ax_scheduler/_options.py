@@ -177,9 +177,8 @@ class TaskOptions:
         if k is not None and not callable(k) and not (isinstance(k, str) and _BATCH_KEY.match(k)):
             raise InvalidInput("batch_key must be 1-64 of A-Z a-z 0-9 _ - . : @, or a function of the item, "
                                f"not {k!r}", field="batch_key")
-        if self.debounce is not None or self.cron is not None or self.every is not None \
-                or self.idempotency_key is not None:
-            raise InvalidInput("a batched task has no debounce, cron, every or idempotency_key", field="batch")
+        if self.debounce is not None or self.cron is not None or self.every is not None:
+            raise InvalidInput("a batched task has no debounce, cron or every", field="batch")
 
     def batch_request(self, name: str, item: Any) -> dict[str, Any] | None:
         """The submit's ``batch`` object (PROTOCOL.md §2, "Batching") for one item, if the

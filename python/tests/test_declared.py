@@ -162,6 +162,27 @@ def test_a_batched_task_runs_its_items_as_lists_of_its_size_or_after_its_timeout
     assert e.value.field == "batch"
 
 
+KEYED_INVOICED: list[list[str]] = []
+
+
+@ax.task(queue=Q, batch=3, batch_timeout=0.5, batch_key="keyed", idempotency_key=lambda order: order.id)
+def keyed_invoice(*orders: Order) -> int:
+    KEYED_INVOICED.append([o.id for o in orders])
+    return len(orders)
+
+
+def test_a_batched_item_sent_again_with_its_key_is_held_once(runtime, client):
+    runtime(keyed_invoice)
+    KEYED_INVOICED.clear()
+    first = keyed_invoice.submit(Order("k1", 1.0))
+    again = keyed_invoice.submit(Order("k1", 1.0))  # the producer lost the answer, say
+    assert again.id == first.id
+    assert first.result(timeout=30) == 1  # after its 0.5 s timeout, with one item
+    after = keyed_invoice.submit(Order("k1", 1.0))  # once the batch ran: still that one
+    assert after.id == first.id
+    assert KEYED_INVOICED == [["k1"]], KEYED_INVOICED
+
+
 @ax.task(queue=Q, fair_key=lambda tenant, n: tenant)
 def per_tenant(tenant: str, n: int) -> str:
     return f"{tenant}:{n}"

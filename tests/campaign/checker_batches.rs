@@ -1,10 +1,11 @@
 //! The batching rule (docs/PROTOCOL.md §2, "Batching"), from the producers' log and the
 //! workers' journals (each start of a batch's task journals the `item` of every element
-//! of its list): an item answered with a batch's id is in that batch's list and, unless
-//! an earlier attempt of its submit went unanswered (that attempt may have stored it too:
-//! the protocol's documented duplicate), in no other; no list holds an item twice, an item
-//! never sent, or more than the batch size; every attempt of a batch runs the same list.
-//! (That each batch runs is the tasks rule: its id is accepted.)
+//! of its list): an item answered with a batch's id is in that batch's list and in no
+//! other — unless it had no idempotency key and an earlier attempt of its submit went
+//! unanswered (that attempt may have stored it too: the protocol's documented
+//! duplicate); no list holds an item twice, an item never sent, or more than the batch
+//! size; every attempt of a batch runs the same list. (That each batch runs is the tasks
+//! rule: its id is accepted.)
 
 use crate::checker::Invocation;
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -23,6 +24,8 @@ pub struct Batched {
     pub id: Option<String>,
     /// No attempt before the answered one went unanswered or was answered `unavailable`.
     pub clean: bool,
+    /// Sent with an idempotency key (the item): held once however often it was sent.
+    pub keyed: bool,
 }
 
 /// The batching rule over every batched submit and the journal.
@@ -31,7 +34,7 @@ pub fn check_batches(sent: &[Batched], journal: &HashMap<String, Vec<Invocation>
     let sent_items: HashSet<&str> = sent.iter().map(|b| b.item.as_str()).collect();
     let unclean: HashSet<&str> = sent
         .iter()
-        .filter(|b| !b.clean)
+        .filter(|b| !b.clean && !b.keyed)
         .map(|b| b.item.as_str())
         .collect();
     // The list each batch ran with (its attempts must agree).
@@ -103,6 +106,7 @@ mod tests {
             item: item.into(),
             id: id.map(String::from),
             clean: true,
+            keyed: false,
         }
     }
 
@@ -136,6 +140,14 @@ mod tests {
         let mut retried = log.to_vec();
         retried[0].clean = false;
         assert_eq!(check_batches(&retried, &twice), Vec::<String>::new());
+        // Not if it had an idempotency key.
+        retried[0].keyed = true;
+        assert_eq!(
+            check_batches(&retried, &twice).len(),
+            1,
+            "a keyed item held twice"
+        );
+        retried[0].keyed = false;
         let mut elsewhere = twice.clone();
         let a = elsewhere.get_mut("A").unwrap();
         a[0].items = Some(vec!["b".into()]);

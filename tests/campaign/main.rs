@@ -290,6 +290,13 @@ async fn batch_burst(ax: &Client, log: &Mutex<Log>, lane: usize, key: &str, rng:
                 BATCH_SIZE,
                 Duration::from_millis(BATCH_TIMEOUT_MS),
             );
+        // Every other item with an idempotency key: held once even when its submit is
+        // sent again.
+        let keyed = i % 2 == 0;
+        let spec = match keyed {
+            true => spec.idempotency_key(item.clone()),
+            false => spec,
+        };
         let answer = submit_until_answered(ax, "q", spec, log).await;
         {
             let mut log = log.lock().unwrap();
@@ -301,7 +308,12 @@ async fn batch_burst(ax: &Client, log: &Mutex<Log>, lane: usize, key: &str, rng:
                 }
                 _ => None,
             };
-            log.batched.push(Batched { item, id, clean });
+            log.batched.push(Batched {
+                item,
+                id,
+                clean,
+                keyed,
+            });
         }
         tokio::time::sleep(Duration::from_millis(rng.random_range(0..150))).await;
     }

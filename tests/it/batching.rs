@@ -177,7 +177,7 @@ async fn racing_items_lose_none_and_hold_none_twice() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_item_is_refused_with_a_due_time_a_key_a_debounce_bytes_or_another_name() {
+async fn an_item_is_refused_with_a_due_time_a_debounce_bytes_or_another_name() {
     let env = Env::start(Env::server()).await;
     let field = |r: Result<_, ClientError>| match r {
         Err(ClientError::Refused(e)) => (e.code, e.field),
@@ -185,7 +185,6 @@ async fn an_item_is_refused_with_a_due_time_a_key_a_debounce_bytes_or_another_na
     };
     let cases = [
         (item("k", 5, 100, 1).delay(Duration::from_secs(1)), "batch"),
-        (item("k", 5, 100, 1).idempotency_key("x"), "batch"),
         (
             item("k", 5, 100, 1).debounce("k", Duration::from_secs(1)),
             "batch",

@@ -4,6 +4,7 @@
 mod aging;
 mod apply;
 mod batch;
+mod batch_keys;
 mod batching;
 mod browser;
 mod budget;

@@ -47,6 +47,8 @@ pub enum Abort {
     AfterClaim,
     /// Between a child flow step's stored wait tasks and the start of their child runs.
     AfterChildSubmit,
+    /// Between a full batch's items stored (open) and the write of their idempotency keys.
+    BeforeBatchKeys,
 }
 
 impl Abort {
@@ -60,10 +62,11 @@ impl Abort {
             Abort::AfterRelease => "AX_TEST_ABORT_AFTER_RELEASE",
             Abort::AfterClaim => "AX_TEST_ABORT_AFTER_CLAIM",
             Abort::AfterChildSubmit => "AX_TEST_ABORT_AFTER_CHILD_SUBMIT",
+            Abort::BeforeBatchKeys => "AX_TEST_ABORT_BEFORE_BATCH_KEYS",
         }
     }
 
-    const ALL: [Abort; 7] = [
+    const ALL: [Abort; 8] = [
         Abort::AfterPublish,
         Abort::AfterDispatch,
         Abort::AfterFire,
@@ -71,6 +74,7 @@ impl Abort {
         Abort::AfterRelease,
         Abort::AfterClaim,
         Abort::AfterChildSubmit,
+        Abort::BeforeBatchKeys,
     ];
 }
 

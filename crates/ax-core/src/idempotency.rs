@@ -171,6 +171,53 @@ impl Keys {
     }
 }
 
+/// Records the item keys of batch `batch_id` in `queue` (the hex tokens of its
+/// `Ax-Batch-Keys`, [`crate::batching::KEYS`]), each naming the batch (`"<id> stored"`:
+/// its items are stored in it), as a batch is closed: until then a retried item finds
+/// its key in the open batch's message, from then on in the bucket. A key already there
+/// is left as it is (a close tried again writes the same). Errs if a key is neither
+/// written nor found after three tries; the batch must then stay open.
+pub async fn write_item_keys(
+    store: &kv::Store,
+    queue: &str,
+    batch_id: &str,
+    hex_keys: Vec<String>,
+) -> Result<(), async_nats::Error> {
+    use futures::StreamExt;
+    let value = KeyValue {
+        id: batch_id.to_string(),
+        stored: true,
+    }
+    .encode();
+    let writes = hex_keys.into_iter().map(|hex| {
+        let kv_key = format!("{queue}.{hex}");
+        let value = value.clone();
+        async move {
+            for _ in 0..3 {
+                if store.create(&kv_key, value.clone()).await.is_ok() {
+                    return Ok(());
+                }
+                // Refused (it exists, or a write of it is in flight on a replicated
+                // bucket) or unanswered: the stream's leader says whether it is there.
+                let found = crate::kv_read::latest(store, &kv_key).await?;
+                if let Some(entry) = found.filter(|e| e.operation == kv::Operation::Put) {
+                    let named = KeyValue::parse(&entry.value).id;
+                    if named != batch_id {
+                        tracing::warn!(key = %kv_key, batch = %batch_id, named = %named, "a batch item's idempotency key names another task");
+                    }
+                    return Ok(());
+                }
+            }
+            Err::<(), async_nats::Error>(format!("idempotency key {kv_key} not written").into())
+        }
+    });
+    let mut writes = futures::stream::iter(writes).buffer_unordered(32);
+    while let Some(done) = writes.next().await {
+        done?;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -112,7 +112,8 @@ impl TaskSpec {
     /// whose payload is the JSON list of their payloads in the order stored, due once
     /// `size` items arrived or `timeout` after the batch's first item. The task has the
     /// name and options of its batch's first item; every item of a batch answers its id.
-    /// A JSON payload only; not with a delay, a run time, an idempotency key or a debounce
+    /// A JSON payload only; not with a delay, a run time or a debounce. An idempotency key
+    /// is the item's: a retried item is held once, and answers its batch's id
     /// (docs/PROTOCOL.md §2, "Batching").
     pub fn batch(mut self, key: impl Into<String>, size: usize, timeout: Duration) -> TaskSpec {
         self.0.batch = Some(crate::protocol::BatchRequest {

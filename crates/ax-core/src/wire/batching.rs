@@ -20,6 +20,9 @@ use std::time::Duration;
 
 /// Header of a batch's message: how many items its list holds.
 pub const COUNT: &str = "Ax-Batch-Count";
+/// Header of a batch's message: the idempotency keys of its items that had one, each as
+/// its bytes in lowercase hex, separated by commas (absent while no item had a key).
+pub const KEYS: &str = "Ax-Batch-Keys";
 /// The id token after the queue that marks a batch's task id.
 pub(crate) const MARK: &str = "=b";
 /// Most items in one batch.
@@ -122,9 +125,43 @@ pub fn append(list: &[u8], item: &[u8]) -> Option<Bytes> {
     Some(out.freeze())
 }
 
+/// The item keys a batch's `Ax-Batch-Keys` value lists (hex tokens; empty if none).
+pub fn keys_of(value: Option<&str>) -> impl Iterator<Item = &str> {
+    value.unwrap_or("").split(',').filter(|k| !k.is_empty())
+}
+
+/// True if the `Ax-Batch-Keys` value lists the item key whose hex token is `hex`.
+pub fn holds_key(value: Option<&str>, hex: &str) -> bool {
+    keys_of(value).any(|k| k == hex)
+}
+
+/// The `Ax-Batch-Keys` value with `hex` (an item key's hex token) added.
+pub fn with_key(value: Option<&str>, hex: &str) -> String {
+    match value.filter(|v| !v.is_empty()) {
+        Some(v) => format!("{v},{hex}"),
+        None => hex.to_string(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn item_keys_are_listed_in_hex_and_found_again() {
+        let a = names::hex_token("order 1, eu");
+        let b = names::hex_token("o-2");
+        let v = with_key(None, &a);
+        let v = with_key(Some(&v), &b);
+        assert_eq!(
+            keys_of(Some(&v)).collect::<Vec<_>>(),
+            vec![a.as_str(), b.as_str()]
+        );
+        assert!(holds_key(Some(&v), &a) && holds_key(Some(&v), &b));
+        assert!(!holds_key(Some(&v), &names::hex_token("o-")));
+        assert!(!holds_key(None, &a));
+        assert_eq!(keys_of(Some("")).count(), 0);
+    }
 
     fn req(key: &str, size: i64, timeout_ms: i64) -> BatchRequest {
         BatchRequest {

@@ -217,7 +217,7 @@ pub fn decode_submit(
             "the window sets when the task runs: give no delay_ms or run_at",
         ));
     }
-    if req.idempotency_key.is_some() {
+    if req.idempotency_key.is_some() && matches!(window, Window::Debounce(_)) {
         return Err(WireError::field(
             field,
             "a window's task is found by the id every submit answers: give no idempotency_key",

@@ -88,6 +88,8 @@ pub(crate) struct Scheduler {
     pub(crate) tasks: ax_core::state::TaskStore,
     /// The flows' waits for events: one times out only once the matcher let it go.
     pub(crate) waits: ax_core::waits::Waits,
+    /// `AX_IDEMPOTENCY`: a batch's item keys are written there as it is closed.
+    pub(crate) idempotency: jetstream::kv::Store,
 }
 
 /// Per-scheduler counts behind the process-wide gauges `ax_pending_dispatch` and
@@ -177,7 +179,7 @@ impl Scheduler {
                 let batch = std::mem::replace(&mut due, rest);
                 let (js, stream, token) = (self.js.clone(), stream.clone(), shutdown.clone());
                 let (faults, tasks) = (self.faults.clone(), self.tasks.clone());
-                let waits = self.waits.clone();
+                let (waits, idempotency) = (self.waits.clone(), self.idempotency.clone());
                 dispatching.spawn(async move {
                     let n = batch.len();
                     let to = To {
@@ -186,6 +188,7 @@ impl Scheduler {
                         faults: &faults,
                         tasks: &tasks,
                         waits: &waits,
+                        idempotency: &idempotency,
                     };
                     tokio::select! {
                         _ = token.cancelled() => (0..n).map(|_| (None, Outcome::Gone)).collect(),
@@ -375,6 +378,7 @@ struct To<'a> {
     faults: &'a Faults,
     tasks: &'a ax_core::state::TaskStore,
     waits: &'a ax_core::waits::Waits,
+    idempotency: &'a jetstream::kv::Store,
 }
 
 /// Moves one delayed task to its ready subject (it is due).
@@ -405,7 +409,7 @@ async fn dispatch(to: &To<'_>, d: Due) -> Outcome {
         },
     };
     if debounce::is_open(&headers) {
-        return window::close(js, seq, due, headers, payload, faults).await;
+        return window::close(js, to.idempotency, seq, due, headers, payload, faults).await;
     }
     if let Some(wait) = headers.get(header::WAIT) {
         return wake::wake(to.js, to.tasks, to.waits, seq, due, wait.as_str(), &headers).await;

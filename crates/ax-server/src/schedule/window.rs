@@ -4,11 +4,11 @@
 use super::outcome::Outcome;
 use async_nats::jetstream::{self, stream};
 use ax_core::admit::{delete_delayed, publish_expecting, Expected};
-use ax_core::debounce;
 use ax_core::faults::Faults;
 use ax_core::protocol::WireError;
 use ax_core::task::header;
 use ax_core::time::now_ms;
+use ax_core::{batching, debounce};
 use tracing::{debug, warn};
 
 /// Deletes a dispatched fired copy (`seq`) and every *open* message below it on its
@@ -49,9 +49,12 @@ pub(super) async fn retire(
 /// deletes the window's message. The copy is dispatched as any due task when the index
 /// reads it; a window a later submit replaced is only deleted (that submit's message is
 /// the window now). Killed between the two writes, the window's message is re-indexed
-/// and its close, expecting a sequence that is no longer the last, deletes it.
+/// and its close, expecting a sequence that is no longer the last, deletes it. A batch
+/// whose items had idempotency keys (`Ax-Batch-Keys`) has them written to
+/// `idempotency` first, each naming the batch; if that fails, the close is retried.
 pub(super) async fn close(
     js: &jetstream::Context,
+    idempotency: &jetstream::kv::Store,
     seq: u64,
     due: u64,
     mut headers: async_nats::HeaderMap,
@@ -68,6 +71,24 @@ pub(super) async fn close(
         );
         return Outcome::Bad;
     };
+    let keys = headers.get(batching::KEYS).map(|v| v.to_string());
+    let id = headers
+        .get(header::ID)
+        .map(|v| v.to_string())
+        .unwrap_or_default();
+    let queue = ax_core::names::queue_of_task_id(&id).unwrap_or_default();
+    if let Some(keys) = keys.as_deref() {
+        let hex = batching::keys_of(Some(keys)).map(String::from).collect();
+        if let Err(e) = ax_core::idempotency::write_item_keys(idempotency, queue, &id, hex).await {
+            debug!(seq, cause = %e, "a batch's item keys not written; its close retried");
+            return Outcome::Refused {
+                group: "(debounce)".into(),
+                due,
+                seq,
+                body: None,
+            };
+        }
+    }
     headers.insert(debounce::FIRED, "1");
     headers.insert(header::RUN_AT_MS, now_ms().to_string().as_str());
     let closed = match publish_expecting(js, subject, headers, seq, payload).await {

@@ -329,6 +329,7 @@ impl Server {
             faults: ctx.faults.clone(),
             tasks: ctx.tasks.clone(),
             waits: ctx.waits.clone(),
+            idempotency: ctx.idempotency.clone(),
         };
         let (id, ttl) = (self.id.clone(), self.partition_ttl);
         services.spawn("delayed-dispatch", move |token| {

@@ -21,7 +21,6 @@ use ax_core::batching::{self, Batching};
 use ax_core::debounce;
 use ax_core::names::DELAYED_STREAM;
 use ax_core::protocol::{ErrorCode, SubmitAccepted, WireError};
-use ax_core::state::TaskState;
 use ax_core::task::{header, TaskMeta};
 use ax_core::time::now_ms;
 use bytes::Bytes;
@@ -43,6 +42,11 @@ struct Filling {
     replaces: Option<u64>,
     /// Items in `list` not stored yet.
     items: Vec<Waiting>,
+    /// Items whose idempotency key an item of `items` has (retries of one submit that
+    /// met in one round): answered as duplicates once `list` is stored.
+    dups: Vec<Waiting>,
+    /// Full (or its list at the largest payload): stored closed, after the keys of its
+    /// items are written if it has any (`close_keyed`).
     closed: bool,
 }
 
@@ -140,6 +144,10 @@ impl Context {
                 },
                 None => None,
             };
+            if items.iter().any(|w| w.meta.idempotency_key.is_some()) {
+                let open = filling.as_ref().map(|f| (f.id.as_str(), &f.headers));
+                items = self.answer_duplicates(items, open).await;
+            }
             // Fill and store batches until the items run out or a write loses a race.
             loop {
                 let Some(f) = filling.as_mut() else {
@@ -158,33 +166,78 @@ impl Context {
                 }
                 // Closed, or no item left: store it.
                 let f = filling.take().expect("filling");
-                if f.items.is_empty() && f.replaces.is_some() && !f.closed {
+                let unchanged = f.items.is_empty() && f.dups.is_empty() && f.replaces.is_some();
+                if unchanged && !f.closed {
                     break; // the open batch as it was: nothing to write
                 }
-                let (headers, list) = (f.headers.clone(), f.list.clone());
-                match publish_expecting(&self.js, subject.to_string(), headers, expect, list).await
-                {
+                // A batch with item keys closes in two writes, its keys written between
+                // them: first its items (open), so that no key names a batch that does
+                // not hold its item.
+                let keyed = f.headers.get(batching::KEYS).is_some();
+                let mut headers = f.headers.clone();
+                if f.closed && !keyed {
+                    close(&mut headers);
+                }
+                let stored = match unchanged {
+                    true => Ok(Expected::Stored(expect)), // stored as it is: close it
+                    false => {
+                        let (subject, list) = (subject.to_string(), f.list.clone());
+                        publish_expecting(&self.js, subject, headers.clone(), expect, list).await
+                    }
+                };
+                match stored {
                     Ok(Expected::Stored(seq)) => {
-                        replaced.extend(f.replaces);
-                        *known = Some(Last {
+                        if !unchanged {
+                            replaced.extend(f.replaces);
+                        }
+                        let stored = Last {
                             seq,
-                            headers: f.headers,
+                            headers,
                             list: f.list,
-                        });
-                        for w in f.items {
-                            w.answer(Ok(SubmitAccepted {
-                                id: f.id.clone(),
-                                duplicate: false,
-                                state: TaskState::Scheduled,
-                            }));
+                        };
+                        f.items.into_iter().for_each(|w| w.accepted(&f.id, false));
+                        f.dups.into_iter().for_each(|w| w.accepted(&f.id, true));
+                        if keyed {
+                            // Items left whose key this batch holds: not for the next.
+                            let held = stored.headers.get(batching::KEYS).map(|v| v.to_string());
+                            let holds = |w: &Waiting| {
+                                (w.key_hex())
+                                    .is_some_and(|h| batching::holds_key(held.as_deref(), &h))
+                            };
+                            let (dups, rest): (VecDeque<Waiting>, VecDeque<Waiting>) =
+                                std::mem::take(&mut items).into_iter().partition(holds);
+                            items = rest;
+                            dups.into_iter().for_each(|w| w.accepted(&f.id, true));
                         }
                         expect = seq;
+                        if !(f.closed && keyed) {
+                            *known = Some(stored);
+                            continue;
+                        }
+                        match self.close_keyed(subject, &f.id, stored).await {
+                            Ok(Some(closed)) => {
+                                replaced.push(seq);
+                                expect = closed.seq;
+                                *known = Some(closed);
+                            }
+                            // Written after it by another writer (who closes it, or the
+                            // dispatcher does at its timeout): the rest from a fresh read.
+                            Ok(None) => {
+                                *known = None;
+                                break;
+                            }
+                            Err(e) => {
+                                *known = None;
+                                answer_all(items, &e);
+                                return replaced;
+                            }
+                        }
                     }
                     Ok(Expected::MovedOn | Expected::InFlight) => {
                         // Another writer went first (or its write is in flight): its items
                         // again, from a fresh read.
                         *known = None;
-                        for w in f.items.into_iter().rev() {
+                        for w in f.items.into_iter().chain(f.dups).rev() {
                             items.push_front(w);
                         }
                         break;
@@ -192,6 +245,7 @@ impl Context {
                     Err(e) => {
                         *known = None;
                         answer_all(f.items.into(), &e);
+                        answer_all(f.dups.into(), &e);
                         answer_all(items, &e);
                         return replaced;
                     }
@@ -221,6 +275,7 @@ impl Filling {
             count,
             replaces: Some(open.seq),
             items: Vec::new(),
+            dups: Vec::new(),
             closed: false,
         })
     }
@@ -229,11 +284,15 @@ impl Filling {
     fn open(w: Waiting) -> Filling {
         let id = w.b.batch_id(&w.meta.queue);
         let until = w.b.until(now_ms());
-        let mut headers = window_headers(&w.meta, &id, until, until, &w.b.key);
+        // The batch's task has no idempotency key of its own: its items' are listed.
+        let meta = TaskMeta {
+            idempotency_key: None,
+            ..w.meta.clone()
+        };
+        let mut headers = window_headers(&meta, &id, until, until, &w.b.key);
         headers.insert(batching::COUNT, "1");
-        let closed = w.b.size == 1;
-        if closed {
-            close(&mut headers);
+        if let Some(hex) = w.key_hex() {
+            headers.insert(batching::KEYS, hex.as_str());
         }
         Filling {
             headers,
@@ -241,8 +300,9 @@ impl Filling {
             id,
             count: 1,
             replaces: None,
+            closed: w.b.size == 1,
             items: vec![w],
-            closed,
+            dups: Vec::new(),
         }
     }
 
@@ -262,9 +322,22 @@ impl Filling {
                 return None;
             }
         }
+        if self.count >= w.b.size {
+            // Stored full and still open (its keys' write failed): closed as it is.
+            self.closed = true;
+            return Some(w);
+        }
+        let held = self.headers.get(batching::KEYS).map(|v| v.to_string());
+        let hex = w.key_hex();
+        if let Some(hex) = &hex {
+            if batching::holds_key(held.as_deref(), hex) {
+                self.dups.push(w); // an item of this round has its key
+                return None;
+            }
+        }
         let list = batching::append(&self.list, &w.item).expect("checked when opened");
-        if list.len() > max_bytes {
-            close(&mut self.headers);
+        let keys = hex.map(|hex| batching::with_key(held.as_deref(), &hex));
+        if list.len() + keys.as_ref().map_or(0, String::len) > max_bytes {
             self.closed = true;
             return Some(w);
         }
@@ -272,8 +345,10 @@ impl Filling {
         self.count += 1;
         self.headers
             .insert(batching::COUNT, self.count.to_string().as_str());
+        if let Some(keys) = keys {
+            self.headers.insert(batching::KEYS, keys.as_str());
+        }
         if self.count >= w.b.size {
-            close(&mut self.headers);
             self.closed = true;
         }
         self.items.push(w);
@@ -288,7 +363,7 @@ fn answer_all(items: VecDeque<Waiting>, e: &WireError) {
 }
 
 /// Marks a batch's headers closed: due now, dispatched as any due task.
-fn close(headers: &mut HeaderMap) {
+pub(super) fn close(headers: &mut HeaderMap) {
     headers.insert(debounce::FIRED, "1");
     headers.insert(header::RUN_AT_MS, now_ms().to_string().as_str());
 }

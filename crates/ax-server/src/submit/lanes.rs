@@ -39,6 +39,35 @@ pub(super) struct Waiting {
 }
 
 impl Waiting {
+    /// The hex token of the item's idempotency key, if it has one.
+    pub(super) fn key_hex(&self) -> Option<String> {
+        (self.meta.idempotency_key.as_deref()).map(ax_core::names::hex_token)
+    }
+
+    /// Answers the item accepted into batch `id` (`duplicate`: a batch already held its
+    /// key), waiting to run.
+    pub(super) fn accepted(self, id: &str, duplicate: bool) {
+        self.accepted_as(id, duplicate, ax_core::state::TaskState::Scheduled);
+    }
+
+    /// [`Waiting::accepted`], the batch's task in `state`.
+    pub(super) fn accepted_as(self, id: &str, duplicate: bool, state: ax_core::state::TaskState) {
+        let a = SubmitAccepted {
+            id: id.to_string(),
+            duplicate,
+            state,
+        };
+        match duplicate {
+            true => {
+                let queue = self.meta.queue.clone();
+                metrics::counter!(ax_core::metrics::SUBMIT_DUPLICATES, "queue" => queue)
+                    .increment(1);
+                let _ = self.answer.send(Ok(a));
+            }
+            false => self.answer(Ok(a)),
+        }
+    }
+
     pub(super) fn answer(self, r: Result<SubmitAccepted, WireError>) {
         if r.is_ok() {
             metrics::counter!(ax_core::metrics::BATCHED_ITEMS).increment(1);

@@ -21,6 +21,7 @@ use tracing::warn;
 mod batch;
 mod batching;
 mod debounce;
+mod item_keys;
 pub(crate) mod lanes;
 pub(crate) use batch::is_batch;
 pub use batch::{BatchAnswers, MAX_BATCH};
