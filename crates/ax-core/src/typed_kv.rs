@@ -244,7 +244,7 @@ pub async fn put_bytes(
     match revision {
         // A create that meets another create in flight (10164) has lost: that one passed
         // its check (no value) and lands but for a broker fault; `create_lost` reads both.
-        None => kv.create(key, body.clone()).await.map_err(|e| {
+        None => kv.create(key, body).await.map_err(|e| {
             if create_lost(&e) {
                 KvError::Stale(key.to_string())
             } else {
