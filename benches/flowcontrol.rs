@@ -13,7 +13,8 @@
 //! - **batching**: AX_BENCH_TASKS items over AX_BENCH_BATCH_KEYS (default 16) batch keys
 //!   in batches of AX_BENCH_BATCH_SIZE (default 500, timeout 2 s), 512 in flight, and the
 //!   same number of single tasks: items (tasks) per second from the first submit to the
-//!   last handled, the batches run and their mean length.
+//!   last handled, the batches run and their mean length. `AX_BENCH_ITEM_KEYS=1` runs the
+//!   items once more, each with an idempotency key of its own.
 //!
 //! - **fairness**: backlogs of AX_BENCH_TASKS (`a`, weight 1) and a tenth of it (`c`,
 //!   weight 2), then 10 tasks of `b`, through one worker of 64 — once without fair keys,
@@ -247,29 +248,48 @@ async fn batching(ax: &Client, nats: &async_nats::Client, n: usize, keys: usize,
         .await;
     wait_items(n).await;
     let single = n as f64 / t.elapsed().as_secs_f64();
-    handled.lock().unwrap().clear();
-    let t = Instant::now();
-    futures::stream::iter(0..n)
-        .map(|i| {
-            let spec = TaskSpec::new("batched")
-                .json(&serde_json::json!({ "i": i }))
-                .batch(format!("key-{}", i % keys), size, Duration::from_secs(2));
-            ax.submit("bat", spec)
-        })
-        .buffer_unordered(512)
-        .for_each(|r| async move {
-            r.unwrap();
-        })
-        .await;
-    let submitted = n as f64 / t.elapsed().as_secs_f64();
-    let got = wait_items(n).await;
-    let batched = got as f64 / t.elapsed().as_secs_f64();
-    let runs = handled.lock().unwrap().len();
-    println!(
-        "batching: {n} items over {keys} keys in batches of {size}: {submitted:.0} items submitted/s; end to end {batched:.0} items/s (single tasks {single:.0}/s, ratio {:.2}); {runs} batches run, {got} items handled, mean {:.0} per batch",
-        batched / single,
-        got as f64 / runs.max(1) as f64,
-    );
+    // Without item keys, then (AX_BENCH_ITEM_KEYS=1) with one per item, on keys of their own.
+    let keyed_too = env_or("AX_BENCH_ITEM_KEYS", 0) == 1;
+    let mut unkeyed = 0.0;
+    for keyed in [false, true].into_iter().filter(|k| !k || keyed_too) {
+        handled.lock().unwrap().clear();
+        let t = Instant::now();
+        futures::stream::iter(0..n)
+            .map(|i| {
+                let spec = TaskSpec::new("batched")
+                    .json(&serde_json::json!({ "i": i }))
+                    .batch(
+                        format!("key-{keyed}-{}", i % keys),
+                        size,
+                        Duration::from_secs(2),
+                    );
+                let spec = match keyed {
+                    true => spec.idempotency_key(format!("item-{i}")),
+                    false => spec,
+                };
+                ax.submit("bat", spec)
+            })
+            .buffer_unordered(512)
+            .for_each(|r| async move {
+                assert!(!r.unwrap().duplicate, "every item is a new one");
+            })
+            .await;
+        let submitted = n as f64 / t.elapsed().as_secs_f64();
+        let got = wait_items(n).await;
+        let batched = got as f64 / t.elapsed().as_secs_f64();
+        let runs = handled.lock().unwrap().len();
+        let against = match keyed {
+            true => format!(", {:.2} × without item keys", batched / unkeyed),
+            false => String::new(),
+        };
+        unkeyed = batched;
+        println!(
+            "batching{}: {n} items over {keys} keys in batches of {size}: {submitted:.0} items submitted/s; end to end {batched:.0} items/s (single tasks {single:.0}/s, ratio {:.2}{against}); {runs} batches run, {got} items handled, mean {:.0} per batch",
+            if keyed { " (an idempotency key per item)" } else { "" },
+            batched / single,
+            got as f64 / runs.max(1) as f64,
+        );
+    }
     stop.cancel();
     let _ = w.await;
 }

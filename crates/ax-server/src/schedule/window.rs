@@ -44,6 +44,18 @@ pub(super) async fn retire(
     delete_delayed(js, seq).await
 }
 
+/// True if `subject`'s last message in `AX_DELAYED` is known to be a later one than `seq`
+/// (false when it cannot be read: the caller then does what a last message needs).
+async fn replaced_version(js: &jetstream::Context, subject: &str, seq: u64) -> bool {
+    let Ok(stream) = js.get_stream_no_info(ax_core::names::DELAYED_STREAM).await else {
+        return false;
+    };
+    match stream.direct_get_last_for_subject(subject).await {
+        Ok(last) => last.sequence > seq,
+        Err(_) => false,
+    }
+}
+
 /// Closes a debounce window that is due (`ax_core::debounce`): stores its copy marked
 /// fired and due now, only if the window is still its subject's last message, then
 /// deletes the window's message. The copy is dispatched as any due task when the index
@@ -77,7 +89,13 @@ pub(super) async fn close(
         .map(|v| v.to_string())
         .unwrap_or_default();
     let queue = ax_core::names::queue_of_task_id(&id).unwrap_or_default();
-    if let Some(keys) = keys.as_deref() {
+    // A version of the batch a later item replaced (its delete still to come) is dropped
+    // by the close below, which expects its sequence: its keys are the later one's to write.
+    let replaced = match keys {
+        Some(_) => replaced_version(js, &subject, seq).await,
+        None => false,
+    };
+    if let Some(keys) = keys.as_deref().filter(|_| !replaced) {
         let hex = batching::keys_of(Some(keys)).map(String::from).collect();
         if let Err(e) = ax_core::idempotency::write_item_keys(idempotency, queue, &id, hex).await {
             debug!(seq, cause = %e, "a batch's item keys not written; its close retried");
